@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv bench clean
+
+venv: $(STAMP)
+
+# torch is installed first and alone so that pip takes the pinned CPU wheel (2.13.0) rather than
+# resolving a newer CUDA build; the project's own pins then find it already satisfied.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/shardwise train --config configs/demo.toml --nproc 2
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

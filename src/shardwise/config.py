@@ -1,0 +1,257 @@
+"""Typed configuration tree: dataclasses with a doc string per field, strict TOML, --a.b=c overrides.
+
+Every field documents itself through `metadata["doc"]` (see `opt`), so `shardwise train --help-config`
+lists the whole tree and error messages can suggest the nearest valid key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from shardwise.errors import ConfigError
+
+
+def opt(default: Any, doc: str) -> Any:
+    """A dataclass field with a default and its documentation."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    preset: str = opt("tiny", "Named model shape from shardwise.models.presets; explicit model.* keys override it.")
+    arch: str | None = opt(None, '"llama" (RMSNorm, RoPE, GQA, SwiGLU) or "gpt" (LayerNorm, learned positions, GELU MLP).')
+    dim: int | None = opt(None, "Hidden size h.")
+    n_layers: int | None = opt(None, "Number of transformer blocks L.")
+    n_heads: int | None = opt(None, "Attention (query) heads a; dim must be divisible by it.")
+    n_kv_heads: int | None = opt(None, "Key/value heads for grouped-query attention; divides n_heads.")
+    ffn_dim: int | None = opt(None, "Inner size of the MLP (SwiGLU for llama, GELU for gpt).")
+    vocab_size: int | None = opt(None, "Embedding rows; the BPE tokenizer is trained to this size.")
+    max_seq_len: int | None = opt(None, "Longest sequence the model supports (learned positions for gpt, RoPE table).")
+    norm_eps: float = opt(1e-5, "Epsilon of RMSNorm / LayerNorm.")
+    rope_theta: float = opt(10000.0, "RoPE base frequency (llama only).")
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = opt(128, "Tokens per sequence.")
+    global_batch: int = opt(16, "Sequences per optimizer step, over all data-parallel ranks and micro-batches.")
+    micro_batch: int = opt(4, "Sequences per forward/backward on one data-parallel rank.")
+    steps: int = opt(200, "Optimizer steps to run.")
+    lr: float = opt(3e-3, "Peak learning rate of AdamW.")
+    min_lr_ratio: float = opt(0.1, "Final learning rate of the cosine decay, as a fraction of lr.")
+    warmup_steps: int = opt(20, "Linear warm-up steps before the cosine decay.")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay (not applied to norms and biases).")
+    beta1: float = opt(0.9, "AdamW beta1.")
+    beta2: float = opt(0.95, "AdamW beta2.")
+    grad_clip: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.")
+    precision: str = opt("fp32", '"fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling); master weights stay fp32.')
+    recompute: str = opt("none", '"none", "selective" or "full" activation checkpointing.')
+    recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th block).')
+    recompute_every: int = opt(2, 'For recompute_policy="layer": checkpoint every k-th transformer block.')
+    seed: int = opt(0, "Seed for weight initialization and data order; identical for every layout.")
+    log_every: int = opt(10, "Write metrics every this many steps (the progress bar updates every step).")
+    tokens: int = opt(0, "Tokens to train on in total, for planning; 0 means steps x global_batch x seq_len.")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = opt(1, "Pure replication axis (DDP, or the outer axis of HSDP).")
+    dp_shard: int = opt(1, "Sharded data-parallel axis; -1 means the rest of the world size.")
+    zero: int = opt(0, "What is sharded over dp_shard: 0 nothing (needs dp_shard=1), 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).")
+    tp: int = opt(1, "Tensor-parallel axis (not implemented yet: must be 1).")
+    pp: int = opt(1, "Pipeline-parallel axis (not implemented yet: must be 1).")
+    cp: int = opt(1, "Context-parallel axis (not implemented yet: must be 1).")
+    ep: int = opt(1, "Expert-parallel axis (not implemented yet: must be 1).")
+    pp_schedule: str = opt("1f1b", 'Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev".')
+    pp_virtual_stages: int = opt(1, "Pipeline stages per rank for interleaved schedules.")
+    offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state on the CPU (FSDP, zero >= 2).")
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("", "Text, JSONL or Parquet file, directory or glob; empty = the Python standard library's source.")
+    tokenizer: str = opt("bpe", '"bpe" (trained on the corpus and cached), "byte", or a path to a tokenizer.json.')
+    text_key: str = opt("text", "Field holding the text in JSONL / Parquet records.")
+    cache_dir: str = opt("~/.cache/shardwise", "Where trained tokenizers and token arrays are cached.")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = opt("", "Checkpoint directory; empty = <run.dir>/checkpoints.")
+    every: int = opt(0, "Save every this many steps (0: only at the end if final=true).")
+    keep: int = opt(2, "Keep the newest K complete checkpoints.")
+    final: bool = opt(True, "Save a checkpoint after the last step.")
+    resume: bool = opt(True, "Resume from the newest complete checkpoint in dir if there is one.")
+
+
+@dataclass
+class RunConfig:
+    dir: str = opt("runs/default", "Run directory: resolved config, metrics.jsonl, TensorBoard events, plots, checkpoints.")
+    progress: bool = opt(True, "Show a progress bar on rank 0.")
+    tensorboard: bool = opt(True, "Write TensorBoard events.")
+    save_final_model: bool = opt(False, "Write the full (unsharded) final weights to <run.dir>/final_model.pt (used by parity).")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "Model shape."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Optimization and batch."})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"doc": "Parallel layout."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Corpus and tokenizer."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Distributed checkpoints."})
+    run: RunConfig = field(default_factory=RunConfig, metadata={"doc": "Outputs of a run."})
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {s.name: {k: v for k, v in dataclasses.asdict(getattr(self, s.name)).items() if v is not None}
+                for s in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{k}" for s, cls in _sections().items() for k in _field_types(cls)]
+
+
+def _nearest(key: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    return f"did you mean '{match[0]}'?" if match else f"valid keys: {', '.join(candidates)}"
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check (TOML) or convert (command-line string) a value to the field's declared type."""
+    args = typing.get_args(hint)
+    base = [a for a in args if a is not type(None)][0] if args and type(None) in args else hint
+    if value is None:
+        return value
+    if isinstance(value, str) and base is not str:
+        value = _parse_cli_value(key, value, base)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, base) and not (base is int and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(key, f"expected {base.__name__}, got {type(value).__name__} {value!r}",
+                          f"give {key} a {base.__name__} value")
+    return value
+
+
+def _parse_cli_value(key: str, text: str, base: type) -> Any:
+    if base is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(key, f"expected true/false, got {text!r}", f"use --{key}=true or --{key}=false")
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(key, f"cannot read {text!r} as {base.__name__}", f"give {key} a {base.__name__} value") from None
+
+
+def _set(cfg: Config, key: str, value: Any, from_cli: bool) -> None:
+    parts = key.split(".")
+    sections = _sections()
+    if len(parts) != 2 or parts[0] not in sections:
+        raise ConfigError(key, "unknown config key", _nearest(key, all_keys()))
+    section, name = parts
+    types = _field_types(sections[section])
+    if name not in types:
+        raise ConfigError(key, "unknown config key", _nearest(key, all_keys()))
+    if not from_cli and isinstance(value, str) and types[name] not in (str, str | None):
+        # TOML is typed: a quoted number in a file is a mistake, not something to guess at.
+        raise ConfigError(key, f"expected {types[name]}, got the string {value!r}", "remove the quotes")
+    setattr(getattr(cfg, section), name, _coerce(key, value, types[name]))
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("--config", f"file not found: {p}", "pass the path of an existing TOML file")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("--config", f"{p} is not valid TOML: {e}", "fix the TOML syntax") from None
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """['--train.lr=0.1', '--parallel.zero', '3'] -> [('train.lr', '0.1'), ('parallel.zero', '3')]."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(arg, "unrecognized argument", "config overrides look like --section.key=value")
+        if "=" in arg:
+            k, v = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            k, v = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(arg[2:], "override has no value", f"write {arg}=VALUE")
+        out.append((k, v))
+        i += 1
+    return out
+
+
+def build_config(toml: dict[str, Any] | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
+    """Defaults <- TOML <- command-line overrides; then the model preset fills the unset model keys."""
+    cfg = Config()
+    for section, values in (toml or {}).items():
+        if not isinstance(values, dict):
+            raise ConfigError(section, "top-level keys must be [sections]", _nearest(section, list(_sections())))
+        for name, value in values.items():
+            _set(cfg, f"{section}.{name}", value, from_cli=False)
+    for key, value in overrides or []:
+        _set(cfg, key, value, from_cli=True)
+    resolve_model(cfg.model)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    return build_config(load_toml(path) if path else None, parse_overrides(overrides or []))
+
+
+def resolve_model(model: ModelConfig) -> None:
+    """Fill every unset model field from the preset (explicit keys win)."""
+    from shardwise.models.presets import PRESETS
+
+    if model.preset not in PRESETS:
+        raise ConfigError("model.preset", f"unknown preset {model.preset!r}", _nearest(model.preset, sorted(PRESETS)))
+    for key, value in PRESETS[model.preset].items():
+        if getattr(model, key) is None:
+            setattr(model, key, value)
+    if model.n_kv_heads is None:
+        model.n_kv_heads = model.n_heads
+
+
+def describe() -> str:
+    """Every key with its default and documentation, for --help-config."""
+    lines = []
+    for section, cls in _sections().items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"  {f.name} = {default!r}\n      {f.metadata['doc']}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Launch front ends: local processes through torch's elastic launcher (torch.distributed.run)."""

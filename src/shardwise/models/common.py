@@ -1,0 +1,150 @@
+"""Pieces shared by the llama and gpt architectures: attention, the block stack, counts and init.
+
+Parameter counts and FLOPs are closed-form functions of the config (classmethods), so the planner can
+use them for a 405B shape without building the model; tests check them against the built modules.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.config import ModelConfig
+
+INIT_STD = 0.02  # GPT-2 / Megatron default initializer range.
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped-query KV heads, computed by SDPA."""
+
+    def __init__(self, cfg: ModelConfig, bias: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: "RotaryEmbedding | None" = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 instead of the head count keeps the module correct when TP shards the heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = rope(q, positions), rope(k, positions)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al. 2021, arXiv 2104.09864), rotate-half form; cos/sin tables are buffers."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+
+    def reset_buffers(self) -> None:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos.copy_(angles.cos().to(self.cos.dtype))
+        self.sin.copy_(angles.sin().to(self.sin.dtype))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        s = x.shape[-2]
+        cos = self.cos[:s] if positions is None else self.cos[positions]
+        sin = self.sin[:s] if positions is None else self.sin[positions]
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Transformer(nn.Module):
+    """Embedding -> blocks in `self.layers` -> final norm -> output head producing logits.
+
+    Subclasses build `embed`, `layers`, `norm`, `output` and define the closed-form counts.
+    """
+
+    cfg: ModelConfig
+    layers: nn.ModuleList
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block_kwargs(self) -> dict:
+        return {}
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(tokens, positions)
+        extra = self.block_kwargs()
+        for layer in self.layers:
+            h = layer(h, positions=positions, **extra)
+        return self.output(self.norm(h))
+
+    # ---- closed-form counts (no module needed) ----
+    @classmethod
+    def param_counts(cls, cfg: ModelConfig) -> dict[str, int]:
+        """{'embedding', 'per_layer', 'final_norm', 'head', 'matmul'}; matmul = weights used in GEMMs."""
+        raise NotImplementedError
+
+    @classmethod
+    def count_params(cls, cfg: ModelConfig) -> int:
+        c = cls.param_counts(cfg)
+        return c["embedding"] + cfg.n_layers * c["per_layer"] + c["final_norm"] + c["head"]
+
+    @classmethod
+    def count_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
+        """Training FLOPs per token: forward + backward = 3 x forward.
+
+        Forward = 2 FLOPs per multiply-add of every GEMM weight (2 x matmul params, output head
+        included, embedding lookups excluded) + attention scores QK^T and AV, 2 x 2 x seq x dim per
+        token per layer. Total 6N + 12 L s h: PaLM, Chowdhery et al. 2022, arXiv 2204.02311, App. B.
+        Like PaLM and Megatron, the causal mask is not discounted, so MFU is comparable with theirs.
+        """
+        return 6 * cls.param_counts(cfg)["matmul"] + 12 * cfg.n_layers * seq_len * cfg.dim
+
+    def num_params(self) -> int:
+        return self.count_params(self.cfg)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        return self.count_flops_per_token(self.cfg, seq_len)
+
+    # ---- layout-independent initialization ----
+    def residual_projections(self) -> tuple[str, ...]:
+        """Leaf names of the projections that write into the residual stream."""
+        raise NotImplementedError
+
+    def init_value(self, fqn: str, shape: torch.Size, seed: int) -> torch.Tensor:
+        """The *global* initial value of parameter `fqn`, drawn from a generator seeded by (seed, fqn).
+
+        Seeding by name (not by draw order) gives every layout the same values whatever it shards or
+        skips (DESIGN §3). Residual projections get std 0.02/sqrt(2L) (GPT-2, Radford et al. 2019 §2.3).
+        """
+        leaf = fqn.rsplit(".", 2)
+        if fqn.endswith("bias") or (fqn.endswith("weight") and "norm" in fqn.split(".")[-2]):
+            return torch.ones(shape) if fqn.endswith("weight") else torch.zeros(shape)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(fqn.encode())) % 2**63)
+        std = INIT_STD
+        if len(leaf) >= 2 and leaf[-2] in self.residual_projections():
+            std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        return torch.randn(shape, generator=gen) * std
+
+    def reset_buffers(self) -> None:
+        for m in self.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.reset_buffers()
+
+    def init_weights(self, seed: int) -> None:
+        """Initialize an unsharded model in place (the single-device reference path)."""
+        with torch.no_grad():
+            for fqn, p in self.named_parameters():
+                p.copy_(self.init_value(fqn, p.shape, seed))
+        self.reset_buffers()

@@ -1,0 +1,67 @@
+"""GPT-style decoder (the GPT-3 / Megatron shape): LayerNorm, learned positions, GELU 4h MLP, biases.
+
+The output head is untied from the token embedding (Megatron's `untie_embeddings_and_output_weights`),
+so sharding the head and the embedding never aliases one parameter across two layouts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.config import ModelConfig
+from shardwise.models.common import Attention, Transformer
+
+
+class GELUMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden)
+        self.proj = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg, bias=True)
+        self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = GELUMLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(Transformer):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.layers = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+
+    def residual_projections(self) -> tuple[str, ...]:
+        return ("wo", "proj")
+
+    @classmethod
+    def param_counts(cls, cfg: ModelConfig) -> dict[str, int]:
+        h, f, v = cfg.dim, cfg.ffn_dim, cfg.vocab_size
+        kv = cfg.n_kv_heads * (h // cfg.n_heads)
+        attn_w = 2 * h * h + 2 * h * kv
+        attn_b = 2 * h + 2 * kv
+        mlp_w = 2 * h * f
+        mlp_b = f + h
+        per_layer = attn_w + attn_b + mlp_w + mlp_b + 4 * h   # + two LayerNorms (gain, bias)
+        return {"embedding": v * h + cfg.max_seq_len * h, "per_layer": per_layer, "final_norm": 2 * h,
+                "head": v * h, "matmul": cfg.n_layers * (attn_w + mlp_w) + v * h}

@@ -1,0 +1,78 @@
+"""LLaMA-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP (Touvron et al. 2023)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.config import ModelConfig
+from shardwise.models.common import Attention, RotaryEmbedding, Transformer
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 for stability under bf16."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x) (Shazeer 2020, arXiv 2002.05202)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, bias=False)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, positions)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(Transformer):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def block_kwargs(self) -> dict:
+        return {"rope": self.rope}
+
+    def residual_projections(self) -> tuple[str, ...]:
+        return ("wo", "w2")
+
+    @classmethod
+    def param_counts(cls, cfg: ModelConfig) -> dict[str, int]:
+        h, f, v = cfg.dim, cfg.ffn_dim, cfg.vocab_size
+        kv = cfg.n_kv_heads * (h // cfg.n_heads)
+        attn = h * h + 2 * h * kv + h * h          # wq, wk, wv, wo
+        mlp = 3 * h * f                            # w1, w3, w2
+        per_layer = attn + mlp + 2 * h             # + two RMSNorm gains
+        return {"embedding": v * h, "per_layer": per_layer, "final_norm": h, "head": v * h,
+                "matmul": cfg.n_layers * (attn + mlp) + v * h}

@@ -1,0 +1,1 @@
+"""Parallelism: mesh axes (dims), data-parallel family, precision, activation checkpointing."""

@@ -1,0 +1,49 @@
+"""Activation checkpointing (recomputation) of transformer blocks.
+
+full: every block recomputes its forward in backward (activations kept: the block inputs only).
+selective "layer": every k-th block is checkpointed. selective "op": inside every block, outputs of
+matmuls and attention are saved and cheap pointwise ops are recomputed, the spirit of Korthikanti et
+al. 2022 (arXiv 2205.05198 §4) selective recomputation.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Ops whose outputs are expensive to recompute (GEMMs, attention): saved under selective "op".
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_selective_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def apply_activation_checkpointing(layers: nn.ModuleList, mode: str, policy: str, every: int) -> None:
+    """Wrap blocks of `layers` in place according to train.recompute / recompute_policy / every."""
+    if mode == "none":
+        return
+    for i, block in enumerate(layers):
+        if mode == "full" or (policy == "layer" and i % every == 0):
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif policy == "op":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
+                                         context_fn=partial(_op_selective_context))
+        else:
+            continue
+        layers[i] = wrapped

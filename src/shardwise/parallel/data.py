@@ -1,0 +1,88 @@
+"""The data-parallel family: DDP, ZeRO-1, ZeRO-2/3 (FSDP2 `fully_shard`), HSDP, CPU offload.
+
+parallel.zero says what is sharded over the dp_shard axis (Rajbhandari et al. 2019, arXiv 1910.02054):
+  0  nothing — DDP over dp_replicate (dp_shard must be 1)
+  1  optimizer state — DDP all-reduce over all dp ranks + ZeroRedundancyOptimizer over dp_shard
+  2  + gradients — FSDP2 with reshard_after_forward=False (parameters stay gathered until backward)
+  3  + parameters — FSDP2 with reshard_after_forward=True
+dp_replicate > 1 with zero >= 2 is HSDP: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh shards
+inside a replica group and all-reduces across groups.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.config import ParallelConfig
+from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.precision import fsdp_mp_policy
+
+
+def dp_mesh(mesh, dims: ParallelDims):
+    """The mesh view FSDP2 shards over: 2-D (replicate, shard) for HSDP, else the dp_shard axis."""
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def batch_group(mesh, dims: ParallelDims) -> "dist.ProcessGroup | None":
+    """The process group of the batch view (ranks that read different data); None on one rank."""
+    if dims.dp == 1:
+        return None
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        return mesh["dp"].get_group()
+    return mesh["dp_replicate" if dims.dp_replicate > 1 else "dp_shard"].get_group()
+
+
+def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, precision: str) -> None:
+    """ZeRO-2/3 and HSDP with FSDP2, one FSDP unit per transformer block plus the root.
+
+    Per-block units let the all-gather of block i+1 overlap the compute of block i. The root unit
+    (embedding, final norm, output head) is not resharded after forward: backward needs it first,
+    so resharding it would only add an all-gather (torchtitan does the same).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    kwargs = dict(mesh=dp_mesh(mesh, dims), mp_policy=fsdp_mp_policy(precision),
+                  offload_policy=CPUOffloadPolicy() if p.offload else OffloadPolicy())
+    reshard = p.zero == 3
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def apply_ddp(model: nn.Module, mesh, dims: ParallelDims) -> nn.Module:
+    """DDP over every data-parallel rank (for ZeRO-1 too: gradients are all-reduced, only the
+    optimizer state is sharded). Buckets of 25 MB overlap the all-reduce with backward."""
+    device = next(model.parameters()).device
+    return DistributedDataParallel(
+        model, process_group=batch_group(mesh, dims), bucket_cap_mb=25, broadcast_buffers=False,
+        gradient_as_bucket_view=True, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def zero1_group(mesh, dims: ParallelDims) -> "dist.ProcessGroup":
+    return mesh["dp_shard"].get_group()
+
+
+def uses_fsdp(p: ParallelConfig, dims: ParallelDims) -> bool:
+    return p.zero >= 2 and dims.dp_shard > 1
+
+
+def uses_ddp(p: ParallelConfig, dims: ParallelDims) -> bool:
+    return dims.dp > 1 and not uses_fsdp(p, dims)
+
+
+def gradient_sync_each_microbatch(p: ParallelConfig) -> bool:
+    """ZeRO-3 reduce-scatters after every micro-batch: holding unsharded gradients across
+    accumulation would undo the memory saving it is chosen for. DDP and ZeRO-2 sync once per step."""
+    return p.zero == 3
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -1,0 +1,71 @@
+"""Apply every parallelism to a model built on the meta device, in one fixed order:
+
+    PP split -> TP/SP -> CP -> EP -> activation checkpointing -> compile -> FSDP  (then init, then DDP)
+
+Why this order: pipeline splitting decides which blocks a rank owns, so it comes first; TP/SP, CP and
+EP rewrite modules inside a block and must see the plain modules; activation checkpointing wraps a
+whole (already tensor-parallel) block so recomputation replays its collectives; compile sees the
+final block; FSDP goes last because it shards whatever parameters (plain or DTensor) the earlier
+steps produced. DDP needs materialized parameters, so it wraps after initialization.
+TP, PP, CP and EP land in later milestones; ParallelDims refuses them before anything is spawned.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.config import Config
+from shardwise.models.common import Transformer
+from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.data import apply_ddp, apply_fsdp, uses_ddp, uses_fsdp
+from shardwise.parallel.dims import ParallelDims
+
+# Module-name segments that wrappers insert; parameter identities (init seeds, checkpoint keys)
+# use the model's own names, so every layout agrees on them.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "module")
+
+
+def canonical_fqn(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> None:
+    """In place, on the meta model: everything that must happen before parameters exist."""
+    # (PP split, TP/SP, CP, EP: later milestones.)
+    apply_activation_checkpointing(model.layers, cfg.train.recompute, cfg.train.recompute_policy,
+                                   cfg.train.recompute_every)
+    if uses_fsdp(cfg.parallel, dims):
+        apply_fsdp(model, mesh, dims, cfg.parallel, cfg.train.precision)
+
+
+@torch.no_grad()
+def materialize(model: Transformer, device: torch.device, seed: int) -> None:
+    """Allocate the (possibly sharded) parameters and give them layout-independent values.
+
+    Each parameter's *global* value comes from `init_value(fqn)`; a sharded parameter (DTensor)
+    keeps only its slice. No random number is ever drawn per shard (DESIGN §3), so every layout
+    starts from the same weights as the single-device reference.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        full = model.init_value(canonical_fqn(name), param.shape, seed)
+        if isinstance(param, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+            param.to_local().copy_(full[index])
+        else:
+            param.copy_(full)
+    model.reset_buffers()
+
+
+def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Config,
+                         device: torch.device) -> nn.Module:
+    """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
+    parallelize(model, dims, mesh, cfg)
+    materialize(model, device, cfg.train.seed)
+    if uses_ddp(cfg.parallel, dims):
+        return apply_ddp(model, mesh, dims)
+    return model

@@ -1,0 +1,80 @@
+"""Mixed precision: autocast for compute, FSDP2 policies for communication, dynamic loss scaling.
+
+Master weights stay fp32 in every precision: parameters are fp32, autocast (and FSDP2's
+param_dtype) casts them for the matmuls, and gradients are reduced in fp32 (reduce_dtype).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=DTYPES[precision])
+
+
+def fsdp_mp_policy(precision: str):
+    """Gather parameters in the low dtype (half the all-gather bytes), reduce gradients in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+class DynamicLossScaler:
+    """fp16 dynamic loss scaling (Micikevicius et al. 2018, arXiv 1710.03740 §3.2).
+
+    Our own rather than torch.amp.GradScaler because the same object must serve DDP gradients,
+    ZeRO-1 and FSDP2 DTensor shards, with the overflow flag agreed over all ranks (each rank only
+    sees its own shard, so one rank's inf must skip the step everywhere).
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def unscale_(self, grads: Iterable[torch.Tensor], group: "dist.ProcessGroup | None") -> bool:
+        """Divide local gradient shards by the scale; return True when any rank saw inf/nan."""
+        if not self.enabled:
+            return False
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        found = torch.zeros(1)
+        if local:
+            torch._foreach_mul_(local, 1.0 / self.scale)
+            found = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in local]).any().float().reshape(1).cpu()
+        if group is not None:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps, self.skipped_steps = state["scale"], state["good_steps"], state["skipped_steps"]

@@ -1,0 +1,1 @@
+"""Planner: hardware table, memory and step-time models, layout search (no process groups)."""

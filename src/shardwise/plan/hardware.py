@@ -1,0 +1,233 @@
+"""Accelerator table (vendor datasheet peaks) and the measured CPU/unknown-GPU matmul probe.
+
+DESIGN §5: MFU divides achieved model FLOP/s by the *peak* FLOP/s of the device for the training
+dtype. For known GPUs the peak is the vendor's published dense (no 2:4 sparsity) tensor-core number;
+datasheets usually print the sparse figure with a footnote, so those are halved here. A CPU has no
+meaningful datasheet peak for PyTorch, so it is measured with a short matmul probe and labelled as
+measured; an unknown GPU gets the same probe on the GPU.
+
+Bandwidths are in GB/s (10^9 bytes/s). `intra_node_gbps` is the per-GPU *unidirectional* scale-up
+bandwidth (NVLink / Infinity Fabric; vendors quote the bidirectional sum, halved here);
+`inter_node_gbps` is the per-GPU network share of the vendor's reference platform (e.g. DGX H100:
+one 400 Gb/s ConnectX-7 per GPU = 50 GB/s). The planner may override both.
+
+This module is pure Python: torch is imported only inside the probe, so the planner can use the
+table without torch.distributed (or torch at all).
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+import time
+from dataclasses import dataclass, field
+
+from shardwise.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator model. `peak_tflops` maps dtype -> dense peak in TFLOP/s (10^12 FLOP/s)."""
+
+    name: str
+    peak_tflops: dict[str, float] = field(hash=False)
+    memory_gib: float
+    memory_bandwidth_gbps: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    source: str
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype` ("fp32", "tf32", "bf16", "fp16", "fp8" or an alias)."""
+        key = normalize_dtype(dtype)
+        if key not in self.peak_tflops:
+            raise ConfigError("train.precision", f"{self.name} has no published {key} peak",
+                              f"use one of: {', '.join(self.peak_tflops)}")
+        return self.peak_tflops[key] * 1e12
+
+
+_A100_TFLOPS = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}
+_H100_SXM_TFLOPS = {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}
+_H100_NVL_TFLOPS = {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5}
+
+_A100_DS = "NVIDIA A100 Tensor Core GPU datasheet (2021; sparse TF32/BF16/FP16 halved)"
+_DGX_A100_NET = "DGX A100 system: 8x 200 Gb/s HDR InfiniBand, one per GPU"
+_H100_DS = "NVIDIA H100 Tensor Core GPU datasheet (2023; sparse tensor-core figures halved)"
+_H200_DS = "NVIDIA H200 Tensor Core GPU datasheet (2024; sparse tensor-core figures halved)"
+
+# Never mutated: a module-level constant table.
+DEVICES: dict[str, Device] = {
+    "a100-sxm-40gb": Device("a100-sxm-40gb", _A100_TFLOPS, 40.0, 1555.0, 300.0, 25.0,
+                            f"{_A100_DS}, A100 40GB SXM column; NVLink 600 GB/s bidirectional; {_DGX_A100_NET}"),
+    "a100-sxm-80gb": Device("a100-sxm-80gb", _A100_TFLOPS, 80.0, 2039.0, 300.0, 25.0,
+                            f"{_A100_DS}, A100 80GB SXM column; NVLink 600 GB/s bidirectional; {_DGX_A100_NET}"),
+    "a100-pcie-40gb": Device("a100-pcie-40gb", _A100_TFLOPS, 40.0, 1555.0, 300.0, 25.0,
+                             f"{_A100_DS}, A100 40GB PCIe column; NVLink bridge (GPU pairs only) 600 GB/s "
+                             "bidirectional; network assumes one 200 Gb/s NIC per GPU"),
+    "a100-pcie-80gb": Device("a100-pcie-80gb", _A100_TFLOPS, 80.0, 1935.0, 300.0, 25.0,
+                             f"{_A100_DS}, A100 80GB PCIe column; NVLink bridge (GPU pairs only) 600 GB/s "
+                             "bidirectional; network assumes one 200 Gb/s NIC per GPU"),
+    "h100-sxm-80gb": Device("h100-sxm-80gb", _H100_SXM_TFLOPS, 80.0, 3350.0, 450.0, 50.0,
+                            f"{_H100_DS}, H100 SXM column; NVLink 900 GB/s bidirectional; "
+                            "DGX H100: 8x 400 Gb/s ConnectX-7, one per GPU"),
+    "h100-pcie-80gb": Device("h100-pcie-80gb",
+                             {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5, "fp8": 1513.0},
+                             80.0, 2000.0, 300.0, 25.0,
+                             f"{_H100_DS}, H100 PCIe column; NVLink bridge (GPU pairs only) 600 GB/s "
+                             "bidirectional; network assumes one 200 Gb/s NIC per GPU"),
+    "h100-nvl-94gb": Device("h100-nvl-94gb", _H100_NVL_TFLOPS, 94.0, 3900.0, 300.0, 50.0,
+                            f"{_H100_DS}, H100 NVL column (per GPU); NVLink bridge 600 GB/s bidirectional; "
+                            "network assumes one 400 Gb/s NIC per GPU"),
+    "h200-sxm-141gb": Device("h200-sxm-141gb", _H100_SXM_TFLOPS, 141.0, 4800.0, 450.0, 50.0,
+                             f"{_H200_DS}, H200 SXM column (same compute as H100 SXM); NVLink 900 GB/s "
+                             "bidirectional; DGX H200: 8x 400 Gb/s ConnectX-7, one per GPU"),
+    "h200-nvl-141gb": Device("h200-nvl-141gb", _H100_NVL_TFLOPS, 141.0, 4800.0, 450.0, 50.0,
+                             f"{_H200_DS}, H200 NVL column; 2/4-way NVLink bridge 900 GB/s bidirectional; "
+                             "network assumes one 400 Gb/s NIC per GPU"),
+    "b200": Device("b200", {"fp32": 75.0, "tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},
+                   180.0, 8000.0, 900.0, 50.0,
+                   "NVIDIA DGX B200 / HGX B200 specifications (8-GPU totals: 36 PF FP16/BF16, 72 PF FP8, "
+                   "18 PF TF32 with sparsity, 600 TF FP32, 1,440 GB HBM3e, 64 TB/s) divided by 8, sparse "
+                   "halved; NVLink 5 1.8 TB/s bidirectional; DGX B200: 8x 400 Gb/s ConnectX-7"),
+    "mi300x": Device("mi300x", {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
+                     192.0, 5300.0, 448.0, 50.0,
+                     "AMD Instinct MI300X accelerator datasheet (dense matrix peaks); AMD CDNA 3 white "
+                     "paper: 7 Infinity Fabric links x 64 GB/s per direction (full mesh, 64 GB/s to each "
+                     "peer); network assumes one 400 Gb/s NIC per GPU"),
+}
+
+_DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "tf32": "tf32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16",
+    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+
+# torch.cuda.get_device_name() strings -> table key. Order matters (NVL/PCIe before the plain name).
+# The look-behind keeps "GH200"/"GB200" (different clocks and memory) from matching H200/B200.
+_CUDA_NAME_RULES: tuple[tuple[str, str], ...] = (
+    (r"(?<![A-Z0-9])H200\b.*NVL|NVL.*(?<![A-Z0-9])H200\b", "h200-nvl-141gb"),
+    (r"(?<![A-Z0-9])H200\b", "h200-sxm-141gb"),
+    (r"(?<![A-Z0-9])H100\b.*NVL", "h100-nvl-94gb"),
+    (r"(?<![A-Z0-9])H100\b.*PCIE", "h100-pcie-80gb"),
+    (r"(?<![A-Z0-9])H100\b", "h100-sxm-80gb"),
+    (r"(?<![A-Z0-9])A100\b.*80GB.*PCIE|(?<![A-Z0-9])A100\b.*PCIE.*80GB", "a100-pcie-80gb"),
+    (r"(?<![A-Z0-9])A100\b.*80GB", "a100-sxm-80gb"),
+    (r"(?<![A-Z0-9])A100\b.*PCIE", "a100-pcie-40gb"),
+    (r"(?<![A-Z0-9])A100\b", "a100-sxm-40gb"),
+    (r"(?<![A-Z0-9])B200\b", "b200"),
+    (r"\bMI300X\b", "mi300x"),
+)
+
+
+def normalize_dtype(dtype: str) -> str:
+    """Canonical dtype key ("fp32", "tf32", "bf16", "fp16", "fp8") for names and torch aliases."""
+    key = _DTYPE_ALIASES.get(str(dtype).lower().removeprefix("torch."))
+    if key is None:
+        raise ConfigError("train.precision", f"unknown dtype {dtype!r}", 'use "fp32", "bf16" or "fp16"')
+    return key
+
+
+def lookup(name: str) -> Device:
+    """The table entry for a device name (case-insensitive); a ConfigError on `cluster.gpu` otherwise."""
+    key = name.strip().lower()
+    if key in DEVICES:
+        return DEVICES[key]
+    match = difflib.get_close_matches(key, list(DEVICES), n=1, cutoff=0.0)
+    hint = f"did you mean '{match[0]}'? " if match else ""
+    raise ConfigError("cluster.gpu", f"unknown device {name!r}", f"{hint}valid names: {', '.join(DEVICES)}")
+
+
+def match_cuda_name(cuda_name: str) -> str | None:
+    """Map a `torch.cuda.get_device_name()` string (e.g. "NVIDIA H100 80GB HBM3") to a table key."""
+    upper = cuda_name.upper()
+    for pattern, key in _CUDA_NAME_RULES:
+        if re.search(pattern, upper):
+            return key
+    return None
+
+
+def device_peak_flops(device_type: str, dtype: str, cuda_name: str | None = None) -> tuple[float, str]:
+    """(peak FLOP/s, label) of one device for the training dtype — the MFU denominator (DESIGN §5).
+
+    CUDA: the datasheet dense peak of the matched table entry; fp32 uses the TF32 peak when PyTorch
+    is allowed to run fp32 matmuls in TF32 (`torch.backends.cuda.matmul.allow_tf32`). An unknown
+    GPU is measured with the matmul probe. CPU: always measured (see `measure_cpu_peak_flops`).
+    """
+    key = normalize_dtype(dtype)
+    if device_type == "cuda":
+        import torch
+
+        name = cuda_name if cuda_name is not None else torch.cuda.get_device_name()
+        entry = match_cuda_name(name)
+        if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+            key = "tf32"
+        if entry is not None:
+            return DEVICES[entry].peak_flops(key), f"{entry} datasheet dense {key} peak ({name})"
+        flops = _measure_matmul_flops(key, "cuda", 0)
+        return flops, f"{name} (measured {key} matmul probe; not in plan/hardware.py)"
+    if device_type == "cpu":
+        import torch
+
+        flops = measure_cpu_peak_flops(key)
+        return flops, f"cpu (measured {key} matmul probe, {torch.get_num_threads()} threads)"
+    raise ConfigError("device", f"no peak FLOP/s source for device type {device_type!r}", 'use "cuda" or "cpu"')
+
+
+def measure_cpu_peak_flops(dtype: str) -> float:
+    """Achieved FLOP/s of a square CPU matmul in `dtype` with the current thread count (< 1 s).
+
+    Best of a few timed trials after a warm-up. The result is cached per (dtype, threads): a probe
+    is a property of the machine, not of the run. tf32 has no CPU meaning and is probed as fp32.
+    """
+    import torch
+
+    key = normalize_dtype(dtype)
+    return _measure_matmul_flops("fp32" if key == "tf32" else key, "cpu", torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _measure_matmul_flops(key: str, device_type: str, threads: int) -> float:
+    """Best achieved FLOP/s of `F.linear(A, B)` for n x n matrices (2 n^3 FLOP each).
+
+    F.linear, not torch.mm, because it is the kernel nn.Linear runs: on an AVX2-only CPU (this
+    project's 2-core machine) bf16/fp16 `torch.mm` takes a ~1 GFLOP/s fallback while F.linear goes
+    through oneDNN at ~15-20 GFLOP/s. n is 512 unless a 128 x 128 warm-up shows a slow kernel, in
+    which case it shrinks so one product stays under ~50 ms and the whole probe well under 1 s.
+    `threads` is only part of the cache key (the probe depends on torch.get_num_threads()).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    dtypes = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if key not in dtypes:
+        raise ConfigError("train.precision", f"cannot probe {key} matmuls on {device_type}",
+                          'use "fp32", "bf16" or "fp16"')
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+
+    def operands(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.randn(n, n, generator=gen).to(device_type, dtypes[key]) for _ in range(2))
+
+    def seconds(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps):
+            F.linear(a, b)
+        sync()
+        return max(time.perf_counter() - start, 1e-9) / reps
+
+    with torch.no_grad():
+        if device_type == "cuda":
+            n = 4096
+        else:
+            a, b = operands(128)
+            seconds(a, b, 1)  # warm-up: kernel selection, page faults, thread-pool start
+            rate = 2 * 128 ** 3 / seconds(a, b, 1)
+            n = next((m for m in (512, 256) if 2 * m ** 3 / rate < 0.05), 128)
+        a, b = operands(n)
+        once = seconds(a, b, 1)  # warm-up at the final size, also sizes the trials
+        reps = max(1, min(1000, int(0.03 / once)))  # ~30 ms per trial
+        best = min(seconds(a, b, reps) for _ in range(5))
+    return 2.0 * n ** 3 / best

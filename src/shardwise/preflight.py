@@ -1,0 +1,110 @@
+"""Pre-flight checks: every config and layout error is found here, before any process is spawned."""
+from __future__ import annotations
+
+from shardwise.config import Config
+from shardwise.errors import ConfigError
+from shardwise.parallel.dims import ParallelDims, refuse_unimplemented
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_POLICIES = ("op", "layer")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
+
+
+def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(field, f"{value!r} is not one of {', '.join(choices)}", f"set {field} to one of: {', '.join(choices)}")
+
+
+def _positive(field: str, value: float, minimum: float = 1) -> None:
+    if value < minimum:
+        raise ConfigError(field, f"must be >= {minimum}, got {value}", f"set {field} to at least {minimum}")
+
+
+def check_model(cfg: Config) -> None:
+    from shardwise.models import ARCHS
+
+    m = cfg.model
+    _choice("model.arch", m.arch, tuple(ARCHS))
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        _positive(f"model.{name}", getattr(m, name))
+    if m.dim % m.n_heads:
+        raise ConfigError("model.n_heads", f"dim({m.dim}) is not divisible by n_heads({m.n_heads})",
+                          "choose n_heads among the divisors of model.dim")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", f"n_heads({m.n_heads}) is not divisible by n_kv_heads({m.n_kv_heads})",
+                          "grouped-query attention needs n_kv_heads to divide n_heads")
+    if m.arch == "llama" and (m.dim // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs of dims",
+                          "choose n_heads so that dim / n_heads is even")
+    if cfg.train.seq_len > m.max_seq_len:
+        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_seq_len({m.max_seq_len})",
+                          f"lower train.seq_len or raise model.max_seq_len to >= {cfg.train.seq_len}")
+
+
+def check_train(cfg: Config) -> None:
+    t = cfg.train
+    _choice("train.precision", t.precision, PRECISIONS)
+    _choice("train.recompute", t.recompute, RECOMPUTE)
+    _choice("train.recompute_policy", t.recompute_policy, RECOMPUTE_POLICIES)
+    for name in ("seq_len", "global_batch", "micro_batch", "steps", "recompute_every", "log_every"):
+        _positive(f"train.{name}", getattr(t, name))
+    _positive("train.warmup_steps", t.warmup_steps, 0)
+    if t.lr <= 0:
+        raise ConfigError("train.lr", f"must be > 0, got {t.lr}", "use a learning rate such as 3e-4")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("train.min_lr_ratio", f"must be within [0, 1], got {t.min_lr_ratio}", "use e.g. 0.1")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}", f"must be within [0, 1), got {getattr(t, name)}", "use 0.9 / 0.95")
+    _positive("train.grad_clip", t.grad_clip, 0)
+    _positive("train.weight_decay", t.weight_decay, 0)
+
+
+def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
+    p = cfg.parallel
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero", f"must be 0, 1, 2 or 3, got {p.zero}",
+                          "0: DDP, 1: shard optimizer state, 2: + gradients, 3: + parameters (FSDP)")
+    _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    _positive("parallel.pp_virtual_stages", p.pp_virtual_stages)
+    dims = ParallelDims.from_config(p, world_size)
+    refuse_unimplemented(dims)
+    if p.zero == 0 and dims.dp_shard > 1:
+        raise ConfigError("parallel.zero", f"zero=0 shards nothing, but dp_shard={dims.dp_shard}",
+                          f"set parallel.zero to 1, 2 or 3 to shard over dp_shard, or move the {dims.dp_shard} "
+                          "ranks to parallel.dp_replicate for plain DDP")
+    if p.zero > 0 and dims.dp_shard == 1:
+        raise ConfigError("parallel.zero", f"zero={p.zero} shards over dp_shard, which is 1",
+                          "set parallel.dp_shard > 1 (e.g. -1 for all ranks) or parallel.zero=0")
+    if p.offload and p.zero < 2:
+        raise ConfigError("parallel.offload", f"CPU offload needs FSDP (zero >= 2), got zero={p.zero}",
+                          "set parallel.zero=2 or 3, or parallel.offload=false")
+    return dims
+
+
+def check_batch(cfg: Config, dims: ParallelDims) -> int:
+    """Return gradient-accumulation steps: global_batch = micro_batch x accumulation x dp."""
+    t = cfg.train
+    per_step = t.micro_batch * dims.dp
+    if t.global_batch % per_step:
+        raise ConfigError("train.global_batch",
+                          f"global_batch({t.global_batch}) is not divisible by micro_batch({t.micro_batch}) x "
+                          f"data-parallel size({dims.dp}) = {per_step}",
+                          f"use a global_batch that is a multiple of {per_step}, or change train.micro_batch")
+    return t.global_batch // per_step
+
+
+def check_checkpoint(cfg: Config) -> None:
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("checkpoint.every", cfg.checkpoint.every, 0)
+
+
+def check(cfg: Config, world_size: int) -> ParallelDims:
+    """All checks; returns the validated ParallelDims."""
+    check_model(cfg)
+    check_train(cfg)
+    dims = check_parallel(cfg, world_size)
+    check_batch(cfg, dims)
+    check_checkpoint(cfg)
+    return dims

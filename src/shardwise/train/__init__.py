@@ -1,0 +1,1 @@
+"""Training loop pieces: data, optimizer steps, metrics and checkpoints."""

@@ -1,0 +1,442 @@
+"""Corpus -> tokenizer -> one cached token array -> layout-independent global batches.
+
+Everything expensive (tokenizer training, tokenization) is cached under `data.cache_dir`, keyed by a
+cheap corpus fingerprint (paths, sizes, mtimes; no reading), so a warm start costs a few stat calls.
+Cache files are written to a temporary file in the same directory and published atomically, so several
+ranks racing on the same cache all end up reading one and the same file.
+
+Batches depend only on (tokens, seq_len, global_batch, seed, step): the batch view of a layout merely
+slices the global batch (DESIGN.md section 3, "Data order must not depend on the layout").
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from shardwise.config import DataConfig
+from shardwise.errors import ConfigError
+
+EOD_TOKEN = "<|endoftext|>"
+# End-of-document tokens recognised in a user's tokenizer.json, in order of preference.
+_EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+_DATA_SUFFIXES = frozenset({".txt", ".md", ".py", ".jsonl", ".json", ".parquet"})
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+# BPE is trained on the first ~8 MB of text: enough for a few-thousand-token vocabulary to settle, and
+# it keeps training under ~20 s on 2 cores. The whole corpus is still tokenized.
+_BPE_TRAIN_CHARS = 8_000_000
+# Documents per encode call: bounds the memory held by Encoding objects on large corpora.
+_ENCODE_CHUNK_CHARS = 2_000_000
+# Bump when the way documents become tokens changes, so old caches are not reused.
+_FORMAT_VERSION = "shardwise-data-v1"
+
+
+# ---------------------------------------------------------------- corpus discovery and reading
+
+
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _walk(root: Path, keep: Callable[[str], bool], skip_dir: Callable[[str], bool]) -> list[Path]:
+    """Files under root accepted by keep(name), pruning skipped directories, sorted by relative posix path."""
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not skip_dir(d)]
+        for name in filenames:
+            if keep(name):
+                path = Path(dirpath) / name
+                found.append((path.relative_to(root).as_posix(), path))
+    return [p for _, p in sorted(found)]
+
+
+def corpus_files(cfg: DataConfig) -> list[Path]:
+    """The corpus files in a fixed order: the stdlib's source by default, else data.path (file, dir, glob)."""
+    if not cfg.path:
+        return _walk(_stdlib_root(),
+                     keep=lambda n: n.endswith(".py") and not n.startswith("test_"),
+                     skip_dir=lambda d: d in _STDLIB_SKIP_DIRS)
+    p = Path(os.path.expanduser(cfg.path))
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        # Hidden entries (.git, .venv, ...) are tooling, not corpus.
+        files = _walk(p, keep=lambda n: not n.startswith(".") and Path(n).suffix.lower() in _DATA_SUFFIXES,
+                      skip_dir=lambda d: d.startswith("."))
+        if files:
+            return files
+        raise ConfigError("data.path", f"directory {p} holds no {', '.join(sorted(_DATA_SUFFIXES))} files",
+                          "point data.path at a directory with text, JSONL or Parquet files")
+    if glob.has_magic(str(p)):
+        files = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+        if files:
+            return files
+        raise ConfigError("data.path", f"the pattern {cfg.path!r} matches no files",
+                          "check the pattern (use ** for subdirectories) or give a file or directory")
+    raise ConfigError("data.path", f"{cfg.path!r} does not exist",
+                      'give an existing file, directory or glob pattern, or "" for the built-in stdlib corpus')
+
+
+def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError("data.path", f"{path}:{lineno} is not valid JSON ({e.msg})",
+                                  "JSONL files need one JSON object per line") from None
+            if not isinstance(record, dict) or text_key not in record:
+                keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError("data.text_key", f"{path}:{lineno} has no key {text_key!r} (found: {keys})",
+                                  "set data.text_key to the field that holds the text")
+            text = record[text_key]
+            if not isinstance(text, str):
+                raise ConfigError("data.text_key", f"{path}:{lineno}: {text_key!r} is a "
+                                  f"{type(text).__name__}, not a string", "point data.text_key at a text field")
+            yield text
+
+
+def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    if text_key not in names:
+        raise ConfigError("data.text_key", f"{path} has no column {text_key!r} (found: {', '.join(names)})",
+                          "set data.text_key to the column that holds the text")
+    for batch in pf.iter_batches(columns=[text_key]):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield str(text)
+
+
+def iter_documents(files: list[Path], text_key: str) -> Iterator[str]:
+    """Every non-empty document of the corpus, in file order (empty ones would only add separators)."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            docs: Iterator[str] = _jsonl_documents(path, text_key)
+        elif suffix == ".parquet":
+            docs = _parquet_documents(path, text_key)
+        else:
+            docs = iter([path.read_text(encoding="utf-8", errors="replace")])
+        yield from (d for d in docs if d)
+
+
+def corpus_fingerprint(cfg: DataConfig, files: list[Path]) -> str:
+    """sha256 over relative path, size and mtime_ns of every file, plus text_key: cheap, reads nothing."""
+    root = _stdlib_root() if not cfg.path else Path(os.path.expanduser(cfg.path))
+    h = hashlib.sha256(f"{_FORMAT_VERSION}\0{cfg.text_key}\0".encode())
+    for path in files:
+        st = path.stat()
+        try:
+            rel = path.relative_to(root).as_posix()
+        except ValueError:
+            rel = path.resolve().as_posix()
+        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- cache helpers
+
+
+def _short_key(*parts: object) -> str:
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def _publish(write: Callable[[Any], None], final: Path) -> None:
+    """Write via a temp file in final's directory, then publish it atomically.
+
+    The first publisher wins (os.link refuses to overwrite), so racing processes all read the same
+    file even if their contents could differ; os.replace is the fallback where hard links are missing.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            pass
+        except OSError:
+            os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _cache_dir(cfg: DataConfig) -> Path:
+    return Path(os.path.expanduser(cfg.cache_dir))
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def byte_tokenizer() -> Tokenizer:
+    """256 byte tokens (id = byte value) + <|endoftext|> (id 256), as a merge-free byte-level BPE."""
+    # GPT-2's printable stand-ins for the 256 bytes, which is what the ByteLevel pre-tokenizer emits.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    vocab = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOD_TOKEN])
+    return tok
+
+
+def _train_bpe(files: list[Path], cfg: DataConfig, vocab_size: int) -> Tokenizer:
+    def sample() -> Iterator[str]:
+        seen = 0
+        for doc in iter_documents(files, cfg.text_key):
+            yield doc
+            seen += len(doc)
+            if seen >= _BPE_TRAIN_CHARS:
+                return
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sample(), trainer=trainer)
+    return tok
+
+
+def tokenizer_vocab(tok: Tokenizer) -> int:
+    """Rows a model needs for this tokenizer: largest id + 1 (robust to holes in the id space)."""
+    return max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def _tokenizer_file(cfg: DataConfig, vocab_size: int, files: list[Path] | None = None,
+                    fingerprint: str | None = None) -> tuple[Path, bool]:
+    """Path of the tokenizer.json to use, creating it if needed; also whether it was already there."""
+    kind = cfg.tokenizer
+    if kind in ("byte", "bpe"):
+        if vocab_size < 257:
+            raise ConfigError("model.vocab_size", f"{vocab_size} is too small for the {kind} tokenizer "
+                              "(256 bytes + <|endoftext|> need 257)", "set model.vocab_size >= 257")
+        if kind == "byte":
+            text: str | None = byte_tokenizer().to_str()
+            key = _short_key("byte", text)
+        else:
+            text = None
+            files = corpus_files(cfg) if files is None else files
+            key = _short_key(fingerprint or corpus_fingerprint(cfg, files), vocab_size, "bpe")
+        path = _cache_dir(cfg) / "tokenizers" / f"{key}.json"
+        existed = path.is_file()
+        if not existed:
+            data = (text or _train_bpe(files or [], cfg, vocab_size).to_str()).encode()
+            _publish(lambda f: f.write(data), path)
+        return path, existed
+    path = Path(os.path.expanduser(kind))
+    if not path.is_file():
+        raise ConfigError("data.tokenizer", f"{kind!r} is neither 'bpe', 'byte' nor an existing file",
+                          'use "bpe", "byte" or the path of a tokenizer.json')
+    return path, True
+
+
+def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception on malformed files
+        raise ConfigError("data.tokenizer", f"cannot load {path}: {e}", "give a valid tokenizer.json") from None
+    n = tokenizer_vocab(tok)
+    if n > vocab_size:
+        raise ConfigError("model.vocab_size", f"the tokenizer {path} has {n} tokens but the model only "
+                          f"{vocab_size} embedding rows", f"set model.vocab_size >= {n}")
+    return tok
+
+
+def load_or_train_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer:
+    """The run's tokenizer: byte-level, BPE trained on the corpus (cached), or a user's tokenizer.json."""
+    path, _ = _tokenizer_file(cfg, vocab_size)
+    return _load_tokenizer(path, vocab_size)
+
+
+def eod_id(tok: Tokenizer, path: Path | str = "") -> int:
+    """Id of the end-of-document token appended after every document."""
+    for name in _EOD_CANDIDATES:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    raise ConfigError("data.tokenizer", f"the tokenizer {path} has no end-of-document token "
+                      f"(looked for {', '.join(_EOD_CANDIDATES)})", f"add {EOD_TOKEN} as a special token")
+
+
+# ---------------------------------------------------------------- token array
+
+
+@dataclass
+class PreparedData:
+    """What training needs from the data side; tokenizer_path travels with checkpoints."""
+
+    tokens: np.ndarray  # 1-D, documents each followed by eod_id; memory-mapped from the cache
+    tokenizer_path: Path
+    tokenizer_vocab: int
+    eod_id: int
+    num_documents: int
+    fingerprint: str
+
+
+def _tokenize(files: list[Path], cfg: DataConfig, tok: Tokenizer, eod: int, dtype: type) -> np.ndarray:
+    # Corpus text that happens to spell "<|endoftext|>" stays text, so eod_id marks document ends only.
+    tok.encode_special_tokens = True
+    chunks: list[np.ndarray] = []
+
+    def flush(docs: list[str]) -> None:
+        ids: list[int] = []
+        for enc in tok.encode_batch_fast(docs, add_special_tokens=False):
+            ids.extend(enc.ids)
+            ids.append(eod)
+        chunks.append(np.asarray(ids, dtype=dtype))
+
+    docs: list[str] = []
+    size = 0
+    for doc in iter_documents(files, cfg.text_key):
+        docs.append(doc)
+        size += len(doc)
+        if size >= _ENCODE_CHUNK_CHARS:
+            flush(docs)
+            docs, size = [], 0
+    if docs:
+        flush(docs)
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+
+
+def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = print) -> PreparedData:
+    """Tokenizer + the whole corpus as one token array, both cached; a warm call reads only stat()s."""
+    t0 = time.perf_counter()
+    files = corpus_files(cfg)
+    fingerprint = corpus_fingerprint(cfg, files)
+    tok_path, tok_cached = _tokenizer_file(cfg, vocab_size, files, fingerprint)
+    tok = _load_tokenizer(tok_path, vocab_size)
+    n_vocab = tokenizer_vocab(tok)
+    eod = eod_id(tok, tok_path)
+    key = _short_key(fingerprint, _file_sha256(tok_path))
+    npy = _cache_dir(cfg) / "tokens" / f"{key}.npy"
+    tokens_cached = npy.is_file()
+    if not tokens_cached:
+        dtype = np.uint16 if n_vocab <= 1 << 16 else np.int32
+        arr = _tokenize(files, cfg, tok, eod, dtype)
+        _publish(lambda f: np.save(f, arr, allow_pickle=False), npy)
+    tokens = np.load(npy, mmap_mode="r", allow_pickle=False)
+    num_documents = int(np.count_nonzero(tokens == eod))
+    trained = not tok_cached and cfg.tokenizer == "bpe"
+    what = "cached" if tokens_cached else ("tokenizer trained, tokenized" if trained else "tokenized")
+    source = "stdlib" if not cfg.path else cfg.path
+    log(f"data: {source}, {len(files)} files, {num_documents} docs, {len(tokens) / 1e6:.1f}M tokens, "
+        f"vocab {n_vocab} ({what}, {time.perf_counter() - t0:.1f}s)")
+    return PreparedData(tokens, tok_path, n_vocab, eod, num_documents, fingerprint)
+
+
+# ---------------------------------------------------------------- batches
+
+
+def split_inputs_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T+1) windows -> inputs (B, T) and next-token targets (B, T), contiguous so .view() works."""
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class TokenBatches:
+    """Global batches of (seq_len+1)-token windows in a seeded order that no parallel layout changes.
+
+    The sample stream is the concatenation of per-epoch permutations of all windows; step s takes
+    stream items [s*B, (s+1)*B). The loader's position is the step alone, which makes resuming exact.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
+        if seq_len < 1 or global_batch < 1:
+            raise ValueError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be >= 1")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.num_windows = max(len(tokens) - 1, 0) // seq_len
+        if self.num_windows == 0:
+            raise ConfigError("data.path", f"the corpus has {len(tokens)} tokens, fewer than one sequence of "
+                              f"train.seq_len + 1 = {seq_len + 1}", "use a bigger corpus or a smaller train.seq_len")
+        if self.num_windows < global_batch:
+            raise ConfigError("train.global_batch", f"{global_batch} sequences per step, but the corpus only has "
+                              f"{self.num_windows} windows of {seq_len} tokens",
+                              f"set train.global_batch <= {self.num_windows}, lower train.seq_len, "
+                              "or use a bigger corpus")
+        self._offsets = np.arange(seq_len + 1, dtype=np.int64)
+        self._perms: dict[int, np.ndarray] = {}  # a step spans at most two epochs; keep those
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            if len(self._perms) >= 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = torch.randperm(self.num_windows, generator=g).numpy()
+        return self._perms[epoch]
+
+    def window_indices(self, start: int, stop: int) -> np.ndarray:
+        """Window ids of sample-stream items [start, stop)."""
+        items = np.arange(start, stop, dtype=np.int64)
+        epochs, pos = np.divmod(items, self.num_windows)
+        out = np.empty_like(items)
+        for e in np.unique(epochs):
+            mask = epochs == e
+            out[mask] = self._perm(int(e))[pos[mask]]
+        return out
+
+    def _rows(self, start: int, stop: int) -> torch.Tensor:
+        starts = self.window_indices(start, stop) * self.seq_len
+        # Fancy indexing reads just these windows from the memmap.
+        windows = self.tokens[starts[:, None] + self._offsets[None, :]]
+        return torch.from_numpy(windows.astype(np.int64))
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        """All B windows of a step, shape (global_batch, seq_len + 1), int64."""
+        return self._rows(step * self.global_batch, (step + 1) * self.global_batch)
+
+    def local_micro_batches(self, step: int, batch_rank: int, batch_size: int, micro_batch: int) -> list[torch.Tensor]:
+        """This batch rank's contiguous share of the global batch, cut into micro-batches in order."""
+        if batch_size < 1 or self.global_batch % batch_size:
+            raise ValueError(f"global_batch {self.global_batch} is not divisible by the batch size {batch_size}")
+        local = self.global_batch // batch_size
+        if micro_batch < 1 or local % micro_batch:
+            raise ValueError(f"local batch {local} is not divisible by micro_batch {micro_batch}")
+        if not 0 <= batch_rank < batch_size:
+            raise ValueError(f"batch_rank {batch_rank} is outside [0, {batch_size})")
+        start = step * self.global_batch + batch_rank * local
+        return list(self._rows(start, start + local).split(micro_batch))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,
+                "num_windows": self.num_windows}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse to resume onto different data: the step alone would then point at other samples."""
+        fields = {"seed": "train.seed", "seq_len": "train.seq_len", "global_batch": "train.global_batch",
+                  "num_windows": "data.path"}
+        mine = self.state_dict()
+        for key, field in fields.items():
+            if state.get(key) != mine[key]:
+                what = "the corpus or tokenizer changed" if key == "num_windows" else f"{field} changed"
+                raise ConfigError(field, f"the checkpoint was written with {key}={state[key]}, this run has "
+                                  f"{mine[key]} ({what})", "restore the original setting, or start a fresh run "
+                                  "(checkpoint.resume=false or another checkpoint.dir)")

@@ -1,0 +1,62 @@
+"""AdamW with decoupled weight decay, warm-up + cosine schedule, gradient clipping by global norm."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shardwise.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (linear weights, embeddings); no decay for norm gains and biases (1-D), as in
+    GPT-3 / Megatron-LM. Grouping by dimensionality works on shards too: a DTensor keeps its ndim."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None) -> torch.optim.Optimizer:
+    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
+    groups = param_groups(model, t.weight_decay)
+    if zero1_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # ZeroRedundancyOptimizer takes the first group positionally and the rest via add_param_group.
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      process_group=zero1_group, weight_decay=groups[0]["weight_decay"], **kwargs)
+        opt.add_param_group(groups[1])
+        return opt
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_lambda(t: TrainConfig):
+    """Linear warm-up to lr, then cosine decay to min_lr_ratio x lr at the last step
+    (Loshchilov & Hutter 2017, arXiv 1608.03983, without restarts)."""
+    warmup, total, floor = t.warmup_steps, t.steps, t.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm over all gradients, then clip. With FSDP2 the norm of DTensor shards is a
+    partial sum over the shard axis; `full_tensor()` reduces it over exactly the ranks that hold
+    different shards (and not over replicas), so every layout computes the same global norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total, foreach=True)
+    return total

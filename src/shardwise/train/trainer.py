@@ -1,0 +1,223 @@
+"""The training loop: data -> forward/backward (accumulated) -> clip -> optimizer -> metrics -> checkpoint.
+
+One Trainer serves every layout. On one process it runs without any process group (the reference
+of the parity contract); under torchrun (or a test harness that initialized the default group) it
+uses the mesh ParallelDims builds. Loss is the token mean over the whole global batch (DESIGN §3).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardwise.config import Config
+from shardwise.models import build_model
+from shardwise.parallel.data import (
+    batch_group,
+    gradient_sync_each_microbatch,
+    unwrap,
+    uses_ddp,
+    uses_fsdp,
+    zero1_group,
+)
+from shardwise.parallel.parallelize import build_parallel_model
+from shardwise.parallel.precision import DynamicLossScaler, autocast
+from shardwise.plan.hardware import device_peak_flops
+from shardwise.preflight import check, check_batch
+from shardwise.train.checkpoint import CheckpointManager, full_model_state
+from shardwise.train.data import TokenBatches, prepare_data, split_inputs_targets
+from shardwise.train.metrics import ActivationMeter, MetricsLogger, memory_by_category, mfu, tokens_per_s_per_device
+from shardwise.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    seconds: float
+    skipped: bool
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        local = dist.get_rank() % torch.cuda.device_count() if dist.is_initialized() else 0
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, cfg: Config, log: Callable[[str], None] = print, single_process: bool = False):
+        """`single_process=True` ignores an initialized process group (the in-process reference)."""
+        self.cfg = cfg
+        distributed = dist.is_initialized() and not single_process
+        self.rank = dist.get_rank() if distributed else 0
+        world_size = dist.get_world_size() if distributed else 1
+        self.device = default_device()
+        self.dims = check(cfg, world_size)
+        self.accumulation = check_batch(cfg, self.dims)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.batch_group = batch_group(self.mesh, self.dims) if self.mesh is not None else None
+        self.batch_rank = self.dims.batch_rank(self.rank)
+        self.run_dir = Path(cfg.run.dir)
+        self.log = log if self.rank == 0 else (lambda _msg: None)
+
+        self.data = prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
+        t = cfg.train
+        self.batches = TokenBatches(self.data.tokens, t.seq_len, t.global_batch, t.seed)
+
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        self.num_params = model.num_params()
+        self.flops_per_token = model.flops_per_token(t.seq_len)
+        self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
+        self.inner = unwrap(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        zero1 = zero1_group(self.mesh, self.dims) if cfg.parallel.zero == 1 else None
+        self.optimizer = build_optimizer(self.inner, t, zero1)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
+        self.world_group = dist.group.WORLD if distributed else None
+        self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len
+        self.step = 0
+        self.activation_bytes = 0
+        self.last_memory: dict[str, int] = {}
+        self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep)
+        if cfg.checkpoint.resume:
+            self._maybe_resume()
+
+    # ---- one optimizer step ----
+    def _sync_context(self, last_microbatch: bool):
+        """Skip gradient reduction on all but the last micro-batch (DDP no_sync / FSDP2 flag)."""
+        if uses_ddp(self.cfg.parallel, self.dims) and not last_microbatch:
+            return self.model.no_sync()
+        if uses_fsdp(self.cfg.parallel, self.dims) and not gradient_sync_each_microbatch(self.cfg.parallel):
+            self.model.set_requires_gradient_sync(last_microbatch)
+        return contextlib.nullcontext()
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with autocast(self.cfg.train.precision, self.device.type):
+            logits = self.model(inputs)
+        # Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
+        # makes it the token mean over the global batch, identical to the reference.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / self.tokens_per_rank_step
+
+    def train_step(self, measure_memory: bool = False) -> StepResult:
+        """One optimizer step; `measure_memory` records bytes by category while gradients exist."""
+        start = time.perf_counter()
+        t = self.cfg.train
+        micro = self.batches.local_micro_batches(self.step, self.batch_rank, self.dims.dp, t.micro_batch)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro):
+            inputs, targets = (x.to(self.device, non_blocking=True) for x in split_inputs_targets(batch))
+            last = i == len(micro) - 1
+            with self._sync_context(last):
+                if self.activation_bytes == 0 and i == 0:
+                    with ActivationMeter(exclude=self.inner) as meter:
+                        loss = self._loss(inputs, targets)
+                    self.activation_bytes = meter.bytes
+                else:
+                    loss = self._loss(inputs, targets)
+                self.scaler.scale_loss(loss).backward()
+            loss_sum += loss.detach()
+        found_inf = self.scaler.unscale_((p.grad for p in self.params if p.grad is not None), self.world_group)
+        grad_norm = clip_grad_norm(self.params, t.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        if not found_inf:
+            self.optimizer.step()
+        self.scaler.update(found_inf)
+        self.scheduler.step()
+        if measure_memory:
+            self.last_memory = self.memory()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.batch_group is not None:
+            dist.all_reduce(loss_sum, group=self.batch_group)
+            loss_sum /= self.dims.dp
+        self.step += 1
+        return StepResult(loss_sum.item(), float(grad_norm), lr, time.perf_counter() - start, found_inf)
+
+    # ---- the loop ----
+    def train(self) -> list[float]:
+        t = self.cfg.train
+        writer = self.rank == 0
+        if writer:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics = MetricsLogger(self.run_dir, t.steps, self.step, is_writer=writer, progress=self.cfg.run.progress,
+                                tensorboard=self.cfg.run.tensorboard)
+        peak, peak_label = device_peak_flops(self.device.type, t.precision,
+                                             torch.cuda.get_device_name() if self.device.type == "cuda" else None)
+        metrics.print(f"model: {self.cfg.model.arch} {self.num_params / 1e6:.2f}M params, layout {self.dims.describe()} "
+                      f"x{self.dims.world_size}, zero={self.cfg.parallel.zero}, accumulation {self.accumulation}, "
+                      f"peak {peak / 1e9:.1f} GFLOP/s ({peak_label})")
+        losses: list[float] = []
+        tokens_per_step = t.global_batch * t.seq_len
+        ckpt_every = self.cfg.checkpoint.every
+        try:
+            while self.step < t.steps:
+                logging_step = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
+                r = self.train_step(measure_memory=logging_step)
+                losses.append(r.loss)
+                tps = tokens_per_step / r.seconds
+                metrics.progress(self.step, r.loss, tps)
+                if logging_step:
+                    per_device = tokens_per_s_per_device(tokens_per_step // self.dims.dp, r.seconds, self.dims.non_dp)
+                    record = {"loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
+                              "tokens_per_s_per_device": per_device, "step_time_s": r.seconds,
+                              "mfu": mfu(self.flops_per_token, per_device, peak), "skipped": int(r.skipped),
+                              "loss_scale": self.scaler.scale}
+                    record.update({f"mem_{k}_bytes": v for k, v in self.last_memory.items()})
+                    metrics.log(self.step, record)
+                if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
+                    self.save_checkpoint()
+            if self.cfg.checkpoint.final and self.checkpoints_enabled():
+                self.save_checkpoint()
+            if self.cfg.run.save_final_model:
+                self.save_full_model(self.run_dir / "final_model.pt")
+        finally:
+            metrics.close()
+        return losses
+
+    def memory(self) -> dict[str, int]:
+        mem = memory_by_category(self.inner, self.optimizer)
+        mem["activations"] = self.activation_bytes
+        return mem
+
+    # ---- checkpoints ----
+    def checkpoints_enabled(self) -> bool:
+        return self.cfg.checkpoint.every > 0 or self.cfg.checkpoint.final
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "data": self.batches.state_dict(), "layout": self.dims.describe(), "world_size": self.dims.world_size}
+
+    def save_checkpoint(self) -> Path:
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
+                                     {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml"})
+        self.log(f"checkpoint: saved step {self.step} to {path}")
+        return path
+
+    def _maybe_resume(self) -> None:
+        path = self.checkpoints.latest()
+        if path is None:
+            return
+        state = self.checkpoints.load(path, self.model, self.optimizer)
+        self.batches.check_state(state["data"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        self.log(f"checkpoint: resumed from {path} at step {self.step}")
+
+    def save_full_model(self, path: Path) -> None:
+        state = full_model_state(self.model)
+        if self.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)

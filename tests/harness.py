@@ -1,0 +1,83 @@
+"""Run a function on N local processes joined in a gloo process group — once per world size.
+
+Fork is used because it starts a 4-process group in ~4 s instead of ~10 s with spawn (DESIGN §9).
+It is only safe while the parent has run no multi-threaded work, so callers run their
+single-process references *after* the worlds they need. Every child is joined or killed and
+every exit code checked; a failure re-raises the child's traceback in the parent.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+PG_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable[[int], Any], results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+        results.put((rank, "ok", fn(rank)))
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    os._exit(code)
+
+
+def run_world(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600) -> list[Any]:
+    """fn(rank) runs on every rank of a fresh gloo world; returns [result of rank 0, 1, ...]."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, results), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected: dict[int, tuple[str, Any]] = {}
+    try:
+        import queue
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(collected) < world_size:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            collected[rank] = (status, value)
+            if status == "error":
+                break  # the other ranks would only hang on collectives now
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(collected) == world_size else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(collected.items()) if s == "error"]
+    if errors:
+        raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
+    if len(collected) < world_size:
+        missing = sorted(set(range(world_size)) - set(collected))
+        raise RuntimeError(f"ranks {missing} did not report within {timeout_s}s "
+                           f"(exit codes {[p.exitcode for p in procs]})")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"worker exit codes {[p.exitcode for p in procs]}")
+    return [collected[r][1] for r in range(world_size)]

@@ -1,0 +1,261 @@
+"""Corpus discovery, tokenizers, the token cache, and layout-independent batches (shardwise.train.data)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from shardwise.config import DataConfig
+from shardwise.errors import ConfigError
+from shardwise.train import data as D
+from shardwise.train.data import (TokenBatches, corpus_files, iter_documents, load_or_train_tokenizer,
+                                  prepare_data, split_inputs_targets)
+
+EXCLUDED = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- discovery and reading
+
+
+def test_default_corpus_is_stdlib_sorted_without_tests():
+    root = D._stdlib_root()
+    files = corpus_files(DataConfig(path=""))
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert len(files) > 100
+    assert rel == sorted(rel)
+    assert all(r.endswith(".py") for r in rel)
+    assert not any(set(r.split("/")[:-1]) & EXCLUDED for r in rel)
+    assert not any(r.split("/")[-1].startswith("test_") for r in rel)
+    assert "os.py" in rel and "json/__init__.py" in rel
+
+
+def test_default_corpus_exclusions_on_a_fake_stdlib(tmp_path, monkeypatch):
+    for rel in ["b.py", "a/z.py", "a/b.py", "a.py", "notes.txt", "test_x.py", "pkg/test_y.py", "pkg/mytest.py",
+                "test/t.py", "pkg/tests/t.py", "idlelib/idle_test/t.py", "site-packages/s.py",
+                "dist-packages/d.py"]:
+        _write(tmp_path / rel, "x = 1\n")
+    monkeypatch.setattr(D, "_stdlib_root", lambda: tmp_path)
+    rel = [f.relative_to(tmp_path).as_posix() for f in corpus_files(DataConfig())]
+    assert rel == ["a.py", "a/b.py", "a/z.py", "b.py", "pkg/mytest.py"]
+
+
+def test_user_paths_file_directory_glob_and_errors(tmp_path):
+    for rel in ["d/b.txt", "d/a.md", "d/sub/c.jsonl", "d/sub/e.parquet", "d/x.bin", "d/.hidden/h.txt", "d/.h.txt"]:
+        _write(tmp_path / rel, "{}")
+    got = [f.relative_to(tmp_path / "d").as_posix() for f in corpus_files(DataConfig(path=str(tmp_path / "d")))]
+    assert got == ["a.md", "b.txt", "sub/c.jsonl", "sub/e.parquet"]
+    assert corpus_files(DataConfig(path=str(tmp_path / "d/b.txt"))) == [tmp_path / "d/b.txt"]
+    assert corpus_files(DataConfig(path=str(tmp_path / "d/**/*.jsonl"))) == [tmp_path / "d/sub/c.jsonl"]
+    for bad in ["nope.txt", "d/*.nothing"]:
+        with pytest.raises(ConfigError) as e:
+            corpus_files(DataConfig(path=str(tmp_path / bad)))
+        assert e.value.field == "data.path" and e.value.fix
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no"):
+        corpus_files(DataConfig(path=str(tmp_path / "empty")))
+
+
+def test_home_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write(tmp_path / "corpus.txt", "hi")
+    assert corpus_files(DataConfig(path="~/corpus.txt")) == [tmp_path / "corpus.txt"]
+
+
+def test_reading_text_jsonl_parquet(tmp_path):
+    txt = _write(tmp_path / "a.txt", "héllo\nworld\n")
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff\xfe end")
+    jl = _write(tmp_path / "b.jsonl", '{"text": "one", "id": 1}\n\n{"text": "two"}\n{"text": ""}\n')
+    pq.write_table(pa.table({"body": ["p1", None, "p2"], "n": [1, 2, 3]}), tmp_path / "c.parquet")
+    docs = list(iter_documents([txt, tmp_path / "bad.txt", jl], "text"))
+    assert docs == ["héllo\nworld\n", "ok \ufffd\ufffd end", "one", "two"]
+    assert list(iter_documents([tmp_path / "c.parquet"], "body")) == ["p1", "p2"]
+
+
+def test_missing_text_key_names_the_keys_found(tmp_path):
+    jl = _write(tmp_path / "b.jsonl", '{"content": "one", "id": 1}\n')
+    with pytest.raises(ConfigError) as e:
+        list(iter_documents([jl], "text"))
+    assert e.value.field == "data.text_key" and "content" in e.value.problem and "id" in e.value.problem
+    pq.write_table(pa.table({"body": ["p1"]}), tmp_path / "c.parquet")
+    with pytest.raises(ConfigError) as e:
+        list(iter_documents([tmp_path / "c.parquet"], "text"))
+    assert e.value.field == "data.text_key" and "body" in e.value.problem
+    broken = _write(tmp_path / "broken.jsonl", "{not json\n")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        list(iter_documents([broken], "text"))
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer_roundtrip(tmp_path):
+    cfg = DataConfig(tokenizer="byte", cache_dir=str(tmp_path / "cache"))
+    tok = load_or_train_tokenizer(cfg, 257)
+    text = "def f(x):\n\treturn 'héllo wörld' 🙂  \x00\xff"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.token_to_id("<|endoftext|>") == 256 and tok.get_vocab_size() == 257
+    assert len(list((tmp_path / "cache/tokenizers").glob("*.json"))) == 1
+    with pytest.raises(ConfigError) as e:
+        load_or_train_tokenizer(cfg, 256)
+    assert e.value.field == "model.vocab_size"
+
+
+def _small_corpus(tmp_path: Path) -> Path:
+    words = ["alpha", "beta", "gamma", "delta", "return", "self", "value", "import"]
+    for i in range(6):
+        body = "\n".join(f"def f{j}(x):\n    return {words[(i + j) % 8]} + x * {j}" for j in range(40))
+        _write(tmp_path / "corpus" / f"doc{i}.py", body)
+    return tmp_path / "corpus"
+
+
+def test_bpe_is_trained_once_and_cached(tmp_path, monkeypatch):
+    cfg = DataConfig(path=str(_small_corpus(tmp_path)), tokenizer="bpe", cache_dir=str(tmp_path / "cache"))
+    tok = load_or_train_tokenizer(cfg, 300)
+    cached = list((tmp_path / "cache/tokenizers").glob("*.json"))
+    assert len(cached) == 1 and 257 < tok.get_vocab_size() <= 300
+    assert tok.token_to_id("<|endoftext|>") is not None
+    stamp = cached[0].stat().st_mtime_ns
+
+    def no_training(*a, **k):
+        raise AssertionError("retrained although cached")
+
+    monkeypatch.setattr(D, "_train_bpe", no_training)
+    tok2 = load_or_train_tokenizer(cfg, 300)
+    assert tok2.to_str() == tok.to_str()
+    assert list((tmp_path / "cache/tokenizers").glob("*.json")) == cached and cached[0].stat().st_mtime_ns == stamp
+    assert not list((tmp_path / "cache/tokenizers").glob(".*"))  # no temp files left behind
+    with pytest.raises(AssertionError, match="retrained"):  # another vocab size is another tokenizer
+        load_or_train_tokenizer(cfg, 320)
+
+
+def test_tokenizer_file_errors(tmp_path):
+    cache = str(tmp_path / "cache")
+    with pytest.raises(ConfigError) as e:
+        load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "missing.json"), cache_dir=cache), 1000)
+    assert e.value.field == "data.tokenizer"
+    path = tmp_path / "tok.json"
+    D.byte_tokenizer().save(str(path))
+    assert load_or_train_tokenizer(DataConfig(tokenizer=str(path), cache_dir=cache), 300).get_vocab_size() == 257
+    with pytest.raises(ConfigError) as e:
+        load_or_train_tokenizer(DataConfig(tokenizer=str(path), cache_dir=cache), 200)
+    assert e.value.field == "model.vocab_size" and "257" in e.value.fix
+
+
+# ---------------------------------------------------------------- token array
+
+
+def test_prepare_data_byte_tokens_are_the_bytes(tmp_path):
+    _write(tmp_path / "c/a.txt", "ab<|endoftext|>")
+    _write(tmp_path / "c/b.jsonl", '{"text": "x"}\n{"text": "yz"}\n')
+    _write(tmp_path / "c/e.txt", "")
+    logs: list[str] = []
+    d = prepare_data(DataConfig(path=str(tmp_path / "c"), tokenizer="byte", cache_dir=str(tmp_path / "cache")),
+                     512, log=logs.append)
+    want = [*b"ab<|endoftext|>", 256, *b"x", 256, *b"yz", 256]
+    assert d.tokens.tolist() == want and d.tokens.dtype == np.uint16
+    assert d.eod_id == 256 and d.tokenizer_vocab == 257 and d.num_documents == 3
+    assert len(logs) == 1 and logs[0].startswith("data:")
+
+
+def test_prepare_data_is_cached(tmp_path, monkeypatch):
+    cfg = DataConfig(path=str(_small_corpus(tmp_path)), tokenizer="bpe", cache_dir=str(tmp_path / "cache"))
+    logs: list[str] = []
+    cold = prepare_data(cfg, 300, log=logs.append)
+    assert isinstance(cold.tokens, np.memmap) and cold.tokens.ndim == 1
+    assert cold.num_documents == 6 and int(cold.tokens[-1]) == cold.eod_id
+    assert len(list((tmp_path / "cache/tokens").glob("*.npy"))) == 1
+
+    def no_work(*a, **k):
+        raise AssertionError("recomputed although cached")
+
+    monkeypatch.setattr(D, "_tokenize", no_work)
+    monkeypatch.setattr(D, "_train_bpe", no_work)
+    warm = prepare_data(cfg, 300, log=logs.append)
+    assert np.array_equal(warm.tokens, cold.tokens) and warm.fingerprint == cold.fingerprint
+    assert warm.tokenizer_path == cold.tokenizer_path and "cached" in logs[-1]
+    # Touching the corpus changes the fingerprint, so the cache is not reused.
+    _write(tmp_path / "corpus/doc9.py", "x = 1\n")
+    assert D.corpus_fingerprint(cfg, corpus_files(cfg)) != cold.fingerprint
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _batches(n_tokens: int = 1001, seq_len: int = 10, global_batch: int = 8, seed: int = 3) -> TokenBatches:
+    return TokenBatches(np.arange(n_tokens, dtype=np.uint16), seq_len, global_batch, seed)
+
+
+def test_windows_and_targets():
+    tb = _batches()
+    assert tb.num_windows == 100
+    batch = tb.global_batch_at(0)
+    assert batch.shape == (8, 11) and batch.dtype == torch.int64
+    for row in batch:
+        start = int(row[0])
+        assert start % 10 == 0 and row.tolist() == list(range(start, start + 11))
+    x, y = split_inputs_targets(batch)
+    assert x.shape == y.shape == (8, 10) and torch.equal(x[:, 1:], y[:, :-1])
+    assert x.is_contiguous() and y.is_contiguous()
+
+
+def test_order_is_deterministic_and_seeded():
+    a, b, c = _batches(seed=3), _batches(seed=3), _batches(seed=4)
+    for step in [0, 5, 12, 30]:
+        assert torch.equal(a.global_batch_at(step), b.global_batch_at(step))
+    assert not torch.equal(a.global_batch_at(0), c.global_batch_at(0))
+    g = torch.Generator().manual_seed(3 * 7919 + 1)
+    first_of_epoch1 = int(torch.randperm(100, generator=g)[0])  # step 12, row 4 = stream item 100 = epoch 1, pos 0
+    assert int(a.global_batch_at(12)[4, 0]) == first_of_epoch1 * 10
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 4])
+def test_local_micro_batches_cover_the_global_batch(batch_size):
+    tb = _batches(global_batch=8)
+    for step in [0, 3, 12]:  # 12 spans the epoch boundary
+        full = tb.global_batch_at(step)
+        for micro in [m for m in (1, 2, 4, 8) if (8 // batch_size) % m == 0]:
+            parts = [mb for r in range(batch_size) for mb in tb.local_micro_batches(step, r, batch_size, micro)]
+            assert all(mb.shape == (micro, 11) for mb in parts)
+            assert torch.equal(torch.cat(parts), full)
+    with pytest.raises(ValueError):
+        tb.local_micro_batches(0, 0, 3, 1)
+    with pytest.raises(ValueError):
+        tb.local_micro_batches(0, 0, 2, 3)
+
+
+def test_epochs_wrap_and_cover_every_window_once():
+    tb = _batches(n_tokens=161, seq_len=10, global_batch=4)  # 16 windows: 4 steps per epoch
+    for epoch in range(3):
+        starts = torch.cat([tb.global_batch_at(s)[:, 0] for s in range(4 * epoch, 4 * epoch + 4)])
+        assert sorted(starts.tolist()) == list(range(0, 160, 10))
+    assert not torch.equal(tb.global_batch_at(0), tb.global_batch_at(4))
+
+
+def test_too_small_corpus_and_resume_checks():
+    with pytest.raises(ConfigError) as e:
+        _batches(n_tokens=10, seq_len=10)
+    assert e.value.field == "data.path"
+    with pytest.raises(ConfigError) as e:
+        _batches(n_tokens=51, seq_len=10, global_batch=8)
+    assert e.value.field == "train.global_batch" and "5 windows" in e.value.problem
+    tb = _batches()
+    state = tb.state_dict()
+    assert state == {"seed": 3, "seq_len": 10, "global_batch": 8, "num_windows": 100}
+    tb.check_state(json.loads(json.dumps(state)))
+    for key, field in [("seed", "train.seed"), ("num_windows", "data.path"), ("global_batch", "train.global_batch")]:
+        with pytest.raises(ConfigError) as e:
+            tb.check_state({**state, key: state[key] + 1})
+        assert e.value.field == field

@@ -1,0 +1,175 @@
+"""train/metrics.py: DESIGN §5 formulas, per-category memory, activation meter, rank-0 logger."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.train.metrics import (
+    ActivationMeter,
+    MetricsLogger,
+    memory_by_category,
+    mfu,
+    plot_loss_curve,
+    read_metrics,
+    tensor_bytes,
+    tokens_per_s_per_device,
+)
+
+
+# ---- formulas ----
+def test_tokens_per_s_per_device():
+    # 8192 tokens on one data-parallel replica in 2 s, shared by tp=2 x pp=2 devices -> 1024 tok/s/device
+    assert tokens_per_s_per_device(8192, 2.0, 4) == 1024.0
+    assert tokens_per_s_per_device(1000, 0.5, 1) == 2000.0
+    with pytest.raises(ValueError):
+        tokens_per_s_per_device(1, 0.0, 1)
+
+
+def test_mfu_hand_numbers():
+    # A 1B-parameter model at 6N = 6e9 FLOP/token, 3000 tok/s per H100 (989.4 TFLOP/s bf16 dense):
+    # 6e9 * 3000 / 989.4e12 = 0.018193...
+    assert mfu(6e9, 3000.0, 989.4e12) == pytest.approx(0.0181928, rel=1e-5)
+    assert mfu(100.0, 10.0, 1000.0) == 1.0
+    with pytest.raises(ValueError):
+        mfu(1.0, 1.0, 0.0)
+
+
+# ---- memory ----
+def test_tensor_bytes_dedupes_views_of_one_storage():
+    t = torch.zeros(4, 8)
+    assert tensor_bytes([t, t[0], t.view(-1), t.t(), t]) == 4 * 8 * 4
+    assert tensor_bytes([t, torch.zeros(3, dtype=torch.bfloat16)]) == 128 + 6
+    # A view keeps its whole storage alive, so it counts the storage, not the slice.
+    assert tensor_bytes([t[1:2]]) == 128
+
+
+def test_tensor_bytes_meta_counts_without_dedupe():
+    m = torch.empty(10, device="meta")
+    assert tensor_bytes([m, torch.empty(5, device="meta")]) == 60
+
+
+def test_memory_by_category_adamw_after_one_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    numel = sum(p.numel() for p in model.parameters())  # 16*32+32 + 32*4+4 = 676
+    opt = torch.optim.AdamW(model.parameters())
+    assert memory_by_category(model, opt)["grads"] == 0 and memory_by_category(model, opt)["optimizer"] == 0
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    mem = memory_by_category(model, opt)
+    assert mem["params"] == 4 * numel == 2704
+    assert mem["grads"] == 4 * numel
+    # exp_avg + exp_avg_sq (fp32, numel each) + one fp32 scalar `step` tensor per parameter tensor.
+    assert mem["optimizer"] == 2 * 4 * numel + 4 * len(list(model.parameters()))
+    assert mem["buffers"] == 0
+    assert memory_by_category(model, None)["optimizer"] == 0
+
+
+def test_memory_counts_tied_parameters_once():
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleList([emb, head])
+    assert memory_by_category(model, None)["params"] == 10 * 4 * 4
+
+
+# ---- activations ----
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def test_activation_meter_mlp_by_hand():
+    """Linear(16,32) -> ReLU -> Linear(32,4) on x of shape (8,16), fp32, x without grad:
+    - Linear1 = addmm(b1, x, W1.t()) saves x for dW1 (W1.t() is saved only when x needs a grad);
+    - ReLU saves its output h (threshold_backward uses the result): 8*32 floats;
+    - Linear2 saves h again (same storage, counted once) for dW2 and W2.t() for dh (a parameter).
+    So 4 * (8*16 + 8*32) = 1536 bytes."""
+    model = _mlp()
+    x = torch.randn(8, 16)
+    with ActivationMeter(exclude=model.parameters()) as meter:
+        model(x)
+    assert meter.bytes == 4 * (8 * 16 + 8 * 32) == 1536
+    with ActivationMeter(exclude=model) as meter:  # the module form: same count
+        model(x)
+    assert meter.bytes == 1536
+
+
+def test_activation_meter_excludes_parameters_and_dedupes_views():
+    model = _mlp()
+    x = torch.randn(8, 16, requires_grad=True)  # now W1.t() is saved too (for dx)
+    with ActivationMeter(exclude=model) as meter:
+        model(x)
+    assert meter.bytes == 1536
+    with ActivationMeter() as meter:  # no exclusion: W1 (16*32) and W2 (32*4) storages appear
+        model(x)
+    assert meter.bytes == 1536 + 4 * (16 * 32 + 32 * 4)
+    # 3-D input: Linear flattens to (16,16) / (16,32) views; ReLU's (2,8,32) output and Linear2's
+    # (16,32) view of it share one storage.
+    with ActivationMeter(exclude=model) as meter:
+        model(torch.randn(2, 8, 16))
+    assert meter.bytes == 4 * (2 * 8 * 16 + 2 * 8 * 32)
+
+
+def test_activation_meter_restores_autograd():
+    model = _mlp()
+    with ActivationMeter(exclude=model) as meter:
+        loss = model(torch.randn(8, 16)).pow(2).sum()  # pow saves its input: 8*4 floats more
+    loss.backward()  # hooks unpack transparently
+    assert meter.bytes == 1536 + 4 * 8 * 4
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---- logger ----
+def test_metrics_logger_writes_jsonl_tensorboard_and_png(tmp_path):
+    run = tmp_path / "run_a"
+    logger = MetricsLogger(run, total_steps=30, start_step=0, is_writer=True, progress=False, tensorboard=True)
+    for step in (10, 20, 30):
+        logger.log(step, {"loss": 5.0 - step / 10, "lr": 1e-3 * step / 30, "mfu": torch.tensor(0.25)})
+        logger.progress(step, 1.0, 100.0)  # progress=False: no output, no error
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # flushed per line, before close
+    assert json.loads(lines[0]) == {"step": 10, "loss": 4.0, "lr": pytest.approx(1e-3 / 3), "mfu": 0.25}
+    logger.close()
+    logger.close()  # idempotent
+    assert list((run / "tensorboard").glob("events.out.tfevents*"))
+    png = run / "loss_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_non_writer_logger_writes_nothing(tmp_path, capsys):
+    run = tmp_path / "rank1"
+    logger = MetricsLogger(run, 10, 0, is_writer=False, progress=True, tensorboard=True)
+    logger.log(1, {"loss": 1.0})
+    logger.progress(1, 1.0, 1.0)
+    logger.print("hello")
+    logger.close()
+    assert not run.exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_plain_progress_lines_without_tty(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, total_steps=20, start_step=0, is_writer=True, progress=True, tensorboard=False)
+    logger.print("model: [tiny] text with brackets")
+    for step in range(1, 21):
+        logger.progress(step, 2.5, 1234.0)
+    logger.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "model: [tiny] text with brackets"
+    status = [line for line in out if line.startswith("step ")]
+    assert 10 <= len(status) <= 12  # the first step, then every 10%
+    assert status[-1].startswith("step 20/20 (100%) | loss 2.5000 | 1,234 tok/s")
+    assert "eta 0:00:00" in status[-1]
+
+
+def test_read_metrics_keeps_last_record_per_step_and_skips_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n'
+                    '{"step": 2, "loss": 2.4}\n{"step": 3, "lo')  # resumed at 1, crashed mid-line
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 3.0), (2, 2.4)]
+    out = tmp_path / "plots" / "curve.png"
+    plot_loss_curve(path, out)
+    assert out.stat().st_size > 1000

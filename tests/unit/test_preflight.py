@@ -1,0 +1,67 @@
+"""Every invalid config or layout is refused before spawning: the field, the problem, a fix.
+
+The CLI cases run `shardwise.cli.main` in-process (exit code 2, message on stderr, no traceback);
+one case runs the real console script to check the exit code a user sees.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.cli import main
+
+# (command-line arguments, field named in the message, phrase of the message)
+BAD = [
+    (["train", "--parallel.dp_shard=3", "--parallel.zero=3", "--nproc", "2"], "parallel",
+     "dp_replicate(1) * dp_shard(3) * cp(1) * tp(1) * pp(1) = 3 != world_size 2"),
+    (["train", "--parallel.dp_shard=2", "--nproc", "2"], "parallel.zero", "zero=0 shards nothing"),
+    (["train", "--parallel.zero=2", "--nproc", "1"], "parallel.zero", "dp_shard, which is 1"),
+    (["train", "--parallel.zero=5"], "parallel.zero", "must be 0, 1, 2 or 3"),
+    (["train", "--parallel.dp_replicate=2", "--parallel.offload=true", "--nproc", "2"], "parallel.offload", "needs FSDP"),
+    (["train", "--parallel.tp=2", "--parallel.dp_shard=-1", "--parallel.zero=3", "--nproc", "2"], "parallel.tp", "not implemented yet"),
+    (["train", "--parallel.pp=2", "--nproc", "2"], "parallel.pp", "not implemented yet"),
+    (["train", "--parallel.ep=3", "--parallel.dp_shard=2", "--parallel.zero=3", "--nproc", "2"], "parallel.ep", "must divide"),
+    (["train", "--parallel.dp_shard=-1", "--parallel.dp_replicate=3", "--parallel.zero=3", "--nproc", "4"],
+     "parallel.dp_shard", "not an integer"),
+    (["train", "--parallel.pp_schedule=2f2b"], "parallel.pp_schedule", "not one of"),
+    (["train", "--train.global_batch=10", "--train.micro_batch=4"], "train.global_batch", "not divisible"),
+    (["train", "--parallel.dp_replicate=2", "--train.global_batch=6", "--train.micro_batch=2", "--nproc", "2"],
+     "train.global_batch", "multiple of 4"),
+    (["train", "--train.precision=fp8"], "train.precision", "not one of"),
+    (["train", "--train.recompute=some"], "train.recompute", "not one of"),
+    (["train", "--train.seq_len=4096"], "train.seq_len", "exceeds model.max_seq_len"),
+    (["train", "--model.n_heads=5"], "model.n_heads", "not divisible by n_heads"),
+    (["train", "--model.n_kv_heads=3"], "model.n_kv_heads", "not divisible by n_kv_heads"),
+    (["train", "--model.arch=mamba"], "model.arch", "not one of"),
+    (["train", "--train.lr=0"], "train.lr", "must be > 0"),
+    (["train", "--train.steps=0"], "train.steps", "must be >= 1"),
+    (["train", "--checkpoint.keep=0"], "checkpoint.keep", "must be >= 1"),
+    (["train", "--nproc", "0"], "--nproc", "must be >= 1"),
+    (["train", "--trian.steps=3"], "trian.steps", "did you mean 'train.steps'"),
+    (["train", "--data.path=/no/such/corpus.txt"], "data.path", ""),
+    (["train", "--data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer", ""),
+    (["train", "--data.tokenizer=byte", "--model.vocab_size=100"], "model.vocab_size", ""),
+    (["parity", "--nproc", "2", "--layout", "dp_shard=4,zero=3"], "--layout", "needs 4 processes"),
+    (["parity", "--nproc", "2", "--layout", "dp_shard"], "--layout", "not key=value"),
+    (["parity", "--nproc", "2"], "--layout", "no layout given"),
+]
+
+
+@pytest.mark.parametrize("argv,field,phrase", BAD, ids=[" ".join(b[0][1:3]) for b in BAD])
+def test_refused_before_spawning(argv, field, phrase, capsys, tmp_path):
+    code = main(argv + [f"--data.cache_dir={tmp_path}", f"--run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"error: {field}:"), err
+    assert phrase in err and "fix:" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists(), "a refused config must not create a run"
+
+
+def test_console_script_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--parallel.zero=7"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "parallel.zero" in proc.stderr and "Traceback" not in proc.stderr
