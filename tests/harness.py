@@ -39,6 +39,9 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[[int], Any], resu
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # os._exit skips atexit handlers, so flush the queue's feeder thread by hand first.
+        results.close()
+        results.join_thread()
     os._exit(code)
 
 
@@ -56,11 +59,13 @@ def run_world(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600)
         import time
 
         deadline = time.monotonic() + timeout_s
-        while len(collected) < world_size:
+        while len(collected) < world_size and time.monotonic() < deadline:
             try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
-                break
+                if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
+                    break  # a rank died without reporting (crash, kill): stop waiting for it
+                continue
             collected[rank] = (status, value)
             if status == "error":
                 break  # the other ranks would only hang on collectives now

@@ -46,7 +46,8 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, pr
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(mesh=dp_mesh(mesh, dims), mp_policy=fsdp_mp_policy(precision),
-                  offload_policy=CPUOffloadPolicy() if p.offload else OffloadPolicy())
+                  # Pinned host memory speeds up GPU<->CPU copies; it needs an accelerator to exist.
+                  offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if p.offload else OffloadPolicy())
     reshard = p.zero == 3
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
