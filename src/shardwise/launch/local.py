@@ -1,6 +1,7 @@
 """Run N local worker processes through torch's own elastic launcher, exactly as `torchrun` would."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    # Split the cores between the workers (torchrun would pick 1 and warn); a user's setting wins.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     argv = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"]
     if log_dir is not None:
         argv += [f"--log-dir={log_dir}"]

@@ -1,0 +1,104 @@
+"""Checkpoints: resume on the same layout continues bitwise; DCP reshards to another layout.
+
+Each world size is spawned once; every case trains 8 steps straight through, and separately 4 steps
++ checkpoint + a fresh Trainer that resumes and runs steps 5-8.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import build_config
+from shardwise.parity import LOSS_RTOL
+from tests.harness import run_world
+
+STEPS, CUT = 8, 4
+SAME_LAYOUT = {
+    1: {"single": {}},
+    2: {"ddp2": {"parallel.dp_replicate": 2, "train.micro_batch": 4},
+        "zero1_dp2": {"parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2},
+        "zero2_dp2": {"parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 4},
+        "zero3_dp2_accum2": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 2}},
+}
+
+
+def _cfg(base, overrides: dict, ckpt_dir: Path, resume: bool):
+    extra = [(k, str(v)) for k, v in overrides.items()]
+    cfg = build_config(None, base + extra + [("train.steps", str(STEPS))])
+    cfg.run.dir = str(ckpt_dir.parent / f"{ckpt_dir.name}_run")
+    cfg.checkpoint.dir = str(ckpt_dir)
+    cfg.checkpoint.resume = resume
+    cfg.checkpoint.final = False
+    return cfg
+
+
+def _straight_and_resumed(base, overrides: dict, root: Path) -> tuple[list[float], list[float]]:
+    from shardwise.train.trainer import Trainer
+
+    straight = Trainer(_cfg(base, overrides, root / "straight", resume=False), log=lambda _m: None).train()
+    first = Trainer(_cfg(base, overrides, root / "ckpt", resume=False), log=lambda _m: None)
+    for _ in range(CUT):
+        first.train_step()
+    first.save_checkpoint()
+    del first
+    second = Trainer(_cfg(base, overrides, root / "ckpt", resume=True), log=lambda _m: None)
+    assert second.step == CUT
+    return straight, second.train()
+
+
+def _resume_other_layout(base, overrides: dict, source_ckpt: Path, root: Path) -> list[float]:
+    from shardwise.train.trainer import Trainer
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.copytree(source_ckpt, root / "ckpt")
+    dist.barrier()
+    trainer = Trainer(_cfg(base, overrides, root / "ckpt", resume=True), log=lambda _m: None)
+    assert trainer.step == CUT
+    return trainer.train()
+
+
+@pytest.fixture(scope="module")
+def results(base_overrides, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    zero3_ckpt = root / "zero3_dp2_accum2" / "ckpt"
+    single_ckpt = root / "single" / "ckpt"
+    def single(rank: int) -> dict:
+        return {"single": _straight_and_resumed(base_overrides, {}, root / "single")}
+
+    def two(rank: int) -> dict:
+        res = {name: _straight_and_resumed(base_overrides, ov, root / name) for name, ov in SAME_LAYOUT[2].items()}
+        # a one-process checkpoint resumed as ZeRO-3 / ZeRO-1 on two processes
+        res["single->zero3_dp2"] = (None, _resume_other_layout(base_overrides, SAME_LAYOUT[2]["zero3_dp2_accum2"],
+                                                               single_ckpt, root / "x2"))
+        res["single->zero1_dp2"] = (None, _resume_other_layout(base_overrides, SAME_LAYOUT[2]["zero1_dp2"],
+                                                               single_ckpt, root / "x3"))
+        return res
+
+    def back_to_one(rank: int) -> dict:
+        # a two-process ZeRO-3 checkpoint resumed on one process
+        return {"zero3_dp2->single": (None, _resume_other_layout(base_overrides, {}, zero3_ckpt, root / "x1"))}
+
+    for world, work in ((1, single), (2, two), (1, back_to_one)):
+        out.update(run_world(world, work)[0])
+    return out
+
+
+@pytest.mark.parametrize("name", [n for layouts in SAME_LAYOUT.values() for n in layouts])
+def test_resume_same_layout_is_bitwise(results, name):
+    straight, resumed = results[name]
+    assert resumed == straight[CUT:], f"{name}: resumed losses differ from an uninterrupted run"
+
+
+@pytest.mark.parametrize("name", ["zero3_dp2->single", "single->zero3_dp2", "single->zero1_dp2"])
+def test_resume_on_another_layout(results, name):
+    """Resharding changes reduction order only: same tolerance as the parity contract."""
+    reference = results["single"][0][CUT:]
+    resumed = results[name][1]
+    assert len(resumed) == STEPS - CUT
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
+    assert worst <= LOSS_RTOL, f"{name}: max relative |dloss| {worst:.2e}"
