@@ -74,7 +74,7 @@ def train_and_record(cfg: Config, single_process: bool) -> None:
     """Train one case; rank 0 writes losses.json (final_model.pt comes from run.save_final_model)."""
     from shardwise.train.trainer import Trainer
 
-    trainer = Trainer(cfg, log=lambda _m: None, single_process=single_process)
+    trainer = Trainer(cfg, log=None, single_process=single_process)
     losses = trainer.train()
     if trainer.rank == 0:
         (Path(cfg.run.dir) / "losses.json").write_text(json.dumps(losses))
@@ -154,8 +154,9 @@ def report(out: Path, cases: list[tuple[Case, Config]], failed_launch: set[str])
     from rich.table import Table
 
     table = Table(title=f"parity vs single process (loss rtol {LOSS_RTOL:g}, param atol {PARAM_ATOL:g})")
-    for col in ("layout", "procs", "steps", "max rel |dloss|", "max |dparam|", "verdict"):
-        table.add_column(col)
+    table.add_column("layout", overflow="fold")
+    for col in ("procs", "steps", "max rel |dloss|", "max |dparam|", "verdict"):
+        table.add_column(col, no_wrap=True)
     all_ok = True
     rows = []
     for case, cfg in cases:

@@ -37,13 +37,13 @@ def _cfg(base, overrides: dict, ckpt_dir: Path, resume: bool):
 def _straight_and_resumed(base, overrides: dict, root: Path) -> tuple[list[float], list[float]]:
     from shardwise.train.trainer import Trainer
 
-    straight = Trainer(_cfg(base, overrides, root / "straight", resume=False), log=lambda _m: None).train()
-    first = Trainer(_cfg(base, overrides, root / "ckpt", resume=False), log=lambda _m: None)
+    straight = Trainer(_cfg(base, overrides, root / "straight", resume=False), log=None).train()
+    first = Trainer(_cfg(base, overrides, root / "ckpt", resume=False), log=None)
     for _ in range(CUT):
         first.train_step()
     first.save_checkpoint()
     del first
-    second = Trainer(_cfg(base, overrides, root / "ckpt", resume=True), log=lambda _m: None)
+    second = Trainer(_cfg(base, overrides, root / "ckpt", resume=True), log=None)
     assert second.step == CUT
     return straight, second.train()
 
@@ -56,7 +56,7 @@ def _resume_other_layout(base, overrides: dict, source_ckpt: Path, root: Path) -
     if dist.get_rank() == 0:
         shutil.copytree(source_ckpt, root / "ckpt")
     dist.barrier()
-    trainer = Trainer(_cfg(base, overrides, root / "ckpt", resume=True), log=lambda _m: None)
+    trainer = Trainer(_cfg(base, overrides, root / "ckpt", resume=True), log=None)
     assert trainer.step == CUT
     return trainer.train()
 

@@ -44,7 +44,7 @@ def results(base_overrides, tmp_path_factory):
                     continue
                 cfg = build_config(None, base_overrides + [(k, str(v)) for k, v in ov.items()] + [("train.steps", str(STEPS))])
                 cfg.run.dir = str(root / name)
-                trainer = Trainer(cfg, log=lambda _m: None)
+                trainer = Trainer(cfg, log=None)
                 losses = trainer.train()
                 dtypes = {p.dtype for p in trainer.model.parameters()}
                 res[name] = {"losses": losses, "scale": trainer.scaler.scale, "skipped": trainer.scaler.skipped_steps,

@@ -33,7 +33,7 @@ def _config(base, extra, run_dir: Path):
 def _train(cfg) -> list[float]:
     from shardwise.train.trainer import Trainer
 
-    return Trainer(cfg, log=lambda _m: None).train()
+    return Trainer(cfg, log=None).train()
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,9 @@ def dp_mesh(mesh, dims: ParallelDims):
     return mesh["dp_shard"]
 
 
-def batch_group(mesh, dims: ParallelDims) -> "dist.ProcessGroup | None":
+def batch_group(mesh) -> "dist.ProcessGroup | None":
     """The process group of the batch view (ranks that read different data); None on one rank."""
-    if dims.dp == 1:
-        return None
-    if dims.dp_replicate > 1 and dims.dp_shard > 1:
-        return mesh["dp"].get_group()
-    return mesh["dp_replicate" if dims.dp_replicate > 1 else "dp_shard"].get_group()
+    return mesh.batch.get_group() if mesh is not None and mesh.batch is not None else None
 
 
 def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, precision: str) -> None:
@@ -56,10 +52,11 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, pr
 
 def apply_ddp(model: nn.Module, mesh, dims: ParallelDims) -> nn.Module:
     """DDP over every data-parallel rank (for ZeRO-1 too: gradients are all-reduced, only the
-    optimizer state is sharded). Buckets of 25 MB overlap the all-reduce with backward."""
+    optimizer state is sharded). Buckets of 25 MB overlap the all-reduce with backward. Buffers
+    (RoPE tables) are computed identically on every rank, so they are not re-synced each forward."""
     device = next(model.parameters()).device
     return DistributedDataParallel(
-        model, process_group=batch_group(mesh, dims), bucket_cap_mb=25, broadcast_buffers=False,
+        model, process_group=batch_group(mesh), bucket_cap_mb=25, forward_sync_buffers=False,
         gradient_as_bucket_view=True, device_ids=[device.index] if device.type == "cuda" else None)
 
 

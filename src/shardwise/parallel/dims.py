@@ -98,18 +98,34 @@ class ParallelDims:
         c = self.coordinates(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
-    def build_mesh(self, device_type: str):
-        """A DeviceMesh over the enabled axes, plus the flattened "dp" (batch) view when both dp axes
-        are enabled. Returns None on one process: the reference path runs without a process group."""
+    def build_mesh(self, device_type: str) -> "Meshes | None":
+        """The DeviceMesh over the enabled axes and its named views. None on one process: the
+        reference path runs without any process group."""
         from torch.distributed.device_mesh import init_device_mesh
 
         axes = self.enabled_axes()
         if not axes:
             return None
-        mesh = init_device_mesh(device_type, tuple(getattr(self, a) for a in axes), mesh_dim_names=tuple(axes))
+        root = init_device_mesh(device_type, tuple(getattr(self, a) for a in axes), mesh_dim_names=tuple(axes))
+        batch = None
         if self.dp_replicate > 1 and self.dp_shard > 1:
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+            # Keep the flattened view itself: slicing it back out of the root mesh is deprecated.
+            batch = root["dp_replicate", "dp_shard"]._flatten("dp")
+        elif self.dp > 1:
+            batch = root["dp_replicate" if self.dp_replicate > 1 else "dp_shard"]
+        return Meshes(root, batch)
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The root mesh (index it by axis names) and the 1-D batch view over dp_replicate x dp_shard:
+    the ranks that read different data (None when there is one such rank)."""
+
+    root: object
+    batch: object | None
+
+    def __getitem__(self, names):
+        return self.root[names]
 
 
 def refuse_unimplemented(dims: ParallelDims) -> None:

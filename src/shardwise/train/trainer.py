@@ -54,8 +54,9 @@ def default_device() -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, log: Callable[[str], None] = print, single_process: bool = False):
-        """`single_process=True` ignores an initialized process group (the in-process reference)."""
+    def __init__(self, cfg: Config, log: Callable[[str], None] | None = print, single_process: bool = False):
+        """`log=None` silences the trainer's messages (parity, tests); `single_process=True` ignores an
+        initialized process group (the in-process reference)."""
         self.cfg = cfg
         distributed = dist.is_initialized() and not single_process
         self.rank = dist.get_rank() if distributed else 0
@@ -64,10 +65,11 @@ class Trainer:
         self.dims = check(cfg, world_size)
         self.accumulation = check_batch(cfg, self.dims)
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.batch_group = batch_group(self.mesh, self.dims) if self.mesh is not None else None
+        self.batch_group = batch_group(self.mesh)
         self.batch_rank = self.dims.batch_rank(self.rank)
         self.run_dir = Path(cfg.run.dir)
-        self.log = log if self.rank == 0 else (lambda _msg: None)
+        self.quiet = log is None or self.rank != 0
+        self.log = (lambda _msg: None) if self.quiet else log
 
         self.data = prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
         t = cfg.train
@@ -153,9 +155,10 @@ class Trainer:
                                 tensorboard=self.cfg.run.tensorboard)
         peak, peak_label = device_peak_flops(self.device.type, t.precision,
                                              torch.cuda.get_device_name() if self.device.type == "cuda" else None)
-        metrics.print(f"model: {self.cfg.model.arch} {self.num_params / 1e6:.2f}M params, layout {self.dims.describe()} "
-                      f"x{self.dims.world_size}, zero={self.cfg.parallel.zero}, accumulation {self.accumulation}, "
-                      f"peak {peak / 1e9:.1f} GFLOP/s ({peak_label})")
+        if not self.quiet:
+            metrics.print(f"model: {self.cfg.model.arch} {self.num_params / 1e6:.2f}M params, layout "
+                          f"{self.dims.describe()} x{self.dims.world_size}, zero={self.cfg.parallel.zero}, accumulation "
+                          f"{self.accumulation}, peak {peak / 1e9:.1f} GFLOP/s ({peak_label})")
         losses: list[float] = []
         tokens_per_step = t.global_batch * t.seq_len
         ckpt_every = self.cfg.checkpoint.every
