@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     per_round = [r["ratio"] for r in rounds]
     ratio_of_medians = statistics.median(sw_tps) / statistics.median(ref_tps)
     median_ratio = statistics.median(per_round)
-    meets = ratio_of_medians >= TARGET
+    meets = ratio_of_medians >= TARGET and loss_ok  # a ratio between different work means nothing
     max_loss_diff = max(rel_diff(a, b) for a, b in zip(sw_losses, ref_losses))
     # Robust to bursts of contention from other jobs: the median single step of each side.
     sw_step_median, ref_step_median = statistics.median(step_s["shardwise"]), statistics.median(step_s["reference"])
@@ -324,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"same work: {len(sw_losses)} steps, max relative loss diff {max_loss_diff:.2e}, final weights max "
                   f"|diff| {max_param_diff:.2e}, final lr shardwise {sw_lr:.6g} / reference {ref_lr:.6g}")
     verdict = "[green]MEETS[/green]" if meets else "[red]DOES NOT MEET[/red]"
-    console.print(f"target ratio >= {TARGET}: {verdict} (ratio of medians {ratio_of_medians:.3f}); wall time {wall:.1f}s")
+    why = "" if loss_ok else ", but the loss check failed"
+    console.print(f"target ratio >= {TARGET}: {verdict} (ratio of medians {ratio_of_medians:.3f}{why}); "
+                  f"wall time {wall:.1f}s")
 
     result = {
         "benchmark": "overhead",
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_s": step_s,
         "target": TARGET,
         "meets_target": meets,
-        "meets_target_by": "ratio_of_medians",
+        "meets_target_by": "ratio_of_medians >= target and loss_check.ok",
         "loss_check": {"step": 0, "shardwise": sw_losses[0], "reference": ref_losses[0], "relative_diff": first_diff,
                        "rtol": LOSS_RTOL, "ok": loss_ok, "max_relative_diff_all_steps": max_loss_diff,
                        "final_weights_max_abs_diff": max_param_diff},

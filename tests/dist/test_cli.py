@@ -30,6 +30,15 @@ def test_train_two_processes_writes_a_run_and_resumes(common, tmp_path):
     assert any((run / "tensorboard").iterdir())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 6 and {"loss", "tokens_per_s", "mfu", "mem_params_bytes"} <= records[-1].keys()
+    # ZeRO-3 on 2 ranks: the local parameter shards add up to exactly the fp32 model, 4 bytes a parameter.
+    from shardwise.config import load_config
+    from shardwise.models import ARCHS
+
+    per_rank = records[-1]["memory_per_rank_bytes"]
+    model_cfg = load_config(run / "config.toml").model
+    n_params = ARCHS[model_cfg.arch].count_params(model_cfg)
+    assert len(per_rank["params"]) == 2 and sum(per_rank["params"]) == 4 * n_params
+    assert sum(per_rank["optimizer"]) >= 2 * 4 * n_params  # exp_avg + exp_avg_sq, sharded
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert checkpoints == ["step_00000006"], checkpoints          # keep=1 pruned step 3
     assert (run / "checkpoints" / "step_00000006" / "COMPLETE").exists()

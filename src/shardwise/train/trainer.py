@@ -137,7 +137,7 @@ class Trainer:
         self.scaler.update(found_inf)
         self.scheduler.step()
         if measure_memory:
-            self.last_memory = self.memory()
+            self.last_memory = self.memory_per_rank()
         self.optimizer.zero_grad(set_to_none=True)
         if self.batch_group is not None:
             dist.all_reduce(loss_sum, group=self.batch_group)
@@ -175,7 +175,8 @@ class Trainer:
                               "tokens_per_s_per_device": per_device, "step_time_s": r.seconds,
                               "mfu": mfu(self.flops_per_token, per_device, peak), "skipped": int(r.skipped),
                               "loss_scale": self.scaler.scale}
-                    record.update({f"mem_{k}_bytes": v for k, v in self.last_memory.items()})
+                    record.update({f"mem_{k}_bytes": v[self.rank] for k, v in self.last_memory.items()})
+                    record["memory_per_rank_bytes"] = self.last_memory
                     metrics.log(self.step, record)
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
                     self.save_checkpoint()
@@ -188,9 +189,22 @@ class Trainer:
         return losses
 
     def memory(self) -> dict[str, int]:
+        """This rank's bytes by category: local shards of params, grads, optimizer state; buffers;
+        activations saved for backward by one micro-batch (measured once, on the first)."""
         mem = memory_by_category(self.inner, self.optimizer)
         mem["activations"] = self.activation_bytes
         return mem
+
+    def memory_per_rank(self) -> dict[str, list[int]]:
+        """{category: [bytes on rank 0, 1, ...]} — one small all-gather on logging steps."""
+        mem = self.memory()
+        keys = sorted(mem)
+        local = torch.tensor([mem[k] for k in keys], dtype=torch.int64, device=self.device)
+        if self.world_group is None:
+            return {k: [mem[k]] for k in keys}
+        gathered = [torch.zeros_like(local) for _ in range(self.dims.world_size)]
+        dist.all_gather(gathered, local, group=self.world_group)
+        return {k: [int(t[i]) for t in gathered] for i, k in enumerate(keys)}
 
     # ---- checkpoints ----
     def checkpoints_enabled(self) -> bool:
