@@ -143,7 +143,8 @@ class Trainer:
             dist.all_reduce(loss_sum, group=self.batch_group)
             loss_sum /= self.dims.dp
         self.step += 1
-        return StepResult(loss_sum.item(), float(grad_norm), lr, time.perf_counter() - start, found_inf)
+        loss_value, norm_value = torch.stack([loss_sum, grad_norm.float().to(loss_sum.device)]).tolist()  # one host sync
+        return StepResult(loss_value, norm_value, lr, time.perf_counter() - start, found_inf)
 
     # ---- the loop ----
     def train(self) -> list[float]:
