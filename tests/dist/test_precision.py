@@ -61,6 +61,7 @@ def test_low_precision_tracks_fp32(results, name):
     got = results[name]
     assert all(math.isfinite(x) for x in got["losses"])
     worst = max(abs(a - b) / b for a, b in zip(got["losses"], fp32))
+    print(f"{name}: max relative |dloss| vs fp32 over {STEPS} steps {worst:.2e}, final loss scale {got['scale']:g}")
     assert worst < 3e-2, f"{name}: max relative |dloss| vs fp32 {worst:.2e}"
     assert got["losses"][-1] < got["losses"][0] - 0.3
     assert got["master_fp32"], "master weights must stay fp32"

@@ -90,7 +90,7 @@ class Trainer:
         self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len
         self.step = 0
         self.activation_bytes = 0
-        self.last_memory: dict[str, int] = {}
+        self.last_memory: dict[str, list[int]] = {}
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep)
         if cfg.checkpoint.resume:
             self._maybe_resume()
