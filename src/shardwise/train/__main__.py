@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # Rank 0 trains and caches the tokenizer and token array; the others then hit the cache.
             if not distributed or dist.get_rank() == 0:
-                prepare_data(cfg.data, cfg.model.vocab_size)
+                prepare_data(cfg.data, cfg.model.vocab_size, log=lambda _msg: None)  # the Trainer reports it
             if distributed:
                 dist.barrier()
             trainer = Trainer(cfg)
