@@ -139,10 +139,15 @@ def _nearest(key: str, candidates: list[str]) -> str:
     return f"did you mean '{match[0]}'?" if match else f"valid keys: {', '.join(candidates)}"
 
 
+def _base_type(hint: Any) -> type:
+    """int for `int` and for `int | None`."""
+    args = typing.get_args(hint)
+    return [a for a in args if a is not type(None)][0] if args and type(None) in args else hint
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check (TOML) or convert (command-line string) a value to the field's declared type."""
-    args = typing.get_args(hint)
-    base = [a for a in args if a is not type(None)][0] if args and type(None) in args else hint
+    base = _base_type(hint)
     if value is None:
         return value
     if isinstance(value, str) and base is not str:
@@ -179,9 +184,9 @@ def _set(cfg: Config, key: str, value: Any, from_cli: bool) -> None:
     types = _field_types(sections[section])
     if name not in types:
         raise ConfigError(key, "unknown config key", _nearest(key, all_keys()))
-    if not from_cli and isinstance(value, str) and types[name] not in (str, str | None):
+    if not from_cli and isinstance(value, str) and _base_type(types[name]) is not str:
         # TOML is typed: a quoted number in a file is a mistake, not something to guess at.
-        raise ConfigError(key, f"expected {types[name]}, got the string {value!r}", "remove the quotes")
+        raise ConfigError(key, f"expected {_base_type(types[name]).__name__}, got the string {value!r}", "remove the quotes")
     setattr(getattr(cfg, section), name, _coerce(key, value, types[name]))
 
 
