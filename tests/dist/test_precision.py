@@ -1,10 +1,11 @@
 """bf16 and fp16 (dynamic loss scaling) train under DDP and FSDP; fp32 master weights throughout.
 
-Tolerances: bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 2e-3 per op), so after 10 steps the
-loss of a bf16 run is within 3e-2 of the fp32 run, and bf16 layouts within 3e-2 of each other
-(FSDP casts weights to bf16 before the all-gather, autocast casts at each matmul: same values, other
-rounding of the reductions). fp16 has 11 bits: the same bound holds with margin. fp16 matmuls are
-slow on CPU (DESIGN §9), hence the tiny shapes and 10 steps.
+Tolerance: relative |dloss| vs the fp32 run <= 3e-3 over 10 steps, for every low-precision layout and
+between bf16 layouts. bf16 keeps 8 mantissa bits (2^-9 ~ 2e-3 relative rounding per value), but the
+loss averages 256 tokens and the weights stay fp32, so the observed gap is ~1e-4 (fp16, 11 bits:
+~1e-5). 3e-3 leaves ~20x margin, while a real fault (a gradient left scaled, weights not cast back,
+master weights in bf16) moves the loss by 1e-2 or more. fp16 matmuls are slow on CPU, hence the tiny
+shapes and 10 steps.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def test_low_precision_tracks_fp32(results, name):
     assert all(math.isfinite(x) for x in got["losses"])
     worst = max(abs(a - b) / b for a, b in zip(got["losses"], fp32))
     print(f"{name}: max relative |dloss| vs fp32 over {STEPS} steps {worst:.2e}, final loss scale {got['scale']:g}")
-    assert worst < 3e-2, f"{name}: max relative |dloss| vs fp32 {worst:.2e}"
+    assert worst < 3e-3, f"{name}: max relative |dloss| vs fp32 {worst:.2e}"
     assert got["losses"][-1] < got["losses"][0] - 0.3
     assert got["master_fp32"], "master weights must stay fp32"
 
@@ -74,4 +75,4 @@ def test_fp16_uses_a_finite_loss_scale(results):
 
 def test_bf16_layouts_agree(results):
     a, b = results["bf16_single"]["losses"], results["bf16_zero3_dp2"]["losses"]
-    assert max(abs(x - y) / y for x, y in zip(a, b)) < 3e-2
+    assert max(abs(x - y) / y for x, y in zip(a, b)) < 3e-3
