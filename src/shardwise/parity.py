@@ -29,7 +29,6 @@ PARAM_ATOL = 1e-4
 @dataclass
 class Case:
     name: str
-    overrides: list[tuple[str, str]]
     world_size: int
 
 
@@ -126,7 +125,7 @@ def parity_main(argv: list[str]) -> int:
             raise ConfigError("--layout", f"{text!r} needs {world} processes but --nproc is {args.nproc}",
                               f"pass --nproc {world} or shrink the layout")
         check(cfg, world)  # every layout is validated before anything is spawned
-        cases.append((Case(text, parse_layout(text), world), cfg))
+        cases.append((Case(text, world), cfg))
 
     prepare_data(ref_cfg.data, ref_cfg.model.vocab_size)
     print(f"parity: reference (1 process), {args.steps} steps, runs in {out}")

@@ -80,7 +80,3 @@ def gradient_sync_each_microbatch(p: ParallelConfig) -> bool:
 
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
