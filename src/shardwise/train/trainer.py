@@ -32,7 +32,14 @@ from shardwise.plan.hardware import device_peak_flops
 from shardwise.preflight import check, check_batch
 from shardwise.train.checkpoint import CheckpointManager, full_model_state
 from shardwise.train.data import TokenBatches, prepare_data, split_inputs_targets
-from shardwise.train.metrics import ActivationMeter, MetricsLogger, memory_by_category, mfu, tokens_per_s_per_device
+from shardwise.train.metrics import (
+    ActivationMeter,
+    MetricsLogger,
+    cuda_memory,
+    memory_by_category,
+    mfu,
+    tokens_per_s_per_device,
+)
 from shardwise.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
@@ -191,9 +198,12 @@ class Trainer:
 
     def memory(self) -> dict[str, int]:
         """This rank's bytes by category: local shards of params, grads, optimizer state; buffers;
-        activations saved for backward by one micro-batch (measured once, on the first)."""
+        activations saved for backward by one micro-batch (measured once, on the first); on CUDA
+        also the allocator's peak allocated and reserved bytes (DESIGN §5)."""
         mem = memory_by_category(self.inner, self.optimizer)
         mem["activations"] = self.activation_bytes
+        if self.device.type == "cuda":
+            mem.update(cuda_memory(self.device))
         return mem
 
     def memory_per_rank(self) -> dict[str, list[int]]:
