@@ -34,7 +34,7 @@ def _train(argv: list[str]) -> int:
     check_nproc(args.nproc)
     cfg = load_config(args.config, overrides)
     check(cfg, args.nproc)
-    prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
+    data = prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.toml")
@@ -42,7 +42,7 @@ def _train(argv: list[str]) -> int:
     if args.nproc == 1:
         from shardwise.train.trainer import Trainer
 
-        Trainer(cfg).train()
+        Trainer(cfg, data=data).train()
         return 0
     return torchrun(args.nproc, "shardwise.train", ["--config", str(run_dir / "config.toml")])
 

@@ -42,11 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             # Rank 0 trains and caches the tokenizer and token array; the others then hit the cache.
+            data = None
             if not distributed or dist.get_rank() == 0:
-                prepare_data(cfg.data, cfg.model.vocab_size, log=lambda _msg: None)  # the Trainer reports it
+                data = prepare_data(cfg.data, cfg.model.vocab_size)
             if distributed:
                 dist.barrier()
-            trainer = Trainer(cfg)
+            trainer = Trainer(cfg, data=data)
         except ConfigError as e:
             print(f"error: {e.render()}", file=sys.stderr)
             return 2

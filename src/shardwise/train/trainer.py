@@ -31,7 +31,7 @@ from shardwise.parallel.precision import DynamicLossScaler, autocast
 from shardwise.plan.hardware import device_peak_flops
 from shardwise.preflight import check, check_batch
 from shardwise.train.checkpoint import CheckpointManager, full_model_state
-from shardwise.train.data import TokenBatches, prepare_data, split_inputs_targets
+from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
 from shardwise.train.metrics import (
     ActivationMeter,
     MetricsLogger,
@@ -61,9 +61,11 @@ def default_device() -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, log: Callable[[str], None] | None = print, single_process: bool = False):
+    def __init__(self, cfg: Config, log: Callable[[str], None] | None = print, single_process: bool = False,
+                 data: PreparedData | None = None):
         """`log=None` silences the trainer's messages (parity, tests); `single_process=True` ignores an
-        initialized process group (the in-process reference)."""
+        initialized process group (the in-process reference); `data` is the corpus a caller already
+        prepared for this config (else it is prepared, or loaded from the cache, here)."""
         self.cfg = cfg
         distributed = dist.is_initialized() and not single_process
         self.rank = dist.get_rank() if distributed else 0
@@ -78,7 +80,7 @@ class Trainer:
         self.quiet = log is None or self.rank != 0
         self.log = (lambda _msg: None) if self.quiet else log
 
-        self.data = prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
+        self.data = data or prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
         t = cfg.train
         self.batches = TokenBatches(self.data.tokens, t.seq_len, t.global_batch, t.seed)
 
@@ -209,10 +211,10 @@ class Trainer:
     def memory_per_rank(self) -> dict[str, list[int]]:
         """{category: [bytes on rank 0, 1, ...]} — one small all-gather on logging steps."""
         mem = self.memory()
+        if self.world_group is None:
+            return {k: [v] for k, v in sorted(mem.items())}
         keys = sorted(mem)
         local = torch.tensor([mem[k] for k in keys], dtype=torch.int64, device=self.device)
-        if self.world_group is None:
-            return {k: [mem[k]] for k in keys}
         gathered = [torch.zeros_like(local) for _ in range(self.dims.world_size)]
         dist.all_gather(gathered, local, group=self.world_group)
         return {k: [int(t[i]) for t in gathered] for i, k in enumerate(keys)}
