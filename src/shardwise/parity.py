@@ -26,10 +26,23 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4
 
 
+# Layout keys that change how a step is computed but not what it computes: a layout may set them
+# and still be compared with the plain reference. Any other key (model.vocab_size=509, a different
+# arch) gets a reference of its own, trained with that key on one process.
+LAYOUT_NEUTRAL = ("train.micro_batch", "train.recompute", "train.recompute_policy", "train.recompute_every")
+
+
 @dataclass
 class Case:
     name: str
     world_size: int
+    reference: str = "reference"
+
+
+def reference_overrides(layout: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The part of a layout the single-process reference must share (everything not parallel.* or
+    layout-neutral)."""
+    return [(k, v) for k, v in layout if not k.startswith("parallel.") and k not in LAYOUT_NEUTRAL]
 
 
 def parse_layout(text: str) -> list[tuple[str, str]]:
@@ -115,21 +128,28 @@ def parity_main(argv: list[str]) -> int:
     base = parse_overrides(rest) + [("train.steps", str(args.steps))]
     out = Path(args.out or tempfile.mkdtemp(prefix="shardwise-parity-"))
 
-    ref_cfg = parity_config(base_toml, base, [], out / "reference")
-    check(ref_cfg, 1)
+    references: dict[tuple, str] = {(): "reference"}
     cases: list[tuple[Case, Config]] = []
     for i, text in enumerate(args.layout):
-        cfg = parity_config(base_toml, base, parse_layout(text), out / f"layout_{i}")
+        layout = parse_layout(text)
+        ref_key = tuple(reference_overrides(layout))
+        references.setdefault(ref_key, f"reference_{len(references)}")
+        cfg = parity_config(base_toml, base, layout, out / f"layout_{i}")
         world = layout_world_size(cfg, args.nproc)
         if world > args.nproc:
             raise ConfigError("--layout", f"{text!r} needs {world} processes but --nproc is {args.nproc}",
                               f"pass --nproc {world} or shrink the layout")
         check(cfg, world)  # every layout is validated before anything is spawned
-        cases.append((Case(text, world), cfg))
+        cases.append((Case(text, world, references[ref_key]), cfg))
+    ref_cfgs = [parity_config(base_toml, base, list(key), out / name) for key, name in references.items()
+                if any(c.reference == name for c, _ in cases)]
+    for ref_cfg in ref_cfgs:
+        check(ref_cfg, 1)
 
-    prepare_data(ref_cfg.data, ref_cfg.model.vocab_size)
-    print(f"parity: reference (1 process), {args.steps} steps, runs in {out}")
-    train_and_record(ref_cfg, single_process=True)
+    for ref_cfg in ref_cfgs:
+        prepare_data(ref_cfg.data, ref_cfg.model.vocab_size)
+        print(f"parity: reference {Path(ref_cfg.run.dir).name} (1 process), {args.steps} steps, runs in {out}")
+        train_and_record(ref_cfg, single_process=True)
 
     failed_launch: set[str] = set()
     for world in sorted({c.world_size for c, _ in cases}):
@@ -165,7 +185,7 @@ def report(out: Path, cases: list[tuple[Case, Config]], failed_launch: set[str])
             all_ok = False
             rows.append({"layout": case.name, "verdict": "error"})
             continue
-        dloss, dparam, steps = compare(out / "reference", case_dir)
+        dloss, dparam, steps = compare(out / case.reference, case_dir)
         ok = dloss <= LOSS_RTOL and dparam <= PARAM_ATOL
         all_ok &= ok
         table.add_row(case.name, str(case.world_size), str(steps), f"{dloss:.2e}", f"{dparam:.2e}", "PASS" if ok else "FAIL")

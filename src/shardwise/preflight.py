@@ -1,7 +1,7 @@
 """Pre-flight checks: every config and layout error is found here, before any process is spawned."""
 from __future__ import annotations
 
-from shardwise.config import Config
+from shardwise.config import Config, ModelConfig
 from shardwise.errors import ConfigError
 from shardwise.parallel.dims import ParallelDims, refuse_unimplemented
 
@@ -80,7 +80,36 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     if p.offload and p.zero < 2:
         raise ConfigError("parallel.offload", f"CPU offload needs FSDP (zero >= 2), got zero={p.zero}",
                           "set parallel.zero=2 or 3, or parallel.offload=false")
+    if p.zero == 1 and dims.tp > 1:
+        # ZeroRedundancyOptimizer broadcasts plain tensors; DTensor has no rule for c10d broadcast.
+        raise ConfigError("parallel.zero", "zero=1 (ZeroRedundancyOptimizer) cannot shard tensor-parallel (DTensor) "
+                          "parameters", "use parallel.zero=2: it shards the optimizer state and the gradients over "
+                          "dp_shard with the same communication volume per step")
+    check_tensor_parallel(cfg.model, dims.tp, cfg.train.seq_len, p.sequence_parallel)
     return dims
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Refuse a TP size the model cannot be split by (ConfigError names the field and the fix)."""
+    if tp == 1:
+        return
+    if tp > model.n_heads:
+        raise ConfigError("parallel.tp", f"tp={tp} is larger than model.n_heads={model.n_heads}: a rank would own no head",
+                          f"choose tp <= {model.n_heads} that divides n_heads")
+    if model.n_heads % tp:
+        raise ConfigError("parallel.tp", f"model.n_heads={model.n_heads} is not divisible by tp={tp}",
+                          f"choose tp among the divisors of {model.n_heads}")
+    if model.n_kv_heads % tp and tp % model.n_kv_heads:
+        raise ConfigError("parallel.tp", f"model.n_kv_heads={model.n_kv_heads} and tp={tp}: neither divides the other, "
+                          "so key/value heads can be neither split nor replicated evenly",
+                          f"choose tp that divides n_kv_heads={model.n_kv_heads} or a multiple of it")
+    if model.ffn_dim % tp:
+        raise ConfigError("parallel.tp", f"model.ffn_dim={model.ffn_dim} is not divisible by tp={tp}",
+                          f"choose tp among the divisors of {model.ffn_dim}, or change model.ffn_dim")
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError("train.seq_len", f"sequence parallelism splits the sequence over tp={tp} ranks, "
+                          f"but seq_len={seq_len} is not divisible by it",
+                          f"choose seq_len divisible by {tp}, or set parallel.sequence_parallel=false")
 
 
 def check_batch(cfg: Config, dims: ParallelDims) -> int:

@@ -25,7 +25,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     try:
         torch_run.run(torch_run.get_args_parser().parse_args(argv))
     except ChildFailedError as e:
-        failures = "; ".join(f"rank {f.rank}: exit {f.exitcode}" for f in e.failures.values())
+        failures = "; ".join(f"rank {rank}: exit {f.exitcode}" for rank, f in sorted(e.failures.items()))
         print(f"error: worker processes failed ({failures})", file=sys.stderr)
         return 1
     return 0

@@ -50,6 +50,18 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, pr
     fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
+def apply_replicate(model: nn.Module, mesh, precision: str) -> None:
+    """DDP for layouts whose parameters are DTensors (tp > 1). DistributedDataParallel buckets plain
+    tensors and cannot reduce DTensor gradients, so these layouts use PyTorch's FSDP2-based
+    `replicate`: the same per-block units as apply_fsdp, gradients all-reduced over the batch view,
+    nothing sharded."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for block in model.layers:
+        replicate(block, mesh=mesh.batch, mp_policy=fsdp_mp_policy(precision))
+    replicate(model, mesh=mesh.batch, mp_policy=fsdp_mp_policy(precision))
+
+
 def apply_ddp(model: nn.Module, mesh, dims: ParallelDims) -> nn.Module:
     """DDP over every data-parallel rank (for ZeRO-1 too: gradients are all-reduced, only the
     optimizer state is sharded). Buckets of 25 MB overlap the all-reduce with backward. Buffers
@@ -69,7 +81,13 @@ def uses_fsdp(p: ParallelConfig, dims: ParallelDims) -> bool:
 
 
 def uses_ddp(p: ParallelConfig, dims: ParallelDims) -> bool:
-    return dims.dp > 1 and not uses_fsdp(p, dims)
+    """DistributedDataParallel: data parallel without FSDP, on plain (non-TP) parameters."""
+    return dims.dp > 1 and not uses_fsdp(p, dims) and dims.tp == 1
+
+
+def uses_replicate(p: ParallelConfig, dims: ParallelDims) -> bool:
+    """FSDP2-based replicate: the DDP of TP layouts (see apply_replicate)."""
+    return dims.dp > 1 and not uses_fsdp(p, dims) and dims.tp > 1
 
 
 def gradient_sync_each_microbatch(p: ParallelConfig) -> bool:

@@ -7,7 +7,12 @@ EP rewrite modules inside a block and must see the plain modules; activation che
 whole (already tensor-parallel) block so recomputation replays its collectives; compile sees the
 final block; FSDP goes last because it shards whatever parameters (plain or DTensor) the earlier
 steps produced. DDP needs materialized parameters, so it wraps after initialization.
-TP, PP, CP and EP land in later milestones; ParallelDims refuses them before anything is spawned.
+PP, CP and EP land in later milestones; ParallelDims refuses them before anything is spawned.
+
+2-D (TP x data parallel): one DeviceMesh with tp as its innermost axis, so the TP ranks of a group
+are consecutive (one node on a GPU cluster: TP's per-layer collectives need NVLink bandwidth, while
+FSDP/DDP traffic is per step and overlaps with compute). TP makes every parameter a DTensor on the
+tp axis; FSDP then shards those DTensors again over dp_shard (FSDP2's 2-D support).
 """
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ from torch import nn
 from shardwise.config import Config
 from shardwise.models.common import Transformer
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
-from shardwise.parallel.data import apply_ddp, apply_fsdp, uses_ddp, uses_fsdp
+from shardwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
 from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.tensor import apply_tensor_parallel
 
 # Module-name segments that wrappers insert; parameter identities (init seeds, checkpoint keys)
 # use the model's own names, so every layout agrees on them.
@@ -31,11 +37,16 @@ def canonical_fqn(name: str) -> str:
 
 def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> None:
     """In place, on the meta model: everything that must happen before parameters exist."""
-    # (PP split, TP/SP, CP, EP: later milestones.)
+    # (PP split: later milestone.)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], cfg.model, cfg.parallel.sequence_parallel)
+    # (CP, EP: later milestones.)
     apply_activation_checkpointing(model.layers, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
     if uses_fsdp(cfg.parallel, dims):
         apply_fsdp(model, mesh, dims, cfg.parallel, cfg.train.precision)
+    elif uses_replicate(cfg.parallel, dims):
+        apply_replicate(model, mesh, cfg.train.precision)
 
 
 @torch.no_grad()

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torch.distributed.tensor.parallel import loss_parallel
+
 from shardwise.config import Config
 from shardwise.models import build_model
 from shardwise.parallel.data import (
@@ -24,9 +26,11 @@ from shardwise.parallel.data import (
     unwrap,
     uses_ddp,
     uses_fsdp,
+    uses_replicate,
     zero1_group,
 )
 from shardwise.parallel.parallelize import build_parallel_model
+from shardwise.parallel.tensor import local_value
 from shardwise.parallel.precision import DynamicLossScaler, autocast
 from shardwise.plan.hardware import device_peak_flops
 from shardwise.preflight import check, check_batch
@@ -109,9 +113,16 @@ class Trainer:
         """Skip gradient reduction on all but the last micro-batch (DDP no_sync / FSDP2 flag)."""
         if uses_ddp(self.cfg.parallel, self.dims) and not last_microbatch:
             return self.model.no_sync()
-        if uses_fsdp(self.cfg.parallel, self.dims) and not gradient_sync_each_microbatch(self.cfg.parallel):
+        if uses_replicate(self.cfg.parallel, self.dims) or (
+                uses_fsdp(self.cfg.parallel, self.dims) and not gradient_sync_each_microbatch(self.cfg.parallel)):
             self.model.set_requires_gradient_sync(last_microbatch)
         return contextlib.nullcontext()
+
+    def _loss_context(self):
+        """With TP the logits stay vocab-sharded: cross-entropy and its backward run under
+        loss_parallel, which reduces the max / sum-exp / target logit over tp instead of gathering
+        the (b, s, V) logits."""
+        return loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(self.cfg.train.precision, self.device.type):
@@ -129,7 +140,7 @@ class Trainer:
         for i, batch in enumerate(micro):
             inputs, targets = (x.to(self.device, non_blocking=True) for x in split_inputs_targets(batch))
             last = i == len(micro) - 1
-            with self._sync_context(last):
+            with self._sync_context(last), self._loss_context():
                 if self.activation_bytes == 0 and i == 0:
                     with ActivationMeter(exclude=self.inner) as meter:
                         loss = self._loss(inputs, targets)
@@ -137,7 +148,8 @@ class Trainer:
                 else:
                     loss = self._loss(inputs, targets)
                 self.scaler.scale_loss(loss).backward()
-            loss_sum += loss.detach()
+            # With loss parallel the loss is a replicated DTensor: every tp rank holds the value.
+            loss_sum += local_value(loss.detach())
         found_inf = self.scaler.unscale_((p.grad for p in self.params if p.grad is not None), self.world_group)
         grad_norm = clip_grad_norm(self.params, t.grad_clip)
         lr = self.scheduler.get_last_lr()[0]

@@ -1,0 +1,191 @@
+"""Tensor parallelism (Megatron-style 1-D TP, Shoeybi et al. 2019, arXiv 1909.08053) with sequence
+parallelism (Korthikanti et al. 2022, arXiv 2205.05198 §4.2) and loss parallelism, on DTensor.
+
+The plan is data: `tp_plan(cfg)` maps module names (a `*` stands for every block index) to style
+names, so it can be printed, tested and read by the planner without a process group;
+`apply_tensor_parallel` turns it into DTensor `ParallelStyle`s and calls `parallelize_module`.
+
+Layout per block (h = hidden, s = sequence, tp = TP size):
+  attention: wq / wk / wv column-wise (split by heads), wo row-wise;
+  MLP: up / gate (w1, w3; gpt: fc) column-wise, down (w2; gpt: proj) row-wise.
+Without SP the block input is replicated and each row-wise output is all-reduced (Megatron's g);
+the column-wise input's gradient is all-reduced in backward (Megatron's f): 2 all-reduces of s·h per
+block forward and 2 in backward. With SP the norms run on s/tp tokens; the replicated input of a
+TP region is all-gathered and the row-wise output reduce-scattered along the sequence instead —
+the same bytes on the wire, but activations outside the TP regions shrink by tp.
+
+Vocabulary: the embedding is split by rows (vocab-parallel; the partial sums are reduced like a
+row-wise output) and the output head by columns, so the logits stay sharded on the vocab dim and
+`loss_parallel` computes cross-entropy without gathering them. A vocabulary that tp does not divide
+is sharded unevenly by DTensor (shard sizes ceil(V/tp) .. and a shorter last one): no padding rows
+exist in the parameters, so the padding Megatron adds (and its effect on the loss) cannot occur.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from shardwise.config import ModelConfig
+from shardwise.errors import ConfigError
+
+# Style names used in plans; `_styles` maps them to DTensor ParallelStyles.
+COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD = "colwise", "rowwise", "vocab_embedding", "vocab_head"
+COLWISE_REPLICATED_KV, NORM, REPLICATE, REGION_INPUT, POSITION_EMBEDDING = (
+    "colwise_replicated_kv", "norm", "replicate", "region_input", "position_embedding")
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (the value itself when replicated), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tp_plan(model: ModelConfig, tp: int) -> dict[str, str]:
+    """{module fqn pattern: style name} for `model` (before any wrapper is applied)."""
+    kv = COLWISE_REPLICATED_KV if model.n_kv_heads < tp else COLWISE
+    attention = {"attention_norm": NORM, "attention": REGION_INPUT, "attention.wq": COLWISE, "attention.wk": kv,
+                 "attention.wv": kv, "attention.wo": ROWWISE}
+    if model.arch == "llama":
+        mlp = {"ffn_norm": NORM, "feed_forward": REGION_INPUT, "feed_forward.w1": COLWISE,
+               "feed_forward.w3": COLWISE, "feed_forward.w2": ROWWISE}
+        top = {"tok_embeddings": VOCAB_EMBEDDING}
+    elif model.arch == "gpt":
+        mlp = {"mlp_norm": NORM, "mlp": REGION_INPUT, "mlp.fc": COLWISE, "mlp.proj": ROWWISE}
+        top = {"tok_embeddings": VOCAB_EMBEDDING, "pos_embeddings": POSITION_EMBEDDING}
+    else:
+        raise ConfigError("model.arch", f"no tensor-parallel plan for arch {model.arch!r}", "use llama or gpt")
+    plan = dict(top)
+    plan.update({f"layers.*.{name}": style for name, style in {**attention, **mlp}.items()})
+    plan.update({"norm": NORM, "output": VOCAB_HEAD})
+    return plan
+
+
+def expand_plan(plan: dict[str, str], module: nn.Module) -> dict[str, str]:
+    """Resolve `*` patterns against the module tree; every pattern must match something."""
+    names = [n for n, _ in module.named_modules() if n]
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+        if not hits:
+            raise ValueError(f"TP plan entry {pattern!r} matches no module")
+        resolved.update({n: style for n in hits})
+    return resolved
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: ModelConfig, sequence_parallel: bool) -> None:
+    """Parallelize `model` in place over the 1-D `tp_mesh`; every parameter becomes a DTensor on it."""
+    plan = expand_plan(tp_plan(cfg, tp_mesh.size()), model)
+    styles = _styles(sequence_parallel, cfg, tp_mesh.size())
+    parallelize_module(model, tp_mesh, {name: styles[style] for name, style in plan.items()})
+    # Modules the plan does not name still hold plain parameters; make them replicated DTensors so
+    # every parameter lives on the mesh (uniform grad clipping, FSDP 2-D and checkpoints).
+    _replicate_remaining(model, tp_mesh)
+
+
+def _styles(sp: bool, cfg: ModelConfig, tp: int) -> dict[str, ParallelStyle]:
+    # Activations between TP regions: sharded along the sequence (dim 1) with SP, else replicated.
+    between = Shard(1) if sp else Replicate()
+    return {
+        COLWISE: ColwiseParallel(),
+        ROWWISE: RowwiseParallel(output_layouts=between),
+        VOCAB_EMBEDDING: RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        # Logits stay vocab-sharded DTensors for loss_parallel.
+        VOCAB_HEAD: ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
+        NORM: SequenceParallel(use_local_output=True) if sp else ReplicateParallel(),
+        REGION_INPUT: RegionInput(between),
+        COLWISE_REPLICATED_KV: ReplicatedKVColwise(cfg.n_kv_heads, tp),
+        POSITION_EMBEDDING: ReplicateParallel(output_layout=Shard(0) if sp else None),
+    }
+
+
+def _replicate_remaining(model: nn.Module, mesh: DeviceMesh) -> None:
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                             requires_grad=param.requires_grad))
+
+
+def _as_replicated(x, mesh: DeviceMesh):
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, [Replicate()])
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+
+class RegionInput(ParallelStyle):
+    """Entry of a TP region (attention, MLP): the block's activation (sequence-sharded with SP, else
+    replicated) becomes one replicated DTensor shared by all the column-wise projections inside.
+    Sharing it means their input gradients add up as one Partial and are reduced once at this
+    boundary (Megatron's f: one all-reduce, or one reduce-scatter with SP), not once per projection."""
+
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def to_replicated(_mod, inputs):
+            x = DTensor.from_local(inputs[0], mesh, [self.layout], run_check=False)
+            return (x.redistribute(mesh, [Replicate()]), *inputs[1:])
+
+        # A hook, not distribute_module: that would replicate the parameters of the projections
+        # inside, which their own styles shard.
+        module.register_forward_pre_hook(to_replicated)
+        return module
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicated parameters on a module whose input is replicated (a norm without SP, gpt's learned
+    position table). With `output_layout=Shard(0)` the (s, h) output is cut along the sequence for
+    SP; its gradient is all-gathered back, so every rank's replicated table gets the full gradient."""
+
+    def __init__(self, output_layout: Placement | None = None):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def input_fn(_mod, inputs, device_mesh):
+            return tuple(_as_replicated(x, device_mesh) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+        def output_fn(_mod, out, device_mesh):
+            if self.output_layout is not None:
+                out = out.redistribute(device_mesh, [self.output_layout])
+            return out.to_local()
+
+        return distribute_module(module, mesh, None, input_fn=input_fn, output_fn=output_fn)
+
+
+class ReplicatedKVColwise(ParallelStyle):
+    """Key/value projection when there are fewer KV heads than TP ranks (GQA with n_kv < tp).
+
+    Every rank keeps the whole (small) projection, replicated, computes all KV heads and keeps the
+    one its query heads attend with: rank r owns query heads [r·a/tp, (r+1)·a/tp), which all map to
+    KV head r·n_kv/tp. The kept slice's gradient is a partial sum (each rank back-propagates only
+    through its own slice), marked Partial so DTensor all-reduces it into the full gradient of the
+    replicated weight — the result Megatron gets by copying KV heads to every rank that needs them.
+    """
+
+    def __init__(self, n_kv_heads: int, tp: int):
+        super().__init__()
+        self.n_kv_heads, self.ranks_per_head = n_kv_heads, tp // n_kv_heads
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def input_fn(_mod, inputs, device_mesh):
+            return (_as_replicated(inputs[0], device_mesh),)
+
+        def output_fn(_mod, out, device_mesh):
+            local = out.to_local(grad_placements=[Partial()])
+            head_dim = local.shape[-1] // self.n_kv_heads
+            head = device_mesh.get_local_rank() // self.ranks_per_head
+            return local[..., head * head_dim:(head + 1) * head_dim]
+
+        return distribute_module(module, mesh, None, input_fn=input_fn, output_fn=output_fn)
