@@ -20,7 +20,11 @@ SAME_LAYOUT = {
     2: {"ddp2": {"parallel.dp_replicate": 2, "train.micro_batch": 4},
         "zero1_dp2": {"parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2},
         "zero2_dp2": {"parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 4},
-        "zero3_dp2_accum2": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 2}},
+        "zero3_dp2_accum2": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 2},
+        "tp2_accum2": {"parallel.tp": 2, "train.micro_batch": 4}},
+    4: {"tp2_zero3_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
+        "tp2_ddp2_nosp": {"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.sequence_parallel": "false",
+                          "train.micro_batch": 4}},
 }
 
 
@@ -77,13 +81,18 @@ def results(base_overrides, tmp_path_factory):
                                                                single_ckpt, root / "x2"))
         res["single->zero1_dp2"] = (None, _resume_other_layout(base_overrides, SAME_LAYOUT[2]["zero1_dp2"],
                                                                single_ckpt, root / "x3"))
+        # DCP reshards onto tensor-parallel shards too
+        res["single->tp2"] = (None, _resume_other_layout(base_overrides, {"parallel.tp": 2}, single_ckpt, root / "x4"))
         return res
+
+    def four(rank: int) -> dict:
+        return {name: _straight_and_resumed(base_overrides, ov, root / name) for name, ov in SAME_LAYOUT[4].items()}
 
     def back_to_one(rank: int) -> dict:
         # a two-process ZeRO-3 checkpoint resumed on one process
         return {"zero3_dp2->single": (None, _resume_other_layout(base_overrides, {}, zero3_ckpt, root / "x1"))}
 
-    for world, work in ((1, single), (2, two), (1, back_to_one)):
+    for world, work in ((1, single), (2, two), (4, four), (1, back_to_one)):
         out.update(run_world(world, work)[0])
     return out
 
@@ -94,7 +103,7 @@ def test_resume_same_layout_is_bitwise(results, name):
     assert resumed == straight[CUT:], f"{name}: resumed losses differ from an uninterrupted run"
 
 
-@pytest.mark.parametrize("name", ["zero3_dp2->single", "single->zero3_dp2", "single->zero1_dp2"])
+@pytest.mark.parametrize("name", ["zero3_dp2->single", "single->zero3_dp2", "single->zero1_dp2", "single->tp2"])
 def test_resume_on_another_layout(results, name):
     """Resharding changes reduction order only: same tolerance as the parity contract."""
     reference = results["single"][0][CUT:]

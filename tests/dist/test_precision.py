@@ -1,4 +1,4 @@
-"""bf16 and fp16 (dynamic loss scaling) train under DDP and FSDP; fp32 master weights throughout.
+"""bf16 and fp16 (dynamic loss scaling) train under DDP, FSDP and TP; fp32 master weights throughout.
 
 Tolerance: relative |dloss| vs the fp32 run <= 3e-3 over 10 steps, for every low-precision layout and
 between bf16 layouts. bf16 keeps 8 mantissa bits (2^-9 ~ 2e-3 relative rounding per value), but the
@@ -26,6 +26,10 @@ CASES = {
     "fp16_zero2_dp2": (2, {"train.precision": "fp16", "parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 4}),
     "fp16_zero1_dp2_recompute": (2, {"train.precision": "fp16", "parallel.dp_shard": 2, "parallel.zero": 1,
                                      "train.micro_batch": 2, "train.recompute": "full"}),
+    # tensor parallel: autocast around DTensor ops, loss parallel in fp32 on the upcast logits
+    "bf16_tp2": (2, {"train.precision": "bf16", "parallel.tp": 2}),
+    "fp16_tp2_nosp_accum2": (2, {"train.precision": "fp16", "parallel.tp": 2, "parallel.sequence_parallel": False,
+                                 "train.micro_batch": 4}),
 }
 
 
@@ -69,7 +73,7 @@ def test_low_precision_tracks_fp32(results, name):
 
 
 def test_fp16_uses_a_finite_loss_scale(results):
-    for name in ("fp16_single", "fp16_zero2_dp2", "fp16_zero1_dp2_recompute"):
+    for name in ("fp16_single", "fp16_zero2_dp2", "fp16_zero1_dp2_recompute", "fp16_tp2_nosp_accum2"):
         assert results[name]["scale"] > 1 and results[name]["skipped"] <= 2
 
 

@@ -20,7 +20,9 @@ class Layout:
         return [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in self.overrides.items()]
 
 
-REFERENCES = {"llama": {}, "gpt": {"model.preset": "tiny-gpt", "model.vocab_size": 512}}
+REFERENCES = {"llama": {}, "gpt": {"model.preset": "tiny-gpt", "model.vocab_size": 512},
+              # a vocabulary no TP size here divides (509 is prime): the Megatron padding case
+              "llama_v509": {"model.vocab_size": 509}}
 
 DP_FAMILY = [
     # world size 1: gradient accumulation alone
@@ -51,3 +53,37 @@ DP_FAMILY = [
     Layout("hsdp_2x2_zero2", 4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 2}),
     Layout("zero1_2x2", 4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2}),
 ]
+
+_GPT = {"model.preset": "tiny-gpt", "model.vocab_size": 512}
+# The tiny preset has 4 query heads and 2 KV heads: tp=2 splits both, tp=4 replicates each KV head
+# on 2 ranks. Sequence parallelism is on unless a layout says otherwise.
+TP_FAMILY = [
+    # world size 2
+    Layout("tp2", 2, {"parallel.tp": 2}),
+    Layout("tp2_nosp", 2, {"parallel.tp": 2, "parallel.sequence_parallel": False}),
+    Layout("tp2_vocab509", 2, {"parallel.tp": 2, "model.vocab_size": 509}, reference="llama_v509"),
+    Layout("tp2_nosp_vocab509", 2, {"parallel.tp": 2, "parallel.sequence_parallel": False, "model.vocab_size": 509},
+           reference="llama_v509"),
+    Layout("tp2_recompute_full", 2, {"parallel.tp": 2, "train.recompute": "full"}),
+    Layout("tp2_nosp_recompute_op", 2, {"parallel.tp": 2, "parallel.sequence_parallel": False,
+                                        "train.recompute": "selective", "train.recompute_policy": "op"}),
+    Layout("tp2_accum2", 2, {"parallel.tp": 2, "train.micro_batch": 4}),
+    Layout("gpt_tp2", 2, {**_GPT, "parallel.tp": 2}, reference="gpt"),
+    Layout("gpt_tp2_nosp", 2, {**_GPT, "parallel.tp": 2, "parallel.sequence_parallel": False}, reference="gpt"),
+    # world size 4
+    Layout("tp4", 4, {"parallel.tp": 4}),
+    Layout("tp4_nosp", 4, {"parallel.tp": 4, "parallel.sequence_parallel": False}),
+    Layout("tp4_vocab509", 4, {"parallel.tp": 4, "model.vocab_size": 509}, reference="llama_v509"),
+    Layout("gpt_tp4", 4, {**_GPT, "parallel.tp": 4}, reference="gpt"),
+    Layout("tp2_ddp2", 4, {"parallel.tp": 2, "parallel.dp_replicate": 2, "train.micro_batch": 4}),
+    Layout("tp2_ddp2_accum2", 4, {"parallel.tp": 2, "parallel.dp_replicate": 2, "train.micro_batch": 2}),
+    Layout("tp2_sp_zero3_dp2", 4, {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}),
+    Layout("tp2_nosp_zero2_dp2_accum2", 4, {"parallel.tp": 2, "parallel.sequence_parallel": False, "parallel.dp_shard": 2,
+                                            "parallel.zero": 2, "train.micro_batch": 2}),
+    Layout("tp2_zero3_dp2_recompute_op", 4, {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
+                                             "train.micro_batch": 4, "train.recompute": "selective"}),
+    Layout("gpt_tp2_zero3_dp2", 4, {**_GPT, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
+                                    "train.micro_batch": 4}, reference="gpt"),
+]
+
+MATRIX = DP_FAMILY + TP_FAMILY

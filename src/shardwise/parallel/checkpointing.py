@@ -2,7 +2,7 @@
 
 full: every block recomputes its forward in backward (activations kept: the block inputs only).
 selective "layer": every k-th block is checkpointed. selective "op": inside every block, outputs of
-matmuls and attention are saved and cheap pointwise ops are recomputed, the spirit of Korthikanti et
+matmuls, attention and TP reductions are saved and cheap pointwise ops are recomputed, the spirit of Korthikanti et
 al. 2022 (arXiv 2205.05198 §4) selective recomputation.
 """
 from __future__ import annotations
@@ -23,6 +23,11 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    # TP collectives whose outputs are block-sized: saving them means recomputation does not talk
+    # again. The SP all-gather is left out: its output is the full-sequence activation, tp times
+    # the sharded one, and re-gathering it is what Korthikanti et al. §5 accept for that memory.
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.config import Config
 from shardwise.models import build_model
+from shardwise.parallel.comm import CommCounter, axis_names, describe_comm
 from shardwise.parallel.data import (
     batch_group,
     gradient_sync_each_microbatch,
@@ -103,6 +104,8 @@ class Trainer:
         self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len
         self.step = 0
         self.activation_bytes = 0
+        self.group_axes = axis_names(self.mesh) if distributed else {}
+        self.comm_bytes: dict[str, dict[str, int]] | None = None
         self.last_memory: dict[str, list[int]] = {}
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep)
         if cfg.checkpoint.resume:
@@ -132,8 +135,26 @@ class Trainer:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / self.tokens_per_rank_step
 
     def train_step(self, measure_memory: bool = False) -> StepResult:
-        """One optimizer step; `measure_memory` records bytes by category while gradients exist."""
+        """One optimizer step; `measure_memory` records bytes by category while gradients exist.
+        The first step a Trainer runs also counts the bytes of every collective (per axis, per kind):
+        they are the same every step, and counting slows the step it watches."""
         start = time.perf_counter()
+        counting = self.comm_bytes is None
+        with CommCounter(self.group_axes) if counting else contextlib.nullcontext() as counter:
+            loss_sum, grad_norm, lr, found_inf = self._forward_backward_update()
+        if counting:
+            self.comm_bytes = counter.totals()
+        if measure_memory:
+            self.last_memory = self.memory_per_rank()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.batch_group is not None:  # the logged loss only; not part of training traffic
+            dist.all_reduce(loss_sum, group=self.batch_group)
+            loss_sum /= self.dims.dp
+        self.step += 1
+        loss_value, norm_value = torch.stack([loss_sum, grad_norm.float().to(loss_sum.device)]).tolist()  # one host sync
+        return StepResult(loss_value, norm_value, lr, time.perf_counter() - start, found_inf)
+
+    def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         t = self.cfg.train
         micro = self.batches.local_micro_batches(self.step, self.batch_rank, self.dims.dp, t.micro_batch)
         loss_sum = torch.zeros((), device=self.device)
@@ -157,15 +178,7 @@ class Trainer:
             self.optimizer.step()
         self.scaler.update(found_inf)
         self.scheduler.step()
-        if measure_memory:
-            self.last_memory = self.memory_per_rank()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.batch_group is not None:
-            dist.all_reduce(loss_sum, group=self.batch_group)
-            loss_sum /= self.dims.dp
-        self.step += 1
-        loss_value, norm_value = torch.stack([loss_sum, grad_norm.float().to(loss_sum.device)]).tolist()  # one host sync
-        return StepResult(loss_value, norm_value, lr, time.perf_counter() - start, found_inf)
+        return loss_sum, grad_norm, lr, found_inf
 
     # ---- the loop ----
     def train(self) -> list[float]:
@@ -187,7 +200,10 @@ class Trainer:
         try:
             while self.step < t.steps:
                 logging_step = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
+                first = self.comm_bytes is None
                 r = self.train_step(measure_memory=logging_step)
+                if first and not self.quiet and self.comm_bytes:
+                    metrics.print(f"communication per step on rank 0 (payload bytes): {describe_comm(self.comm_bytes)}")
                 losses.append(r.loss)
                 tps = tokens_per_step / r.seconds
                 metrics.progress(self.step, r.loss, tps)
@@ -198,6 +214,8 @@ class Trainer:
                               "mfu": mfu(self.flops_per_token, per_device, peak), "skipped": int(r.skipped),
                               "loss_scale": self.scaler.scale}
                     record.update({f"mem_{k}_bytes": v[self.rank] for k, v in self.last_memory.items()})
+                    record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in self.comm_bytes.items()})
+                    record["comm_bytes_per_step"] = self.comm_bytes
                     record["memory_per_rank_bytes"] = self.last_memory
                     metrics.log(self.step, record)
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:

@@ -1,8 +1,10 @@
-"""Every data-parallel layout trains like one process (DESIGN §3): losses and final weights.
+"""Every layout of the matrix (data parallel, tensor parallel, 2-D) trains like one process
+(DESIGN §3): losses and final weights.
 
 Tolerance, fp32: relative |dloss| <= 1e-5 per step over 20 steps. Layouts sum the same per-token
 losses and gradients in another order (sharded reduce-scatter, bucketed all-reduce, accumulation),
-so they agree to fp32 rounding (~1e-7 relative), not bitwise; 1e-5 leaves ~100x margin and still
+and TP splits GEMM reductions and the softmax over ranks, so they agree to fp32 rounding (~1e-7
+relative), not bitwise; 1e-5 leaves ~100x margin and still
 catches real bugs (a mis-scaled loss or a dropped shard changes the loss by >= 1e-3).
 Final weights: max |dparam| <= 1e-4 (same reasoning, through 20 AdamW updates of size ~lr=3e-3).
 Recomputation replays identical ops, so those layouts must match bitwise.
@@ -16,7 +18,7 @@ import pytest
 
 from shardwise.parity import LOSS_RTOL, PARAM_ATOL, compare, parity_config, train_and_record
 from tests.harness import run_world
-from tests.parity.matrix import DP_FAMILY, REFERENCES, Layout
+from tests.parity.matrix import MATRIX, REFERENCES, Layout
 
 BITWISE = {"recompute_full_single", "recompute_op_single"}
 
@@ -29,17 +31,17 @@ def runs(base_overrides, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("parity")
     refs = [Layout(f"ref_{name}", 1, extra) for name, extra in REFERENCES.items()]
     for world in (1, 2, 4):
-        layouts = [l for l in DP_FAMILY + refs if l.world_size == world]
+        layouts = [l for l in MATRIX + refs if l.world_size == world]
 
         def work(rank: int, layouts=layouts) -> None:
             for l in layouts:
                 train_and_record(parity_config({}, base_overrides, l.override_list(), root / l.name), single_process=False)
 
         run_world(world, work)
-    return {l.name: root / l.name for l in DP_FAMILY + refs}
+    return {l.name: root / l.name for l in MATRIX + refs}
 
 
-@pytest.mark.parametrize("layout", DP_FAMILY, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", MATRIX, ids=lambda l: l.name)
 def test_layout_matches_single_process(runs, layout: Layout):
     dloss, dparam, steps = compare(runs[f"ref_{layout.reference}"], runs[layout.name])
     print(f"{layout.name}: max rel |dloss| {dloss:.2e}, max |dparam| {dparam:.2e}")
@@ -62,7 +64,7 @@ def test_loss_falls(runs):
 
 
 def test_summary(runs, capsys):
-    rows = {l.name: compare(runs[f"ref_{l.reference}"], runs[l.name])[:2] for l in DP_FAMILY}
+    rows = {l.name: compare(runs[f"ref_{l.reference}"], runs[l.name])[:2] for l in MATRIX}
     with capsys.disabled():
         print("\nparity (fp32, 20 steps): layout, max rel |dloss|, max |dparam|")
         for name, (dl, dp) in rows.items():

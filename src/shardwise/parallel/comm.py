@@ -1,0 +1,140 @@
+"""Count the bytes every collective moves, per mesh axis and per kind (DESIGN §5).
+
+Counting happens at the process-group boundary: a TorchDispatchMode sees every c10d op (what DDP's
+reducer, FSDP2 and the optimizers call) and every functional collective (what DTensor calls), with
+the process group it runs on. Each group is named by the mesh axis it belongs to, so the counts
+come out as {axis: {kind: bytes}} for one step.
+
+Bytes are the *payload*: the size of the full logical buffer of a call, as one rank sees it —
+all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the unsharded input;
+broadcast / all-to-all / send / recv: the tensor. The bytes a ring algorithm puts on each link
+follow from it: all-reduce 2(n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x payload
+(`wire_bytes`).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name (without overload) -> (kind, how to find the counted tensors in the args)
+_KINDS = {
+    # functional collectives (DTensor, loss parallel)
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+    # c10d ops (ProcessGroup methods: DDP, FSDP2, ZeroRedundancyOptimizer, dist.* calls)
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "broadcast_": "broadcast", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
+    "send": "send_recv", "recv_": "send_recv", "recv_any_source_": "send_recv",
+}
+# For these the counted buffer is the output (the gathered tensor), which is the first argument.
+_OUTPUT_FIRST = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
+# For these the counted buffer is the unsharded input, the second argument.
+_INPUT_SECOND = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def axis_names(mesh) -> dict[str, str]:
+    """{process-group name: axis name} for every axis of `mesh` (a Meshes or DeviceMesh) and the
+    flattened batch view, plus the default (world) group."""
+    names = {}
+    if dist.is_initialized():
+        names[dist.group.WORLD.group_name] = "world"
+    if mesh is None:
+        return names
+    root = getattr(mesh, "root", mesh)
+    for axis in root.mesh_dim_names:
+        names[root[axis].get_group().group_name] = axis
+    batch = getattr(mesh, "batch", None)
+    if batch is not None and batch.mesh_dim_names[0] not in root.mesh_dim_names:
+        names[batch.get_group().group_name] = "dp"
+    return names
+
+
+class CommCounter(TorchDispatchMode):
+    """`with CommCounter(names) as c: ...` then `c.bytes` = {axis: {kind: payload bytes}} and
+    `c.calls` = {axis: {kind: count}}. Works on every thread the mode is active on; autograd's CPU
+    backward runs on the calling thread, and DDP's reducer calls its all-reduce from there."""
+
+    def __init__(self, group_axes: dict[str, str]):
+        super().__init__()
+        self.group_axes = group_axes
+        self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def _axis(self, args, kwargs) -> str:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, str) and value in self.group_axes:
+                return self.group_axes[value]
+            if isinstance(value, torch.ScriptObject):  # a c10d op's boxed ProcessGroup
+                name = dist.ProcessGroup.unbox(value).group_name
+                return self.group_axes.get(name, name)
+        return "unknown"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            # Let a tensor subclass (DTensor) run first; the collectives it issues on its local
+            # tensors come back through this mode as plain-tensor ops and are counted then.
+            return NotImplemented
+        namespace = func.namespace
+        name = func._schema.name.split("::")[-1]
+        if namespace in ("_c10d_functional", "c10d_functional", "c10d") and name in _KINDS:
+            self._count(name, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count(self, name: str, args, kwargs) -> None:
+        kind = _KINDS[name]
+        if name in _OUTPUT_FIRST:
+            counted = _tensors(args[0])
+        elif name in _INPUT_SECOND:
+            counted = _tensors(args[1])
+        elif name.startswith("all_gather_into_tensor"):
+            # functional all-gather gets the shard and the group size: the output is size x input.
+            counted = _tensors(args[0]) * int(args[1])
+        else:
+            counted = _tensors(args[0])
+        axis = self._axis(args, kwargs)
+        self.bytes[axis][kind] += _nbytes(counted)
+        self.calls[axis][kind] += 1
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        return {axis: dict(kinds) for axis, kinds in self.bytes.items()}
+
+
+def wire_bytes(kind: str, payload: int, group_size: int) -> float:
+    """Bytes each rank sends on the wire under a ring algorithm (Thakur et al. 2005, Patarasuk &
+    Yuan 2009): all-reduce = reduce-scatter + all-gather = 2(n-1)/n, each half (n-1)/n."""
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * payload
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * payload
+    return float(payload)
+
+
+def describe_comm(totals: dict[str, dict[str, int]]) -> str:
+    """'tp: all_gather 655.4 kB, reduce_scatter 655.4 kB; dp_shard: ...' for the console."""
+    return "; ".join(f"{axis}: " + ", ".join(f"{kind} {n / 1e3:.1f} kB" for kind, n in sorted(kinds.items()))
+                     for axis, kinds in sorted(totals.items()))
