@@ -78,3 +78,12 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("[train\nsteps=")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_parity_layout_keys_and_their_reference():
+    from shardwise.parity import parse_layout, reference_overrides
+
+    layout = parse_layout("tp=2,model.vocab_size=509,train.micro_batch=2,train.lr=0.01")
+    assert layout == [("parallel.tp", "2"), ("model.vocab_size", "509"), ("train.micro_batch", "2"), ("train.lr", "0.01")]
+    # only model.* / data.* change the problem (and so the reference); train.lr is a difference to flag
+    assert reference_overrides(layout) == [("model.vocab_size", "509")]
