@@ -30,6 +30,9 @@ CASES = {
     "bf16_tp2": (2, {"train.precision": "bf16", "parallel.tp": 2}),
     "fp16_tp2_nosp_accum2": (2, {"train.precision": "fp16", "parallel.tp": 2, "parallel.sequence_parallel": False,
                                  "train.micro_batch": 4}),
+    # 2-D: FSDP2's bf16 parameter cast on top of TP DTensors
+    "bf16_zero3_dp2_tp2": (4, {"train.precision": "bf16", "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
+                               "train.micro_batch": 4}),
 }
 
 
@@ -37,7 +40,7 @@ CASES = {
 def results(base_overrides, tmp_path_factory):
     root = tmp_path_factory.mktemp("precision")
     out = {}
-    for world in (1, 2):
+    for world in (1, 2, 4):
         def work(rank: int, world=world) -> dict:
             import torch
 
