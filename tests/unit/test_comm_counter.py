@@ -1,0 +1,27 @@
+"""The communication counter's pure parts: ring wire bytes and the console summary.
+(The counts themselves are checked against analytic volumes in tests/dist/test_comm_volume.py.)"""
+from __future__ import annotations
+
+import torch
+
+from shardwise.parallel.comm import CommCounter, describe_comm, wire_bytes
+
+
+def test_ring_wire_bytes():
+    # ring all-reduce on n ranks: each rank sends 2(n-1)/n of the buffer; all-gather (n-1)/n
+    assert wire_bytes("all_reduce", 1000, 4) == 1500
+    assert wire_bytes("all_gather", 1000, 4) == 750
+    assert wire_bytes("reduce_scatter", 1000, 2) == 500
+    assert wire_bytes("all_reduce", 1000, 1) == 0
+    assert wire_bytes("send_recv", 1000, 2) == 1000
+
+
+def test_summary_lists_axes_and_kinds():
+    text = describe_comm({"tp": {"reduce_scatter": 655360, "all_gather": 655360}, "dp_shard": {"all_reduce": 84}})
+    assert text == "dp_shard: all_reduce 0.1 kB; tp: all_gather 655.4 kB, reduce_scatter 655.4 kB"
+
+
+def test_no_process_group_counts_nothing():
+    with CommCounter({}) as counter:
+        torch.ones(4).sum()
+    assert counter.totals() == {}
