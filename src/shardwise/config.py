@@ -106,7 +106,7 @@ class ClusterConfig:
     """Only `shardwise plan` reads this section; training ignores it."""
 
     gpu: str = opt("h100-sxm-80gb", "Accelerator to plan for: a name from shardwise.plan.hardware.DEVICES.")
-    num_gpus: int = opt(8, "Accelerators in the job (the planner's world size).")
+    num_gpus: int = opt(0, "Accelerators in the job (the planner's world size); 0 = the product of the parallel.* axes.")
     gpus_per_node: int = opt(8, "Accelerators per node, joined by the intra-node fabric (NVLink / Infinity Fabric).")
     intra_node_gbps: float = opt(0.0, "Per-GPU unidirectional intra-node bandwidth in GB/s; 0 = the device's default.")
     inter_node_gbps: float = opt(0.0, "Per-GPU network bandwidth between nodes in GB/s; 0 = the device's default.")

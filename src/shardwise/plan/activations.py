@@ -27,6 +27,7 @@ it sharded); a row-parallel linear's output is a full-size partial sum. CP divid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from shardwise.plan.shapes import ModelShape
 
@@ -69,6 +70,7 @@ def _norm(shape: ModelShape, reg: str, res_div: float, consumers: int) -> float:
     return (4 * h + 8) / res_div + consumers * 2 * h
 
 
+@lru_cache(maxsize=1 << 14)
 def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool = False,
                 capacity_factor: float | None = None) -> BlockActivations:
     """Saved bytes of one block with no recomputation (see the module docstring for each term)."""
@@ -102,6 +104,7 @@ def _local_block_matmul(shape: ModelShape, tp: int, moe_layer: bool) -> float:
     return n / tp
 
 
+@lru_cache(maxsize=1 << 14)
 def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool = False) -> BlockActivations:
     """recompute="selective", policy "op" (parallel/checkpointing.py): the block input is kept by the
     checkpoint and the outputs of matmuls and SDPA are saved; everything else is recomputed.
@@ -121,6 +124,7 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     return BlockActivations(per_token, 0.0)
 
 
+@lru_cache(maxsize=1 << 14)
 def full_recompute_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> BlockActivations:
     """recompute="full": only the block input survives the forward (Korthikanti §4: 2sbh in 16-bit)."""
     res = 2 if reg == "lowp" else 4
@@ -132,6 +136,7 @@ def embedding_bytes_per_token(shape: ModelShape) -> float:
     return 8.0
 
 
+@lru_cache(maxsize=1 << 14)
 def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> BlockActivations:
     """Final norm + output head + loss, per token: the norm's tensors, the head's input (and its weight
     copy under autocast), the fp32 log-softmax of the (vocab-sharded, loss-parallel) logits, int64

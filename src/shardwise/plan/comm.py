@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
 
 from shardwise.plan import constants as C
 from shardwise.plan.activations import regime
@@ -45,8 +45,7 @@ from shardwise.plan.memory import RankModel, _fsdp_shard_numel, _numel, local_sh
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
 
 
-@dataclass(frozen=True)
-class Collective:
+class Collective(NamedTuple):
     """`calls` calls of one collective of `payload` bytes each on `axis`. `phase` tells the time model
     how it overlaps: fwd / bwd (per micro-batch, inside the compute), recompute, grad (the gradient
     sync that overlaps the last backward), step (after the backward: exposed), p2p."""
@@ -64,15 +63,28 @@ class Collective:
 
 
 def batch_axis(lay: Layout) -> str:
+    """The group that reduces gradients of replicated weights and the loss: the batch view (dp, or its
+    one non-trivial axis); with CP its ranks join it ("dp_cp", torchtitan), as they see other tokens."""
+    if lay.cp > 1:
+        return "dp_cp"
     if lay.dp_replicate > 1 and lay.dp_shard > 1:
         return "dp"
     return "dp_replicate" if lay.dp_replicate > 1 else "dp_shard"
 
 
+def shard_axis(lay: Layout) -> str:
+    """The group model states are sharded over (FSDP / ZeRO-1): dp_shard, or dp_shard x cp with CP."""
+    return "dp_shard_cp" if lay.cp > 1 else "dp_shard"
+
+
 def _unit_numel(problem: Problem, lay: Layout, rank: RankModel) -> tuple[float, float, float, float]:
     """(block numel, root numel) unsharded TP-local, and the same padded to FSDP's shard multiple."""
-    shape, n = problem.shape, lay.shard_group
-    ep_n = max(1, n // lay.ep)
+    return _unit_numel_cached(problem.shape, lay.tp, lay.ep, lay.shard_group, rank)
+
+
+@lru_cache(maxsize=1 << 14)
+def _unit_numel_cached(shape, tp: int, ep: int, n: int, rank: RankModel) -> tuple[float, float, float, float]:
+    ep_n = max(1, n // ep)
     blk = blk_pad = root = root_pad = 0.0
     specs = []
     if rank.dense_layers:
@@ -84,7 +96,7 @@ def _unit_numel(problem: Problem, lay: Layout, rank: RankModel) -> tuple[float, 
     if rank.head:
         specs += [(p, 1, False) for p in shape.head_params()]
     for spec, repeat, in_block in specs:
-        ls = local_shape(spec, shape, lay.tp, lay.ep)
+        ls = local_shape(spec, shape, tp, ep)
         group = ep_n if spec.tp == "expert" else n
         full, pad = _numel(ls) * repeat, _fsdp_shard_numel(ls, group, spec.tp == "expert") * group * repeat
         if in_block:
@@ -138,27 +150,27 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     blk, root, blk_pad, root_pad = _unit_numel(problem, lay, rank)
     local = blk + root
     # ---- data parallel ----
-    if lay.dp > 1:
-        bax = batch_axis(lay)
+    if lay.dp * lay.cp > 1:
+        bax, sax = batch_axis(lay), shard_axis(lay)
         out.append(Collective(bax, "all_reduce", 4.0, 1, "step", "loss"))
         if lay.fsdp:
             n_blocks = max(1, rank.layers)
-            out.append(Collective("dp_shard", "all_gather", root_pad * param_bytes, m, "fwd", "root"))
-            out.append(Collective("dp_shard", "all_gather", blk_pad / n_blocks * param_bytes, m * n_blocks, "fwd", "block"))
+            out.append(Collective(sax, "all_gather", root_pad * param_bytes, m, "fwd", "root"))
+            out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, m * n_blocks, "fwd", "block"))
             if lay.zero == 3:
-                out.append(Collective("dp_shard", "all_gather", blk_pad / n_blocks * param_bytes, m * n_blocks, "bwd", "block"))
+                out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, m * n_blocks, "bwd", "block"))
             syncs = m if lay.zero == 3 else 1
-            out.append(Collective("dp_shard", "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
-            out.append(Collective("dp_shard", "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
+            out.append(Collective(sax, "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
+            out.append(Collective(sax, "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
             if lay.dp_replicate > 1:
                 shard = (blk_pad + root_pad) / lay.shard_group * grad_bytes
                 out.append(Collective("dp_replicate", "all_reduce", shard, syncs, "grad", "grads"))
-            out.append(Collective("dp_shard", "all_reduce", 4.0, 1, "step", "grad_norm"))
+            out.append(Collective(sax, "all_reduce", 4.0, 1, "step", "grad_norm"))
         else:
             grads = local * grad_bytes
             out.append(Collective(bax, "all_reduce", grads, 1, "grad", "grads"))
             if lay.zero == 1 and lay.dp_shard > 1:
-                out.append(Collective("dp_shard", "broadcast", local * param_bytes if mixed else local * 4, 1, "step", "params"))
+                out.append(Collective(sax, "broadcast", local * param_bytes if mixed else local * 4, 1, "step", "params"))
     # ---- tensor parallel (activations of one micro-batch) ----
     tokens = lay.micro_batch * problem.seq_len / lay.cp
     act = problem.compute_bytes

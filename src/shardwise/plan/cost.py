@@ -125,6 +125,7 @@ def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[
     return out + [(tokens, f, h, ups), (tokens, h, f, 1)]
 
 
+@lru_cache(maxsize=1 << 17)
 def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBatchTimes:
     dev = problem.cluster.device
     peak = dev.peak_flops(problem.precision)
@@ -174,7 +175,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
 # step
 # ---------------------------------------------------------------------------------------------------
 def _axis_group(axis: str) -> str:
-    return "dp" if axis in ("dp", "dp_replicate", "dp_shard") else axis
+    return "dp" if axis in ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp") else axis
 
 
 def _bubble(schedule: str, p: int, v: int, t_f: float, t_b: float) -> float:
@@ -271,6 +272,16 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, pp_rank: int) -> t
                  "tp_comm": comm["tp"], "pp_comm": comm["pp"], "cp_comm": comm["cp"], "ep_comm": comm["ep"],
                  "bubble": bubble, "optimizer": core.optimizer}
     return sum(breakdown.values()), breakdown, dict(core.detail)
+
+
+def compute_lower_bound(problem: Problem, core: Layout, schedule: str, v: int) -> float:
+    """Forward + backward + recompute of the busiest pipeline rank: no layout runs faster than its own
+    compute, so the search can skip timing the communication of a candidate this bound already loses."""
+    chunks = v if core.pp > 1 else 1
+    first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
+    m = core.accumulation(problem)
+    return max(m * (t.fwd + t.bwd + t.recompute) for t in
+               (microbatch_times(problem, core, r) for r in ((first, last) if core.pp > 1 else (first,))))
 
 
 def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float:

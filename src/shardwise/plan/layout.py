@@ -87,7 +87,12 @@ class Problem:
             raise ConfigError("train.seq_len", f"{t.seq_len} exceeds model.max_seq_len({shape.max_seq_len})",
                               f"lower train.seq_len or raise model.max_seq_len to >= {t.seq_len}")
         tokens = t.tokens or t.steps * t.global_batch * t.seq_len
-        return cls(shape, Cluster.from_config(cfg.cluster), t.seq_len, t.global_batch, tokens, t.precision, states,
+        cluster_cfg = cfg.cluster
+        if cluster_cfg.num_gpus == 0:  # the world the parallel.* axes describe (dp_shard = -1 counts as 1)
+            pa = cfg.parallel
+            world = pa.dp_replicate * max(1, pa.dp_shard) * pa.cp * pa.tp * pa.pp
+            cluster_cfg = replace(cluster_cfg, num_gpus=world, gpus_per_node=min(cluster_cfg.gpus_per_node, world))
+        return cls(shape, Cluster.from_config(cluster_cfg), t.seq_len, t.global_batch, tokens, t.precision, states,
                    cfg.cluster.assume_mfu)
 
     @property
@@ -306,8 +311,11 @@ def axis_placement(lay: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]
     for axis in reversed(MESH_ORDER):
         strides[axis] = stride
         stride *= sizes[axis]
-    groups = dict(sizes, dp=lay.dp)
+    groups = dict(sizes, dp=lay.dp, dp_shard_cp=lay.dp_shard * lay.cp, dp_cp=lay.dp * lay.cp)
     strides["dp"] = strides["dp_shard"]
+    # With CP, the ranks that hold the same weights are dp x cp (torchtitan's flattened "dp_shard_cp" /
+    # "dp_cp" meshes): contiguous in the mesh, starting at cp's stride.
+    strides["dp_shard_cp"] = strides["dp_cp"] = strides["cp"]
     # Experts live on the dp_shard x cp ranks (dims.py): an ep group of size e is the innermost e of them.
     groups["ep"] = lay.ep
     strides["ep"] = strides["cp"] if lay.cp > 1 else strides["dp_shard"]

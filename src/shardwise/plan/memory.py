@@ -248,13 +248,27 @@ def core_layout(lay: Layout) -> Layout:
     return lay if lay.schedule == "1f1b" and lay.virtual_stages == 1 else lay.with_(schedule="1f1b", virtual_stages=1)
 
 
-@lru_cache(maxsize=1 << 17)
 def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float]:
-    """(blocks, embedding + head, RoPE tables, recompute working set) in bytes for one micro-batch."""
-    shape = problem.shape
-    reg = A.regime(problem.precision, core.fsdp, problem.model_states)
+    """(blocks, embedding + head, RoPE tables, recompute working set) in bytes for one micro-batch.
+
+    Every term is affine in the micro-batch's tokens, so the coefficients are cached per layout
+    without its micro-batch size (the search asks for many micro-batch sizes of one layout)."""
+    key = (core.tp, core.sp, core.cp, core.recompute, core.recompute_policy, core.recompute_every, core.fsdp)
+    (b1, e1, rope, w1), (b0, e0, _, w0) = _activation_terms(problem, key, rank)
     tokens = core.micro_batch * problem.seq_len / core.cp
-    tp, sp = core.tp, core.sp
+    return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, rope, w0 + (w1 - w0) * tokens
+
+
+@lru_cache(maxsize=1 << 15)
+def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The activation bytes at 1 token and at 0 tokens (slope and intercept of each term)."""
+    return _activations_at(problem, key, rank, 1.0), _activations_at(problem, key, rank, 0.0)
+
+
+def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float]:
+    shape = problem.shape
+    tp, sp, cp, recompute, policy, every, fsdp = key
+    reg = A.regime(problem.precision, fsdp, problem.model_states)
 
     def none_block(moe: bool) -> float:
         b = A.block_bytes(shape, reg, tp, sp, moe)
@@ -267,23 +281,22 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
             return A.selective_op_block_bytes(shape, reg, tp, sp, moe).per_token * tokens
         return none_block(moe)
 
-    mode = core.recompute
-    if mode == "selective" and core.recompute_policy == "layer":
+    mode = recompute
+    if mode == "selective" and policy == "layer":
         # Blocks 0, k, 2k, ... of the rank are checkpointed; the dense blocks come first.
-        ckpt = [i % core.recompute_every == 0 for i in range(rank.layers)]
+        ckpt = [i % every == 0 for i in range(rank.layers)]
         blocks = sum(stored("full" if c else "none", i >= rank.dense_layers) for i, c in enumerate(ckpt))
     else:
         blocks = rank.dense_layers * stored(mode, False) + (rank.moe_layers * stored(mode, True) if rank.moe_layers else 0.0)
     ends = 0.0
     if rank.embedding:
-        ends += A.embedding_bytes_per_token(shape) * tokens + A.gpt_positions_bytes(shape, problem.seq_len / core.cp)
+        ends += A.embedding_bytes_per_token(shape) * tokens + A.gpt_positions_bytes(shape, problem.seq_len / cp)
     if rank.head:
         hb = A.head_bytes(shape, reg, tp, sp)
         ends += hb.per_token * tokens + hb.fixed
     # RoPE slices are saved only by blocks that are not checkpointed (inside a checkpoint nothing but
     # the block input, and under "op" the matmul/SDPA outputs, is kept).
-    plain_blocks = mode == "none" or (mode == "selective" and core.recompute_policy == "layer"
-                                      and core.recompute_every > 1 and rank.layers > 1)
+    plain_blocks = mode == "none" or (mode == "selective" and policy == "layer" and every > 1 and rank.layers > 1)
     rope = A.rope_table_bytes(shape) if rank.layers and plain_blocks else 0.0
     # Recomputing a checkpointed block in backward rematerializes its full activations (one at a time).
     working = none_block(rank.moe_layers > 0) if mode != "none" and rank.layers else 0.0
@@ -293,41 +306,49 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
 # ---------------------------------------------------------------------------------------------------
 # the whole rank
 # ---------------------------------------------------------------------------------------------------
-@lru_cache(maxsize=1 << 17)
 def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float, float, tuple]:
     """(params, grads, optimizer, other, cpu bytes, detail items) of one rank: everything but the
     stored activations, which scale with the schedule's in-flight micro-batches."""
-    shard = core.shard_group
-    st = model_state_bytes(problem, rank, core.tp, core.ep, core.zero, shard if core.zero else 1, max(1, shard // core.ep))
+    key = (core.tp, core.ep, core.zero, core.dp_shard, core.cp, core.fsdp, core.offload, core.accumulation(problem) > 1,
+           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1))
+    params, grads, opt, other, cpu, items = _states(problem, key, rank)
+    if rank.head:
+        # Transient at the loss: 16-bit logits + their fp32 copy (or the fp32 logits), vocab-sharded.
+        tok = core.micro_batch * problem.seq_len / core.cp
+        logits = tok * problem.shape.vocab_size / core.tp * (6 if problem.low_precision else 4)
+        return params, grads, opt, other + logits, cpu, items + (("logits_transient", logits),)
+    return params, grads, opt, other, cpu, items
+
+
+@lru_cache(maxsize=1 << 15)
+def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float, float, float, float, tuple]:
+    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes = key
+    shard = dp_shard * cp
+    st = model_state_bytes(problem, rank, tp, ep, zero, shard if zero else 1, max(1, shard // ep))
     detail: dict[str, float] = {}
     params, grads, opt = st.params, st.grads, st.optimizer
     other = 0.0
     mixed = problem.model_states == "mixed" and problem.low_precision
     param_dtype = 2 if problem.low_precision else 4
-    if core.fsdp and not mixed:
-        if core.zero == 2:
+    if fsdp and not mixed:
+        if zero == 2:
             unsharded = st.unsharded_param_numel * param_dtype
-            grad_work = st.unsharded_param_numel * 4 if core.accumulation(problem) > 1 else st.block_numel * 4
+            grad_work = st.unsharded_param_numel * 4 if accumulating else st.block_numel * 4
         else:
             unsharded = (2 * st.block_numel + st.root_numel) * param_dtype
             grad_work = st.block_numel * 4
         detail["fsdp_unsharded_params"] = unsharded
         detail["fsdp_unsharded_grads"] = grad_work
         other += unsharded + grad_work
-    elif core.fsdp and mixed and core.zero == 3:
+    elif fsdp and mixed and zero == 3:
         detail["fsdp_unsharded_params"] = (2 * st.block_numel + st.root_numel) * 2
         other += detail["fsdp_unsharded_params"]
     cpu = 0.0
-    if core.offload:
+    if offload:
         cpu = params + grads + opt
         detail["offloaded_to_cpu"] = cpu
         params = grads = opt = 0.0
-    if rank.head:
-        # Transient at the loss: 16-bit logits + their fp32 copy (or the fp32 logits), vocab-sharded.
-        tok = core.micro_batch * problem.seq_len / core.cp
-        detail["logits_transient"] = tok * problem.shape.vocab_size / core.tp * (6 if problem.low_precision else 4)
-        other += detail["logits_transient"]
-    comm = C.COMM_BUFFER_BYTES_PER_AXIS * sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1)
+    comm = C.COMM_BUFFER_BYTES_PER_AXIS * comm_axes
     detail["comm_buffers"] = comm
     other += comm
     return params, grads, opt, other, cpu, tuple(detail.items())

@@ -14,11 +14,12 @@ separates each from the winner.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shardwise.plan.cost import Estimate, evaluate, step_seconds
+from shardwise.plan.cost import Estimate, compute_lower_bound, evaluate, step_seconds
 from shardwise.plan.layout import Layout, Problem, check_layout
 from shardwise.plan.memory import capacity_bytes, peak_bytes, states_lower_bound
 
@@ -28,10 +29,10 @@ RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
 @dataclass
 class SearchResult:
     ranked: list[Estimate]                       # the fastest feasible candidates, fastest first (top + near)
-    points: list[tuple[float, float]]            # (step seconds, peak bytes) of every feasible candidate
+    points: list[tuple[float, float]]            # (step seconds, peak bytes) of every timed candidate
     pruned: Counter = field(default_factory=Counter)
     considered: int = 0
-    feasible: int = 0
+    feasible: int = 0                            # candidates that fit (timed or bounded out)
     seconds: float = 0.0
 
     @property
@@ -77,7 +78,7 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
     n = cl.num_gpus
     capacity = capacity_bytes(problem)
     pruned: Counter = Counter()
-    found: list[tuple[float, float, Layout, str, int]] = []
+    candidates: list[tuple[float, float, Layout, str, int]] = []  # (compute lower bound, peak bytes, ...)
     considered = 0
     for tp in divisors(n):
         for cp in divisors(n // tp):
@@ -110,20 +111,53 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
                                 continue
                             struct = dict(dp_replicate=dp_rep, dp_shard=dp_shard, zero=zero, ep=ep, offload=off,
                                           tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
-                            if _search_structure(problem, struct, local_batch, schedules, capacity, pruned, found):
+                            if _search_structure(problem, struct, local_batch, schedules, capacity, pruned, candidates):
                                 fitted.add(key)
+    # Branch and bound: time the fitting candidates in order of their compute-only lower bound, and stop
+    # once that bound exceeds the k-th best step time found (k = top + near): the rest cannot rank.
+    candidates.sort(key=lambda c: c[0])
+    bound = _Bound(top + near)
+    found: list[tuple[float, float, Layout, str, int]] = []
+    for i, (lower, peak, core, schedule, v) in enumerate(candidates):
+        if lower > bound.threshold:
+            pruned["bounded: compute alone slower than the top"] += len(candidates) - i
+            break
+        t = step_seconds(problem, core, schedule, v)
+        bound.add(t)
+        found.append((t, peak, core, schedule, v))
     found.sort(key=lambda f: f[0])
     ranked = [evaluate(problem, core.with_(schedule=sch, virtual_stages=v)) for _, _, core, sch, v in found[:top + near]]
-    return SearchResult(ranked, [(f[0], f[1]) for f in found], pruned, considered, len(found), time.perf_counter() - start)
+    return SearchResult(ranked, [(f[0], f[1]) for f in found], pruned, considered, len(candidates), time.perf_counter() - start)
+
+
+class _Bound:
+    """The k-th best step time found so far (k = top + near): a candidate whose compute alone is
+    slower cannot enter the ranking, so its communication is never timed."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.heap: list[float] = []  # negated times: a max-heap of the k best
+
+    @property
+    def threshold(self) -> float:
+        return -self.heap[0] if len(self.heap) >= self.k else float("inf")
+
+    def add(self, t: float) -> None:
+        if len(self.heap) < self.k:
+            heapq.heappush(self.heap, -t)
+        elif t < -self.heap[0]:
+            heapq.heapreplace(self.heap, -t)
 
 
 def _search_structure(problem: Problem, struct: dict, local_batch: int, schedules: list[tuple[str, int]],
-                      capacity: float, pruned: Counter, found: list) -> bool:
-    """Micro-batch x recompute x schedule variants of one axis layout; True if any fits.
+                      capacity: float, pruned: Counter, candidates: list) -> bool:
+    """Micro-batch x recompute x schedule variants of one axis layout that fit, with their compute-only
+    lower bound, appended to `candidates`; True if any fits.
 
-    Dominance (exact under this cost model, so nothing faster is lost): a recompute mode is skipped
-    for a (micro-batch, schedule) where a cheaper mode (none < selective < full) already fits — it
-    only adds work; likewise offload for a structure that fits without it (search())."""
+    Nothing faster than the reported top is lost: a recompute mode is skipped for a (micro-batch,
+    schedule) where a cheaper mode (none < selective < full) already fits — it only adds work;
+    likewise offload for a structure that fits without it (search()); and search() never times a
+    candidate whose compute alone exceeds the k-th best step time (`_Bound`)."""
     mbs = divisors(local_batch)
     n_var = len(schedules) * len(RECOMPUTE_MODES) * len(mbs)
     lower = Layout(micro_batch=1, recompute="full", **struct)
@@ -153,7 +187,7 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
                     continue
                 fits_cheaper.add((schedule, v))
                 any_fit = True
-                found.append((step_seconds(problem, core, schedule, v), peak, core, schedule, v))
+                candidates.append((compute_lower_bound(problem, core, schedule, v), peak, core, schedule, v))
     return any_fit
 
 

@@ -16,7 +16,7 @@ tensors (E, out, in), as torchtitan's GroupedExperts. Everything MoE lives in `M
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from shardwise.errors import ConfigError
@@ -146,8 +146,12 @@ class ModelShape:
     def layer_params(self, index: int) -> list[ParamSpec]:
         return self.block_params(self.is_moe_layer(index), f"layers.{index}.")
 
-    def block_params(self, moe: bool, p: str = "layers.N.") -> list[ParamSpec]:
-        """The parameters of one dense (or MoE) transformer block, named with prefix `p`."""
+    def block_params(self, moe: bool, p: str = "layers.N.") -> tuple[ParamSpec, ...]:
+        """The parameters of one dense (or MoE) transformer block, named with prefix `p` (cached: the
+        planner asks for the same block many times)."""
+        return _block_specs(self, moe, p)
+
+    def _build_block(self, moe: bool, p: str) -> list[ParamSpec]:
         h, kv, f = self.dim, self.kv_dim, self.ffn_dim
         if self.arch == "llama":
             out = [ParamSpec(p + "attention_norm.weight", (h,), "", False),
@@ -183,7 +187,7 @@ class ModelShape:
         return out
 
     def params(self) -> list[ParamSpec]:
-        out = self.embedding_params()
+        out = list(self.embedding_params())
         for i in range(self.n_layers):
             out += self.layer_params(i)
         return out + self.head_params()
@@ -207,6 +211,9 @@ class ModelShape:
 
     def block_matmul_numel(self, moe: bool, active: bool) -> int:
         """GEMM weights of one block; `active`: only the top_k experts a token visits (+ the router)."""
+        return _block_matmul(self, moe, active)
+
+    def _count_block_matmul(self, moe: bool, active: bool) -> int:
         total = 0
         for spec in self.block_params(moe):
             if len(spec.shape) < 2:
@@ -231,3 +238,13 @@ class ModelShape:
         2022, arXiv 2204.02311, App. B) — the same definition as `Transformer.count_flops_per_token`,
         so the planner's MFU and the trainer's agree. The causal mask is not discounted."""
         return 6 * self.active_matmul_params + 12 * self.n_layers * seq_len * self.dim
+
+
+@lru_cache(maxsize=4096)
+def _block_specs(shape: ModelShape, moe: bool, prefix: str) -> tuple[ParamSpec, ...]:
+    return tuple(shape._build_block(moe, prefix))
+
+
+@lru_cache(maxsize=4096)
+def _block_matmul(shape: ModelShape, moe: bool, active: bool) -> int:
+    return shape._count_block_matmul(moe, active)
