@@ -158,6 +158,38 @@ def gpt_positions_bytes(shape: ModelShape, seq_len: int) -> float:
     return 8.0 * seq_len if shape.arch == "gpt" else 0.0
 
 
+@lru_cache(maxsize=1 << 14)
+def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool = False) -> float:
+    """HBM bytes the non-GEMM, non-attention kernels of one block move per token in forward, op by op
+    (unfused eager kernels each read their inputs and write their output; backward moves about twice
+    this). Norm internals are fp32 (4 B); r = residual-stream bytes, a = compute-dtype bytes.
+    llama RMSNorm (models/llama.py): x.float() [lowp: r 2h w 4h], pow (r 4h w 4h), mean (r 4h), mul by
+      rsqrt (r 4h w 4h), type_as [lowp: r 4h w 2h], * gain (r rh w rh); autocast adds one cast of the
+      fp32 output per consuming linear (r 4h w 2h); gpt LayerNorm is one fused kernel (r rh w 4h + its
+      casts).
+    RoPE on q and k: mul cos, chunk/neg, cat, mul sin, add — ~10 passes over (h + kv), promoted to fp32
+      by the fp32 cos/sin tables.
+    residual adds: 2 x (r rh + r ah w rh); SwiGLU: silu (r af w af) + mul (r 2af w af); GELU: r af w af.
+    """
+    h, kv = shape.dim, max(shape.kv_dim / tp, shape.head_dim)
+    a = 4 if reg == "fp32" else 2
+    r = 2 if reg == "lowp" else 4
+    res_div = tp if sp else 1
+    f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.capacity_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
+    if shape.arch == "llama":
+        norm = (20 * h + 2 * r * h + (12 * h if reg == "lowp" else 0)) / res_div
+        casts = 5 * 6 * h if reg == "autocast" else 0.0  # q, k, v inputs; w1, w3 inputs
+        rope = 10 * 4 * (h / tp + kv)
+        mlp = 5 * a * f / tp
+    else:
+        norm = (r * h + 4 * h) / res_div
+        casts = 4 * 6 * h if reg != "fp32" else 0.0   # q, k, v inputs; fc input
+        rope = 0.0
+        mlp = 2 * a * f / tp
+    residual = 2 * (2 * r * h + a * h) / res_div
+    return 2 * norm + casts + rope + residual + mlp
+
+
 def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
                                 recompute: str = "none") -> float:
     """Activation bytes per transformer layer of Korthikanti et al. 2022 (arXiv 2205.05198), Table 2:

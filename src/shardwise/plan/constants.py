@@ -57,10 +57,6 @@ CAUSAL_EXECUTED_FRACTION = 0.5
 # Achievable fraction of the HBM datasheet bandwidth for streaming kernels: BabelStream-class copy /
 # triad kernels reach ~80-90% on A100/H100/MI300X (Deakin et al., BabelStream results); 0.8 used.
 HBM_FRACTION = 0.80
-# Bytes moved by the non-GEMM ops of a block per byte of activations it saves for backward. Each
-# saved tensor is written once in forward, read once in backward, and its gradient is written and
-# read once (4 passes); a first-principles estimate, not a measurement.
-ELEMENTWISE_PASSES = 4.0
 # AdamW (torch foreach, fp32 states): reads param, grad, exp_avg, exp_avg_sq (16 B) and writes param,
 # exp_avg, exp_avg_sq (12 B) per parameter; "mixed" states add the bf16 param copy (2 B) and read the
 # 16-bit grad instead of an fp32 one. Gradient clipping reads every gradient once more (4 B).

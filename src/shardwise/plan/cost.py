@@ -3,8 +3,9 @@ optimizer — and the derived tokens/s, model TFLOP/s per GPU, MFU and training 
 
 Compute: every GEMM of a micro-batch at a shape-dependent efficiency (the device's maximum achievable
 matmul fraction x tile and wave quantization, capped by the memory roofline; constants.py), attention
-at FlashAttention's achieved fraction with the causal half skipped, and the memory-bound rest from the
-bytes the block saves for backward. Backward = 2 x forward GEMMs (input and weight gradients).
+at FlashAttention's achieved fraction with the causal half skipped, and the memory-bound pointwise
+kernels from the bytes they move (activations.pointwise_forward_bytes, at the HBM fraction).
+Backward = 2 x forward (input and weight gradients for GEMMs; ~2x the bytes for pointwise kernels).
 Overlap rules:
   DDP: the bucketed all-reduce runs during the last micro-batch's backward; exposed = what does not
     fit in that backward, and at least the last bucket (Li et al. 2020, PyTorch DDP, arXiv 2006.15704 §3.2).
@@ -142,16 +143,16 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
         # holds tokens/cp queries against the whole sequence's keys.
         attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
-        saved = A.block_bytes(s, reg, lay.tp, lay.sp, moe).per_token * tokens
-        elementwise = C.ELEMENTWISE_PASSES * saved / hbm
-        return gemm, attn, elementwise
+        # Pointwise kernels: the forward's bytes (activations.pointwise_forward_bytes); backward ~2x.
+        pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp, moe) * tokens / hbm
+        return gemm, attn, pointwise
 
     g_d, a_d, e_d = block_fwd(False)
     g_m, a_m, e_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0)
-    fwd_one = g_d + a_d + e_d / 2
-    bwd_one = 2 * g_d + 2 * a_d + e_d / 2
-    fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m / 2)
-    bwd = rank.dense_layers * bwd_one + rank.moe_layers * (2 * g_m + 2 * a_m + e_m / 2)
+    fwd_one = g_d + a_d + e_d
+    bwd_one = 2 * (g_d + a_d + e_d)
+    fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
+    bwd = rank.dense_layers * bwd_one + rank.moe_layers * 2 * (g_m + a_m + e_m)
     if rank.head:
         head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, math.ceil(s.vocab_size / lay.tp), s.dim, elem)
         loss = 3 * 4.0 * tokens * s.vocab_size / lay.tp / hbm  # logits -> fp32 -> log-softmax, and back
@@ -159,13 +160,13 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         bwd += 2 * head + loss
     # Recomputation: full re-runs the forward of checkpointed blocks; "op" re-runs only the cheap ops.
     n_blocks = rank.layers
-    per_block_fwd = (fwd_one if rank.dense_layers else g_m + a_m + e_m / 2)
+    per_block_fwd = (fwd_one if rank.dense_layers else g_m + a_m + e_m)
     if lay.recompute == "full":
-        recompute = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m / 2)
+        recompute = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
     elif lay.recompute == "selective" and lay.recompute_policy == "layer":
         recompute = math.ceil(n_blocks / lay.recompute_every) * per_block_fwd
-    elif lay.recompute == "selective":
-        recompute = rank.dense_layers * e_d / 2 + rank.moe_layers * e_m / 2
+    elif lay.recompute == "selective":  # "op": the pointwise forward runs again
+        recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
     else:
         recompute = 0.0
     return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd, 2 * per_block_fwd, a_d)
