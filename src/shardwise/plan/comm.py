@@ -282,11 +282,10 @@ def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluste
     if kind in ("send", "recv"):
         return payload / (b_inter if k > 1 else b_intra) + alpha
     hops = math.ceil(math.log2(n))
-    if kind == "all_reduce":
-        t = 2 * (g - 1) / g * payload / b_intra + 2 * (k - 1) / k * (payload / g) / b_inter
-        return t + 2 * hops * alpha
-    if kind in ("all_gather", "reduce_scatter"):
-        return (g - 1) / g * payload / b_intra + (k - 1) / k * (payload / g) / b_inter + hops * alpha
+    if kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        # Ring wire bytes inside the node over NVLink, then between nodes for this GPU's 1/g share.
+        t = wire_bytes(kind, payload, g) / b_intra + wire_bytes(kind, payload / g, k) / b_inter
+        return t + (2 if kind == "all_reduce" else 1) * hops * alpha
     if kind == "all_to_all":
         return (g - 1) / n * payload / b_intra + (n - g) / n * payload / b_inter + hops * alpha
     if kind == "broadcast":
