@@ -23,6 +23,7 @@ tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="sh
      head: not resharded after forward); with accumulation, ZeRO-2 (which syncs only on the last
      micro-batch) keeps unsharded fp32 gradients of the whole stage; else one block's worth exists
      before its reduce-scatter. CPU offload moves the persistent shards to host memory.
+The fp16 loss scaler (parallel/precision.py DynamicLossScaler) keeps Python floats: no device bytes.
 """
 from __future__ import annotations
 

@@ -146,6 +146,8 @@ def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: 
         bottom = [b + v for b, v in zip(bottom, vals)]
     cap = problem.cluster.device.memory_gib
     ax.axhline(cap, color="black", linestyle="--", linewidth=1, label=f"{problem.cluster.device.name} {cap:g} GiB")
+    ax.axhline(estimates[0].memory.capacity / GIB, color="grey", linestyle=":", linewidth=1,
+               label=f"usable {estimates[0].memory.capacity / GIB:.0f} GiB (constants.USABLE_MEMORY_FRACTION)")
     ax.set_ylabel("GiB per GPU (most loaded rank)")
     ax.set_title("memory by category")
     ax.legend(fontsize=8)
@@ -162,7 +164,7 @@ def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: 
         ax2.set_xlabel("GiB per GPU")
         ax2.set_ylabel("step time (s)")
         ax2.set_yscale("log")
-        ax2.set_title(f"search space ({len(points):,} feasible)")
+        ax2.set_title(f"search space: {len(points):,} timed layouts (those bounded out are not drawn)")
         ax2.legend(fontsize=8)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -126,7 +126,17 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
         bound.add(t)
         found.append((t, peak, core, schedule, v))
     found.sort(key=lambda f: f[0])
-    ranked = [evaluate(problem, core.with_(schedule=sch, virtual_stages=v)) for _, _, core, sch, v in found[:top + near]]
+    # The runners-up shown after the top: the fastest of each other family of layouts (tp, pipeline or
+    # not, CP or not, ZeRO stage, recompute), so "why the rest lost" covers real alternatives.
+    shown = found[:top]
+    families = {_family(f[2]) for f in shown}
+    for f in found[top:]:
+        if len(shown) >= top + near:
+            break
+        if _family(f[2]) not in families:
+            families.add(_family(f[2]))
+            shown.append(f)
+    ranked = [evaluate(problem, core.with_(schedule=sch, virtual_stages=v)) for _, _, core, sch, v in shown]
     return SearchResult(ranked, [(f[0], f[1]) for f in found], pruned, considered, len(candidates), time.perf_counter() - start)
 
 
@@ -147,6 +157,10 @@ class _Bound:
             heapq.heappush(self.heap, -t)
         elif t < -self.heap[0]:
             heapq.heapreplace(self.heap, -t)
+
+
+def _family(lay: Layout) -> tuple:
+    return (lay.tp, lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.zero, lay.recompute, lay.offload)
 
 
 def _search_structure(problem: Problem, struct: dict, local_batch: int, schedules: list[tuple[str, int]],
@@ -192,8 +206,8 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
 
 
 def why_lost(result: SearchResult, top: int, near: int = 5) -> list[str]:
-    """Lines explaining the losers: prune counts by reason, then for the next `near` feasible
-    candidates after the top-k the term that costs them most against the winner."""
+    """Lines explaining the losers: prune counts by reason, then for the best layout of each other
+    family (after the top-k) the step-time term that costs it most against the winner."""
     lines = [f"{result.considered:,} candidates considered, {result.feasible:,} feasible, "
              f"searched in {result.seconds:.2f} s"]
     for reason, count in result.pruned.most_common():
@@ -201,6 +215,8 @@ def why_lost(result: SearchResult, top: int, near: int = 5) -> list[str]:
     best = result.best
     if best is None:
         return lines
+    if len(result.ranked) > top:
+        lines.append("  best of the other families, and the term that loses most against #1:")
     for e in result.ranked[top:top + near]:
         diffs = {k: e.breakdown_s.get(k, 0.0) - best.breakdown_s.get(k, 0.0) for k in best.breakdown_s}
         term, delta = max(diffs.items(), key=lambda kv: kv[1])
