@@ -67,9 +67,11 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     t.add_column("GiB", justify="right")
     t.add_column("what", overflow="fold")
     d = mem.detail
+    mixed = problem.model_states == "mixed" and problem.low_precision
     notes = {
         "params": "offloaded to CPU" if lay.offload else ("local shard" if lay.zero >= 3 or lay.fsdp else "replicated over dp"),
-        "grads": "offloaded to CPU" if lay.offload else ("local shard" if lay.fsdp else "full, fp32 DDP buckets"),
+        "grads": "offloaded to CPU" if lay.offload else ("local shard" if lay.fsdp else
+                                                          "full, 16-bit" if mixed else "full, fp32 DDP buckets"),
         "optimizer": "offloaded to CPU" if lay.offload else ("sharded over dp_shard" if lay.zero >= 1 else "replicated"),
         "activations": f"{d.get('inflight_microbatches', 1):.3g} in-flight micro-batch(es) of {lay.micro_batch} seq; "
                        f"stored {d.get('activations_stored', 0) / GIB:.2f} + recompute working set "
