@@ -1,4 +1,4 @@
-"""`shardwise train | parity | config` — the command line.
+"""`shardwise train | parity | config | plan` — the command line.
 
 Every input error surfaces here as a ConfigError before any process is spawned: printed without a
 traceback, exit code 2.
@@ -19,6 +19,10 @@ commands:
   parity   --nproc N --layout k=v,k=v [--layout ...] [--steps 20] [--config FILE.toml] [--section.key=value ...]
            compare layouts with the single-process reference
   config   [--config FILE.toml] [--section.key=value ...] [--keys]     print the resolved config (or every key)
+  plan     evaluate --config FILE.toml [--json] [--assume-mfu X] [--plot out.png] [--section.key=value ...]
+           search   --config FILE.toml [--top 10] [--json] [--emit best.toml] [--plot out.png]
+                    [--allow-cross-node-tp] [--allow-uneven-pp] [--assume-mfu X] [--section.key=value ...]
+           predict memory, step time, MFU and days of a layout on [cluster] (no GPU needed), or search for the best
 """
 
 
@@ -60,13 +64,74 @@ def _config(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    """`shardwise plan evaluate | search`: pure Python, no process group, no torch import."""
+    import json
+
+    from shardwise.plan.cost import evaluate
+    from shardwise.plan.layout import Layout, Problem, check_layout
+    from shardwise.plan.report import evaluate_text, plot, search_json, search_text
+    from shardwise.plan.search import search
+
+    if not argv or argv[0] not in ("evaluate", "search"):
+        raise ConfigError("plan", f"expected 'evaluate' or 'search', got {argv[0] if argv else 'nothing'!r}",
+                          "run `shardwise plan evaluate --config run.toml` or `shardwise plan search --config run.toml`")
+    action = argv[0]
+    parser = argparse.ArgumentParser(prog=f"shardwise plan {action}")
+    parser.add_argument("--config", default=None, help="TOML config file (model / train / parallel / cluster)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--assume-mfu", type=float, default=None, help="fix MFU (e.g. 0.4) instead of predicting it")
+    parser.add_argument("--plot", default=None, help="write the memory / search-space figure to this PNG")
+    if action == "search":
+        parser.add_argument("--top", type=int, default=10, help="layouts to show")
+        parser.add_argument("--emit", default=None, help="write the best layout as a TOML `shardwise train` runs")
+        parser.add_argument("--allow-cross-node-tp", action="store_true", help="let tp span nodes")
+        parser.add_argument("--allow-uneven-pp", action="store_true", help="allow n_layers not divisible by pp x virtual stages")
+    args, overrides = parser.parse_known_args(argv[1:])
+    if args.assume_mfu is not None:
+        overrides.append(f"--cluster.assume_mfu={args.assume_mfu}")
+    cfg = load_config(args.config, overrides)
+    problem = Problem.from_config(cfg)
+    if action == "evaluate":
+        layout = Layout.from_config(cfg, problem.cluster.num_gpus)
+        violation = check_layout(problem, layout)
+        if violation is not None:
+            raise violation.error()
+        est = evaluate(problem, layout)
+        print(json.dumps(est.to_json(), indent=2) if args.json else evaluate_text(problem, est), end="\n" if args.json else "")
+        if args.plot:
+            plot(args.plot, problem, [est])
+        return 0
+    if args.top < 1:
+        raise ConfigError("--top", f"must be >= 1, got {args.top}", "e.g. --top 10")
+    result = search(problem, top=args.top, allow_cross_node_tp=args.allow_cross_node_tp, allow_uneven_pp=args.allow_uneven_pp)
+    if result.best is None:
+        print(json.dumps(search_json(problem, result, args.top), indent=2) if args.json else search_text(problem, result, args.top))
+        raise ConfigError("cluster", f"no layout of {cfg.model.preset} fits {problem.cluster.num_gpus} x {problem.cluster.device.name}",
+                          "add GPUs, use a device with more memory, or shorten train.seq_len / train.global_batch")
+    print(json.dumps(search_json(problem, result, args.top), indent=2) if args.json else search_text(problem, result, args.top),
+          end="\n" if args.json else "")
+    if args.emit:
+        best = result.best.layout
+        for section, values in best.config_values(problem).items():
+            for key, value in values.items():
+                setattr(getattr(cfg, section), key, value)
+        cfg.save(args.emit)
+        load_config(args.emit)  # what we wrote must load
+        if not args.json:
+            print(f"wrote {args.emit}: {best.describe()}")
+    if args.plot:
+        plot(args.plot, problem, result.ranked[:args.top], result.points)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    commands = {"train": _train, "config": _config}
+    commands = {"train": _train, "config": _config, "plan": _plan}
     from shardwise.parity import parity_main
 
     commands["parity"] = parity_main

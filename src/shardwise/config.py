@@ -103,6 +103,22 @@ class RunConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Only `shardwise plan` reads this section; training ignores it."""
+
+    gpu: str = opt("h100-sxm-80gb", "Accelerator to plan for: a name from shardwise.plan.hardware.DEVICES.")
+    num_gpus: int = opt(0, "Accelerators in the job (the planner's world size); 0 = the product of the parallel.* axes.")
+    gpus_per_node: int = opt(8, "Accelerators per node, joined by the intra-node fabric (NVLink / Infinity Fabric).")
+    intra_node_gbps: float = opt(0.0, "Per-GPU unidirectional intra-node bandwidth in GB/s; 0 = the device's default.")
+    inter_node_gbps: float = opt(0.0, "Per-GPU network bandwidth between nodes in GB/s; 0 = the device's default.")
+    intra_node_latency_us: float = opt(0.0, "Per-hop collective latency inside a node in microseconds; 0 = the planner's default.")
+    inter_node_latency_us: float = opt(0.0, "Per-hop collective latency between nodes in microseconds; 0 = the planner's default.")
+    model_states: str = opt("shardwise", '"shardwise": fp32 params + fp32 grads + fp32 AdamW (what this trainer does, any '
+                                         'precision); "mixed": bf16/fp16 params + grads, fp32 master + AdamW (2+2+12 bytes/param).')
+    assume_mfu: float = opt(0.0, "Fix the MFU (e.g. 0.4) instead of predicting the step time; 0 = predict.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "Model shape."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Optimization and batch."})
@@ -110,6 +126,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Corpus and tokenizer."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Distributed checkpoints."})
     run: RunConfig = field(default_factory=RunConfig, metadata={"doc": "Outputs of a run."})
+    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"doc": "Cluster to plan for (shardwise plan)."})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: {k: v for k, v in dataclasses.asdict(getattr(self, s.name)).items() if v is not None}

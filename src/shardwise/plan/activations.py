@@ -1,0 +1,209 @@
+"""Activation bytes saved for backward, per token, per block — an inventory of what this codebase's
+modules actually save, not a generic textbook constant.
+
+Korthikanti et al. 2022 (arXiv 2205.05198, §4, Table 2) count a GPT block in 16-bit with dropout as
+sbh(34 + 5as/h) bytes: 34 sbh for the layer's tensors and 5as²b for the attention score matrix and its
+softmax / dropout. With TP: sbh(10 + 24/t + 5as/(ht)); with TP + SP: sbh(34 + 5as/h)/t; with selective
+recomputation of the attention core: 34 sbh/t; with full recomputation: 2 sbh (the block input).
+`korthikanti_bytes_per_layer` implements exactly those (tests check Table 2), for comparison.
+
+Our modules differ from that GPT in ways that change the constant, so the planner uses an inventory
+(each entry was observed with autograd's saved-tensor hooks on the tiny presets, see
+tests/dist/test_plan_validation.py): FlashAttention (SDPA) saves q, k, v, out and the log-sum-exp,
+never the s x s scores (no 5as/h term); there is no dropout; RMSNorm is written in Python and saves
+its input, rsqrt, the normalized tensor and its output; RoPE saves new q/k; SwiGLU saves 4 f-wide
+tensors; the loss saves fp32 log-softmax of the logits. The dtypes depend on the precision regime:
+  fp32     every tensor 4 bytes;
+  autocast bf16/fp16 compute with fp32 parameters (single process, DDP, ZeRO-1): the residual stream
+           and norms stay fp32; every linear saves its own low-precision copy of its input and of its
+           weight (autocast casts are new storages, held until backward);
+  lowp     16-bit parameters (FSDP2 MixedPrecisionPolicy param_dtype, or "mixed" model states): the
+           residual stream is 16-bit, norms upcast to fp32 inside, no weight copies.
+Tensor / sequence parallelism (torch DTensor TP, as parallel/tensor.py will apply it): head- and
+ffn-sharded tensors are divided by tp; residual-stream / norm tensors by tp only under SP; the input of
+a column-parallel linear is saved after its all-gather (full size, unlike Korthikanti's SP which keeps
+it sharded); a row-parallel linear's output is a full-size partial sum. CP divides the tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.plan.shapes import ModelShape
+
+REGIMES = ("fp32", "autocast", "lowp")
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Bytes one block saves for one micro-batch: `per_token` x tokens + `fixed` (weight copies)."""
+
+    per_token: float
+    fixed: float
+
+
+def regime(precision: str, fsdp: bool, model_states: str) -> str:
+    if precision == "fp32":
+        return "fp32"
+    return "lowp" if fsdp or model_states == "mixed" else "autocast"
+
+
+def _norm(shape: ModelShape, reg: str, res_div: float, consumers: int) -> float:
+    """Bytes per token one pre-norm saves, plus the saved input of the `consumers` linears after it.
+
+    llama RMSNorm (models/llama.py): fp32: x, rsqrt, x*rsqrt, output y (saved by the linears: one
+    storage); autocast: x, rsqrt, x*rsqrt in fp32, then one 16-bit cast of y per consuming linear;
+    lowp: x.float() copy, rsqrt, the 16-bit normalized tensor, y (16-bit, one storage).
+    gpt nn.LayerNorm: saves input, mean, rstd; autocast runs it in fp32 and each linear casts y.
+    The norm's own tensors are sequence-sharded under SP (res_div); the linear input y is all-gathered.
+    """
+    h = shape.dim
+    if shape.arch == "llama":
+        if reg == "fp32":
+            return (4 * h + 4 + 4 * h) / res_div + 4 * h
+        if reg == "autocast":
+            return (4 * h + 4 + 4 * h) / res_div + consumers * 2 * h
+        return (4 * h + 4 + 2 * h) / res_div + 2 * h
+    if reg == "fp32":
+        return (4 * h + 8) / res_div + 4 * h
+    # LayerNorm is on autocast's fp32 list: under lowp its 16-bit input is upcast (a saved copy).
+    return (4 * h + 8) / res_div + consumers * 2 * h
+
+
+@lru_cache(maxsize=1 << 14)
+def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool = False,
+                capacity_factor: float | None = None) -> BlockActivations:
+    """Saved bytes of one block with no recomputation (see the module docstring for each term)."""
+    h, kv, nh = shape.dim, shape.kv_dim, shape.n_heads
+    res_div = tp if sp else 1
+    a = 4 if reg == "fp32" else 2          # activation element bytes
+    kv_local = max(kv / tp, shape.head_dim)  # KV heads replicate when tp > n_kv_heads
+    per_token = _norm(shape, reg, res_div, 3) + _norm(shape, reg, res_div, 2 if shape.arch == "llama" else 1)
+    # Attention: q (new after RoPE for llama; a view of wq's output for gpt), k, v, SDPA out, fp32 LSE.
+    per_token += a * (h / tp + 2 * kv_local + h / tp) + 4 * nh / tp
+    f = shape.expert_ffn if moe_layer else shape.ffn_dim
+    mlp = (4 if shape.arch == "llama" else 2) * a * f / tp  # SwiGLU: w1 out, silu out, w3 out, product; GELU: fc out, gelu out
+    if moe_layer and shape.moe is not None:
+        # Each token visits top_k experts (padded to the capacity factor); the router saves its fp32
+        # logits/probabilities (2 x num_experts) and the dispatched copy of the token (h) per choice.
+        cf = capacity_factor if capacity_factor is not None else shape.moe.capacity_factor
+        mlp = shape.moe.top_k * cf * (mlp + a * h) + 8 * shape.moe.num_experts
+    per_token += mlp
+    fixed = 0.0
+    if reg == "autocast":
+        # One 16-bit copy of every (local) linear weight per micro-batch (models.common.Attention /
+        # SwiGLU / GELUMLP under torch.autocast).
+        fixed = 2 * _local_block_matmul(shape, tp, moe_layer)
+    elif reg == "lowp" and shape.arch == "gpt":
+        fixed = 2 * 2 * 4 * h  # two LayerNorms' fp32 casts of their 16-bit weight and bias
+    return BlockActivations(per_token, fixed)
+
+
+def _local_block_matmul(shape: ModelShape, tp: int, moe_layer: bool) -> float:
+    n = shape.block_matmul_numel(moe_layer, active=False)
+    return n / tp
+
+
+@lru_cache(maxsize=1 << 14)
+def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool = False) -> BlockActivations:
+    """recompute="selective", policy "op" (parallel/checkpointing.py): the block input is kept by the
+    checkpoint and the outputs of matmuls and SDPA are saved; everything else is recomputed.
+    llama: wq, wk, wv, wo, w1, w3, w2 outputs + SDPA (out, LSE); gpt: wq, wk, wv, wo, fc, proj + SDPA.
+    Row-parallel outputs (wo, w2/proj) are full-size partial sums under TP."""
+    h, kv = shape.dim, shape.kv_dim
+    a = 4 if reg == "fp32" else 2
+    res = 2 if reg == "lowp" else 4
+    kv_local = max(kv / tp, shape.head_dim)
+    res_div = tp if sp else 1
+    f = shape.expert_ffn if moe_layer else shape.ffn_dim
+    n_up = 2 if shape.arch == "llama" else 1
+    mlp = a * (n_up * f / tp + h)
+    if moe_layer and shape.moe is not None:
+        mlp = shape.moe.top_k * shape.moe.capacity_factor * mlp
+    per_token = res * h / res_div + a * (h / tp + 2 * kv_local + h / tp + h) + 4 * shape.n_heads / tp + mlp
+    return BlockActivations(per_token, 0.0)
+
+
+@lru_cache(maxsize=1 << 14)
+def full_recompute_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> BlockActivations:
+    """recompute="full": only the block input survives the forward (Korthikanti §4: 2sbh in 16-bit)."""
+    res = 2 if reg == "lowp" else 4
+    return BlockActivations(res * shape.dim / (tp if sp else 1), 0.0)
+
+
+def embedding_bytes_per_token(shape: ModelShape) -> float:
+    """The embedding saves its int64 indices (gpt's position lookup saves s int64 positions once)."""
+    return 8.0
+
+
+@lru_cache(maxsize=1 << 14)
+def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> BlockActivations:
+    """Final norm + output head + loss, per token: the norm's tensors, the head's input (and its weight
+    copy under autocast), the fp32 log-softmax of the (vocab-sharded, loss-parallel) logits, int64
+    targets. The logits themselves are not saved (log_softmax keeps only its output)."""
+    per_token = _norm(shape, reg, tp if sp else 1, 1) + 4 * shape.vocab_size / tp + 8
+    fixed = 4.0  # the loss's total_weight scalar
+    if reg == "autocast":
+        fixed += 2 * shape.vocab_size * shape.dim / tp
+    return BlockActivations(per_token, fixed)
+
+
+def rope_table_bytes(shape: ModelShape) -> float:
+    """llama's RoPE cos/sin buffers (max_seq_len x head_dim fp32 each): RoPE saves slices of them,
+    which keep the whole buffer alive — counted once, like the activation meter does."""
+    return 2 * 4 * shape.max_seq_len * shape.head_dim if shape.arch == "llama" else 0.0
+
+
+def gpt_positions_bytes(shape: ModelShape, seq_len: int) -> float:
+    return 8.0 * seq_len if shape.arch == "gpt" else 0.0
+
+
+@lru_cache(maxsize=1 << 14)
+def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool = False) -> float:
+    """HBM bytes the non-GEMM, non-attention kernels of one block move per token in forward, op by op
+    (unfused eager kernels each read their inputs and write their output; backward moves about twice
+    this). Norm internals are fp32 (4 B); r = residual-stream bytes, a = compute-dtype bytes.
+    llama RMSNorm (models/llama.py): x.float() [lowp: r 2h w 4h], pow (r 4h w 4h), mean (r 4h), mul by
+      rsqrt (r 4h w 4h), type_as [lowp: r 4h w 2h], * gain (r rh w rh); autocast adds one cast of the
+      fp32 output per consuming linear (r 4h w 2h); gpt LayerNorm is one fused kernel (r rh w 4h + its
+      casts).
+    RoPE on q and k: mul cos, chunk/neg, cat, mul sin, add — ~10 passes over (h + kv), promoted to fp32
+      by the fp32 cos/sin tables.
+    residual adds: 2 x (r rh + r ah w rh); SwiGLU: silu (r af w af) + mul (r 2af w af); GELU: r af w af.
+    """
+    h, kv = shape.dim, max(shape.kv_dim / tp, shape.head_dim)
+    a = 4 if reg == "fp32" else 2
+    r = 2 if reg == "lowp" else 4
+    res_div = tp if sp else 1
+    f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.capacity_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
+    if shape.arch == "llama":
+        norm = (20 * h + 2 * r * h + (12 * h if reg == "lowp" else 0)) / res_div
+        casts = 5 * 6 * h if reg == "autocast" else 0.0  # q, k, v inputs; w1, w3 inputs
+        rope = 10 * 4 * (h / tp + kv)
+        mlp = 5 * a * f / tp
+    else:
+        norm = (r * h + 4 * h) / res_div
+        casts = 4 * 6 * h if reg != "fp32" else 0.0   # q, k, v inputs; fc input
+        rope = 0.0
+        mlp = 2 * a * f / tp
+    residual = 2 * (2 * r * h + a * h) / res_div
+    return 2 * norm + casts + rope + residual + mlp
+
+
+def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                                recompute: str = "none") -> float:
+    """Activation bytes per transformer layer of Korthikanti et al. 2022 (arXiv 2205.05198), Table 2:
+    none, no TP       sbh(34 + 5as/h)
+    TP                sbh(10 + 24/t + 5as/(ht))
+    TP + SP           sbh(34/t + 5as/(ht))
+    TP + selective    sbh(10 + 24/t)            (attention core recomputed)
+    TP + SP + sel.    sbh(34/t)
+    full              sbh(2)                    (layer input only, 16-bit)
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2.0 * sbh
+    attn = 0.0 if recompute == "selective" else 5.0 * a * s / (h * t)
+    if sp:
+        return sbh * (34.0 / t + attn)
+    return sbh * (10.0 + 24.0 / t + attn)

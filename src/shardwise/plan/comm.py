@@ -1,0 +1,308 @@
+"""Communication per optimizer step: which collectives a rank issues, their bytes, and their time.
+
+Bytes convention (shared with the trainer's counter): per rank, per optimizer step, per mesh axis
+("dp_replicate", "dp_shard", "dp" = the flattened dp_replicate x dp_shard group, "tp", "cp", "pp",
+"ep") and per collective kind, the *payload* = the size of the full logical buffer of each call:
+all_reduce: the tensor; all_gather: the gathered output; reduce_scatter: the unsharded input;
+broadcast: the tensor; all_to_all: the input; send / recv: the tensor. `wire_bytes` converts a
+payload into what a rank actually sends with the ring algorithms (Thakur et al. 2005, "Optimization of
+collective communication operations in MPICH"; Patarasuk & Yuan 2009 for the bandwidth-optimal ring
+all-reduce 2(n-1)/n S).
+
+What this codebase issues (parallel/data.py, train/trainer.py, train/optim.py):
+  DDP (zero 0, and zero 1's gradient sync): one all_reduce of every fp32 gradient over the batch group
+    per optimizer step (no_sync on the other micro-batches), in 25 MiB buckets;
+  ZeRO-1: + ZeroRedundancyOptimizer's broadcast of every updated parameter from its owner over dp_shard;
+  FSDP2 (zero 2/3): per micro-batch an all_gather of every unit's parameters (param_dtype; padded to a
+    multiple of dp_shard per parameter) in forward, and for ZeRO-3 again of every block in backward
+    (the root unit is not resharded after forward); a reduce_scatter of fp32 gradients per micro-batch
+    (ZeRO-3) or on the last one (ZeRO-2); HSDP adds an all_reduce of the gradient shards over
+    dp_replicate; gradient clipping all-reduces one fp32 scalar over dp_shard (DTensor full_tensor);
+  the trainer all-reduces the fp32 loss (one scalar) over the batch group each step.
+Not counted: checkpoint / logging-step traffic on the world group (memory all_gather) and the fp16
+loss-scaler flag (world group, not an axis).
+TP, PP, CP and EP are not trained yet; they follow the torchtitan designs DESIGN §2 names: TP/SP as
+Korthikanti et al. 2022 §4.2.2 (per block, forward: 2 all_reduce, or with SP 2 all_gather + 2
+reduce_scatter, of b·s·h activations; backward the same), a vocab-parallel embedding and loss-parallel
+head; PP send/recv of one micro-batch's boundary activation per chunk boundary and direction; CP
+ring attention (pass-KV: cp-1 rounds of K and V in forward, K, V, dK, dV in backward) or Ulysses
+(4 all_to_all per layer and direction); EP all_to_all dispatch + combine per MoE layer and direction.
+Recomputation (full, or selective "op" — collectives are not in the save list) repeats the forward's
+activation collectives.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from shardwise.plan import constants as C
+from shardwise.plan.activations import regime
+from shardwise.plan.layout import Cluster, Layout, Problem, axis_placement
+from shardwise.plan.memory import RankModel, _fsdp_shard_numel, _numel, local_shape, pipeline_ranks
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
+
+
+class Collective(NamedTuple):
+    """`calls` calls of one collective of `payload` bytes each on `axis`. `phase` tells the time model
+    how it overlaps: fwd / bwd (per micro-batch, inside the compute), recompute, grad (the gradient
+    sync that overlaps the last backward), step (after the backward: exposed), p2p."""
+
+    axis: str
+    kind: str
+    payload: float
+    calls: float
+    phase: str
+    unit: str = ""  # what it moves ("block", "root", "grads", ...), for the FSDP overlap rule
+
+    @property
+    def total(self) -> float:
+        return self.payload * self.calls
+
+
+def batch_axis(lay: Layout) -> str:
+    """The group that reduces gradients of replicated weights and the loss: the batch view (dp, or its
+    one non-trivial axis); with CP its ranks join it ("dp_cp", torchtitan), as they see other tokens."""
+    if lay.cp > 1:
+        return "dp_cp"
+    if lay.dp_replicate > 1 and lay.dp_shard > 1:
+        return "dp"
+    return "dp_replicate" if lay.dp_replicate > 1 else "dp_shard"
+
+
+def shard_axis(lay: Layout) -> str:
+    """The group model states are sharded over (FSDP / ZeRO-1): dp_shard, or dp_shard x cp with CP."""
+    return "dp_shard_cp" if lay.cp > 1 else "dp_shard"
+
+
+def _unit_numel(problem: Problem, lay: Layout, rank: RankModel) -> tuple[float, float, float, float]:
+    """(block numel, root numel) unsharded TP-local, and the same padded to FSDP's shard multiple."""
+    return _unit_numel_cached(problem.shape, lay.tp, lay.ep, lay.shard_group, rank)
+
+
+@lru_cache(maxsize=1 << 14)
+def _unit_numel_cached(shape, tp: int, ep: int, n: int, rank: RankModel) -> tuple[float, float, float, float]:
+    ep_n = max(1, n // ep)
+    blk = blk_pad = root = root_pad = 0.0
+    specs = []
+    if rank.dense_layers:
+        specs += [(p, rank.dense_layers, True) for p in shape.block_params(False)]
+    if rank.moe_layers:
+        specs += [(p, rank.moe_layers, True) for p in shape.block_params(True)]
+    if rank.embedding:
+        specs += [(p, 1, False) for p in shape.embedding_params()]
+    if rank.head:
+        specs += [(p, 1, False) for p in shape.head_params()]
+    for spec, repeat, in_block in specs:
+        ls = local_shape(spec, shape, tp, ep)
+        group = ep_n if spec.tp == "expert" else n
+        full, pad = _numel(ls) * repeat, _fsdp_shard_numel(ls, group, spec.tp == "expert") * group * repeat
+        if in_block:
+            blk, blk_pad = blk + full, blk_pad + pad
+        else:
+            root, root_pad = root + full, root_pad + pad
+    return blk, root, blk_pad, root_pad
+
+
+def collectives(problem: Problem, lay: Layout, rank: RankModel | None = None, pp_rank: int = 0) -> list[Collective]:
+    """Every collective one rank issues in one optimizer step (see the module docstring)."""
+    if rank is None:
+        first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
+        rank = last if pp_rank == lay.pp - 1 and lay.pp > 1 else first
+    return data_and_model_collectives(problem, lay, rank) + pp_collectives(problem, lay, pp_rank)
+
+
+def pp_boundary_bytes(problem: Problem, lay: Layout) -> float:
+    """One micro-batch's activation (or its gradient) crossing a stage boundary: sequence-sharded
+    under SP, in the residual-stream dtype."""
+    res = 2 if regime(problem.precision, lay.fsdp, problem.model_states) == "lowp" else 4
+    return lay.micro_batch * problem.seq_len / lay.cp * problem.shape.dim / (lay.tp if lay.sp else 1) * res
+
+
+def pp_collectives(problem: Problem, lay: Layout, pp_rank: int) -> list[Collective]:
+    """Pipeline send/recv of rank `pp_rank`: per micro-batch, a forward send for each owned chunk
+    that is not the last, a forward recv for each that is not the first, and the same backward."""
+    if lay.pp == 1:
+        return []
+    m = lay.accumulation(problem)
+    boundary = pp_boundary_bytes(problem, lay)
+    v, n_chunks = lay.chunks_per_rank, lay.pp * lay.chunks_per_rank
+    owned = ([pp_rank, 2 * lay.pp - 1 - pp_rank] if lay.schedule == "dualpipev" and v == 2
+             else list(range(pp_rank, n_chunks, lay.pp)))
+    sends_fwd = sum(1 for c in owned if c != n_chunks - 1)
+    recvs_fwd = sum(1 for c in owned if c != 0)
+    # Forward activations out + backward gradients out (to the previous stage), and the receptions.
+    return [Collective("pp", "send", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act"),
+            Collective("pp", "recv", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act")]
+
+
+def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -> list[Collective]:
+    """The collectives of every axis but pp (independent of the pipeline schedule)."""
+    shape = problem.shape
+    m = lay.accumulation(problem)
+    out: list[Collective] = []
+    low = problem.low_precision
+    mixed = problem.model_states == "mixed" and low
+    param_bytes = 2 if low else 4
+    grad_bytes = 2 if mixed else 4
+    blk, root, blk_pad, root_pad = _unit_numel(problem, lay, rank)
+    local = blk + root
+    # ---- data parallel ----
+    if lay.dp * lay.cp > 1:
+        bax, sax = batch_axis(lay), shard_axis(lay)
+        out.append(Collective(bax, "all_reduce", 4.0, 1, "step", "loss"))
+        if lay.fsdp:
+            n_blocks = max(1, rank.layers)
+            out.append(Collective(sax, "all_gather", root_pad * param_bytes, m, "fwd", "root"))
+            out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, m * n_blocks, "fwd", "block"))
+            if lay.zero == 3:
+                out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, m * n_blocks, "bwd", "block"))
+            syncs = m if lay.zero == 3 else 1
+            out.append(Collective(sax, "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
+            out.append(Collective(sax, "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
+            if lay.dp_replicate > 1:
+                shard = (blk_pad + root_pad) / lay.shard_group * grad_bytes
+                out.append(Collective("dp_replicate", "all_reduce", shard, syncs, "grad", "grads"))
+            out.append(Collective(sax, "all_reduce", 4.0, 1, "step", "grad_norm"))
+        else:
+            grads = local * grad_bytes
+            out.append(Collective(bax, "all_reduce", grads, 1, "grad", "grads"))
+            if lay.zero == 1 and lay.dp_shard > 1:
+                out.append(Collective(sax, "broadcast", local * param_bytes if mixed else local * 4, 1, "step", "params"))
+    # ---- tensor parallel (activations of one micro-batch) ----
+    tokens = lay.micro_batch * problem.seq_len / lay.cp
+    act = problem.compute_bytes
+    res = 2 if regime(problem.precision, lay.fsdp, problem.model_states) == "lowp" else 4  # residual-stream bytes
+    recompute_fwd = lay.recompute in ("full", "selective")
+    rc_frac = (1.0 / lay.recompute_every if lay.recompute == "selective" and lay.recompute_policy == "layer"
+               else 1.0 if recompute_fwd else 0.0)
+    if lay.tp > 1:
+        per_layer = tokens * shape.dim
+        L = rank.layers
+        if lay.sp:
+            fwd = [("all_gather", per_layer * res, 2 * L), ("reduce_scatter", per_layer * act, 2 * L)]
+        else:
+            fwd = [("all_reduce", per_layer * act, 2 * L)]
+        for kind, payload, calls in fwd:
+            out.append(Collective("tp", kind, payload, calls * m, "fwd", "act"))
+            back = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}.get(kind, kind)
+            out.append(Collective("tp", back, payload, calls * m, "bwd", "act"))
+            if rc_frac:
+                out.append(Collective("tp", kind, payload, calls * m * rc_frac, "recompute", "act"))
+        if rank.embedding:
+            out.append(Collective("tp", "reduce_scatter" if lay.sp else "all_reduce", tokens * shape.dim * res, m, "fwd", "embed"))
+        if rank.head:
+            if lay.sp:
+                out.append(Collective("tp", "all_gather", tokens * shape.dim * res, m, "fwd", "head"))
+                out.append(Collective("tp", "reduce_scatter", tokens * shape.dim * res, m, "bwd", "head"))
+            out.append(Collective("tp", "all_reduce", tokens * 4, 3 * m, "fwd", "loss_parallel"))
+    # ---- context parallel ----
+    if lay.cp > 1:
+        kv_local = max(shape.kv_dim / lay.tp, shape.head_dim)
+        L = rank.layers
+        if lay.cp_mode == "ulysses":
+            qkvo = tokens * (2 * shape.dim / lay.tp + 2 * kv_local) * act
+            out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m, "fwd", "act"))
+            out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m, "bwd", "act"))
+        else:
+            kv = tokens * 2 * kv_local * act
+            for kind in ("send", "recv"):
+                out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m, "fwd", "kv"))
+                out.append(Collective("cp", kind, kv, 2 * (lay.cp - 1) * L * m, "bwd", "kv"))
+                if rc_frac:
+                    out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m * rc_frac, "recompute", "kv"))
+    # ---- expert parallel ----
+    if lay.ep > 1 and rank.moe_layers and shape.moe is not None:
+        dispatched = tokens * shape.moe.top_k * shape.moe.capacity_factor * shape.dim * act
+        out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "fwd", "tokens"))
+        out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "bwd", "tokens"))
+        if rc_frac:
+            out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m * rc_frac, "recompute", "tokens"))
+    return out
+
+
+def predict_comm_bytes(cfg: Any, dims: Any = None, rank: int = 0) -> dict[str, dict[str, int]]:
+    """Payload bytes per mesh axis and collective kind that `rank` moves in one optimizer step.
+
+    `cfg` is a resolved Config; `dims` a ParallelDims (or None: the layout of `cfg.parallel` on
+    `cfg.cluster.num_gpus`). The pipeline rank of `rank` follows the mesh order (pp outermost).
+    Example: DDP over 2 ranks of the tiny preset in fp32 -> {"dp_replicate": {"all_reduce": 4 x
+    params + 4}}. Axes / kinds with no traffic are absent.
+    """
+    from dataclasses import replace as _replace
+
+    world = dims.world_size if dims is not None else cfg.cluster.num_gpus
+    cluster_cfg = _replace(cfg.cluster, num_gpus=world, gpus_per_node=max(1, min(cfg.cluster.gpus_per_node, world)))
+    problem = Problem.from_config(_replace(cfg, cluster=cluster_cfg))
+    lay = Layout.from_config(cfg, world)
+    if dims is not None:
+        lay = lay.with_(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, pp=dims.pp, ep=dims.ep)
+    pp_rank = rank // (world // lay.pp)
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for c in collectives(problem, lay, pp_rank=pp_rank):
+        if c.total > 0:
+            totals[c.axis][c.kind] += c.total
+    return {axis: {kind: int(round(v)) for kind, v in kinds.items()} for axis, kinds in totals.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# wire bytes and time
+# ---------------------------------------------------------------------------------------------------
+def wire_bytes(kind: str, payload: float, n: int) -> float:
+    """Bytes one rank sends for one call with the ring algorithms: all_reduce 2(n-1)/n S; all_gather
+    and reduce_scatter (n-1)/n S; all_to_all (n-1)/n S; broadcast (pipelined ring) and send S."""
+    if n <= 1 and kind not in ("send", "recv"):
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * payload
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * payload
+    if kind == "recv":
+        return 0.0
+    return float(payload)
+
+
+def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluster: Cluster) -> float:
+    """Seconds for one call on a group with `per_node` ranks in each of `nodes` nodes.
+
+    Hierarchical (two-level) algorithms: the intra-node part moves its ring share over NVLink, the
+    inter-node part moves 1/per_node of the buffer per GPU over that GPU's own NIC (NCCL rings /
+    trees span nodes with one NIC per GPU; 2D schemes as Mikami et al. 2018, arXiv 1811.05233). The
+    latency term is log2(n) hops (trees / PAT) at the slowest level's per-hop latency.
+    """
+    n = per_node * nodes
+    if n <= 1 or payload <= 0:
+        return 0.0
+    b_intra = cluster.intra_gbps * 1e9 * C.BUS_FRACTION_INTRA
+    b_inter = cluster.inter_gbps * 1e9 * C.BUS_FRACTION_INTER
+    g, k = per_node, nodes
+    alpha = cluster.inter_latency_s if k > 1 else cluster.intra_latency_s
+    if kind in ("send", "recv"):
+        return payload / (b_inter if k > 1 else b_intra) + alpha
+    hops = math.ceil(math.log2(n))
+    if kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        # Ring wire bytes inside the node over NVLink, then between nodes for this GPU's 1/g share.
+        t = wire_bytes(kind, payload, g) / b_intra + wire_bytes(kind, payload / g, k) / b_inter
+        return t + (2 if kind == "all_reduce" else 1) * hops * alpha
+    if kind == "all_to_all":
+        return (g - 1) / n * payload / b_intra + (n - g) / n * payload / b_inter + hops * alpha
+    if kind == "broadcast":
+        return payload / (b_inter if k > 1 else b_intra) + hops * alpha
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def placements(lay: Layout, cluster: Cluster) -> dict[str, tuple[int, int]]:
+    return axis_placement(lay, cluster.gpus_per_node)
+
+
+def time_of(c: Collective, place: dict[str, tuple[int, int]], cluster: Cluster, calls: float | None = None) -> float:
+    """Seconds for `calls` (default: all) calls of collective `c`."""
+    if c.axis == "pp":
+        g, k = place["pp"]
+        one = collective_time(c.kind, c.payload, 1, 2 if k > 1 else 1, cluster) if k > 1 else \
+            collective_time(c.kind, c.payload, 2, 1, cluster)
+        return one * (c.calls if calls is None else calls)
+    g, k = place[c.axis]
+    return collective_time(c.kind, c.payload, g, k, cluster) * (c.calls if calls is None else calls)

@@ -1,0 +1,392 @@
+"""Step time of one layout: compute, recompute, exposed communication per axis, pipeline bubble,
+optimizer — and the derived tokens/s, model TFLOP/s per GPU, MFU and training days (DESIGN §5/§6).
+
+Compute: every GEMM of a micro-batch at a shape-dependent efficiency (the device's maximum achievable
+matmul fraction x tile and wave quantization, capped by the memory roofline; constants.py), attention
+at FlashAttention's achieved fraction with the causal half skipped, and the memory-bound pointwise
+kernels from the bytes they move (activations.pointwise_forward_bytes, at the HBM fraction).
+Backward = 2 x forward (input and weight gradients for GEMMs; ~2x the bytes for pointwise kernels).
+Overlap rules:
+  DDP: the bucketed all-reduce runs during the last micro-batch's backward; exposed = what does not
+    fit in that backward, and at least the last bucket (Li et al. 2020, PyTorch DDP, arXiv 2006.15704 §3.2).
+  FSDP: the all-gather of block i+1 overlaps block i's compute (prefetch), the reduce-scatter of block
+    i overlaps block i-1's backward; per block, exposed = max(0, comm - compute); the first gather and
+    last reduce-scatter of each pass are exposed (Zhao et al. 2023, PyTorch FSDP, arXiv 2304.11277 §3.4).
+  ZeRO-1's parameter broadcast runs after the optimizer step: exposed.
+  TP: exposed (x (1 - TP_OVERLAP_FRACTION)); CP ring: per layer, max(0, K/V transfer - attention
+  compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
+  and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
+Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch on the slowest stage):
+  gpipe, 1f1b: (p-1)(t_f + t_b) (Narayanan et al. 2021, arXiv 2104.04473 §2.2: fraction (p-1)/m);
+  interleaved_1f1b: (p-1)(t_f + t_b)/v (ibid. §2.2.2);
+  zero_bubble (ZB-H1, split backward into B and W = t_b/2 each): (p-1)(t_f + t_B - t_W) = (p-1) t_f,
+    divided by v for the interleaved variant (Qi et al. 2023, arXiv 2401.10241 §3);
+  dualpipev: (p/2 - 1)(F&B + B - 3W) of a half-stage chunk (DeepSeek-V3, arXiv 2412.19437 Table 2).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from shardwise.plan import activations as A
+from shardwise.plan import constants as C
+from shardwise.plan.comm import Collective, data_and_model_collectives, placements, pp_boundary_bytes, time_of
+from shardwise.plan.layout import Layout, Problem
+from shardwise.plan.memory import Memory, RankModel, core_layout, memory, model_state_bytes, pipeline_ranks
+
+AXES = ("dp", "tp", "pp", "cp", "ep")
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: Memory
+    step_time_s: float
+    breakdown_s: dict[str, float]
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    mfu: float
+    days: float
+    days_6nd: float
+    mfu_source: str = "predicted"
+    detail: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def to_json(self) -> dict:
+        mem = self.memory.gib()
+        return {
+            "layout": self.layout.describe(),
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu, "mfu_source": self.mfu_source,
+            "days": self.days, "days_6nd": self.days_6nd, "fits": self.fits,
+            "memory_gib": {k: mem[k] for k in ("params", "grads", "optimizer", "activations", "other", "total")},
+            "memory_capacity_gib": mem["capacity"], "memory_rank": self.memory.rank,
+            "memory_detail_gib": {k: round(v / 2**30, 3) if not k.startswith("inflight") else v
+                                  for k, v in self.memory.detail.items()},
+            "cpu_offload_gib": round(self.memory.cpu_bytes / 2**30, 3),
+            "breakdown_s": dict(self.breakdown_s),
+            "parallel": self.layout.__dict__.copy(),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# compute
+# ---------------------------------------------------------------------------------------------------
+def _device_constant(table: dict[str, float], name: str, default: float) -> float:
+    return table.get(name, table.get(C.family(name), default))
+
+
+@lru_cache(maxsize=65536)
+def gemm_time(device_name: str, peak: float, hbm_gbps: float, m: int, n: int, k: int, elem: int) -> float:
+    """Seconds for one (m x k) @ (k x n) GEMM: 2mnk FLOPs at peak x MAMF x tile x wave efficiency,
+    but no faster than moving its operands through HBM (roofline)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    mamf = _device_constant(C.MAMF_FRACTION, device_name, C.MAMF_FRACTION_DEFAULT)
+    units = int(_device_constant(C.COMPUTE_UNITS, device_name, C.COMPUTE_UNITS_DEFAULT))  # type: ignore[arg-type]
+    tm, tn = math.ceil(m / C.GEMM_TILE_M), math.ceil(n / C.GEMM_TILE_N)
+    tile_eff = (m / (tm * C.GEMM_TILE_M)) * (n / (tn * C.GEMM_TILE_N))
+    tiles = tm * tn
+    wave_eff = tiles / (math.ceil(tiles / units) * units)
+    compute = 2.0 * m * n * k / (peak * mamf * tile_eff * wave_eff)
+    traffic = elem * (m * k + k * n + m * n) / (hbm_gbps * 1e9 * C.HBM_FRACTION)
+    return max(compute, traffic)
+
+
+@dataclass(frozen=True)
+class MicroBatchTimes:
+    """Seconds for one micro-batch on one rank."""
+
+    fwd: float            # forward (GEMMs + attention + memory-bound share)
+    bwd: float            # backward
+    recompute: float      # extra forward work of recomputation
+    block_fwd: float      # one block's forward (FSDP overlap window)
+    block_bwd: float
+    attn_fwd_layer: float  # one layer's attention forward (CP overlap window)
+
+
+def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[tuple[int, int, int, int]]:
+    """(m, n, k, count) of a block's forward GEMMs on one rank after TP/EP sharding."""
+    s, tp = problem.shape, lay.tp
+    h, kv = s.dim, max(s.kv_dim // tp, s.head_dim)
+    out = [(tokens, h // tp, h, 1), (tokens, kv, h, 2), (tokens, h, h // tp, 1)]
+    if moe and s.moe is not None:
+        local_experts = max(1, s.moe.num_experts // lay.ep)
+        per_expert = max(1, round(tokens * s.moe.top_k * s.moe.capacity_factor * lay.ep / s.moe.num_experts))
+        f = math.ceil(s.expert_ffn / tp)
+        ups = 2 if s.arch == "llama" else 1
+        out += [(per_expert, f, h, ups * local_experts), (per_expert, h, f, local_experts), (tokens, s.moe.num_experts, h, 1)]
+        return out
+    f = math.ceil(s.ffn_dim / tp)
+    ups = 2 if s.arch == "llama" else 1
+    return out + [(tokens, f, h, ups), (tokens, h, f, 1)]
+
+
+@lru_cache(maxsize=1 << 17)
+def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBatchTimes:
+    dev = problem.cluster.device
+    peak = dev.peak_flops(problem.precision)
+    elem = problem.compute_bytes
+    tokens = max(1, lay.micro_batch * problem.seq_len // lay.cp)
+    hbm = dev.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
+    s = problem.shape
+    attn_frac = _device_constant(C.ATTENTION_FRACTION, dev.name, C.ATTENTION_FRACTION_DEFAULT)
+    reg = A.regime(problem.precision, lay.fsdp, problem.model_states)
+
+    def block_fwd(moe: bool) -> tuple[float, float, float]:
+        gemm = sum(c * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem)
+                   for m, n, k, c in _block_gemms(problem, lay, tokens, moe))
+        # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
+        # holds tokens/cp queries against the whole sequence's keys.
+        attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
+        # Pointwise kernels: the forward's bytes (activations.pointwise_forward_bytes); backward ~2x.
+        pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp, moe) * tokens / hbm
+        return gemm, attn, pointwise
+
+    g_d, a_d, e_d = block_fwd(False)
+    g_m, a_m, e_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0)
+    fwd_one = g_d + a_d + e_d
+    bwd_one = 2 * (g_d + a_d + e_d)
+    fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
+    bwd = rank.dense_layers * bwd_one + rank.moe_layers * 2 * (g_m + a_m + e_m)
+    if rank.head:
+        head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, math.ceil(s.vocab_size / lay.tp), s.dim, elem)
+        loss = 3 * 4.0 * tokens * s.vocab_size / lay.tp / hbm  # logits -> fp32 -> log-softmax, and back
+        fwd += head + loss
+        bwd += 2 * head + loss
+    # Recomputation: full re-runs the forward of checkpointed blocks; "op" re-runs only the cheap ops.
+    n_blocks = rank.layers
+    per_block_fwd = (fwd_one if rank.dense_layers else g_m + a_m + e_m)
+    if lay.recompute == "full":
+        recompute = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
+    elif lay.recompute == "selective" and lay.recompute_policy == "layer":
+        recompute = math.ceil(n_blocks / lay.recompute_every) * per_block_fwd
+    elif lay.recompute == "selective":  # "op": the pointwise forward runs again
+        recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
+    else:
+        recompute = 0.0
+    return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd, 2 * per_block_fwd, a_d)
+
+
+# ---------------------------------------------------------------------------------------------------
+# step
+# ---------------------------------------------------------------------------------------------------
+def _axis_group(axis: str) -> str:
+    return "dp" if axis in ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp") else axis
+
+
+def _bubble(schedule: str, p: int, v: int, t_f: float, t_b: float) -> float:
+    if p == 1:
+        return 0.0
+    if schedule == "interleaved_1f1b":
+        return (p - 1) * (t_f + t_b) / v
+    if schedule == "zero_bubble":
+        return (p - 1) * t_f / v
+    if schedule == "dualpipev":
+        return max(0.0, p / 2 - 1) * t_f / 2
+    return (p - 1) * (t_f + t_b)
+
+
+@dataclass(frozen=True)
+class RankCore:
+    """What one rank's step costs apart from the pipeline schedule (cached per core layout)."""
+
+    mb: MicroBatchTimes
+    comm: tuple[tuple[str, float], ...]   # exposed seconds per axis group (dp, tp, cp, ep)
+    per_mb_comm: float                    # exposed TP/CP/EP seconds inside one micro-batch
+    optimizer: float
+    pp_send: float                        # one boundary send
+    detail: tuple[tuple[str, float], ...]
+
+
+@lru_cache(maxsize=1 << 17)
+def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
+    cl = problem.cluster
+    place = placements(core, cl)
+    m = core.accumulation(problem)
+    mb = microbatch_times(problem, core, rank)
+    comm = {a: 0.0 for a in AXES}
+    per_mb_comm = 0.0  # exposed TP / CP / EP time inside one micro-batch (stretches t_f + t_b)
+    detail: dict[str, float] = {}
+    fsdp_fwd: list[Collective] = []
+    fsdp_bwd: list[Collective] = []
+    for c in data_and_model_collectives(problem, core, rank):
+        group = _axis_group(c.axis)
+        t = time_of(c, place, cl)
+        if group == "tp":
+            t *= 1.0 - C.TP_OVERLAP_FRACTION
+            comm["tp"] += t
+            per_mb_comm += t / m
+        elif group == "ep":
+            comm["ep"] += t
+            per_mb_comm += t / m
+        elif group == "cp":
+            if c.kind == "recv":
+                continue  # a ring round sends and receives at once: timed by the send
+            if c.kind == "all_to_all":  # Ulysses: nothing to hide behind
+                exposed = t
+            else:  # ring: each layer's K/V rounds hide behind that layer's attention
+                calls_per_layer = c.calls / max(1, rank.layers * m)
+                window = mb.attn_fwd_layer * (2 if c.phase == "bwd" else 1)
+                exposed = max(0.0, t / c.calls * calls_per_layer - window) * rank.layers * m
+            comm["cp"] += exposed
+            per_mb_comm += exposed / m
+        elif c.unit in ("loss", "grad_norm"):
+            comm["dp"] += t
+        elif core.fsdp and c.phase in ("fwd", "bwd", "grad"):
+            (fsdp_fwd if c.phase == "fwd" else fsdp_bwd).append(c)
+        elif c.phase == "grad":  # DDP bucketed all-reduce during the last backward
+            last_bucket = min(c.payload, C.DDP_BUCKET_BYTES)
+            t_last = time_of(Collective(c.axis, c.kind, last_bucket, 1, c.phase), place, cl)
+            detail["ddp_allreduce_s"] = t
+            comm["dp"] += max(t_last, t - mb.bwd)
+        else:  # ZeRO-1 broadcast after the step
+            comm["dp"] += t
+    if fsdp_fwd or fsdp_bwd:
+        comm["dp"] += _fsdp_exposed(fsdp_fwd, fsdp_bwd, mb, rank, m, place, cl, detail)
+    optimizer = _optimizer_time(problem, core, rank)
+    if core.offload:
+        optimizer += _offload_time(problem, core, rank, m)
+    pp_send = 0.0
+    if core.pp > 1:
+        pp_send = time_of(Collective("pp", "send", pp_boundary_bytes(problem, core), 1, "p2p"), place, cl)
+    detail.update({"t_fwd_microbatch_s": mb.fwd, "t_bwd_microbatch_s": mb.bwd, "microbatches": m})
+    return RankCore(mb, tuple(comm.items()), per_mb_comm, optimizer, pp_send, tuple(detail.items()))
+
+
+def rank_step(problem: Problem, lay: Layout, rank: RankModel, pp_rank: int) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(step seconds, breakdown, detail) as seen by one pipeline rank."""
+    core = rank_core(problem, core_layout(lay), rank)
+    mb, comm, m = core.mb, dict(core.comm), lay.accumulation(problem)
+    # Forward holds 1/3 of the activation collectives (TP: 2 of the 6 per block), backward the rest.
+    t_f = mb.fwd + core.per_mb_comm / 3
+    t_b = mb.bwd + mb.recompute + core.per_mb_comm * 2 / 3
+    bubble = _bubble(lay.schedule, lay.pp, lay.chunks_per_rank, t_f, t_b)
+    if lay.pp > 1:
+        crossings = 2 * m * lay.chunks_per_rank + 2 * (lay.pp - 1)
+        comm["pp"] = core.pp_send * crossings * C.PP_P2P_EXPOSED_FRACTION
+    breakdown = {"compute": m * (mb.fwd + mb.bwd), "recompute": m * mb.recompute, "dp_comm": comm["dp"],
+                 "tp_comm": comm["tp"], "pp_comm": comm["pp"], "cp_comm": comm["cp"], "ep_comm": comm["ep"],
+                 "bubble": bubble, "optimizer": core.optimizer}
+    return sum(breakdown.values()), breakdown, dict(core.detail)
+
+
+def compute_lower_bound(problem: Problem, core: Layout, schedule: str, v: int) -> float:
+    """Forward + backward + recompute of the busiest pipeline rank: no layout runs faster than its own
+    compute, so the search can skip timing the communication of a candidate this bound already loses."""
+    chunks = v if core.pp > 1 else 1
+    first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
+    m = core.accumulation(problem)
+    return max(m * (t.fwd + t.bwd + t.recompute) for t in
+               (microbatch_times(problem, core, r) for r in ((first, last) if core.pp > 1 else (first,))))
+
+
+def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float:
+    """`step(...)[0]` for `core` run with `schedule` / `v`, without building the breakdown (search path)."""
+    chunks = v if core.pp > 1 else 1
+    first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
+    m = core.accumulation(problem)
+    worst = 0.0
+    for rank in ((first, last) if core.pp > 1 else (first,)):
+        c = rank_core(problem, core, rank)
+        mb = c.mb
+        t_f = mb.fwd + c.per_mb_comm / 3
+        t_b = mb.bwd + mb.recompute + c.per_mb_comm * 2 / 3
+        t = m * (mb.fwd + mb.bwd + mb.recompute) + sum(v_ for _, v_ in c.comm) + c.optimizer
+        if core.pp > 1:
+            t += _bubble(schedule, core.pp, chunks, t_f, t_b)
+            t += c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
+        worst = max(worst, t)
+    return worst
+
+
+def _fsdp_exposed(fwd: list[Collective], bwd: list[Collective], mb: MicroBatchTimes, rank: RankModel, m: int,
+                  place, cl, detail: dict[str, float]) -> float:
+    """Per block: exposed = max(0, comm - compute of the neighbouring block); the root unit's gather
+    and the last reduce-scatter are exposed; per micro-batch, with the syncs that happen only on the
+    last micro-batch (ZeRO-2 reduce-scatter) counted once."""
+    n_blocks = max(1, rank.layers)
+    exposed = 0.0
+    total = 0.0
+    for phase, colls, window in (("fwd", fwd, mb.block_fwd), ("bwd", bwd, mb.block_bwd)):
+        by_calls: dict[float, float] = {}
+        for c in colls:
+            t_all = time_of(c, place, cl)
+            total += t_all
+            if c.unit == "block":
+                times_per_step = c.calls / n_blocks
+                per_block = t_all / c.calls
+                by_calls[times_per_step] = by_calls.get(times_per_step, 0.0) + per_block
+            else:  # root gather / root reduce-scatter / HSDP all-reduce of the shards
+                if c.unit == "grads":
+                    per_block = t_all / c.calls / n_blocks
+                    by_calls[c.calls] = by_calls.get(c.calls, 0.0) + per_block
+                else:
+                    exposed += t_all
+        for times_per_step, per_block in by_calls.items():
+            exposed += times_per_step * (n_blocks * max(0.0, per_block - window) + min(per_block, window))
+    detail["fsdp_comm_total_s"] = total
+    return exposed
+
+
+def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel) -> float:
+    """AdamW over this rank's (sharded) parameters, memory bound; grad clipping included."""
+    shard = lay.shard_group if lay.zero else 1
+    st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep))
+    numel = st.optimizer / 8 if problem.model_states == "shardwise" or not problem.low_precision else st.optimizer / 12
+    hbm = problem.cluster.device.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
+    if lay.offload:
+        return numel * C.OPTIMIZER_BYTES_PER_PARAM / (C.HOST_MEMORY_GBPS_PER_GPU * 1e9)
+    return numel * C.OPTIMIZER_BYTES_PER_PARAM / hbm
+
+
+def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> float:
+    """FSDP2 CPUOffloadPolicy: the fp32 shard is copied to the GPU before each all-gather (every
+    micro-batch) and the gradient shard back after each reduce-scatter, over PCIe; exposed."""
+    shard = lay.shard_group
+    st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep))
+    pcie = _device_constant(C.PCIE_GBPS, problem.cluster.device.name, 32.0) * 1e9 * C.PCIE_FRACTION
+    gathers = m * (2 if lay.zero == 3 else 1)
+    syncs = m if lay.zero == 3 else 1
+    return (st.params * gathers + st.grads * syncs) / pcie
+
+
+# ---------------------------------------------------------------------------------------------------
+# the whole estimate
+# ---------------------------------------------------------------------------------------------------
+def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[str, float]]:
+    """The slowest pipeline rank decides the step (first: embedding; last: head + loss)."""
+    first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
+    best = rank_step(problem, lay, first, 0)
+    if lay.pp > 1:
+        other = rank_step(problem, lay, last, lay.pp - 1)
+        if other[0] > best[0]:
+            best = other
+    return best
+
+
+def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estimate:
+    mem = mem if mem is not None else memory(problem, lay)
+    t, breakdown, detail = step(problem, lay)
+    cl = problem.cluster
+    peak = cl.device.peak_flops(problem.precision)
+    flops_token = problem.shape.flops_per_token(problem.seq_len)
+    tokens_step = problem.tokens_per_step
+    source = "predicted"
+    if problem.assume_mfu > 0:
+        # Fix MFU: the step takes the model FLOPs at that fraction of the cluster's peak.
+        t = flops_token * tokens_step / (cl.num_gpus * peak * problem.assume_mfu)
+        source = "assumed"
+    tokens_per_s = tokens_step / t
+    tflops = flops_token * tokens_per_s / cl.num_gpus / 1e12
+    mfu = tflops * 1e12 / peak
+    days = problem.tokens / tokens_per_s / C.SECONDS_PER_DAY
+    # The 6ND rule of thumb (Kaplan et al. 2020, arXiv 2001.08361 §2.1): 6 FLOPs per parameter per
+    # token, attention ignored, at the same MFU.
+    six_nd_rate = cl.num_gpus * peak * mfu / (6.0 * problem.shape.num_params)
+    days_6nd = problem.tokens / six_nd_rate / C.SECONDS_PER_DAY
+    return Estimate(lay, mem, t, breakdown, tokens_per_s, tflops, mfu, days, days_6nd, source, detail)

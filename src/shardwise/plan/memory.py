@@ -1,0 +1,406 @@
+"""Bytes per rank by category: parameters, gradients, optimizer state, activations, other.
+
+Model states (Rajbhandari et al. 2019, ZeRO, arXiv 1910.02054 §3, Fig. 1): with mixed-precision Adam
+a model of Ψ parameters holds 2Ψ (16-bit params) + 2Ψ (16-bit grads) + 12Ψ (fp32 master params,
+momentum, variance); ZeRO-1 partitions the 12Ψ over the N_d data-parallel ranks, ZeRO-2 also the
+grads, ZeRO-3 also the params. That is `model_states="mixed"`.
+
+This trainer keeps fp32 master parameters *as the parameters* in every precision (parallel/precision.py:
+autocast / FSDP2 MixedPrecisionPolicy cast them for compute), fp32 gradients (DDP buckets are fp32;
+FSDP2 reduce_dtype fp32) and AdamW's exp_avg / exp_avg_sq in fp32 plus a 4-byte `step` per parameter
+tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="shardwise"`, the same
+16 bytes/param, split differently. Its ZeRO levels (parallel/data.py):
+  0  DDP: everything replicated; gradients are views of the DDP buckets (gradient_as_bucket_view).
+  1  DDP + ZeroRedundancyOptimizer: whole parameters are assigned to ranks greedily, largest first, to
+     the least-loaded rank (torch ZeroRedundancyOptimizer._partition_parameters), per param group in
+     order (decay group, then norms/biases) — so the most loaded rank is computed exactly, and the
+     partition is per tensor: it cannot split one tensor (e.g. the embedding) across ranks.
+  2  FSDP2 reshard_after_forward=False, 3 FSDP2 reshard_after_forward=True: each parameter's dim 0 is
+     padded to a multiple of the shard group and split (FSDP2 FSDPParam); the persistent local shards
+     of params, grads (reduce-scatter output) and optimizer state are 1/N each. Transient on top:
+     ZeRO-2 keeps every unsharded (param_dtype) parameter of the stage from forward until its backward;
+     ZeRO-3 holds ~2 blocks unsharded (current + prefetched) plus the root unit (embedding, final norm,
+     head: not resharded after forward); with accumulation, ZeRO-2 (which syncs only on the last
+     micro-batch) keeps unsharded fp32 gradients of the whole stage; else one block's worth exists
+     before its reduce-scatter. CPU offload moves the persistent shards to host memory.
+The fp16 loss scaler (parallel/precision.py DynamicLossScaler) keeps Python floats: no device bytes.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from shardwise.plan import activations as A
+from shardwise.plan import constants as C
+from shardwise.plan.layout import Layout, Problem
+from shardwise.plan.shapes import ModelShape, ParamSpec
+
+GIB = 2**30
+
+
+@dataclass
+class Memory:
+    """Bytes on the most loaded rank (device memory), by category; `detail` explains each term."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    other: float
+    capacity: float
+    rank: str  # which pipeline rank is the most loaded: "first", "last" or "only"
+    detail: dict[str, float] = field(default_factory=dict)
+    cpu_bytes: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def gib(self) -> dict[str, float]:
+        return {k: round(v / GIB, 3) for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                                                  ("activations", self.activations), ("other", self.other), ("total", self.total),
+                                                  ("capacity", self.capacity))}
+
+
+# ---------------------------------------------------------------------------------------------------
+# which layers and tensors a pipeline rank holds
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankModel:
+    dense_layers: int
+    moe_layers: int
+    embedding: bool
+    head: bool
+
+    @property
+    def layers(self) -> int:
+        return self.dense_layers + self.moe_layers
+
+
+@lru_cache(maxsize=4096)
+def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
+    """(first rank, last rank) of the pipeline. Layers are cut into pp x chunks contiguous chunks
+    (uneven counts: the first chunks get one more); rank r holds chunks r, r + pp, ... (interleaved,
+    Narayanan et al. 2021 §2.2) — or r and 2pp-1-r for dualpipev's V shape, which puts the embedding
+    and the head both on rank 0."""
+    n = pp * chunks
+    base, extra = divmod(shape.n_layers, n)
+    bounds, start = [], 0
+    for c in range(n):
+        size = base + (1 if c < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+
+    def rank(r: int) -> RankModel:
+        owned = [r, 2 * pp - 1 - r] if schedule == "dualpipev" and chunks == 2 else list(range(r, n, pp))
+        moe = sum(shape.is_moe_layer(i) for c in owned for i in range(*bounds[c]))
+        layers = sum(bounds[c][1] - bounds[c][0] for c in owned)
+        return RankModel(layers - moe, moe, 0 in owned, n - 1 in owned)
+
+    return rank(0), rank(pp - 1)
+
+
+def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int) -> tuple[int, ...]:
+    """The tensor-/expert-parallel local shape of one parameter (before data-parallel sharding)."""
+    s = spec.shape
+    if spec.tp == "col":
+        if spec.name.endswith(("wk.weight", "wv.weight", "wk.bias", "wv.bias")) and tp > shape.n_kv_heads:
+            return (shape.head_dim,) + s[1:]  # one replicated KV head per rank
+        return (math.ceil(s[0] / tp),) + s[1:]
+    if spec.tp == "row":
+        return (s[0], math.ceil(s[1] / tp))
+    if spec.tp == "vocab":
+        return (math.ceil(s[0] / tp), s[1])
+    if spec.tp == "expert":  # (E, out, in): experts over ep, the ffn dimension over tp
+        e, d1, d2 = s
+        return (e // ep, math.ceil(d1 / tp), d2) if d1 != shape.dim else (e // ep, d1, math.ceil(d2 / tp))
+    return s
+
+
+def _numel(s: tuple[int, ...]) -> int:
+    n = 1
+    for d in s:
+        n *= d
+    return n
+
+
+def _fsdp_shard_numel(s: tuple[int, ...], n: int, expert: bool) -> int:
+    """FSDP2 pads dim 0 to a multiple of n (torchtitan shards stacked experts on dim 1 instead when
+    there are fewer local experts than shards)."""
+    if expert and len(s) == 3 and s[0] < n:
+        return s[0] * math.ceil(s[1] / n) * s[2]
+    return math.ceil(s[0] / n) * _numel(s[1:]) if s else 1
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: float
+    grads: float
+    optimizer: float
+    tensors: int
+    local_numel: float
+    unsharded_param_numel: float   # this rank's TP-local parameters, unsharded (FSDP working copies)
+    block_numel: float             # one block's TP-local parameters (FSDP ZeRO-3 working set)
+    root_numel: float              # embedding + head on this rank (FSDP root unit)
+
+
+@lru_cache(maxsize=65536)
+def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero: int, shard: int,
+                      ep_shard: int) -> StateBytes:
+    """Parameters, gradients and optimizer state one rank holds (before offload), see module doc."""
+    shape = problem.shape
+    specs: list[tuple[ParamSpec, int]] = []  # (spec, repeat)
+    if rank.embedding:
+        specs += [(p, 1) for p in shape.embedding_params()]
+    if rank.dense_layers:
+        specs += [(p, rank.dense_layers) for p in shape.block_params(False)]
+    if rank.moe_layers:
+        specs += [(p, rank.moe_layers) for p in shape.block_params(True)]
+    if rank.head:
+        specs += [(p, 1) for p in shape.head_params()]
+    mixed = problem.model_states == "mixed" and problem.low_precision
+    fsdp = zero >= 2 and shard > 1
+    local = padded = 0.0
+    tensors = 0
+    block_numel = root_numel = 0.0
+    sizes_decay: list[int] = []
+    sizes_other: list[int] = []
+    for spec, repeat in specs:
+        ls = local_shape(spec, shape, tp, ep)
+        n = _numel(ls)
+        expert = spec.tp == "expert"
+        group = ep_shard if expert else shard
+        local += n * repeat
+        padded += (_fsdp_shard_numel(ls, group, expert) if fsdp else n) * repeat
+        tensors += repeat
+        if spec.name.startswith("layers."):
+            block_numel += n if repeat else 0
+        else:
+            root_numel += n
+        if zero == 1 and not mixed:
+            (sizes_decay if spec.decay else sizes_other).extend([n] * repeat)
+    if rank.layers:
+        block_numel /= max(1, (rank.dense_layers > 0) + (rank.moe_layers > 0))
+    if mixed:
+        # Textbook 2 + 2 + 12 bytes/param with the ZeRO partitions (Rajbhandari et al. Fig. 1).
+        n = max(1, shard)
+        p = 2 * (local / n if zero >= 3 else local)
+        g = 2 * (local / n if zero >= 2 else local)
+        o = 12 * (local / n if zero >= 1 else local)
+        return StateBytes(p, g, o, tensors, local, local, block_numel, root_numel)
+    if fsdp:
+        # Persistent padded shards; AdamW state matches the (unpadded on the last rank, padded-size on
+        # rank 0 = the most loaded) local shard; + a 4-byte step per tensor.
+        return StateBytes(4 * padded, 4 * padded, 8 * padded + 4 * tensors, tensors, local, local, block_numel, root_numel)
+    opt = 8 * local + 4 * tensors
+    if zero == 1 and shard > 1:
+        opt = _zero1_most_loaded(tuple(sizes_decay), tuple(sizes_other), shard)
+    return StateBytes(4 * local, 4 * local, opt, tensors, local, local, block_numel, root_numel)
+
+
+@lru_cache(maxsize=4096)
+def _zero1_most_loaded(decay: tuple[int, ...], other: tuple[int, ...], n: int) -> float:
+    """ZeroRedundancyOptimizer's greedy partition (largest tensor first to the least-loaded rank, ties
+    to the lowest rank, per param group with loads carried over); returns the most loaded rank's
+    AdamW bytes: 8 per element + 4 per tensor (`step`)."""
+    loads = [(0, r, 0) for r in range(n)]  # (elements, rank, tensors)
+    heapq.heapify(loads)
+    for group in (decay, other):
+        for size in sorted(group, reverse=True):
+            elems, r, count = heapq.heappop(loads)
+            heapq.heappush(loads, (elems + size, r, count + 1))
+    return max(8 * e + 4 * c for e, _, c in loads)
+
+
+# ---------------------------------------------------------------------------------------------------
+# activations with the pipeline schedule
+# ---------------------------------------------------------------------------------------------------
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of one micro-batch
+    of its whole share of layers.
+    gpipe: all m (every forward before any backward; Huang et al. 2019, arXiv 1811.06965).
+    1f1b: rank r holds p - r (PipeDream-Flush / Megatron warm-up, Narayanan et al. 2021 §2.2).
+    interleaved_1f1b: rank r holds 2(p-r-1) + (v-1)p + 1 chunk-micro-batches of 1/v of its layers, i.e.
+      p + (p-1)/v on rank 0 = Korthikanti et al. §4.2.3's p(1 + (p-1)/(pv)).
+    zero_bubble (ZB-H1): the same peak as 1F1B (Qi et al. 2023, arXiv 2401.10241 §3).
+    dualpipev: p + 1 (DeepSeek-V3, arXiv 2412.19437, Table 2, DualPipe row).
+    """
+    if pp == 1:
+        return 1.0
+    r = 0 if first else pp - 1
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved_1f1b" and v > 1:
+        return min(float(m), (2 * (pp - r - 1) + (v - 1) * pp + 1) / v)
+    if schedule == "dualpipev":
+        return min(float(m), pp + 1.0)
+    return float(min(m, pp - r))
+
+
+def core_layout(lay: Layout) -> Layout:
+    """The layout with the pipeline schedule normalized away: everything per micro-batch (and the
+    model states) is the same for every schedule, so it is computed once and cached under this key."""
+    return lay if lay.schedule == "1f1b" and lay.virtual_stages == 1 else lay.with_(schedule="1f1b", virtual_stages=1)
+
+
+def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float]:
+    """(blocks, embedding + head, RoPE tables, recompute working set) in bytes for one micro-batch.
+
+    Every term is affine in the micro-batch's tokens, so the coefficients are cached per layout
+    without its micro-batch size (the search asks for many micro-batch sizes of one layout)."""
+    key = (core.tp, core.sp, core.cp, core.recompute, core.recompute_policy, core.recompute_every, core.fsdp)
+    (b1, e1, rope, w1), (b0, e0, _, w0) = _activation_terms(problem, key, rank)
+    tokens = core.micro_batch * problem.seq_len / core.cp
+    return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, rope, w0 + (w1 - w0) * tokens
+
+
+@lru_cache(maxsize=1 << 15)
+def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The activation bytes at 1 token and at 0 tokens (slope and intercept of each term)."""
+    return _activations_at(problem, key, rank, 1.0), _activations_at(problem, key, rank, 0.0)
+
+
+def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float]:
+    shape = problem.shape
+    tp, sp, cp, recompute, policy, every, fsdp = key
+    reg = A.regime(problem.precision, fsdp, problem.model_states)
+
+    def none_block(moe: bool) -> float:
+        b = A.block_bytes(shape, reg, tp, sp, moe)
+        return b.per_token * tokens + b.fixed
+
+    def stored(mode: str, moe: bool) -> float:
+        if mode == "full":
+            return A.full_recompute_block_bytes(shape, reg, tp, sp).per_token * tokens
+        if mode == "selective":
+            return A.selective_op_block_bytes(shape, reg, tp, sp, moe).per_token * tokens
+        return none_block(moe)
+
+    mode = recompute
+    if mode == "selective" and policy == "layer":
+        # Blocks 0, k, 2k, ... of the rank are checkpointed; the dense blocks come first.
+        ckpt = [i % every == 0 for i in range(rank.layers)]
+        blocks = sum(stored("full" if c else "none", i >= rank.dense_layers) for i, c in enumerate(ckpt))
+    else:
+        blocks = rank.dense_layers * stored(mode, False) + (rank.moe_layers * stored(mode, True) if rank.moe_layers else 0.0)
+    ends = 0.0
+    if rank.embedding:
+        ends += A.embedding_bytes_per_token(shape) * tokens + A.gpt_positions_bytes(shape, problem.seq_len / cp)
+    if rank.head:
+        hb = A.head_bytes(shape, reg, tp, sp)
+        ends += hb.per_token * tokens + hb.fixed
+    # RoPE slices are saved only by blocks that are not checkpointed (inside a checkpoint nothing but
+    # the block input, and under "op" the matmul/SDPA outputs, is kept).
+    plain_blocks = mode == "none" or (mode == "selective" and policy == "layer" and every > 1 and rank.layers > 1)
+    rope = A.rope_table_bytes(shape) if rank.layers and plain_blocks else 0.0
+    # Recomputing a checkpointed block in backward rematerializes its full activations (one at a time).
+    working = none_block(rank.moe_layers > 0) if mode != "none" and rank.layers else 0.0
+    return blocks, ends, rope, working
+
+
+# ---------------------------------------------------------------------------------------------------
+# the whole rank
+# ---------------------------------------------------------------------------------------------------
+def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float, float, tuple]:
+    """(params, grads, optimizer, other, cpu bytes, detail items) of one rank: everything but the
+    stored activations, which scale with the schedule's in-flight micro-batches."""
+    key = (core.tp, core.ep, core.zero, core.dp_shard, core.cp, core.fsdp, core.offload, core.accumulation(problem) > 1,
+           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1))
+    params, grads, opt, other, cpu, items = _states(problem, key, rank)
+    if rank.head:
+        # Transient at the loss: 16-bit logits + their fp32 copy (or the fp32 logits), vocab-sharded.
+        tok = core.micro_batch * problem.seq_len / core.cp
+        logits = tok * problem.shape.vocab_size / core.tp * (6 if problem.low_precision else 4)
+        return params, grads, opt, other + logits, cpu, items + (("logits_transient", logits),)
+    return params, grads, opt, other, cpu, items
+
+
+@lru_cache(maxsize=1 << 15)
+def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float, float, float, float, tuple]:
+    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes = key
+    shard = dp_shard * cp
+    st = model_state_bytes(problem, rank, tp, ep, zero, shard if zero else 1, max(1, shard // ep))
+    detail: dict[str, float] = {}
+    params, grads, opt = st.params, st.grads, st.optimizer
+    other = 0.0
+    mixed = problem.model_states == "mixed" and problem.low_precision
+    param_dtype = 2 if problem.low_precision else 4
+    if fsdp and not mixed:
+        if zero == 2:
+            unsharded = st.unsharded_param_numel * param_dtype
+            grad_work = st.unsharded_param_numel * 4 if accumulating else st.block_numel * 4
+        else:
+            unsharded = (2 * st.block_numel + st.root_numel) * param_dtype
+            grad_work = st.block_numel * 4
+        detail["fsdp_unsharded_params"] = unsharded
+        detail["fsdp_unsharded_grads"] = grad_work
+        other += unsharded + grad_work
+    elif fsdp and mixed and zero == 3:
+        detail["fsdp_unsharded_params"] = (2 * st.block_numel + st.root_numel) * 2
+        other += detail["fsdp_unsharded_params"]
+    cpu = 0.0
+    if offload:
+        cpu = params + grads + opt
+        detail["offloaded_to_cpu"] = cpu
+        params = grads = opt = 0.0
+    comm = C.COMM_BUFFER_BYTES_PER_AXIS * comm_axes
+    detail["comm_buffers"] = comm
+    other += comm
+    return params, grads, opt, other, cpu, tuple(detail.items())
+
+
+def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, first: bool) -> Memory:
+    core = core_layout(lay)
+    params, grads, opt, other, cpu, items = _states_and_other(problem, core, rank)
+    blocks, ends, rope, working = microbatch_activations(problem, core, rank)
+    inflight = inflight_microbatches(lay.schedule, lay.pp, lay.accumulation(problem), lay.chunks_per_rank, first)
+    stored = (blocks + ends) * inflight + rope
+    detail = dict(items)
+    detail.update({"activations_blocks": blocks * inflight, "activations_embedding_head": ends * inflight,
+                   "activations_rope_tables": rope, "inflight_microbatches": inflight,
+                   "recompute_working_set": working, "activations_stored": stored})
+    capacity = problem.cluster.device.memory_gib * GIB * C.USABLE_MEMORY_FRACTION
+    return Memory(params, grads, opt, stored + working, other, capacity, which, detail, cpu)
+
+
+def memory(problem: Problem, lay: Layout) -> Memory:
+    """The most loaded rank: the first pipeline rank (embedding, most in-flight micro-batches) or the
+    last (output head, logits) — whichever needs more."""
+    first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
+    if lay.pp == 1:
+        return rank_memory(problem, lay, first, "only", True)
+    a = rank_memory(problem, lay, first, "first", True)
+    b = rank_memory(problem, lay, last, "last", False)
+    return a if a.total >= b.total else b
+
+
+def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
+    """Total bytes of the most loaded pipeline rank of `core` run with `schedule` / `v` virtual
+    stages — the same number as `memory(...).total`, without building the breakdown (search path)."""
+    chunks = v if core.pp > 1 else 1
+    first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
+    m = core.accumulation(problem)
+    best = 0.0
+    for rank, is_first in ((first, True), (last, False)) if core.pp > 1 else ((first, True),):
+        params, grads, opt, other, _, _ = _states_and_other(problem, core, rank)
+        blocks, ends, rope, working = microbatch_activations(problem, core, rank)
+        inflight = inflight_microbatches(schedule, core.pp, m, chunks, is_first)
+        best = max(best, params + grads + opt + other + (blocks + ends) * inflight + rope + working)
+    return best
+
+
+def states_lower_bound(problem: Problem, core: Layout) -> float:
+    """Bytes that no micro-batch, schedule or recompute choice can remove (the micro-batch-1 core's
+    model states and buffers on its most loaded rank): above the capacity, the whole structure is out."""
+    first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
+    return max(sum(_states_and_other(problem, core, r)[:4]) for r in ((first, last) if core.pp > 1 else (first,)))
+
+
+def capacity_bytes(problem: Problem) -> float:
+    return problem.cluster.device.memory_gib * GIB * C.USABLE_MEMORY_FRACTION

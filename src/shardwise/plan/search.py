@@ -1,0 +1,225 @@
+"""Layout search: enumerate dp_replicate x dp_shard x cp x tp x pp x ep, ZeRO stage, micro-batch,
+pipeline schedule and virtual stages, recomputation and offload; prune; rank by step time.
+
+Order of work, cheapest test first, so a 405B model on 16,384 GPUs searches in well under 5 s:
+  1. axis sizes: divisibility (heads % tp, layers % (pp x v), seq % 2cp, batch % dp, experts % ep) and
+     topology (tp within a node unless allowed) — counted per reason;
+  2. model states of the structure (tp, pp, ep, zero, dp split, offload) against the device: a
+     structure whose parameters + gradients + optimizer state alone overflow is dropped before its
+     micro-batch / schedule / recompute variants are generated;
+  3. activations, linear in the micro-batch and scaled by the schedule's in-flight micro-batches;
+  4. only then the step time (cost.evaluate) of what fits.
+"Why the rest lost" reports the prune counts and, for the runners-up, the breakdown term that
+separates each from the winner.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from shardwise.plan.cost import Estimate, compute_lower_bound, evaluate, step_seconds
+from shardwise.plan.layout import Layout, Problem, check_layout
+from shardwise.plan.memory import capacity_bytes, peak_bytes, states_lower_bound
+
+RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]                       # the fastest feasible candidates, fastest first (top + near)
+    points: list[tuple[float, float]]            # (step seconds, peak bytes) of every timed candidate
+    pruned: Counter = field(default_factory=Counter)
+    considered: int = 0
+    feasible: int = 0                            # candidates that fit (timed or bounded out)
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _dp_splits(dp: int, max_split_options: int) -> list[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero) options: DDP, and for zero 1-3 full sharding plus HSDP with a
+    power-of-two shard group (the powers of two keep the option count logarithmic in dp)."""
+    out = [(dp, 1, 0)]
+    if dp == 1:
+        return out
+    shards = [dp] + [d for d in reversed(divisors(dp)) if 1 < d < dp and d & (d - 1) == 0][:max_split_options]
+    for zero in (1, 2, 3):
+        out += [(dp // s, s, zero) for s in shards]
+    return out
+
+
+def _schedules(pp: int, n_layers: int, allow_uneven: bool, max_virtual: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1)]
+    for v in range(2, max_virtual + 1):
+        if pp * v <= n_layers and (allow_uneven or n_layers % (pp * v) == 0):
+            out.append(("interleaved_1f1b", v))
+    if 2 * pp <= n_layers and (allow_uneven or n_layers % (2 * pp) == 0):
+        out.append(("dualpipev", 2))
+    return out
+
+
+def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, allow_uneven_pp: bool = False,
+           max_virtual: int = 4, max_split_options: int = 3, offload: bool = True, sequence_parallel: bool = True,
+           near: int = 5) -> SearchResult:
+    """Every layout of `problem` on its cluster, pruned and ranked; see the module docstring."""
+    start = time.perf_counter()
+    s, cl = problem.shape, problem.cluster
+    n = cl.num_gpus
+    capacity = capacity_bytes(problem)
+    pruned: Counter = Counter()
+    candidates: list[tuple[float, float, Layout, str, int]] = []  # (compute lower bound, peak bytes, ...)
+    considered = 0
+    for tp in divisors(n):
+        for cp in divisors(n // tp):
+            for pp in divisors(n // (tp * cp)):
+                dp = n // (tp * cp * pp)
+                schedules = _schedules(pp, s.n_layers, allow_uneven_pp, max_virtual)
+                local_batch = problem.global_batch // dp if problem.global_batch % dp == 0 else 0
+                variants = len(schedules) * len(RECOMPUTE_MODES) * max(1, len(divisors(local_batch)) if local_batch else 1)
+                base = Layout(dp_replicate=dp, tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
+                bad = check_layout(problem, base, allow_cross_node_tp, allow_uneven_pp)
+                if bad is not None and bad.reason not in ("microbatches < pp", "microbatches % pp", "zero"):
+                    splits = len(_dp_splits(dp, max_split_options))
+                    considered += variants * splits
+                    pruned[bad.reason] += variants * splits
+                    continue
+                eps = divisors(s.moe.num_experts) if s.moe is not None else [1]
+                fitted: set[tuple] = set()
+                for off in ((False, True) if offload else (False,)):
+                    for dp_rep, dp_shard, zero in _dp_splits(dp, max_split_options):
+                        if off and zero < 2:
+                            continue
+                        for ep in eps:
+                            key = (dp_rep, dp_shard, zero, ep)
+                            considered += variants
+                            if (dp_shard * cp) % ep or (ep > 1 and s.moe is None):
+                                pruned["ep"] += variants
+                                continue
+                            if off and key in fitted:
+                                pruned["dominated: fits without offload"] += variants
+                                continue
+                            struct = dict(dp_replicate=dp_rep, dp_shard=dp_shard, zero=zero, ep=ep, offload=off,
+                                          tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
+                            if _search_structure(problem, struct, local_batch, schedules, capacity, pruned, candidates):
+                                fitted.add(key)
+    # Branch and bound: time the fitting candidates in order of their compute-only lower bound, and stop
+    # once that bound exceeds the k-th best step time found (k = top + near): the rest cannot rank.
+    candidates.sort(key=lambda c: c[0])
+    bound = _Bound(top + near)
+    found: list[tuple[float, float, Layout, str, int]] = []
+    for i, (lower, peak, core, schedule, v) in enumerate(candidates):
+        if lower > bound.threshold:
+            pruned["bounded: compute alone slower than the top"] += len(candidates) - i
+            break
+        t = step_seconds(problem, core, schedule, v)
+        bound.add(t)
+        found.append((t, peak, core, schedule, v))
+    found.sort(key=lambda f: f[0])
+    # The runners-up shown after the top: the fastest of each other family of layouts (tp, pipeline or
+    # not, CP or not, ZeRO stage, recompute), so "why the rest lost" covers real alternatives.
+    shown = found[:top]
+    families = {_family(f[2]) for f in shown}
+    for f in found[top:]:
+        if len(shown) >= top + near:
+            break
+        if _family(f[2]) not in families:
+            families.add(_family(f[2]))
+            shown.append(f)
+    ranked = [evaluate(problem, core.with_(schedule=sch, virtual_stages=v)) for _, _, core, sch, v in shown]
+    return SearchResult(ranked, [(f[0], f[1]) for f in found], pruned, considered, len(candidates), time.perf_counter() - start)
+
+
+class _Bound:
+    """The k-th best step time found so far (k = top + near): a candidate whose compute alone is
+    slower cannot enter the ranking, so its communication is never timed."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.heap: list[float] = []  # negated times: a max-heap of the k best
+
+    @property
+    def threshold(self) -> float:
+        return -self.heap[0] if len(self.heap) >= self.k else float("inf")
+
+    def add(self, t: float) -> None:
+        if len(self.heap) < self.k:
+            heapq.heappush(self.heap, -t)
+        elif t < -self.heap[0]:
+            heapq.heapreplace(self.heap, -t)
+
+
+def _family(lay: Layout) -> tuple:
+    return (lay.tp, lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.zero, lay.recompute, lay.offload)
+
+
+def _search_structure(problem: Problem, struct: dict, local_batch: int, schedules: list[tuple[str, int]],
+                      capacity: float, pruned: Counter, candidates: list) -> bool:
+    """Micro-batch x recompute x schedule variants of one axis layout that fit, with their compute-only
+    lower bound, appended to `candidates`; True if any fits.
+
+    Nothing faster than the reported top is lost: a recompute mode is skipped for a (micro-batch,
+    schedule) where a cheaper mode (none < selective < full) already fits — it only adds work;
+    likewise offload for a structure that fits without it (search()); and search() never times a
+    candidate whose compute alone exceeds the k-th best step time (`_Bound`)."""
+    mbs = divisors(local_batch)
+    n_var = len(schedules) * len(RECOMPUTE_MODES) * len(mbs)
+    lower = Layout(micro_batch=1, recompute="full", **struct)
+    if states_lower_bound(problem, lower) > capacity:
+        pruned["memory > capacity (model states)"] += n_var
+        return False
+    any_fit = False
+    pp = struct["pp"]
+    for mb in mbs:
+        m = local_batch // mb
+        fits_cheaper: set[tuple[str, int]] = set()
+        for rc, policy in RECOMPUTE_MODES:
+            core = Layout(micro_batch=mb, recompute=rc, recompute_policy=policy, **struct)
+            for schedule, v in schedules:
+                if pp > 1 and schedule != "gpipe" and m < pp:
+                    pruned["microbatches < pp"] += 1
+                    continue
+                if pp > 1 and schedule == "interleaved_1f1b" and m % pp:
+                    pruned["microbatches % pp"] += 1
+                    continue
+                if (schedule, v) in fits_cheaper:
+                    pruned["dominated: fits with less recompute"] += 1
+                    continue
+                peak = peak_bytes(problem, core, schedule, v)
+                if peak > capacity:
+                    pruned["memory > capacity"] += 1
+                    continue
+                fits_cheaper.add((schedule, v))
+                any_fit = True
+                candidates.append((compute_lower_bound(problem, core, schedule, v), peak, core, schedule, v))
+    return any_fit
+
+
+def why_lost(result: SearchResult, top: int, near: int = 5) -> list[str]:
+    """Lines explaining the losers: prune counts by reason, then for the best layout of each other
+    family (after the top-k) the step-time term that costs it most against the winner."""
+    lines = [f"{result.considered:,} candidates considered, {result.feasible:,} feasible, "
+             f"searched in {result.seconds:.2f} s"]
+    for reason, count in result.pruned.most_common():
+        lines.append(f"  pruned {count:>8,}  {reason}")
+    best = result.best
+    if best is None:
+        return lines
+    if len(result.ranked) > top:
+        lines.append("  best of the other families, and the term that loses most against #1:")
+    for e in result.ranked[top:top + near]:
+        diffs = {k: e.breakdown_s.get(k, 0.0) - best.breakdown_s.get(k, 0.0) for k in best.breakdown_s}
+        term, delta = max(diffs.items(), key=lambda kv: kv[1])
+        lines.append(f"  {e.layout.describe():<48} +{(e.step_time_s / best.step_time_s - 1) * 100:5.1f}%  "
+                     f"mostly {term} (+{delta:.3f} s)")
+    return lines

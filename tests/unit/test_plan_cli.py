@@ -1,0 +1,119 @@
+"""`shardwise plan evaluate | search`: tables, --json, --emit round trip, --plot, and bad input (exit 2)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.config import load_config
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+RUN_70B = """
+[model]
+preset = "llama3-70b"
+
+[train]
+seq_len = 8192
+global_batch = 512
+micro_batch = 1
+precision = "bf16"
+tokens = 2000000000000
+
+[parallel]
+dp_replicate = 16
+tp = 8
+pp = 8
+
+[cluster]
+gpu = "h100-sxm-80gb"
+num_gpus = 1024
+gpus_per_node = 8
+"""
+
+
+SMALL = ["--cluster.num_gpus=64", "--train.global_batch=64"]  # the same model on 8 nodes: a quick search
+
+
+@pytest.fixture()
+def run_toml(tmp_path) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(RUN_70B)
+    return path
+
+
+def test_evaluate_prints_memory_time_and_throughput(run_toml, capsys):
+    assert main(["plan", "evaluate", "--config", str(run_toml)]) == 0
+    out = capsys.readouterr().out
+    for text in ("memory per GPU", "optimizer state", "activations", "exposed comm tp", "pipeline bubble",
+                 "tokens/s", "MFU", "days for 2T tokens", "1,129 GB for the whole model"):
+        assert text in out, text
+
+
+def test_evaluate_json_has_the_documented_keys(run_toml, capsys):
+    assert main(["plan", "evaluate", "--config", str(run_toml), "--json", "--cluster.model_states=mixed",
+                 "--assume-mfu", "0.4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "days", "fits", "memory_gib", "breakdown_s"):
+        assert key in data
+    assert set(data["memory_gib"]) == {"params", "grads", "optimizer", "activations", "other", "total"}
+    assert {"compute", "recompute", "dp_comm", "tp_comm", "pp_comm", "cp_comm", "ep_comm", "bubble"} <= set(data["breakdown_s"])
+    assert data["mfu"] == pytest.approx(0.4) and data["days_6nd"] == pytest.approx(24.2, abs=0.1)
+    # 2 + 2 + 12 bytes/param on the first TP8 x PP8 stage: 19.2 GB = 17.9 GiB (see test_plan_memory).
+    states = sum(data["memory_gib"][k] for k in ("params", "grads", "optimizer"))
+    assert states == pytest.approx(19.22e9 / 2**30, abs=0.01)
+
+
+def test_search_emits_a_toml_that_loads_with_only_existing_keys(run_toml, tmp_path, capsys):
+    emitted = tmp_path / "best.toml"
+    plot = tmp_path / "search.png"
+    assert main(["plan", "search", "--config", str(run_toml), "--top", "3", "--emit", str(emitted),
+                 "--plot", str(plot), *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "top 3 layouts" in out and "why the rest lost" in out and "pruned" in out and f"wrote {emitted}" in out
+    cfg = load_config(emitted)  # strict: an unknown key would raise
+    assert cfg.model.preset == "llama3-70b" and cfg.cluster.num_gpus == 64
+    p = cfg.parallel
+    assert p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp == 64
+    assert plot.stat().st_size > 10_000
+
+
+def test_search_json(run_toml, capsys):
+    assert main(["plan", "search", "--config", str(run_toml), "--top", "2", "--json", *SMALL]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["top"]) == 2 and data["best"] == data["top"][0] and data["feasible"] >= 2
+    assert data["top"][0]["step_time_s"] <= data["top"][1]["step_time_s"] and data["pruned"]
+
+
+def test_evaluate_plot(run_toml, tmp_path):
+    assert main(["plan", "evaluate", "--config", str(run_toml), "--plot", str(tmp_path / "m.png")]) == 0
+    assert (tmp_path / "m.png").stat().st_size > 5_000
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--cluster.gpu=h999"], "cluster.gpu"),
+    (["--parallel.tp=3"], "parallel"),                         # 16 x 3 x 8 != 1024
+    (["--parallel.dp_replicate=1", "--parallel.pp=128"], "parallel.pp"),  # 128 stages > 80 layers
+    (["--cluster.model_states=fp8"], "cluster.model_states"),
+    (["--train.global_batch=100"], "train.global_batch"),
+])
+def test_bad_input_exits_2_with_the_field(run_toml, capsys, args, field):
+    code = main(["plan", "evaluate", "--config", str(run_toml), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {field}") and "fix:" in err
+
+
+def test_bad_gpu_in_a_subprocess_has_no_traceback(run_toml):
+    out = subprocess.run([sys.executable, "-m", "shardwise.cli", "plan", "evaluate", "--config", str(run_toml),
+                          "--cluster.gpu=a100-sxm-96gb"], capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2
+    assert "error: cluster.gpu: unknown device 'a100-sxm-96gb'" in out.stderr and "Traceback" not in out.stderr
+    assert "did you mean" in out.stderr
+
+
+def test_plan_needs_an_action(capsys):
+    assert main(["plan"]) == 2 and "expected 'evaluate' or 'search'" in capsys.readouterr().err

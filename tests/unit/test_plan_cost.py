@@ -1,0 +1,159 @@
+"""plan/comm.py and plan/cost.py against hand calculations."""
+from __future__ import annotations
+
+import pytest
+
+from shardwise.config import load_config
+from shardwise.parallel.dims import ParallelDims
+from shardwise.plan import constants as C
+from shardwise.plan.comm import collective_time, predict_comm_bytes, wire_bytes
+from shardwise.plan.cost import _bubble, evaluate, gemm_time
+from shardwise.plan.layout import Layout, Problem, axis_placement
+
+TINY = ["--model.vocab_size=512", "--train.seq_len=32", "--train.global_batch=8"]
+TINY_PARAMS = 164_160  # 32768 embedding + 2 x 49280 per block + 64 final norm + 32768 head
+
+
+def cfg_of(*overrides: str):
+    return load_config(overrides=list(overrides))
+
+
+def test_wire_bytes_of_the_ring_algorithms():
+    assert wire_bytes("all_reduce", 800, 8) == 2 * 7 / 8 * 800
+    assert wire_bytes("all_gather", 800, 8) == wire_bytes("reduce_scatter", 800, 8) == 700
+    assert wire_bytes("all_to_all", 800, 4) == 600
+    assert wire_bytes("send", 800, 2) == 800 and wire_bytes("all_reduce", 800, 1) == 0
+
+
+def test_collective_time_inside_and_across_nodes():
+    cl = Problem.from_config(cfg_of("--cluster.num_gpus=16")).cluster
+    b_intra, b_inter = 450e9 * C.BUS_FRACTION_INTRA, 50e9 * C.BUS_FRACTION_INTER
+    # 1 GB all-reduce over the 8 GPUs of a node: 2 (n-1)/n S / B + 2 log2(8) hops x 2 us.
+    assert collective_time("all_reduce", 1e9, 8, 1, cl) == pytest.approx(2 * 7 / 8 * 1e9 / b_intra + 6 * 2e-6)
+    # 1 GB all-gather over 2 nodes x 8: NVLink ring part (7/8 S) + each GPU's NIC carries 1/8 of the
+    # buffer between the 2 nodes ((2-1)/2 x S/8) + 4 hops x 6 us.
+    want = 7 / 8 * 1e9 / b_intra + 1 / 2 * (1e9 / 8) / b_inter + 4 * 6e-6
+    assert collective_time("all_gather", 1e9, 8, 2, cl) == pytest.approx(want)
+    # One member per node (a dp axis outside tp8): everything over the NIC.
+    assert collective_time("reduce_scatter", 1e9, 1, 16, cl) == pytest.approx(15 / 16 * 1e9 / b_inter + 4 * 6e-6)
+
+
+def test_axis_placement_follows_the_mesh_order():
+    """Ranks are row-major over (pp, dp_replicate, dp_shard, cp, tp): tp8 fills a node of 8, so dp
+    spans nodes; with tp2 each node holds 4 members of every dp_shard group."""
+    place = axis_placement(Layout(dp_replicate=16, tp=8), 8)
+    assert place["tp"] == (8, 1) and place["dp_replicate"] == (1, 16)
+    place = axis_placement(Layout(dp_shard=512, tp=2, zero=3), 8)
+    assert place["dp_shard"] == (4, 128) and place["tp"] == (2, 1)
+    place = axis_placement(Layout(pp=4, dp_shard=2, tp=4, zero=3), 8)
+    assert place["pp"] == (1, 4) and place["dp_shard"] == (2, 1)
+
+
+def test_gemm_time_mamf_and_quantization():
+    """8192^3 bf16 GEMM on an H100 SXM: 64 x 64 = 4096 tiles of 128 x 128 on 132 SMs need 32 waves
+    (4224 slots): wave efficiency 4096 / 4224; time = 2 x 8192^3 / (989.4 TFLOP/s x 0.801 x 0.9697)."""
+    peak = 989.4e12
+    t = gemm_time("h100-sxm-80gb", peak, 3350.0, 8192, 8192, 8192, 2)
+    assert t == pytest.approx(2 * 8192 ** 3 / (peak * 0.801 * 4096 / 4224))
+    # n = 64 fills half of a 128-wide tile: at least twice the per-FLOP time of the big GEMM.
+    small = gemm_time("h100-sxm-80gb", peak, 3350.0, 8192, 64, 8192, 2)
+    assert small / (2 * 8192 * 64 * 8192) >= 2 * t / (2 * 8192 ** 3) * 0.99
+
+
+def test_pipeline_bubbles():
+    """(p-1)(t_f + t_b) for 1F1B (fraction (p-1)/m of m (t_f + t_b), Narayanan et al.), / v interleaved,
+    ZB-H1 (p-1) t_f (Qi et al., with t_B = t_W = t_b / 2)."""
+    assert _bubble("1f1b", 8, 1, 1.0, 2.0) == 7 * 3.0 == _bubble("gpipe", 8, 1, 1.0, 2.0)
+    assert _bubble("interleaved_1f1b", 8, 4, 1.0, 2.0) == 7 * 3.0 / 4
+    assert _bubble("zero_bubble", 8, 1, 1.0, 2.0) == 7 * 1.0
+    assert _bubble("1f1b", 1, 1, 1.0, 2.0) == 0.0
+
+
+def test_textbook_days_at_an_assumed_mfu():
+    """6ND: 6 x 70e9 x 2e12 = 8.4e23 FLOPs; 1024 H100 x 989.4 TFLOP/s x 0.4 = 4.05e17 FLOP/s -> 2.07e6 s
+    = 24.0 days (llama3-70b's 70.55e9 params: 24.2). The model-FLOPs days add attention (6N + 12Lsh)."""
+    cfg = cfg_of("--model.preset=llama3-70b", "--train.precision=bf16", "--cluster.num_gpus=1024",
+                 "--train.seq_len=8192", "--train.global_batch=512", "--train.tokens=2000000000000",
+                 "--parallel.tp=8", "--parallel.pp=8", "--parallel.dp_replicate=16", "--train.micro_batch=1",
+                 "--cluster.assume_mfu=0.4")
+    p = Problem.from_config(cfg)
+    est = evaluate(p, Layout.from_config(cfg, 1024))
+    assert 6 * 70e9 * 2e12 / (1024 * 989.4e12 * 0.4) / 86400 == pytest.approx(24.0, abs=0.05)
+    assert est.days_6nd == pytest.approx(24.2, abs=0.05) and est.mfu == pytest.approx(0.4)
+    assert est.days == pytest.approx(est.days_6nd * p.shape.flops_per_token(8192) / (6 * p.shape.num_params))
+
+
+def test_mfu_is_the_trainers_definition():
+    """DESIGN §5: MFU = flops_per_token x tokens/s per device / peak, tokens/s per device = tokens /
+    (seconds x non-dp size) for the tokens of one data-parallel replica."""
+    from shardwise.train.metrics import mfu, tokens_per_s_per_device
+
+    cfg = cfg_of("--model.preset=llama3-8b", "--train.precision=bf16", "--cluster.num_gpus=16", "--parallel.tp=2",
+                 "--parallel.dp_shard=8", "--parallel.zero=3", "--train.seq_len=4096", "--train.global_batch=64",
+                 "--train.micro_batch=2")
+    p, lay = Problem.from_config(cfg), Layout.from_config(cfg, 16)
+    est = evaluate(p, lay)
+    per_device = tokens_per_s_per_device(p.tokens_per_step // lay.dp, est.step_time_s, 16 // lay.dp)
+    assert est.mfu == pytest.approx(mfu(p.shape.flops_per_token(4096), per_device, 989.4e12))
+
+
+def test_step_time_terms_are_consistent():
+    cfg = cfg_of("--model.preset=llama3-8b", "--train.precision=bf16", "--cluster.num_gpus=64", "--parallel.tp=4",
+                 "--parallel.pp=4", "--parallel.dp_replicate=4", "--train.seq_len=4096", "--train.global_batch=64",
+                 "--train.micro_batch=1", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2")
+    p, lay = Problem.from_config(cfg), Layout.from_config(cfg, 64)
+    est = evaluate(p, lay)
+    assert est.step_time_s == pytest.approx(sum(est.breakdown_s.values()))
+    assert est.breakdown_s["bubble"] > 0 and est.breakdown_s["tp_comm"] > 0 and est.breakdown_s["pp_comm"] > 0
+    assert est.breakdown_s["cp_comm"] == est.breakdown_s["ep_comm"] == 0
+    # Full recomputation re-runs the blocks' forward: a bit under 1/3 of fwd + bwd (the head and the
+    # loss are not recomputed), and nothing gets cheaper.
+    rc = evaluate(p, lay.with_(recompute="full"))
+    assert 0.25 < rc.breakdown_s["recompute"] / est.breakdown_s["compute"] < 1 / 3
+    assert rc.step_time_s > est.step_time_s and rc.memory.activations < est.memory.activations
+
+
+def test_predict_comm_bytes_ddp_and_zero1():
+    """DDP: one fp32 all-reduce of every gradient (4 x 164160 B) + the fp32 loss (4 B) per step.
+    ZeRO-1: the same all-reduce, + the broadcast of every updated fp32 parameter over dp_shard."""
+    cfg = cfg_of(*TINY, "--parallel.dp_replicate=2", "--train.micro_batch=4")
+    assert predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2)) == \
+        {"dp_replicate": {"all_reduce": 4 * TINY_PARAMS + 4}}
+    cfg = cfg_of(*TINY, "--parallel.dp_shard=2", "--parallel.zero=1", "--train.micro_batch=4")
+    assert predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2)) == \
+        {"dp_shard": {"all_reduce": 4 * TINY_PARAMS + 4, "broadcast": 4 * TINY_PARAMS}}
+
+
+def test_predict_comm_bytes_fsdp():
+    """ZeRO-3, 2 micro-batches: all-gather every unit per forward (root 65600 + blocks 98560 elements, fp32)
+    and the blocks again per backward; reduce-scatter all fp32 gradients per micro-batch; 4 B loss +
+    4 B gradient-norm all-reduces. ZeRO-2: gathers once per forward, reduce-scatter once per step."""
+    root, blocks = 32768 + 64 + 32768, 2 * 49280
+    cfg = cfg_of(*TINY, "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2")
+    got = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2))
+    assert got == {"dp_shard": {"all_gather": 4 * (2 * root + 2 * 2 * blocks), "reduce_scatter": 4 * 2 * (root + blocks),
+                                "all_reduce": 8}}
+    cfg = cfg_of(*TINY, "--parallel.dp_shard=2", "--parallel.zero=2", "--train.micro_batch=2", "--train.precision=bf16")
+    got = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2))
+    assert got == {"dp_shard": {"all_gather": 2 * 2 * (root + blocks), "reduce_scatter": 4 * (root + blocks), "all_reduce": 8}}
+
+
+def test_predict_comm_bytes_hsdp_and_model_parallel_axes():
+    cfg = cfg_of(*TINY, "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2")
+    got = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 4))
+    assert got["dp"] == {"all_reduce": 4}
+    assert got["dp_replicate"] == {"all_reduce": 4 * TINY_PARAMS // 2}  # one micro-batch, the gradient shard
+    # TP2 + SP on llama3-8b, 1 micro-batch of 4096 tokens (4096 x 4096 elements per activation): per block
+    # and forward, 2 all-gathers of the norm outputs (fp32: autocast keeps the residual stream fp32) and 2
+    # reduce-scatters of the bf16 attention / MLP outputs; backward swaps them. The head all-gathers its
+    # input (fp32) forward and reduce-scatters its gradient backward; the vocab-parallel embedding
+    # reduce-scatters its fp32 output.
+    cfg = cfg_of("--model.preset=llama3-8b", "--train.precision=bf16", "--parallel.tp=2", "--train.seq_len=4096",
+                 "--train.global_batch=1", "--train.micro_batch=1")
+    got = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2))["tp"]
+    act = 4096 * 4096
+    blocks = 32 * 2 * 2  # layers x 2 collectives per block x (forward + backward)
+    head = 4096 * 4 * 3  # loss-parallel scalars per token (max, sum-exp, target logit)
+    assert got["all_gather"] == blocks * act * 4 / 2 + blocks * act * 2 / 2 + act * 4
+    assert got["all_reduce"] == head
+    assert got["reduce_scatter"] == got["all_gather"] + act * 4
