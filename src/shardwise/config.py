@@ -36,8 +36,8 @@ class ModelConfig:
     ffn_dim: int | None = opt(None, "Inner size of the MLP (SwiGLU for llama, GELU for gpt).")
     vocab_size: int | None = opt(None, "Embedding rows; the BPE tokenizer is trained to this size.")
     max_seq_len: int | None = opt(None, "Longest sequence the model supports (learned positions for gpt, RoPE table).")
-    norm_eps: float = opt(1e-5, "Epsilon of RMSNorm / LayerNorm.")
-    rope_theta: float = opt(10000.0, "RoPE base frequency (llama only).")
+    norm_eps: float | None = opt(None, "Epsilon of RMSNorm / LayerNorm (unset: the preset's, else 1e-5).")
+    rope_theta: float | None = opt(None, "RoPE base frequency, llama only (unset: the preset's, e.g. 500000 for llama3-*, else 10000).")
 
 
 @dataclass
@@ -267,6 +267,13 @@ def resolve_model(model: ModelConfig) -> None:
             setattr(model, key, value)
     if model.n_kv_heads is None:
         model.n_kv_heads = model.n_heads
+    for key, default in MODEL_FALLBACKS.items():
+        if getattr(model, key) is None:
+            setattr(model, key, default)
+
+
+# Values for model fields that neither the config nor the preset sets.
+MODEL_FALLBACKS = {"norm_eps": 1e-5, "rope_theta": 10000.0}
 
 
 def describe() -> str:

@@ -87,3 +87,11 @@ def test_parity_layout_keys_and_their_reference():
     assert layout == [("parallel.tp", "2"), ("model.vocab_size", "509"), ("train.micro_batch", "2"), ("train.lr", "0.01")]
     # only model.* / data.* change the problem (and so the reference); train.lr is a difference to flag
     assert reference_overrides(layout) == [("model.vocab_size", "509")]
+
+
+def test_preset_rope_theta_and_norm_eps_apply_unless_overridden():
+    from shardwise.config import build_config
+
+    assert build_config({}, [("model.preset", "llama3-8b")]).model.rope_theta == 500000.0
+    assert build_config({}, []).model.rope_theta == 10000.0 and build_config({}, []).model.norm_eps == 1e-5
+    assert build_config({}, [("model.preset", "llama3-8b"), ("model.rope_theta", "1e4")]).model.rope_theta == 1e4

@@ -202,7 +202,8 @@ class Layout:
         return {
             "parallel": {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero, "tp": self.tp,
                          "pp": self.pp, "cp": self.cp, "ep": self.ep, "pp_schedule": self.schedule,
-                         "pp_virtual_stages": self.virtual_stages, "offload": self.offload},
+                         "pp_virtual_stages": self.virtual_stages, "offload": self.offload,
+                         "sequence_parallel": self.sequence_parallel},
             "train": {"micro_batch": self.micro_batch, "global_batch": problem.global_batch, "seq_len": problem.seq_len,
                       "recompute": self.recompute, "recompute_policy": self.recompute_policy,
                       "recompute_every": self.recompute_every, "precision": problem.precision},
@@ -247,6 +248,12 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
     if s.n_kv_heads % lay.tp and lay.tp % s.n_kv_heads:
         return Violation("kv heads vs tp", "parallel.tp", f"n_kv_heads({s.n_kv_heads}) and tp({lay.tp}) do not divide one another",
                          "choose tp dividing n_kv_heads, or a multiple of it (KV heads are then replicated)")
+    if s.ffn_dim % lay.tp:
+        return Violation("ffn % tp", "parallel.tp", f"ffn_dim({s.ffn_dim}) is not divisible by tp({lay.tp})",
+                         "choose tp among the divisors of model.ffn_dim")
+    if lay.sp and problem.seq_len % lay.tp:
+        return Violation("seq % tp", "train.seq_len", f"sequence parallelism splits seq_len({problem.seq_len}) over tp({lay.tp})",
+                         "choose seq_len divisible by tp, or parallel.sequence_parallel=false")
     if lay.tp > cl.gpus_per_node and not allow_cross_node_tp:
         return Violation("tp > gpus_per_node", "parallel.tp", f"tp({lay.tp}) spans nodes of {cl.gpus_per_node} GPUs",
                          "keep tp <= cluster.gpus_per_node (or pass --allow-cross-node-tp)")
