@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -61,12 +62,14 @@ def axis_names(mesh) -> dict[str, str]:
         names[dist.group.WORLD.group_name] = "world"
     if mesh is None:
         return names
+    names = {}  # axes first: a group with the same ranks as an axis (but another name) is that axis
     root = getattr(mesh, "root", mesh)
     for axis in root.mesh_dim_names:
         names[root[axis].get_group().group_name] = axis
     batch = getattr(mesh, "batch", None)
     if batch is not None and batch.mesh_dim_names[0] not in root.mesh_dim_names:
         names[batch.get_group().group_name] = "dp"
+    names.setdefault(dist.group.WORLD.group_name, "world")
     return names
 
 
@@ -82,13 +85,26 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     def _axis(self, args, kwargs) -> str:
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, str) and value in self.group_axes:
-                return self.group_axes[value]
-            if isinstance(value, torch.ScriptObject):  # a c10d op's boxed ProcessGroup
-                name = dist.ProcessGroup.unbox(value).group_name
-                return self.group_axes.get(name, name)
+        values = (*args, *kwargs.values())
+        groups = [v for v in values if isinstance(v, torch.ScriptObject)]  # c10d ops: the boxed group
+        if groups:
+            return self._axis_of(dist.ProcessGroup.unbox(groups[0]))
+        names = [v for v in values if isinstance(v, str)]  # functional collectives: group name last
+        if names:
+            name = names[-1]
+            return self.group_axes[name] if name in self.group_axes else self._axis_of(_resolve_process_group(name))
         return "unknown"
+
+    def _axis_of(self, pg) -> str:
+        """A group made outside the mesh (FSDP2's replicate builds its own) is named by the axis
+        whose group has the same ranks."""
+        name = pg.group_name
+        if name not in self.group_axes:
+            ranks = dist.get_process_group_ranks(pg)
+            known = {tuple(dist.get_process_group_ranks(_resolve_process_group(n))): axis
+                     for n, axis in reversed(list(self.group_axes.items()))}
+            self.group_axes[name] = known.get(tuple(ranks), name)
+        return self.group_axes[name]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

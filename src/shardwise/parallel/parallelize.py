@@ -24,7 +24,7 @@ from shardwise.models.common import Transformer
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
 from shardwise.parallel.dims import ParallelDims
-from shardwise.parallel.tensor import apply_tensor_parallel
+from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 
 # Module-name segments that wrappers insert; parameter identities (init seeds, checkpoint keys)
 # use the model's own names, so every layout agrees on them.
@@ -77,6 +77,9 @@ def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Conf
     """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
     parallelize(model, dims, mesh, cfg)
     materialize(model, device, cfg.train.seed)
+    if dims.tp > 1 and not (uses_fsdp(cfg.parallel, dims) or uses_replicate(cfg.parallel, dims)):
+        # After materialize: moving the parameters off the meta device drops hooks on them.
+        align_gradients_with_parameters(model)
     if uses_ddp(cfg.parallel, dims):
         return apply_ddp(model, mesh, dims)
     return model

@@ -92,6 +92,28 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: ModelConfig, sequence_
     _replicate_remaining(model, tp_mesh)
 
 
+def align_gradients_with_parameters(model: nn.Module) -> None:
+    """Give every DTensor parameter's gradient the parameter's own placement as it is accumulated.
+
+    DTensor leaves two kinds of gradients in another layout than their parameter: a replicated
+    weight used on sequence-sharded (SP norms) or rank-sliced (replicated KV heads) activations gets
+    a Partial gradient, and the vocab-parallel embedding's backward produces a *full* replicated
+    (V, h) gradient. Left alone, the optimizer would redistribute the Partial ones inside every
+    foreach op (several all-reduces per step) and the embedding would keep a V x h gradient per
+    rank. One redistribute per accumulation fixes both: an all-reduce of the small Partial ones, a
+    local slice of the embedding's. FSDP2 (and its replicate) does the same in its own
+    post-backward, so this is for layouts without them."""
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(_align_grad)
+
+
+def _align_grad(param: DTensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def _styles(sp: bool, cfg: ModelConfig, tp: int) -> dict[str, ParallelStyle]:
     # Activations between TP regions: sharded along the sequence (dim 1) with SP, else replicated.
     between = Shard(1) if sp else Replicate()
@@ -167,11 +189,13 @@ class ReplicateParallel(ParallelStyle):
 class ReplicatedKVColwise(ParallelStyle):
     """Key/value projection when there are fewer KV heads than TP ranks (GQA with n_kv < tp).
 
-    Every rank keeps the whole (small) projection, replicated, computes all KV heads and keeps the
-    one its query heads attend with: rank r owns query heads [r·a/tp, (r+1)·a/tp), which all map to
-    KV head r·n_kv/tp. The kept slice's gradient is a partial sum (each rank back-propagates only
-    through its own slice), marked Partial so DTensor all-reduces it into the full gradient of the
-    replicated weight — the result Megatron gets by copying KV heads to every rank that needs them.
+    Every rank keeps the whole (small) projection as a replicated DTensor but computes only the KV
+    head its query heads attend with: rank r owns query heads [r·a/tp, (r+1)·a/tp), which all use
+    KV head r·n_kv/tp (Megatron copies that head to each such rank). The product is taken on local
+    tensors, so nothing is communicated in forward; each rank's weight gradient covers only its own
+    head's rows and its input gradient only its own contribution, so both are marked Partial: the
+    weight's is all-reduced once per micro-batch (align_gradients_with_parameters, or FSDP2), the
+    input's joins the other projections' Partial gradient at the region entry.
     """
 
     def __init__(self, n_kv_heads: int, tp: int):
@@ -179,13 +203,16 @@ class ReplicatedKVColwise(ParallelStyle):
         self.n_kv_heads, self.ranks_per_head = n_kv_heads, tp // n_kv_heads
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def input_fn(_mod, inputs, device_mesh):
-            return (_as_replicated(inputs[0], device_mesh),)
+        distribute_module(module, mesh, None)  # weight (and bias) become replicated DTensors
+        head = mesh.get_local_rank() // self.ranks_per_head
+        rows = slice(head * module.out_features // self.n_kv_heads, (head + 1) * module.out_features // self.n_kv_heads)
 
-        def output_fn(_mod, out, device_mesh):
-            local = out.to_local(grad_placements=[Partial()])
-            head_dim = local.shape[-1] // self.n_kv_heads
-            head = device_mesh.get_local_rank() // self.ranks_per_head
-            return local[..., head * head_dim:(head + 1) * head_dim]
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, DTensor):
+                x = x.to_local(grad_placements=[Partial()])
+            weight = module.weight.to_local(grad_placements=[Partial()])[rows]
+            bias = None if module.bias is None else module.bias.to_local(grad_placements=[Partial()])[rows]
+            return torch.nn.functional.linear(x, weight, bias)
 
-        return distribute_module(module, mesh, None, input_fn=input_fn, output_fn=output_fn)
+        module.forward = forward
+        return module
