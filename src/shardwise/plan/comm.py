@@ -18,17 +18,15 @@ What this codebase issues (parallel/data.py, train/trainer.py, train/optim.py):
     (the root unit is not resharded after forward); a reduce_scatter of fp32 gradients per micro-batch
     (ZeRO-3) or on the last one (ZeRO-2); HSDP adds an all_reduce of the gradient shards over
     dp_replicate; gradient clipping all-reduces one fp32 scalar over dp_shard (DTensor full_tensor);
-  the trainer all-reduces the fp32 loss (one scalar) over the batch group each step.
-Not counted: checkpoint / logging-step traffic on the world group (memory all_gather) and the fp16
-loss-scaler flag (world group, not an axis).
-TP, PP, CP and EP are not trained yet; they follow the torchtitan designs DESIGN §2 names: TP/SP as
-Korthikanti et al. 2022 §4.2.2 (per block, forward: 2 all_reduce, or with SP 2 all_gather + 2
-reduce_scatter, of b·s·h activations; backward the same), a vocab-parallel embedding and loss-parallel
-head; PP send/recv of one micro-batch's boundary activation per chunk boundary and direction; CP
+  TP / SP (parallel/tensor.py): see `_tp_collectives`; validated against the trainer's counter
+    (tests/dist/test_plan_validation.py) to within 0.02% per axis.
+Not counted (nor by the trainer's counter): the logged loss's all-reduce, checkpoint / logging-step
+traffic on the world group (memory all_gather) and the fp16 loss-scaler flag (world group, not an axis).
+PP, CP and EP are not trained yet; they follow the torchtitan designs DESIGN §2 names: PP send/recv of one micro-batch's boundary activation per chunk boundary and direction; CP
 ring attention (pass-KV: cp-1 rounds of K and V in forward, K, V, dK, dV in backward) or Ulysses
 (4 all_to_all per layer and direction); EP all_to_all dispatch + combine per MoE layer and direction.
-Recomputation (full, or selective "op" — collectives are not in the save list) repeats the forward's
-activation collectives.
+Recomputation repeats the forward's CP / EP collectives (they are not in selective "op"'s save list);
+for TP see `_tp_collectives`.
 """
 from __future__ import annotations
 
@@ -152,7 +150,6 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     # ---- data parallel ----
     if lay.dp * lay.cp > 1:
         bax, sax = batch_axis(lay), shard_axis(lay)
-        out.append(Collective(bax, "all_reduce", 4.0, 1, "step", "loss"))
         if lay.fsdp:
             n_blocks = max(1, rank.layers)
             out.append(Collective(sax, "all_gather", root_pad * param_bytes, m, "fwd", "root"))
@@ -171,33 +168,17 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
             out.append(Collective(bax, "all_reduce", grads, 1, "grad", "grads"))
             if lay.zero == 1 and lay.dp_shard > 1:
                 out.append(Collective(sax, "broadcast", local * param_bytes if mixed else local * 4, 1, "step", "params"))
-    # ---- tensor parallel (activations of one micro-batch) ----
+    # ---- tensor parallel (activations of one micro-batch; parallel/tensor.py) ----
     tokens = lay.micro_batch * problem.seq_len / lay.cp
     act = problem.compute_bytes
     res = 2 if regime(problem.precision, lay.fsdp, problem.model_states) == "lowp" else 4  # residual-stream bytes
-    recompute_fwd = lay.recompute in ("full", "selective")
+    # Fraction of blocks whose forward is replayed in backward.
     rc_frac = (1.0 / lay.recompute_every if lay.recompute == "selective" and lay.recompute_policy == "layer"
-               else 1.0 if recompute_fwd else 0.0)
+               else 1.0 if lay.recompute == "full" else 0.0)
     if lay.tp > 1:
-        per_layer = tokens * shape.dim
-        L = rank.layers
-        if lay.sp:
-            fwd = [("all_gather", per_layer * res, 2 * L), ("reduce_scatter", per_layer * act, 2 * L)]
-        else:
-            fwd = [("all_reduce", per_layer * act, 2 * L)]
-        for kind, payload, calls in fwd:
-            out.append(Collective("tp", kind, payload, calls * m, "fwd", "act"))
-            back = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}.get(kind, kind)
-            out.append(Collective("tp", back, payload, calls * m, "bwd", "act"))
-            if rc_frac:
-                out.append(Collective("tp", kind, payload, calls * m * rc_frac, "recompute", "act"))
-        if rank.embedding:
-            out.append(Collective("tp", "reduce_scatter" if lay.sp else "all_reduce", tokens * shape.dim * res, m, "fwd", "embed"))
-        if rank.head:
-            if lay.sp:
-                out.append(Collective("tp", "all_gather", tokens * shape.dim * res, m, "fwd", "head"))
-                out.append(Collective("tp", "reduce_scatter", tokens * shape.dim * res, m, "bwd", "head"))
-            out.append(Collective("tp", "all_reduce", tokens * 4, 3 * m, "fwd", "loss_parallel"))
+        out += _tp_collectives(problem, lay, rank, tokens, act, res, rc_frac, m)
+    # CP / EP collectives are not in selective "op"'s save list: replayed like a full recompute.
+    rc_other = 1.0 if lay.recompute == "selective" and lay.recompute_policy == "op" else rc_frac
     # ---- context parallel ----
     if lay.cp > 1:
         kv_local = max(shape.kv_dim / lay.tp, shape.head_dim)
@@ -211,15 +192,70 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
             for kind in ("send", "recv"):
                 out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m, "fwd", "kv"))
                 out.append(Collective("cp", kind, kv, 2 * (lay.cp - 1) * L * m, "bwd", "kv"))
-                if rc_frac:
-                    out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m * rc_frac, "recompute", "kv"))
+                if rc_other:
+                    out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m * rc_other, "recompute", "kv"))
     # ---- expert parallel ----
     if lay.ep > 1 and rank.moe_layers and shape.moe is not None:
         dispatched = tokens * shape.moe.top_k * shape.moe.capacity_factor * shape.dim * act
         out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "fwd", "tokens"))
         out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "bwd", "tokens"))
-        if rc_frac:
-            out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m * rc_frac, "recompute", "tokens"))
+        if rc_other:
+            out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m * rc_other, "recompute", "tokens"))
+    return out
+
+
+def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: float, act: int, res: int,
+                    rc_frac: float, m: int) -> list[Collective]:
+    """TP / SP traffic as parallel/tensor.py issues it (measured in tests/dist/test_comm_volume.py).
+
+    Per block, forward: without SP 2 all_reduce of the row-wise outputs; with SP 2 all_gather at the
+    region entries and 2 reduce_scatter of the row-wise outputs; backward mirrors each (all_reduce ->
+    all_reduce, all_gather -> reduce_scatter and back). The vocab-parallel embedding adds a forward
+    all_reduce (SP: reduce_scatter, + its backward all_gather); the head's input a backward
+    all_reduce (SP: forward all_gather + backward reduce_scatter); loss parallel 3 all_reduce of one
+    fp32 per token. Full recompute replays the all_gathers and one of the two reductions per block
+    (torch.utils.checkpoint stops before the last one, which feeds only the residual add);
+    selective "op" saves the reductions' outputs (parallel/checkpointing.py) and replays the SP
+    all_gathers only. Replicated weights used on sharded activations get Partial gradients that
+    are all-reduced once per gradient sync: the SP norms, and every KV projection when n_kv < tp.
+    """
+    shape, L = problem.shape, rank.layers
+    per_layer = tokens * shape.dim
+    op_selective = lay.recompute == "selective" and lay.recompute_policy == "op"
+    out: list[Collective] = []
+    if lay.sp:
+        out += [Collective("tp", "all_gather", per_layer * res, 2 * L * m, "fwd", "act"),
+                Collective("tp", "reduce_scatter", per_layer * act, 2 * L * m, "fwd", "act"),
+                Collective("tp", "reduce_scatter", per_layer * res, 2 * L * m, "bwd", "act"),
+                Collective("tp", "all_gather", per_layer * act, 2 * L * m, "bwd", "act")]
+        replay = [("all_gather", 2 * L if op_selective else 2 * L * rc_frac), ("reduce_scatter", L * rc_frac)]
+    else:
+        out += [Collective("tp", "all_reduce", per_layer * act, 2 * L * m, "fwd", "act"),
+                Collective("tp", "all_reduce", per_layer * act, 2 * L * m, "bwd", "act")]
+        replay = [("all_reduce", L * rc_frac)]
+    for kind, calls in replay:
+        if calls:
+            out.append(Collective("tp", kind, per_layer * act, calls * m, "recompute", "act"))
+    if rank.embedding:
+        out.append(Collective("tp", "reduce_scatter" if lay.sp else "all_reduce", per_layer * res, m, "fwd", "embed"))
+        if lay.sp:
+            out.append(Collective("tp", "all_gather", per_layer * res, m, "bwd", "embed"))
+            if shape.arch == "gpt":  # the learned position table's (s, h) output is cut along s
+                out.append(Collective("tp", "all_gather", problem.seq_len * shape.dim * 4, m, "bwd", "positions"))
+    if rank.head:
+        if lay.sp:
+            out.append(Collective("tp", "all_gather", per_layer * res, m, "fwd", "head"))
+        out.append(Collective("tp", "reduce_scatter" if lay.sp else "all_reduce", per_layer * res, m, "bwd", "head"))
+        out.append(Collective("tp", "all_reduce", tokens * 4, 3 * m, "fwd", "loss_parallel"))
+    # Partial gradients of replicated weights: per micro-batch unless FSDP2 / replicate hold the
+    # gradient sync to the last one (zero 2, and zero 0 with dp > 1).
+    syncs = 1 if (lay.fsdp and lay.zero == 2) or (lay.dp > 1 and not lay.fsdp) else m
+    norm_params = (2 if shape.arch == "gpt" else 1) * shape.dim
+    partial = (2 * L + (1 if rank.head else 0)) * norm_params if lay.sp else 0
+    if lay.tp > shape.n_kv_heads:
+        partial += 2 * L * shape.kv_dim * (shape.dim + (1 if shape.arch == "gpt" else 0))
+    if partial:
+        out.append(Collective("tp", "all_reduce", partial * 4, syncs, "grad", "partial_grads"))
     return out
 
 

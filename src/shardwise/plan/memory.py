@@ -111,7 +111,7 @@ def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int) -> tuple[i
     s = spec.shape
     if spec.tp == "col":
         if spec.name.endswith(("wk.weight", "wv.weight", "wk.bias", "wv.bias")) and tp > shape.n_kv_heads:
-            return (shape.head_dim,) + s[1:]  # one replicated KV head per rank
+            return s  # all KV heads, replicated (parallel/tensor.py ReplicatedKVColwise keeps the whole weight)
         return (math.ceil(s[0] / tp),) + s[1:]
     if spec.tp == "row":
         return (s[0], math.ceil(s[1] / tp))
