@@ -45,6 +45,8 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
                           "model.vocab_size": 512},
         # tensor parallel (parallel/tensor.py)
         "tp2": {"parallel.tp": 2},
+        "tp2_op": {"parallel.tp": 2, "train.recompute": "selective"},
+        "tp2_nosp_op": {"parallel.tp": 2, "parallel.sequence_parallel": "false", "train.recompute": "selective"},
         "tp2_nosp_full_accum2": {"parallel.tp": 2, "parallel.sequence_parallel": "false", "train.micro_batch": 4,
                                  "train.recompute": "full"},
         "gpt_tp2_full": {"parallel.tp": 2, "train.recompute": "full", "model.preset": "tiny-gpt", "model.vocab_size": 512}},

@@ -109,7 +109,9 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     """recompute="selective", policy "op" (parallel/checkpointing.py): the block input is kept by the
     checkpoint and the outputs of matmuls and SDPA are saved; everything else is recomputed.
     llama: wq, wk, wv, wo, w1, w3, w2 outputs + SDPA (out, LSE); gpt: wq, wk, wv, wo, fc, proj + SDPA.
-    Row-parallel outputs (wo, w2/proj) are full-size partial sums under TP."""
+    Row-parallel outputs (wo, w2/proj) are full-size partial sums under TP, and their reductions
+    outputs are saved too (all-reduce: s·h; SP reduce-scatter: s·h/tp), so recomputation does not
+    communicate them again."""
     h, kv = shape.dim, shape.kv_dim
     a = 4 if reg == "fp32" else 2
     res = 2 if reg == "lowp" else 4
@@ -120,7 +122,9 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     mlp = a * (n_up * f / tp + h)
     if moe_layer and shape.moe is not None:
         mlp = shape.moe.top_k * shape.moe.capacity_factor * mlp
-    per_token = res * h / res_div + a * (h / tp + 2 * kv_local + h / tp + h) + 4 * shape.n_heads / tp + mlp
+    reductions = 2 * a * h / res_div if tp > 1 else 0.0
+    per_token = (res * h / res_div + a * (h / tp + 2 * kv_local + h / tp + h) + 4 * shape.n_heads / tp + mlp
+                 + reductions)
     return BlockActivations(per_token, 0.0)
 
 

@@ -22,7 +22,8 @@ What this codebase issues (parallel/data.py, train/trainer.py, train/optim.py):
     (tests/dist/test_plan_validation.py) to within 0.02% per axis.
 Not counted (nor by the trainer's counter): the logged loss's all-reduce, checkpoint / logging-step
 traffic on the world group (memory all_gather) and the fp16 loss-scaler flag (world group, not an axis).
-PP, CP and EP are not trained yet; they follow the torchtitan designs DESIGN §2 names: PP send/recv of one micro-batch's boundary activation per chunk boundary and direction; CP
+PP, CP and EP are not trained yet; they follow the torchtitan designs DESIGN §2 names: PP send/recv
+of one micro-batch's boundary activation per chunk boundary and direction; CP
 ring attention (pass-KV: cp-1 rounds of K and V in forward, K, V, dK, dV in backward) or Ulysses
 (4 all_to_all per layer and direction); EP all_to_all dispatch + combine per MoE layer and direction.
 Recomputation repeats the forward's CP / EP collectives (they are not in selective "op"'s save list);
