@@ -64,6 +64,18 @@ def _config(argv: list[str]) -> int:
     return 0
 
 
+def _trainer_refusal(cfg: Config, world: int) -> str | None:
+    """Why `shardwise train` would refuse this layout today (axes not trained yet, zero=1 with tp),
+    or None: the planner also plans layouts later versions will train."""
+    from shardwise.preflight import check_batch, check_parallel
+
+    try:
+        check_batch(cfg, check_parallel(cfg, world))
+    except ConfigError as e:
+        return f"{e.field}: {e.problem}"
+    return None
+
+
 def _plan(argv: list[str]) -> int:
     """`shardwise plan evaluate | search`: pure Python, no process group, no torch import."""
     import json
@@ -98,7 +110,13 @@ def _plan(argv: list[str]) -> int:
         if violation is not None:
             raise violation.error()
         est = evaluate(problem, layout)
-        print(json.dumps(est.to_json(), indent=2) if args.json else evaluate_text(problem, est), end="\n" if args.json else "")
+        refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
+        if args.json:
+            print(json.dumps({**est.to_json(), "trainable": refusal is None, "trainer_refusal": refusal}, indent=2))
+        else:
+            print(evaluate_text(problem, est), end="")
+            if refusal:
+                print(f"note: this version's `shardwise train` refuses this layout ({refusal})")
         if args.plot:
             plot(args.plot, problem, [est])
         return 0
@@ -120,6 +138,9 @@ def _plan(argv: list[str]) -> int:
         load_config(args.emit)  # what we wrote must load
         if not args.json:
             print(f"wrote {args.emit}: {best.describe()}")
+            refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
+            if refusal:
+                print(f"note: this version's `shardwise train` refuses this layout ({refusal})")
     if args.plot:
         plot(args.plot, problem, result.ranked[:args.top], result.points)
     return 0

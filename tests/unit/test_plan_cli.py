@@ -117,3 +117,16 @@ def test_bad_gpu_in_a_subprocess_has_no_traceback(run_toml):
 
 def test_plan_needs_an_action(capsys):
     assert main(["plan"]) == 2 and "expected 'evaluate' or 'search'" in capsys.readouterr().err
+
+
+def test_evaluate_says_whether_this_trainer_runs_the_layout(tmp_path, capsys):
+    """The planner plans layouts later versions train (pp here); --json says which ones run today."""
+    config = tmp_path / "run.toml"
+    config.write_text(RUN_70B)
+    assert main(["plan", "evaluate", "--config", str(config), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["trainable"] is False and "parallel.pp" in out["trainer_refusal"]
+    assert main(["plan", "evaluate", "--config", str(config), "--json", "--parallel.pp=1", "--parallel.dp_replicate=1",
+                 "--parallel.dp_shard=128", "--parallel.zero=3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["trainable"] is True and out["trainer_refusal"] is None
