@@ -6,6 +6,7 @@ traceback, exit code 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -76,6 +77,31 @@ def _trainer_refusal(cfg: Config, world: int) -> str | None:
     return None
 
 
+def _emit(cfg: Config, problem, result, path: str, quiet: bool) -> None:
+    """Write the fastest layout this version's trainer runs (usually #1) as a config `shardwise
+    train` runs unchanged; say so when #1 needs an axis that is not trained yet. If none of the
+    ranked layouts is trainable, #1 is written with the reason."""
+    configs = [_with_layout(cfg, problem, e) for e in result.ranked]
+    refusals = [_trainer_refusal(c, problem.cluster.num_gpus) for c in configs]
+    rank = next((i for i, why in enumerate(refusals) if why is None), 0)
+    configs[rank].save(path)
+    load_config(path)  # what we wrote must load
+    if not quiet:
+        print(f"wrote {path}: #{rank + 1} {result.ranked[rank].layout.describe()}")
+        if rank > 0:
+            print(f"note: #1 is not trained by this version ({refusals[0]}); wrote the fastest layout it trains")
+        elif refusals[0]:
+            print(f"note: this version's `shardwise train` refuses this layout ({refusals[0]})")
+
+
+def _with_layout(cfg: Config, problem, estimate) -> Config:
+    out = copy.deepcopy(cfg)
+    for section, values in estimate.layout.config_values(problem).items():
+        for key, value in values.items():
+            setattr(getattr(out, section), key, value)
+    return out
+
+
 def _plan(argv: list[str]) -> int:
     """`shardwise plan evaluate | search`: pure Python, no process group, no torch import."""
     import json
@@ -130,17 +156,7 @@ def _plan(argv: list[str]) -> int:
     print(json.dumps(search_json(problem, result, args.top), indent=2) if args.json else search_text(problem, result, args.top),
           end="\n" if args.json else "")
     if args.emit:
-        best = result.best.layout
-        for section, values in best.config_values(problem).items():
-            for key, value in values.items():
-                setattr(getattr(cfg, section), key, value)
-        cfg.save(args.emit)
-        load_config(args.emit)  # what we wrote must load
-        if not args.json:
-            print(f"wrote {args.emit}: {best.describe()}")
-            refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
-            if refusal:
-                print(f"note: this version's `shardwise train` refuses this layout ({refusal})")
+        _emit(cfg, problem, result, args.emit, quiet=args.json)
     if args.plot:
         plot(args.plot, problem, result.ranked[:args.top], result.points)
     return 0

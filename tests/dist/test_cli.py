@@ -60,3 +60,17 @@ def test_parity_command_passes_and_fails(common, tmp_path):
     bad = _shardwise(["parity", "--nproc", "2", "--steps", "6", "--out", str(tmp_path / "bad"),
                       *common, "--layout", "dp_shard=2,zero=2,train.micro_batch=4,train.lr=0.01"], tmp_path)
     assert bad.returncode == 1 and "FAIL" in bad.stdout, bad.stdout[-3000:]
+
+
+def test_plan_search_emits_a_config_train_runs_unchanged(common, tmp_path):
+    """`plan search --emit` for the tiny model on 2 "GPUs", then `shardwise train` on that file alone."""
+    best = tmp_path / "best.toml"
+    run = tmp_path / "run"
+    plan = _shardwise(["plan", "search", *common, "--cluster.num_gpus=2", "--cluster.gpus_per_node=2",
+                       "--train.steps=3", f"--run.dir={run}", "--checkpoint.every=0", "--top", "3", "--emit", str(best)],
+                      tmp_path)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert f"wrote {best}" in plan.stdout
+    trained = _shardwise(["train", "--config", str(best), "--nproc", "2"], tmp_path)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-3000:]
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
