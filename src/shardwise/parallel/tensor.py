@@ -2,7 +2,7 @@
 parallelism (Korthikanti et al. 2022, arXiv 2205.05198 §4.2) and loss parallelism, on DTensor.
 
 The plan is data: `tp_plan(cfg)` maps module names (a `*` stands for every block index) to style
-names, so it can be printed, tested and read by the planner without a process group;
+names, so it can be printed and tested without a process group;
 `apply_tensor_parallel` turns it into DTensor `ParallelStyle`s and calls `parallelize_module`.
 
 Layout per block (h = hidden, s = sequence, tp = TP size):
@@ -41,8 +41,8 @@ from shardwise.errors import ConfigError
 
 # Style names used in plans; `_styles` maps them to DTensor ParallelStyles.
 COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD = "colwise", "rowwise", "vocab_embedding", "vocab_head"
-COLWISE_REPLICATED_KV, NORM, REPLICATE, REGION_INPUT, POSITION_EMBEDDING = (
-    "colwise_replicated_kv", "norm", "replicate", "region_input", "position_embedding")
+COLWISE_REPLICATED_KV, NORM, REGION_INPUT, POSITION_EMBEDDING = (
+    "colwise_replicated_kv", "norm", "region_input", "position_embedding")
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
