@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from shardwise.config import Config, ModelConfig
 from shardwise.errors import ConfigError
+from shardwise.models import ARCH_NAMES
 from shardwise.parallel.dims import ParallelDims, refuse_unimplemented
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -21,11 +22,11 @@ def _positive(field: str, value: float, minimum: float = 1) -> None:
         raise ConfigError(field, f"must be >= {minimum}, got {value}", f"set {field} to at least {minimum}")
 
 
-def check_model(cfg: Config) -> None:
-    from shardwise.models import ARCHS
-
-    m = cfg.model
-    _choice("model.arch", m.arch, tuple(ARCHS))
+def check_model_shape(m) -> None:
+    """The shape rules every consumer of a model shape needs (the trainer's ModelConfig, the
+    planner's ModelShape: anything with arch, dim, n_layers, n_heads, n_kv_heads, ffn_dim,
+    vocab_size and max_seq_len)."""
+    _choice("model.arch", m.arch, ARCH_NAMES)
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
         _positive(f"model.{name}", getattr(m, name))
     if m.dim % m.n_heads:
@@ -34,6 +35,11 @@ def check_model(cfg: Config) -> None:
     if m.n_heads % m.n_kv_heads:
         raise ConfigError("model.n_kv_heads", f"n_heads({m.n_heads}) is not divisible by n_kv_heads({m.n_kv_heads})",
                           "grouped-query attention needs n_kv_heads to divide n_heads")
+
+
+def check_model(cfg: Config) -> None:
+    m = cfg.model
+    check_model_shape(m)
     if m.arch == "llama" and (m.dim // m.n_heads) % 2:
         raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs of dims",
                           "choose n_heads so that dim / n_heads is even")

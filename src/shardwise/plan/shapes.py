@@ -20,8 +20,8 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.preflight import check_model_shape
 
-ARCHS = ("llama", "gpt")
 
 
 @dataclass(frozen=True)
@@ -88,17 +88,7 @@ class ModelShape:
         return shape
 
     def validate(self) -> None:
-        if self.arch not in ARCHS:
-            raise ConfigError("model.arch", f"{self.arch!r} is not one of {', '.join(ARCHS)}", 'use "llama" or "gpt"')
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model.{name}", f"must be >= 1, got {getattr(self, name)}", f"set model.{name}")
-        if self.dim % self.n_heads:
-            raise ConfigError("model.n_heads", f"dim({self.dim}) is not divisible by n_heads({self.n_heads})",
-                              "choose n_heads among the divisors of model.dim")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError("model.n_kv_heads", f"n_heads({self.n_heads}) is not divisible by n_kv_heads({self.n_kv_heads})",
-                              "grouped-query attention needs n_kv_heads to divide n_heads")
+        check_model_shape(self)
         if self.moe is not None and not 1 <= self.moe.top_k <= self.moe.num_experts:
             raise ConfigError("model.moe.top_k", f"top_k({self.moe.top_k}) must be within 1..num_experts({self.moe.num_experts})",
                               "choose 1 <= top_k <= num_experts")
