@@ -1,10 +1,11 @@
-"""The communication counter's pure parts: ring wire bytes and the console summary.
+"""The communication counter's pure parts, and the ring wire bytes its payload convention feeds.
 (The counts themselves are checked against analytic volumes in tests/dist/test_comm_volume.py.)"""
 from __future__ import annotations
 
 import torch
 
-from shardwise.parallel.comm import CommCounter, describe_comm, wire_bytes
+from shardwise.parallel.comm import CommCounter, describe_comm
+from shardwise.plan.comm import wire_bytes
 
 
 def test_ring_wire_bytes():
@@ -13,7 +14,7 @@ def test_ring_wire_bytes():
     assert wire_bytes("all_gather", 1000, 4) == 750
     assert wire_bytes("reduce_scatter", 1000, 2) == 500
     assert wire_bytes("all_reduce", 1000, 1) == 0
-    assert wire_bytes("send_recv", 1000, 2) == 1000
+    assert wire_bytes("send", 1000, 2) == 1000
 
 
 def test_summary_lists_axes_and_kinds():

@@ -7,9 +7,9 @@ come out as {axis: {kind: bytes}} for one step.
 
 Bytes are the *payload*: the size of the full logical buffer of a call, as one rank sees it —
 all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the unsharded input;
-broadcast / all-to-all / send / recv: the tensor. The bytes a ring algorithm puts on each link
-follow from it: all-reduce 2(n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x payload
-(`wire_bytes`).
+broadcast / all-to-all / send / recv: the tensor. The planner predicts the same quantities
+(shardwise.plan.comm.predict_comm_bytes) and converts them into the bytes a ring algorithm puts on
+each link (shardwise.plan.comm.wire_bytes).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ _KINDS = {
     "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "broadcast_": "broadcast", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
-    "send": "send_recv", "recv_": "send_recv", "recv_any_source_": "send_recv",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
 }
 # For these the counted buffer is the output (the gathered tensor), which is the first argument.
 _OUTPUT_FIRST = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
@@ -57,19 +57,18 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 def axis_names(mesh) -> dict[str, str]:
     """{process-group name: axis name} for every axis of `mesh` (a Meshes or DeviceMesh) and the
     flattened batch view, plus the default (world) group."""
-    names = {}
+    # Axes first: a group with the same ranks as an axis (but another name) is that axis, and a 1-D
+    # mesh over the whole world may reuse the default group, which is then named by its axis.
+    names: dict[str, str] = {}
+    if mesh is not None:
+        root = getattr(mesh, "root", mesh)
+        for axis in root.mesh_dim_names:
+            names[root[axis].get_group().group_name] = axis
+        batch = getattr(mesh, "batch", None)
+        if batch is not None and batch.mesh_dim_names[0] not in root.mesh_dim_names:
+            names[batch.get_group().group_name] = "dp"
     if dist.is_initialized():
-        names[dist.group.WORLD.group_name] = "world"
-    if mesh is None:
-        return names
-    names = {}  # axes first: a group with the same ranks as an axis (but another name) is that axis
-    root = getattr(mesh, "root", mesh)
-    for axis in root.mesh_dim_names:
-        names[root[axis].get_group().group_name] = axis
-    batch = getattr(mesh, "batch", None)
-    if batch is not None and batch.mesh_dim_names[0] not in root.mesh_dim_names:
-        names[batch.get_group().group_name] = "dp"
-    names.setdefault(dist.group.WORLD.group_name, "world")
+        names.setdefault(dist.group.WORLD.group_name, "world")
     return names
 
 
@@ -135,19 +134,6 @@ class CommCounter(TorchDispatchMode):
 
     def totals(self) -> dict[str, dict[str, int]]:
         return {axis: dict(kinds) for axis, kinds in self.bytes.items()}
-
-
-def wire_bytes(kind: str, payload: int, group_size: int) -> float:
-    """Bytes each rank sends on the wire under a ring algorithm (Thakur et al. 2005, Patarasuk &
-    Yuan 2009): all-reduce = reduce-scatter + all-gather = 2(n-1)/n, each half (n-1)/n."""
-    n = group_size
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * payload
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n * payload
-    return float(payload)
 
 
 def describe_comm(totals: dict[str, dict[str, int]]) -> str:

@@ -57,9 +57,10 @@ def apply_replicate(model: nn.Module, mesh, precision: str) -> None:
     nothing sharded."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    mp_policy = fsdp_mp_policy(precision)
     for block in model.layers:
-        replicate(block, mesh=mesh.batch, mp_policy=fsdp_mp_policy(precision))
-    replicate(model, mesh=mesh.batch, mp_policy=fsdp_mp_policy(precision))
+        replicate(block, mesh=mesh.batch, mp_policy=mp_policy)
+    replicate(model, mesh=mesh.batch, mp_policy=mp_policy)
 
 
 def apply_ddp(model: nn.Module, mesh, dims: ParallelDims) -> nn.Module:
