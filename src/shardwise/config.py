@@ -69,11 +69,19 @@ class ParallelConfig:
     zero: int = opt(0, "What is sharded over dp_shard: 0 nothing (needs dp_shard=1), 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).")
     tp: int = opt(1, "Tensor-parallel axis (Megatron-style: heads and MLP columns split over tp ranks; the innermost mesh axis).")
     sequence_parallel: bool = opt(True, "With tp > 1: shard norms and the activations between TP regions along the sequence (Korthikanti et al. 2022).")
-    pp: int = opt(1, "Pipeline-parallel axis (not implemented yet: must be 1).")
+    pp: int = opt(1, "Pipeline-parallel axis: the model's blocks are cut into pp x pp_virtual_stages stages.")
     cp: int = opt(1, "Context-parallel axis (not implemented yet: must be 1).")
     ep: int = opt(1, "Expert-parallel axis (not implemented yet: must be 1).")
-    pp_schedule: str = opt("1f1b", 'Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev".')
-    pp_virtual_stages: int = opt(1, "Pipeline stages per rank for interleaved schedules.")
+    pp_schedule: str = opt("1f1b", 'Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" '
+                           '(looped placement, any virtual stages), "zbv" (V-shaped zero bubble, 2 virtual stages), '
+                           '"dualpipev" (2 virtual stages).')
+    pp_virtual_stages: int = opt(1, "Pipeline stages per rank (interleaved_1f1b, zero_bubble: >= 1 or 2; zbv, dualpipev: 2).")
+    pp_split: str = opt("even", 'How blocks are cut into stages: "even", or "balanced" by each stage\'s compute (embedding '
+                        'and head included) over its rank\'s speed. pp_layers_per_stage overrides both.')
+    pp_layers_per_stage: list[int] = opt([], "Explicit blocks per stage, one entry per stage (pp x pp_virtual_stages), "
+                                         "e.g. [1, 3]; empty: use pp_split.")
+    pp_stage_speeds: list[float] = opt([], "Relative speed of each pipeline rank for pp_split=balanced (heterogeneous "
+                                       "clusters), e.g. [1.0, 2.0]; empty: all equal.")
     offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state on the CPU (FSDP, zero >= 2).")
 
 
@@ -168,6 +176,13 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     base = _base_type(hint)
     if value is None:
         return value
+    if typing.get_origin(base) is list:
+        item = typing.get_args(base)[0]
+        if isinstance(value, str):
+            value = _parse_cli_value(key, value if value.lstrip().startswith("[") else f"[{value}]", list)
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list of {item.__name__}, got {value!r}", f"write e.g. {key}=[1, 2]")
+        return [_coerce(key, v, item) for v in value]
     if isinstance(value, str) and base is not str:
         value = _parse_cli_value(key, value, base)
     if base is float and isinstance(value, int) and not isinstance(value, bool):

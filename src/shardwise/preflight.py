@@ -5,11 +5,13 @@ from shardwise.config import Config, ModelConfig
 from shardwise.errors import ConfigError
 from shardwise.models import ARCH_NAMES
 from shardwise.parallel.dims import ParallelDims, refuse_unimplemented
+from shardwise.parallel.stages import check_pipeline
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_POLICIES = ("op", "layer")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+PP_SPLITS = ("even", "balanced")
 
 
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
@@ -73,6 +75,7 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
         raise ConfigError("parallel.zero", f"must be 0, 1, 2 or 3, got {p.zero}",
                           "0: DDP, 1: shard optimizer state, 2: + gradients, 3: + parameters (FSDP)")
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    _choice("parallel.pp_split", p.pp_split, PP_SPLITS)
     _positive("parallel.pp_virtual_stages", p.pp_virtual_stages)
     dims = ParallelDims.from_config(p, world_size)
     refuse_unimplemented(dims)
@@ -86,11 +89,6 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     if p.offload and p.zero < 2:
         raise ConfigError("parallel.offload", f"CPU offload needs FSDP (zero >= 2), got zero={p.zero}",
                           "set parallel.zero=2 or 3, or parallel.offload=false")
-    if p.zero == 1 and dims.tp > 1:
-        # ZeroRedundancyOptimizer broadcasts plain tensors; DTensor has no rule for c10d broadcast.
-        raise ConfigError("parallel.zero", "zero=1 (ZeroRedundancyOptimizer) cannot shard tensor-parallel (DTensor) "
-                          "parameters", "use parallel.zero=2: it shards the optimizer state and the gradients over "
-                          "dp_shard with the same communication volume per step")
     check_tensor_parallel(cfg.model, dims.tp, cfg.train.seq_len, p.sequence_parallel)
     return dims
 
@@ -140,6 +138,7 @@ def check(cfg: Config, world_size: int) -> ParallelDims:
     check_model(cfg)
     check_train(cfg)
     dims = check_parallel(cfg, world_size)
-    check_batch(cfg, dims)
+    microbatches = check_batch(cfg, dims)
+    check_pipeline(cfg.parallel, cfg.model, microbatches)
     check_checkpoint(cfg)
     return dims

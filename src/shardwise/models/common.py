@@ -15,6 +15,9 @@ from torch import nn
 from shardwise.config import ModelConfig
 
 INIT_STD = 0.02  # GPT-2 / Megatron default initializer range.
+# FLOPs a GPU can do in the time it moves one byte of HBM (its roofline ridge point): H100 SXM dense
+# bf16 989 TFLOP/s over 3.35 TB/s ~ 295 (NVIDIA H100 datasheet). Prices memory-bound work in FLOPs.
+MEMORY_BOUND_FLOPS_PER_BYTE = 295
 
 
 class Attention(nn.Module):
@@ -82,12 +85,38 @@ class Transformer(nn.Module):
     def block_kwargs(self) -> dict:
         return {}
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed(tokens, positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` is token ids, or hidden states when this module is a pipeline stage that does not own
+        the embedding; a stage without the output head returns hidden states (see `keep_only`)."""
+        h = self.embed(x, positions) if self.tok_embeddings is not None else x
         extra = self.block_kwargs()
-        for layer in self.layers:
+        for layer in self.blocks():
             h = layer(h, positions=positions, **extra)
-        return self.output(self.norm(h))
+        return h if self.output is None else self.output(self.norm(h))
+
+    def blocks(self) -> list[nn.Module]:
+        """The blocks this module runs, in order."""
+        return [module for _, module in self.named_blocks()]
+
+    def named_blocks(self) -> list[tuple[str, nn.Module]]:
+        """(name under `layers`, block): the name is the block's global index, also on a stage."""
+        return list(self.layers.named_children())
+
+    def keep_only(self, layer_ids: list[int], embedding: bool, head: bool) -> None:
+        """Drop every part this module will not run: what a pipeline stage keeps of the whole model.
+        The kept blocks stay under `layers.<global index>` (a ModuleDict), so parameter names, init
+        seeds and checkpoint keys are those of the whole model."""
+        blocks = dict(self.layers.named_children())
+        self.layers = nn.ModuleDict({str(i): blocks[str(i)] for i in layer_ids})
+        if not embedding:
+            for name in self.embedding_modules():
+                setattr(self, name, None)
+        if not head:
+            self.norm, self.output = None, None
+
+    def embedding_modules(self) -> tuple[str, ...]:
+        """Attribute names of the input embeddings (all live on the first pipeline stage)."""
+        return ("tok_embeddings",)
 
     # ---- closed-form counts (no module needed) ----
     @classmethod
@@ -110,6 +139,22 @@ class Transformer(nn.Module):
         Like PaLM and Megatron, the causal mask is not discounted, so MFU is comparable with theirs.
         """
         return 6 * cls.param_counts(cfg)["matmul"] + 12 * cfg.n_layers * seq_len * cfg.dim
+
+    @classmethod
+    def pipeline_costs(cls, cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+        """Training cost per token of the parts a pipeline split places, in FLOP-equivalents:
+        {'embedding', 'block', 'head'}. GEMMs and attention count their FLOPs (as
+        count_flops_per_token); the memory-bound parts — the embedding gather and its scatter-add
+        gradient, the cross-entropy over V logits — count the bytes they move times the ridge point
+        of a GPU (MEMORY_BOUND_FLOPS_PER_BYTE), so the first and last stage are not treated as free."""
+        c = cls.param_counts(cfg)
+        block = 6 * (c["matmul"] - c["head"]) / cfg.n_layers + 12 * seq_len * cfg.dim
+        # Embedding: read + write an h-vector forward, read the gradient + read-modify-write the
+        # table row backward (fp32): ~5 x 4h bytes per token.
+        embedding = 5 * 4 * cfg.dim * MEMORY_BOUND_FLOPS_PER_BYTE
+        # Head: the GEMM (6Vh) plus softmax/cross-entropy forward and backward, ~4 passes over V fp32 logits.
+        head = 6 * c["head"] + 4 * 4 * cfg.vocab_size * MEMORY_BOUND_FLOPS_PER_BYTE
+        return {"embedding": float(embedding), "block": float(block), "head": float(head)}
 
     def num_params(self) -> int:
         return self.count_params(self.cfg)

@@ -54,6 +54,9 @@ class GPT(Transformer):
     def residual_projections(self) -> tuple[str, ...]:
         return ("wo", "proj")
 
+    def embedding_modules(self) -> tuple[str, ...]:
+        return ("tok_embeddings", "pos_embeddings")
+
     @classmethod
     def param_counts(cls, cfg: ModelConfig) -> dict[str, int]:
         h, f, v = cfg.dim, cfg.ffn_dim, cfg.vocab_size

@@ -39,16 +39,17 @@ def _op_selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def apply_activation_checkpointing(layers: nn.ModuleList, mode: str, policy: str, every: int) -> None:
-    """Wrap blocks of `layers` in place according to train.recompute / recompute_policy / every."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, policy: str, every: int) -> None:
+    """Wrap the blocks of `model` in place according to train.recompute / recompute_policy / every.
+    `every` counts global block indices, so a pipeline stage wraps the blocks the whole model would."""
     if mode == "none":
         return
-    for i, block in enumerate(layers):
-        if mode == "full" or (policy == "layer" and i % every == 0):
+    for name, block in model.named_blocks():
+        if mode == "full" or (policy == "layer" and int(name) % every == 0):
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         elif policy == "op":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
                                          context_fn=partial(_op_selective_context))
         else:
             continue
-        layers[i] = wrapped
+        setattr(model.layers, name, wrapped)

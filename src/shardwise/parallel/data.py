@@ -2,7 +2,7 @@
 
 parallel.zero says what is sharded over the dp_shard axis (Rajbhandari et al. 2019, arXiv 1910.02054):
   0  nothing — DDP over dp_replicate (dp_shard must be 1)
-  1  optimizer state — DDP all-reduce over all dp ranks + ZeroRedundancyOptimizer over dp_shard
+  1  optimizer state — DDP all-reduce over all dp ranks + ZeroOneOptimizer (parallel/zero1.py) over dp_shard
   2  + gradients — FSDP2 with reshard_after_forward=False (parameters stay gathered until backward)
   3  + parameters — FSDP2 with reshard_after_forward=True
 dp_replicate > 1 with zero >= 2 is HSDP: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh shards
@@ -45,20 +45,21 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, pr
                   # Pinned host memory speeds up GPU<->CPU copies; it needs an accelerator to exist.
                   offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if p.offload else OffloadPolicy())
     reshard = p.zero == 3
-    for block in model.layers:
+    for block in model.blocks():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
 def apply_replicate(model: nn.Module, mesh, precision: str) -> None:
-    """DDP for layouts whose parameters are DTensors (tp > 1). DistributedDataParallel buckets plain
-    tensors and cannot reduce DTensor gradients, so these layouts use PyTorch's FSDP2-based
+    """DDP for layouts whose parameters are DTensors (tp > 1) and for pipeline stages.
+    DistributedDataParallel buckets plain tensors and cannot reduce DTensor gradients, so these
+    layouts use PyTorch's FSDP2-based
     `replicate`: the same per-block units as apply_fsdp, gradients all-reduced over the batch view,
     nothing sharded."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     mp_policy = fsdp_mp_policy(precision)
-    for block in model.layers:
+    for block in model.blocks():
         replicate(block, mesh=mesh.batch, mp_policy=mp_policy)
     replicate(model, mesh=mesh.batch, mp_policy=mp_policy)
 
@@ -82,13 +83,15 @@ def uses_fsdp(p: ParallelConfig, dims: ParallelDims) -> bool:
 
 
 def uses_ddp(p: ParallelConfig, dims: ParallelDims) -> bool:
-    """DistributedDataParallel: data parallel without FSDP, on plain (non-TP) parameters."""
-    return dims.dp > 1 and not uses_fsdp(p, dims) and dims.tp == 1
+    """DistributedDataParallel: data parallel without FSDP, on plain parameters of a whole model."""
+    return dims.dp > 1 and not uses_fsdp(p, dims) and dims.tp == 1 and dims.pp == 1
 
 
 def uses_replicate(p: ParallelConfig, dims: ParallelDims) -> bool:
-    """FSDP2-based replicate: the DDP of TP layouts (see apply_replicate)."""
-    return dims.dp > 1 and not uses_fsdp(p, dims) and dims.tp > 1
+    """FSDP2-based replicate: the DDP of TP and PP layouts (see apply_replicate). For PP it is chosen
+    even without TP because the pipeline schedule drives FSDP2-family modules' gradient reduction
+    itself (one reduction after the last micro-batch), for every stage a rank holds."""
+    return dims.dp > 1 and not uses_fsdp(p, dims) and (dims.tp > 1 or dims.pp > 1)
 
 
 def gradient_sync_each_microbatch(p: ParallelConfig) -> bool:

@@ -7,7 +7,12 @@ EP rewrite modules inside a block and must see the plain modules; activation che
 whole (already tensor-parallel) block so recomputation replays its collectives; compile sees the
 final block; FSDP goes last because it shards whatever parameters (plain or DTensor) the earlier
 steps produced. DDP needs materialized parameters, so it wraps after initialization.
-PP, CP and EP land in later milestones; ParallelDims refuses them before anything is spawned.
+CP and EP land in later milestones; ParallelDims refuses them before anything is spawned.
+
+3-D (PP x data parallel x TP): the pp axis is outermost. Every local stage is a pruned copy of the
+meta model (pipeline.py) and goes through `parallelize` on its own, so FSDP / replicate units end at
+stage boundaries and the pipeline schedule drives their gradient reduction (once per step, after the
+last micro-batch's backward).
 
 2-D (TP x data parallel): one DeviceMesh with tp as its innermost axis, so the TP ranks of a group
 are consecutive (one node on a GPU cluster: TP's per-layer collectives need NVLink bandwidth, while
@@ -15,6 +20,8 @@ FSDP/DDP traffic is per step and overlaps with compute). TP makes every paramete
 tp axis; FSDP then shards those DTensors again over dp_shard (FSDP2's 2-D support).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,6 +31,7 @@ from shardwise.models.common import Transformer
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
 from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.stages import layers_per_stage, stage_ids, stage_layers
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 
 # Module-name segments that wrappers insert; parameter identities (init seeds, checkpoint keys)
@@ -37,11 +45,11 @@ def canonical_fqn(name: str) -> str:
 
 def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> None:
     """In place, on the meta model: everything that must happen before parameters exist."""
-    # (PP split: later milestone.)
+    # PP split: done by build_pipeline before this (each stage arrives here as its own model).
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], cfg.model, cfg.parallel.sequence_parallel)
     # (CP, EP: later milestones.)
-    apply_activation_checkpointing(model.layers, cfg.train.recompute, cfg.train.recompute_policy,
+    apply_activation_checkpointing(model, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
     if uses_fsdp(cfg.parallel, dims):
         apply_fsdp(model, mesh, dims, cfg.parallel, cfg.train.precision)
@@ -72,14 +80,68 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
     model.reset_buffers()
 
 
+def _finish(model: nn.Module, dims: ParallelDims, cfg: Config) -> None:
+    if dims.tp > 1 and not (uses_fsdp(cfg.parallel, dims) or uses_replicate(cfg.parallel, dims)):
+        # After materialize: moving the parameters off the meta device drops hooks on them.
+        align_gradients_with_parameters(model)
+
+
 def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Config,
                          device: torch.device) -> nn.Module:
     """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
     parallelize(model, dims, mesh, cfg)
     materialize(model, device, cfg.train.seed)
-    if dims.tp > 1 and not (uses_fsdp(cfg.parallel, dims) or uses_replicate(cfg.parallel, dims)):
-        # After materialize: moving the parameters off the meta device drops hooks on them.
-        align_gradients_with_parameters(model)
+    _finish(model, dims, cfg)
     if uses_ddp(cfg.parallel, dims):
         return apply_ddp(model, mesh, dims)
     return model
+
+
+@dataclass
+class PipelineParts:
+    """This rank's pipeline stages (stage index -> parallelized module) and `model`, one module over
+    all of them with whole-model parameter names (optimizer, checkpoints, memory accounting)."""
+
+    stages: dict[int, nn.Module]
+    model: nn.Module
+    layers: list[list[int]]  # blocks of every stage, stage order
+
+
+def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, pp_rank: int) -> PipelineParts:
+    from shardwise.models import build_model
+
+    p = cfg.parallel
+    with torch.device("meta"):
+        whole = build_model(cfg.model)
+    layers = stage_layers(layers_per_stage(p, cfg.model, cfg.train.seq_len,
+                                           whole.pipeline_costs(cfg.model, cfg.train.seq_len)))
+    last = len(layers) - 1
+    stages: dict[int, nn.Module] = {}
+    for stage in stage_ids(p.pp_schedule, p.pp, p.pp_virtual_stages, pp_rank):
+        with torch.device("meta"):
+            part = build_model(cfg.model)
+        part.keep_only(layers[stage], embedding=stage == 0, head=stage == last)
+        parallelize(part, dims, mesh, cfg)
+        materialize(part, device, cfg.train.seed)
+        _finish(part, dims, cfg)
+        stages[stage] = part
+    model = stages[min(stages)] if len(stages) == 1 else _union(stages, cfg)
+    return PipelineParts(stages, model, layers)
+
+
+def _union(stages: dict[int, nn.Module], cfg: Config) -> nn.Module:
+    """One module holding the submodules of several stages under their whole-model names (built on
+    meta and filled with the stages' own submodules, so no parameter is copied)."""
+    from shardwise.models import build_model
+
+    with torch.device("meta"):
+        union = build_model(cfg.model)
+    ids = sorted(int(name) for part in stages.values() for name, _ in part.named_blocks())
+    union.keep_only(ids, embedding=False, head=False)
+    for part in stages.values():
+        for name, block in part.layers.named_children():
+            setattr(union.layers, name, block)
+        for name, child in part.named_children():  # embeddings, head, buffers-only modules (RoPE)
+            if name != "layers":
+                setattr(union, name, child)
+    return union

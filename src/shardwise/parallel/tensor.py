@@ -84,7 +84,9 @@ def expand_plan(plan: dict[str, str], module: nn.Module) -> dict[str, str]:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: ModelConfig, sequence_parallel: bool) -> None:
     """Parallelize `model` in place over the 1-D `tp_mesh`; every parameter becomes a DTensor on it."""
-    plan = expand_plan(tp_plan(cfg, tp_mesh.size()), model)
+    # A pipeline stage lacks some top-level parts (embedding, head): their entries do not apply.
+    present = {k: v for k, v in tp_plan(cfg, tp_mesh.size()).items() if getattr(model, k.split(".")[0], None) is not None}
+    plan = expand_plan(present, model)
     styles = _styles(sequence_parallel, cfg, tp_mesh.size())
     parallelize_module(model, tp_mesh, {name: styles[style] for name, style in plan.items()})
     # Modules the plan does not name still hold plain parameters; make them replicated DTensors so

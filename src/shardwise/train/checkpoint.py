@@ -60,7 +60,9 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 
 def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+    from shardwise.parallel.zero1 import ZeroOneOptimizer
+
+    return isinstance(optimizer, ZeroOneOptimizer)
 
 
 def _zero1_owned(model: nn.Module, optimizer) -> dict[str, nn.Parameter]:
@@ -165,3 +167,31 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded fp32 weights on CPU (collective: every rank calls it; rank 0 gets the tensors)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def gather_pipeline_state(model: nn.Module, shapes: dict[str, torch.Size], owner: dict[str, int],
+                          pp_group: "dist.ProcessGroup", pp_rank: int, in_rank0_pipeline: bool) -> dict[str, torch.Tensor]:
+    """full_model_state for pipeline layouts: each stage's unsharded weights, sent to the first pipeline
+    rank of the pipeline that holds global rank 0 (collective over every rank; that rank gets them).
+
+    Tensors go point-to-point in a fixed order (names sorted, pipeline rank by rank), receive buffers
+    shaped from the whole model's names (`shapes`, `owner`: name -> pipeline rank), so nothing but
+    tensors crosses processes (no pickled objects)."""
+    local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    if not in_rank0_pipeline:
+        return {}
+    device = next(iter(local.values())).device if local else torch.device("cpu")
+    names = sorted(shapes)
+    if pp_rank != 0:
+        for name in names:
+            if owner[name] == pp_rank:
+                dist.send(local[name].to(device).contiguous(), group=pp_group, group_dst=0)
+        return {}
+    out = {name: t.cpu() for name, t in local.items()}
+    for r in sorted(set(owner.values()) - {0}):
+        for name in names:
+            if owner[name] == r:
+                buf = torch.empty(shapes[name], dtype=torch.float32, device=device)
+                dist.recv(buf, group=pp_group, group_src=r)
+                out[name] = buf.cpu()
+    return out

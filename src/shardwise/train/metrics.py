@@ -92,7 +92,7 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor in the optimizer state this rank holds. ZeroRedundancyOptimizer keeps its
+    """Every tensor in the optimizer state this rank holds. ZeroOneOptimizer keeps its
     local shard's state in the wrapped `optimizer.optim.state` (ZeRO-1, arXiv 1910.02054)."""
     inner = getattr(optimizer, "optim", None)
     state = inner.state if isinstance(inner, torch.optim.Optimizer) else optimizer.state

@@ -21,13 +21,9 @@ def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None) -> torch
     kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
     groups = param_groups(model, t.weight_decay)
     if zero1_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from shardwise.parallel.zero1 import ZeroOneOptimizer
 
-        # ZeroRedundancyOptimizer takes the first group positionally and the rest via add_param_group.
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      process_group=zero1_group, weight_decay=groups[0]["weight_decay"], **kwargs)
-        opt.add_param_group(groups[1])
-        return opt
+        return ZeroOneOptimizer(groups, torch.optim.AdamW, zero1_group, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 
@@ -49,14 +45,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.o
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
     """Global L2 norm over all gradients, then clip. With FSDP2 the norm of DTensor shards is a
     partial sum over the shard axis; `full_tensor()` reduces it over exactly the ranks that hold
-    different shards (and not over replicas), so every layout computes the same global norm."""
+    different shards (and not over replicas), so every layout computes the same global norm.
+    Pipeline stages hold disjoint parameters: their squared norms add up over `pp_group`."""
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        squared = total.float() ** 2
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total, foreach=True)
     return total

@@ -30,12 +30,14 @@ from shardwise.parallel.data import (
     uses_replicate,
     zero1_group,
 )
-from shardwise.parallel.parallelize import build_parallel_model
+from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
+from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
+from shardwise.parallel.stages import stage_of_parameter, stage_rank
 from shardwise.parallel.tensor import local_value
 from shardwise.parallel.precision import DynamicLossScaler, autocast
 from shardwise.plan.hardware import device_peak_flops
 from shardwise.preflight import check, check_batch
-from shardwise.train.checkpoint import CheckpointManager, full_model_state
+from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
 from shardwise.train.metrics import (
     ActivationMeter,
@@ -93,7 +95,11 @@ class Trainer:
             model = build_model(cfg.model)
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
-        self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
+        self.pipeline: PipelineRun | None = None
+        if self.dims.pp > 1:
+            self.model = self._build_pipeline()
+        else:
+            self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
         self.inner = unwrap(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         zero1 = zero1_group(self.mesh, self.dims) if cfg.parallel.zero == 1 else None
@@ -103,6 +109,8 @@ class Trainer:
         self.world_group = dist.group.WORLD if distributed else None
         self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len
         self.step = 0
+        self.record_pipeline = False
+        self.pipeline_timeline = None
         self.activation_bytes = 0
         self.group_axes = axis_names(self.mesh) if distributed else {}
         self.comm_bytes: dict[str, dict[str, int]] | None = None
@@ -110,6 +118,24 @@ class Trainer:
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep)
         if cfg.checkpoint.resume:
             self._maybe_resume()
+
+    def _build_pipeline(self) -> torch.nn.Module:
+        cfg, dims, t = self.cfg, self.dims, self.cfg.train
+        parts = build_pipeline(dims, self.mesh, cfg, self.device, dims.coordinates(self.rank)["pp"])
+        self.pipeline_layers = parts.layers
+        seq = t.seq_len // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else t.seq_len
+        low = uses_fsdp(cfg.parallel, dims) or uses_replicate(cfg.parallel, dims)
+        vocab = -(-cfg.model.vocab_size // dims.tp)  # the loss reads the real (DTensor) logits; shape only
+        io = {"tokens": ((t.micro_batch, t.seq_len), torch.int64),
+              "hidden": ((t.micro_batch, seq, cfg.model.dim), boundary_dtype(t.precision, low)),
+              "logits": ((t.micro_batch, t.seq_len, vocab), torch.float32)}
+        self.pipeline = PipelineRun(parts.stages, len(parts.layers), cfg.parallel.pp_schedule, self.accumulation,
+                                    self._pipeline_loss, self.mesh["pp"].get_group(), self.device, io, t.precision)
+        return parts.model
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / self.tokens_per_rank_step
+        return self.scaler.scale_loss(loss)
 
     # ---- one optimizer step ----
     def _sync_context(self, last_microbatch: bool):
@@ -147,6 +173,8 @@ class Trainer:
         if measure_memory:
             self.last_memory = self.memory_per_rank()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:  # only the last stage has the loss
+            dist.all_reduce(loss_sum, group=self.mesh["pp"].get_group())
         if self.batch_group is not None:  # the logged loss only; not part of training traffic
             dist.all_reduce(loss_sum, group=self.batch_group)
             loss_sum /= self.dims.dp
@@ -158,7 +186,9 @@ class Trainer:
         t = self.cfg.train
         micro = self.batches.local_micro_batches(self.step, self.batch_rank, self.dims.dp, t.micro_batch)
         loss_sum = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro):
+        if self.pipeline is not None:
+            loss_sum = self._pipeline_forward_backward(micro)
+        for i, batch in enumerate(micro if self.pipeline is None else []):
             inputs, targets = (x.to(self.device, non_blocking=True) for x in split_inputs_targets(batch))
             last = i == len(micro) - 1
             with self._sync_context(last), self._loss_context():
@@ -172,13 +202,32 @@ class Trainer:
             # With loss parallel the loss is a replicated DTensor: every tp rank holds the value.
             loss_sum += local_value(loss.detach())
         found_inf = self.scaler.unscale_((p.grad for p in self.params if p.grad is not None), self.world_group)
-        grad_norm = clip_grad_norm(self.params, t.grad_clip)
+        grad_norm = clip_grad_norm(self.params, t.grad_clip, self.mesh["pp"].get_group() if self.pipeline else None)
         lr = self.scheduler.get_last_lr()[0]
         if not found_inf:
             self.optimizer.step()
         self.scaler.update(found_inf)
         self.scheduler.step()
         return loss_sum, grad_norm, lr, found_inf
+
+    def _pipeline_forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
+        """All micro-batches through the pipeline schedule; returns this rank's loss sum (non-zero
+        only where the last stage runs). On recorded steps every stage's actions are timed."""
+        pairs = [split_inputs_targets(batch) for batch in micro]
+        inputs = torch.cat([i for i, _ in pairs]).to(self.device)
+        targets = torch.cat([t for _, t in pairs]).to(self.device)
+        record = self.record_pipeline
+        if record:
+            dist.barrier()  # a common start: the step's timeline is measured from here on every rank
+        start = time.perf_counter()
+        with self._loss_context():
+            losses, actions = self.pipeline.step(inputs, targets, record)
+        if record:
+            self.pipeline_timeline = (start, time.perf_counter(), actions)
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += local_value(loss.detach()) / self.scaler.scale
+        return total
 
     # ---- the loop ----
     def train(self) -> list[float]:
@@ -277,7 +326,18 @@ class Trainer:
         self.log(f"checkpoint: resumed from {path} at step {self.step}")
 
     def save_full_model(self, path: Path) -> None:
-        state = full_model_state(self.model)
+        state = self._gather_pipeline_model() if self.pipeline is not None else full_model_state(self.model)
         if self.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, path)
+
+    def _gather_pipeline_model(self) -> dict[str, torch.Tensor]:
+        p = self.cfg.parallel
+        with torch.device("meta"):
+            whole = build_model(self.cfg.model)
+        shapes = {name: param.shape for name, param in whole.named_parameters()}
+        owner = {name: stage_rank(p.pp_schedule, p.pp, p.pp_virtual_stages, stage_of_parameter(name, self.pipeline_layers))
+                 for name in shapes}
+        coords = self.dims.coordinates(self.rank)
+        in_rank0_pipeline = all(v == 0 for axis, v in coords.items() if axis != "pp")
+        return gather_pipeline_state(self.model, shapes, owner, self.mesh["pp"].get_group(), coords["pp"], in_rank0_pipeline)
