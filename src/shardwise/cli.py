@@ -1,4 +1,4 @@
-"""`shardwise train | parity | config | plan` — the command line.
+"""`shardwise train | parity | config | plan | pipeline-chart` — the command line.
 
 Every input error surfaces here as a ConfigError before any process is spawned: printed without a
 traceback, exit code 2.
@@ -24,6 +24,8 @@ commands:
            search   --config FILE.toml [--top 10] [--json] [--emit best.toml] [--plot out.png]
                     [--allow-cross-node-tp] [--allow-uneven-pp] [--assume-mfu X] [--section.key=value ...]
            predict memory, step time, MFU and days of a layout on [cluster] (no GPU needed), or search for the best
+  pipeline-chart RUN_DIR [--out chart.png]
+           draw the measured pipeline schedule of a PP run (per-stage Gantt chart) with its bubble
 """
 
 
@@ -162,13 +164,30 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+def _pipeline_chart(argv: list[str]) -> int:
+    from shardwise.train.pipeline_chart import CHART_FILE, describe, draw_chart, load_timeline
+
+    parser = argparse.ArgumentParser(prog="shardwise pipeline-chart")
+    parser.add_argument("run_dir", help="run directory of a pipeline-parallel run (holds pipeline_timeline.json)")
+    parser.add_argument("--out", default=None, help=f"PNG to write (default: RUN_DIR/{CHART_FILE})")
+    args = parser.parse_args(argv)
+    timeline = load_timeline(Path(args.run_dir))
+    out = Path(args.out) if args.out else Path(args.run_dir) / CHART_FILE
+    draw_chart(timeline, out)
+    print(describe(timeline))
+    for r in timeline["ranks"]:
+        print(f"  pp rank {r['pp_rank']}: busy {r['busy_s'] * 1e3:.1f} ms of {timeline['span_s'] * 1e3:.1f} ms, idle {r['bubble']:.1%}")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    commands = {"train": _train, "config": _config, "plan": _plan}
+    commands = {"train": _train, "config": _config, "plan": _plan, "pipeline-chart": _pipeline_chart}
     from shardwise.parity import parity_main
 
     commands["parity"] = parity_main

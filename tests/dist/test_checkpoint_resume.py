@@ -21,10 +21,16 @@ SAME_LAYOUT = {
         "zero1_dp2": {"parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2},
         "zero2_dp2": {"parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 4},
         "zero3_dp2_accum2": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 2},
-        "tp2_accum2": {"parallel.tp": 2, "train.micro_batch": 4}},
+        "tp2_accum2": {"parallel.tp": 2, "train.micro_batch": 4},
+        # pipeline: one stage per rank of the 2-block tiny model; V-shaped zero bubble on 4 blocks
+        "pp2_1f1b": {"parallel.pp": 2, "train.micro_batch": 2},
+        "pp2_zbv": {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2,
+                    "model.n_layers": 4, "train.micro_batch": 2}},
     4: {"tp2_zero3_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
         "tp2_ddp2_nosp": {"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.sequence_parallel": "false",
-                          "train.micro_batch": 4}},
+                          "train.micro_batch": 4},
+        "pp2_tp2": {"parallel.pp": 2, "parallel.tp": 2, "train.micro_batch": 2},
+        "pp2_zero1_dp2": {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2}},
 }
 
 
@@ -83,6 +89,9 @@ def results(base_overrides, tmp_path_factory):
                                                                single_ckpt, root / "x3"))
         # DCP reshards onto tensor-parallel shards too
         res["single->tp2"] = (None, _resume_other_layout(base_overrides, {"parallel.tp": 2}, single_ckpt, root / "x4"))
+        # ... and onto pipeline stages (each stage loads its own parameters by name)
+        res["single->pp2"] = (None, _resume_other_layout(base_overrides, {"parallel.pp": 2, "train.micro_batch": 2},
+                                                         single_ckpt, root / "x5"))
         return res
 
     def four(rank: int) -> dict:
@@ -103,7 +112,8 @@ def test_resume_same_layout_is_bitwise(results, name):
     assert resumed == straight[CUT:], f"{name}: resumed losses differ from an uninterrupted run"
 
 
-@pytest.mark.parametrize("name", ["zero3_dp2->single", "single->zero3_dp2", "single->zero1_dp2", "single->tp2"])
+@pytest.mark.parametrize("name", ["zero3_dp2->single", "single->zero3_dp2", "single->zero1_dp2", "single->tp2",
+                                  "single->pp2"])
 def test_resume_on_another_layout(results, name):
     """Resharding changes reduction order only: same tolerance as the parity contract."""
     reference = results["single"][0][CUT:]

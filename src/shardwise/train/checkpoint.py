@@ -32,6 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
 from shardwise.parallel.parallelize import canonical_fqn
 
 MARKER = "COMPLETE"
+# Optimizer state keyed by parameter name throughout ("param_groups.<fqn>.lr", not "param_groups.0"):
+# pipeline stages hold different parameters in their param group 0, and positional keys would make
+# the stages overwrite each other's groups in the checkpoint.
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _dcp(fn, state: dict, path: Path) -> None:
@@ -93,7 +97,7 @@ def _load_zero1_state(model: nn.Module, optimizer, loaded: dict) -> None:
 def _app_state(model: nn.Module, optimizer: torch.optim.Optimizer, for_load: bool) -> dict:
     if is_zero1(optimizer):
         return {"model": get_model_state_dict(model), "optim": _zero1_state(model, optimizer, allocate=for_load)}
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=FLAT_OPTIM)}
 
 
 class CheckpointManager:
@@ -144,7 +148,7 @@ class CheckpointManager:
         if is_zero1(optimizer):
             _load_zero1_state(model, optimizer, state["optim"])
         else:
-            set_optimizer_state_dict(model, optimizer, state["optim"])
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=FLAT_OPTIM)
         rng_file = path / "rng" / f"rank_{_rank()}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=True))

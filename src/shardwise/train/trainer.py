@@ -38,6 +38,7 @@ from shardwise.parallel.precision import DynamicLossScaler, autocast
 from shardwise.plan.hardware import device_peak_flops
 from shardwise.preflight import check, check_batch
 from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state
+from shardwise.train.pipeline_chart import CHART_FILE, describe, gather_timeline, summarize, write_timeline
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
 from shardwise.train.metrics import (
     ActivationMeter,
@@ -111,6 +112,7 @@ class Trainer:
         self.step = 0
         self.record_pipeline = False
         self.pipeline_timeline = None
+        self.last_timeline: dict | None = None
         self.activation_bytes = 0
         self.group_axes = axis_names(self.mesh) if distributed else {}
         self.comm_bytes: dict[str, dict[str, int]] | None = None
@@ -229,6 +231,16 @@ class Trainer:
             total += local_value(loss.detach()) / self.scaler.scale
         return total
 
+    def _pipeline_timeline(self) -> dict | None:
+        """The recorded step's actions from every rank (collective); the summary on rank 0."""
+        start, end, actions = self.pipeline_timeline
+        p = self.cfg.parallel
+        ranks = gather_timeline(start, end, actions, self.rank, self.dims.world_size,
+                                self.dims.coordinates(self.rank), self.device)
+        if ranks is None:
+            return None
+        return summarize(ranks, p.pp_schedule, p.pp, len(self.pipeline_layers) // p.pp, self.accumulation, self.step)
+
     # ---- the loop ----
     def train(self) -> list[float]:
         t = self.cfg.train
@@ -250,7 +262,9 @@ class Trainer:
             while self.step < t.steps:
                 logging_step = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
                 first = self.comm_bytes is None
+                self.record_pipeline = self.pipeline is not None and logging_step
                 r = self.train_step(measure_memory=logging_step)
+                timeline = self._pipeline_timeline() if self.record_pipeline else None
                 if first and not self.quiet and self.comm_bytes:
                     metrics.print(f"communication per step on rank 0 (payload bytes): {describe_comm(self.comm_bytes)}")
                 losses.append(r.loss)
@@ -266,9 +280,17 @@ class Trainer:
                     record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in self.comm_bytes.items()})
                     record["comm_bytes_per_step"] = self.comm_bytes
                     record["memory_per_rank_bytes"] = self.last_memory
+                    if timeline is not None:
+                        record["pp_bubble_measured"] = timeline["bubble_measured"]
+                        record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
+                        self.last_timeline = timeline
                     metrics.log(self.step, record)
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
                     self.save_checkpoint()
+            if writer and self.last_timeline is not None:
+                path = write_timeline(self.run_dir, self.last_timeline)
+                if not self.quiet:
+                    metrics.print(f"pipeline schedule: {describe(self.last_timeline)}; chart {path.parent / CHART_FILE}")
             if self.cfg.checkpoint.final and self.checkpoints_enabled():
                 self.save_checkpoint()
             if self.cfg.run.save_final_model:

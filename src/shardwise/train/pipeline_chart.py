@@ -1,0 +1,133 @@
+"""The measured pipeline schedule: gather every rank's timed actions of one step, compute the bubble,
+draw it as a Gantt chart (one row per pipeline rank), and read it back for `shardwise pipeline-chart`.
+
+Measured bubble = 1 - mean over the pipeline's ranks of (busy time / step span), where busy time is
+the sum of the rank's forward / backward actions and the span runs from a barrier all ranks pass
+just before the step to the last rank's end of it. Theoretical, for equal stages with backward = 2 x
+forward: GPipe and 1F1B (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al. 2021 §2.2), interleaved
+1F1B with v stages per rank (p-1)/(v·m+p-1) (Narayanan et al. 2021 §2.2.2: the bubble divided by v),
+zero bubble ZB-H1 with F = B = W (p-1)/(3·v·m+p-1) (Qi et al. 2023, arXiv 2401.10241 §3).
+ZBV and DualPipeV have no closed form of this kind (their bubble depends on the F/B/W ratio).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.parallel.pipeline import Action
+
+TIMELINE_FILE = "pipeline_timeline.json"
+CHART_FILE = "pipeline_chart.png"
+KINDS = "FBIW"
+KIND_NAMES = {"F": "forward", "B": "backward (input + weight)", "I": "backward-input", "W": "backward-weight"}
+COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
+
+
+def theoretical_bubble(schedule: str, p: int, v: int, m: int) -> float | None:
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * v * m + p - 1)
+    return None
+
+
+def gather_timeline(start: float, end: float, actions: list[Action], rank: int, world: int,
+                    coords: dict[str, int], device: torch.device) -> list[dict] | None:
+    """Every rank's actions of one step on rank 0 (None elsewhere), times relative to `start` (the
+    barrier). Tensors only: counts first, then a padded (n, 5) float64 table per rank."""
+    rows = torch.tensor([[KINDS.index(a.kind), a.stage, a.microbatch, a.start - start, a.end - start] for a in actions]
+                        or torch.zeros(0, 5).tolist(), dtype=torch.float64, device=device).reshape(-1, 5)
+    head = torch.tensor([rows.shape[0], end - start, coords["pp"], *(coords[a] for a in sorted(coords))],
+                        dtype=torch.float64, device=device)
+    heads = [torch.zeros_like(head) for _ in range(world)]
+    dist.all_gather(heads, head)
+    longest = int(max(h[0].item() for h in heads))
+    padded = torch.zeros(longest, 5, dtype=torch.float64, device=device)
+    padded[: rows.shape[0]] = rows
+    tables = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(tables, padded)
+    if rank != 0:
+        return None
+    out = []
+    for r, (h, table) in enumerate(zip(heads, tables)):
+        other = [float(x) for x in h[3:]]
+        out.append({"rank": r, "pp_rank": int(h[2]), "step_s": float(h[1]),
+                    "in_rank0_pipeline": all(other[i] == 0 for i, axis in enumerate(sorted(coords)) if axis != "pp"),
+                    "actions": [[KINDS[int(k)], int(s), int(mb), float(t0), float(t1)]
+                                for k, s, mb, t0, t1 in table[: int(h[0])].tolist()]})
+    return out
+
+
+def summarize(ranks: list[dict], schedule: str, p: int, v: int, m: int, step: int) -> dict:
+    """The timeline record written to the run directory: rank 0's pipeline, bubble measured and theoretical."""
+    pipeline = sorted((r for r in ranks if r["in_rank0_pipeline"]), key=lambda r: r["pp_rank"])
+    span = max(r["step_s"] for r in pipeline)
+    for r in pipeline:
+        r["busy_s"] = sum(t1 - t0 for _, _, _, t0, t1 in r["actions"])
+        r["bubble"] = 1 - r["busy_s"] / span
+    measured = 1 - sum(r["busy_s"] for r in pipeline) / (len(pipeline) * span)
+    return {"schedule": schedule, "pp": p, "virtual_stages": v, "microbatches": m, "step": step, "span_s": span,
+            "bubble_measured": measured, "bubble_theoretical": theoretical_bubble(schedule, p, v, m), "ranks": pipeline}
+
+
+def write_timeline(run_dir: Path, timeline: dict) -> Path:
+    path = run_dir / TIMELINE_FILE
+    path.write_text(json.dumps(timeline, indent=1))
+    draw_chart(timeline, run_dir / CHART_FILE)
+    return path
+
+
+def load_timeline(run_dir: Path) -> dict:
+    from shardwise.errors import ConfigError
+
+    path = Path(run_dir) / TIMELINE_FILE
+    if not path.is_file():
+        raise ConfigError("RUN_DIR", f"{path} not found: only pipeline-parallel runs (parallel.pp > 1) record a schedule",
+                          "pass the run.dir of a run trained with --parallel.pp=2 or more")
+    return json.loads(path.read_text())
+
+
+def describe(timeline: dict) -> str:
+    theory = timeline["bubble_theoretical"]
+    theory_text = f"{theory:.1%}" if theory is not None else "no closed form"
+    return (f"{timeline['schedule']} pp={timeline['pp']} v={timeline['virtual_stages']} m={timeline['microbatches']} "
+            f"(step {timeline['step']}): bubble measured {timeline['bubble_measured']:.1%}, theoretical {theory_text}")
+
+
+def draw_chart(timeline: dict, path: Path) -> None:
+    """Gantt chart, one row per pipeline rank: forward, backward(-input), backward-weight; gaps are idle.
+    Each bar is labelled with its micro-batch (and stage, when a rank runs several). matplotlib Agg."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    ranks = timeline["ranks"]
+    span = timeline["span_s"]
+    fig = Figure(figsize=(max(8.0, 0.35 * len(ranks[0]["actions"]) + 4), 1.0 + 0.6 * len(ranks)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    several = timeline["virtual_stages"] > 1
+    used = set()
+    for row, r in enumerate(ranks):
+        y = len(ranks) - 1 - row
+        ax.barh(y, span, left=0, height=0.8, color="#EEEEEE")  # idle unless covered
+        for kind, stage, mb, t0, t1 in r["actions"]:
+            used.add(kind)
+            ax.barh(y, t1 - t0, left=t0, height=0.8, color=COLORS[kind], edgecolor="white", linewidth=0.5)
+            label = f"{mb}" + (f"/s{stage}" if several else "")
+            ax.text((t0 + t1) / 2, y, label, ha="center", va="center", fontsize=6, color="white", clip_on=True)
+        ax.text(span * 1.005, y, f"idle {r['bubble']:.0%}", va="center", fontsize=7)
+    ax.set_yticks(range(len(ranks)), [f"pp rank {r['pp_rank']}" for r in reversed(ranks)])
+    ax.set_xlim(0, span * 1.08)
+    ax.set_xlabel("seconds since the step's barrier")
+    ax.set_title(describe(timeline), fontsize=9)
+    handles = [Patch(color=COLORS[k], label=KIND_NAMES[k]) for k in KINDS if k in used]
+    handles.append(Patch(color="#EEEEEE", label="idle"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
