@@ -12,6 +12,8 @@ AdamW steps may differ by a few ulps of the update size lr; max |dparam| <= 1e-4
 """
 from __future__ import annotations
 
+import re
+
 import argparse
 import json
 import sys
@@ -50,7 +52,9 @@ def parse_layout(text: str) -> list[tuple[str, str]]:
     """'dp_shard=2,zero=3' -> [('parallel.dp_shard', '2'), ('parallel.zero', '3')]; keys with a
     section ('train.micro_batch=1') are taken as written."""
     out = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    # Commas inside brackets belong to a list value: pp_layers_per_stage=[1,3].
+    items = re.split(r",(?![^\[]*\])", text)
+    for item in filter(None, (s.strip() for s in items)):
         if "=" not in item:
             raise ConfigError("--layout", f"{item!r} in {text!r} is not key=value", "write e.g. --layout dp_shard=2,zero=3")
         key, value = item.split("=", 1)

@@ -22,7 +22,12 @@ class Layout:
 
 REFERENCES = {"llama": {}, "gpt": {"model.preset": "tiny-gpt", "model.vocab_size": 512},
               # a vocabulary no TP size here divides (509 is prime): the Megatron padding case
-              "llama_v509": {"model.vocab_size": 509}}
+              "llama_v509": {"model.vocab_size": 509},
+              # 8 blocks: enough for pp4 x 2 virtual stages. lr 1e-3: at the suite's 3e-3 this deeper model
+              # has a loss spike (grad norm 13 at step 7) that amplifies fp32 rounding ~100x, so TP alone
+              # (tp2 x ZeRO-2, no PP) drifts to 6e-6 by step 8 and the 1e-5 bound would measure the
+              # spike, not the layout; at 1e-3 TP and PP x TP stay at 2e-7 over 20 steps.
+              "llama_l8": {"model.n_layers": 8, "train.lr": "1e-3"}}
 
 DP_FAMILY = [
     # world size 1: gradient accumulation alone
@@ -86,4 +91,48 @@ TP_FAMILY = [
                                     "train.micro_batch": 4}, reference="gpt"),
 ]
 
-MATRIX = DP_FAMILY + TP_FAMILY
+
+def _pp(name: str, world: int, micro: int, schedule: str, v: int = 1, **more) -> Layout:
+    overrides = {"model.n_layers": 8, "train.lr": "1e-3", "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": v,
+                 "train.micro_batch": micro, **more}
+    return Layout(name, world, overrides, reference="llama_l8")
+
+
+# Every schedule at pp2 and pp4 (8 blocks; micro-batch 2 -> 4 micro-batches at pp2, 1 -> 8 at pp4),
+# uneven explicit and cost-balanced splits, and PP composed with TP / ZeRO / DDP up to 3-D on 8 ranks.
+PP_FAMILY = [
+    # world size 2
+    _pp("pp2_gpipe", 2, 2, "gpipe", **{"parallel.pp": 2}),
+    _pp("pp2_1f1b", 2, 2, "1f1b", **{"parallel.pp": 2}),
+    _pp("pp2_interleaved_v2", 2, 2, "interleaved_1f1b", 2, **{"parallel.pp": 2}),
+    _pp("pp2_zero_bubble", 2, 2, "zero_bubble", **{"parallel.pp": 2}),
+    _pp("pp2_zero_bubble_v2", 2, 2, "zero_bubble", 2, **{"parallel.pp": 2}),
+    _pp("pp2_zbv", 2, 2, "zbv", 2, **{"parallel.pp": 2}),
+    _pp("pp2_dualpipev", 2, 2, "dualpipev", 2, **{"parallel.pp": 2}),
+    _pp("pp2_explicit_1_7", 2, 2, "1f1b", **{"parallel.pp": 2, "parallel.pp_layers_per_stage": [1, 7]}),
+    _pp("pp2_balanced_speeds_1_3", 2, 2, "1f1b", **{"parallel.pp": 2, "parallel.pp_split": "balanced",
+                                                   "parallel.pp_stage_speeds": [1.0, 3.0]}),
+    # world size 4
+    _pp("pp4_gpipe", 4, 1, "gpipe", **{"parallel.pp": 4}),
+    _pp("pp4_1f1b", 4, 1, "1f1b", **{"parallel.pp": 4}),
+    _pp("pp4_interleaved_v2", 4, 1, "interleaved_1f1b", 2, **{"parallel.pp": 4}),
+    _pp("pp4_zero_bubble_v2", 4, 1, "zero_bubble", 2, **{"parallel.pp": 4}),
+    _pp("pp4_zbv", 4, 1, "zbv", 2, **{"parallel.pp": 4}),
+    _pp("pp4_dualpipev", 4, 1, "dualpipev", 2, **{"parallel.pp": 4}),
+    _pp("pp4_balanced_v2", 4, 1, "interleaved_1f1b", 2, **{"parallel.pp": 4, "parallel.pp_split": "balanced"}),
+    _pp("pp2_tp2", 4, 2, "1f1b", **{"parallel.pp": 2, "parallel.tp": 2}),
+    _pp("pp2_tp2_nosp_interleaved", 4, 2, "interleaved_1f1b", 2,
+        **{"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": False}),
+    _pp("pp2_ddp2", 4, 1, "1f1b", **{"parallel.pp": 2, "parallel.dp_replicate": 2}),
+    _pp("pp2_zero1_dp2", 4, 1, "1f1b", **{"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1}),
+    _pp("pp2_zero3_dp2_interleaved", 4, 1, "interleaved_1f1b", 2,
+        **{"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 3}),
+    _pp("pp2_zero2_dp2_zbv", 4, 1, "zbv", 2, **{"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 2}),
+    # world size 8: 3-D
+    _pp("pp2_tp2_zero1_dp2", 8, 1, "1f1b", **{"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2,
+                                              "parallel.zero": 1}),
+    _pp("pp2_tp2_zero3_dp2_interleaved", 8, 1, "interleaved_1f1b", 2,
+        **{"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3}),
+]
+
+MATRIX = DP_FAMILY + TP_FAMILY + PP_FAMILY

@@ -1,9 +1,10 @@
-"""Every layout of the matrix (data parallel, tensor parallel, 2-D) trains like one process
+"""Every layout of the matrix (data parallel, tensor parallel, pipeline, up to 3-D) trains like one process
 (DESIGN §3): losses and final weights.
 
 Tolerance, fp32: relative |dloss| <= 1e-5 per step over 20 steps. Layouts sum the same per-token
 losses and gradients in another order (sharded reduce-scatter, bucketed all-reduce, accumulation),
-and TP splits GEMM reductions and the softmax over ranks, so they agree to fp32 rounding (~1e-7
+and TP splits GEMM reductions and the softmax over ranks (PP only runs the micro-batches of an
+accumulation through stages, in the same order), so they agree to fp32 rounding (~1e-7
 relative), not bitwise; 1e-5 leaves ~100x margin and still
 catches real bugs (a mis-scaled loss or a dropped shard changes the loss by >= 1e-3).
 Final weights: max |dparam| <= 1e-4 (same reasoning, through 20 AdamW updates of size ~lr=3e-3).
@@ -30,7 +31,7 @@ def runs(base_overrides, tmp_path_factory) -> dict[str, Path]:
     run in a world of one, so the pytest process itself never trains (fork safety)."""
     root = tmp_path_factory.mktemp("parity")
     refs = [Layout(f"ref_{name}", 1, extra) for name, extra in REFERENCES.items()]
-    for world in (1, 2, 4):
+    for world in (1, 2, 4, 8):
         layouts = [l for l in MATRIX + refs if l.world_size == world]
 
         def work(rank: int, layouts=layouts) -> None:
