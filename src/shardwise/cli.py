@@ -66,8 +66,8 @@ def _config(argv: list[str]) -> int:
 
 
 def _trainer_refusal(cfg: Config, world: int) -> str | None:
-    """Why `shardwise train` would refuse this layout today (axes not trained yet, zero=1 with tp),
-    or None: the planner also plans layouts later versions will train."""
+    """Why `shardwise train` would refuse this layout today (an axis not trained yet: cp, ep), or None:
+    the planner also plans layouts later versions will train."""
     from shardwise.preflight import check_batch, check_parallel
 
     try:

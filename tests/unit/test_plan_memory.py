@@ -97,6 +97,21 @@ def test_zero1_greedy_partition_by_hand():
     assert _zero1_most_loaded((10, 10, 1), (), 2) == 8 * 11 + 4 * 2
 
 
+def test_zero1_with_tp_partitions_the_local_shards():
+    """zero=1 with tp=2 (trained since parallel/zero1.py): the partition runs over TP-local sizes.
+    tiny, tp2 (n_kv 2 = tp: KV heads split): decay group local sizes 16384 (embedding rows), 16384 (head
+    rows), 6 x 6144 (w1, w3 rows; w2 columns), 4 x 2048 (wq rows, wo columns), 4 x 1024 (wk, wv) -> each
+    of the 2 dp_shard ranks 16384 + 3 x 6144 + 2 x 2048 + 2 x 1024 = 40960; the 5 replicated norm gains
+    of 64 go to ranks 0, 1, 0, 1, 0 -> rank 0: 41152 elements in 11 tensors = 8 x 41152 + 4 x 11 =
+    329,260 bytes, what the trainer's ZeroOneOptimizer holds on its most loaded rank (measured on 4
+    processes). Parameters and gradients stay whole TP shards (4 x 82240 local elements)."""
+    p, lay = tiny("--cluster.num_gpus=4", "--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.zero=1",
+                  "--train.micro_batch=2")
+    m = memory(p, lay)
+    assert m.optimizer == 329_260
+    assert m.params == m.grads == 4 * (16384 * 2 + 2 * (2048 * 2 + 1024 * 2 + 6144 * 3 + 2 * 64) + 64) == 328_960
+
+
 def test_fsdp_pads_dim0_per_parameter():
     """vocab 510 over 4 shards: the embedding and head shards hold ceil(510/4) = 128 rows of 64."""
     p, lay = tiny("--cluster.num_gpus=4", "--parallel.dp_shard=4", "--parallel.zero=3", "--train.micro_batch=2",

@@ -38,6 +38,7 @@ def test_small_search_ranks_feasible_layouts_by_step_time():
     # The search's fast path and the full evaluation agree on the winner's step time.
     assert evaluate(p, r.best.layout).step_time_s == pytest.approx(r.best.step_time_s)
     assert r.pruned["tp > gpus_per_node"] > 0 and r.pruned["memory > capacity (model states)"] >= 0
+    assert not any("zero=1" in reason for reason in r.pruned)  # the trainer runs zero=1 with tp now
     text = "\n".join(why_lost(r, 3))
     assert "pruned" in text and "feasible" in text
 

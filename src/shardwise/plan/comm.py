@@ -11,8 +11,10 @@ all-reduce 2(n-1)/n S).
 
 What this codebase issues (parallel/data.py, train/trainer.py, train/optim.py):
   DDP (zero 0, and zero 1's gradient sync): one all_reduce of every fp32 gradient over the batch group
-    per optimizer step (no_sync on the other micro-batches), in 25 MiB buckets;
-  ZeRO-1: + ZeroRedundancyOptimizer's broadcast of every updated parameter from its owner over dp_shard;
+    per optimizer step (no_sync on the other micro-batches), in 25 MiB buckets — or, for TP / PP layouts,
+    FSDP2's `replicate` (the same bytes, per block unit);
+  ZeRO-1 (parallel/zero1.py, with or without tp): + each owner's broadcast of its updated parameters
+    over dp_shard, one flat buffer per owner: every local (TP-shard) parameter byte once per step;
   FSDP2 (zero 2/3): per micro-batch an all_gather of every unit's parameters (param_dtype; padded to a
     multiple of dp_shard per parameter) in forward, and for ZeRO-3 again of every block in backward
     (the root unit is not resharded after forward); a reduce_scatter of fp32 gradients per micro-batch

@@ -11,10 +11,12 @@ FSDP2 reduce_dtype fp32) and AdamW's exp_avg / exp_avg_sq in fp32 plus a 4-byte 
 tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="shardwise"`, the same
 16 bytes/param, split differently. Its ZeRO levels (parallel/data.py):
   0  DDP: everything replicated; gradients are views of the DDP buckets (gradient_as_bucket_view).
-  1  DDP + ZeroRedundancyOptimizer: whole parameters are assigned to ranks greedily, largest first, to
-     the least-loaded rank (torch ZeroRedundancyOptimizer._partition_parameters), per param group in
-     order (decay group, then norms/biases) — so the most loaded rank is computed exactly, and the
-     partition is per tensor: it cannot split one tensor (e.g. the embedding) across ranks.
+  1  gradients all-reduced as with zero 0 (DDP; FSDP2 `replicate` for TP / PP layouts) + ZeroOneOptimizer
+     (parallel/zero1.py) over dp_shard: whole tensors are assigned to ranks greedily by their LOCAL
+     element count (the TP shard when tp > 1), largest first, to the least-loaded rank, per param
+     group in order (decay group, then norms/biases; ZeroRedundancyOptimizer._partition_parameters'
+     rule) — so the most loaded rank is computed exactly, and the partition is per tensor: it cannot
+     split one tensor (e.g. the embedding) across ranks.
   2  FSDP2 reshard_after_forward=False, 3 FSDP2 reshard_after_forward=True: each parameter's dim 0 is
      padded to a multiple of the shard group and split (FSDP2 FSDPParam); the persistent local shards
      of params, grads (reduce-scatter output) and optimizer state are 1/N each. Transient on top:
@@ -206,8 +208,9 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
 
 @lru_cache(maxsize=4096)
 def _zero1_most_loaded(decay: tuple[int, ...], other: tuple[int, ...], n: int) -> float:
-    """ZeroRedundancyOptimizer's greedy partition (largest tensor first to the least-loaded rank, ties
-    to the lowest rank, per param group with loads carried over); returns the most loaded rank's
+    """ZeroOneOptimizer's greedy partition (parallel/zero1.py `partition`: largest local tensor first to
+    the least-loaded rank, ties to the lowest rank, per param group with loads carried over; the sizes
+    are TP-local, see model_state_bytes); returns the most loaded rank's
     AdamW bytes: 8 per element + 4 per tensor (`step`)."""
     loads = [(0, r, 0) for r in range(n)]  # (elements, rank, tensors)
     heapq.heapify(loads)

@@ -106,11 +106,6 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
                             if (dp_shard * cp) % ep or (ep > 1 and s.moe is None):
                                 pruned["ep"] += variants
                                 continue
-                            if zero == 1 and tp > 1:
-                                # The trainer refuses it (preflight: ZeroRedundancyOptimizer cannot shard
-                                # DTensors); zero=2 shards the same state plus gradients.
-                                pruned["zero=1 with tp (trainer: use zero=2)"] += variants
-                                continue
                             if off and key in fitted:
                                 pruned["dominated: fits without offload"] += variants
                                 continue
