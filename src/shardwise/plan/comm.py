@@ -174,7 +174,7 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     # ---- tensor parallel (activations of one micro-batch; parallel/tensor.py) ----
     tokens = lay.micro_batch * problem.seq_len / lay.cp
     act = problem.compute_bytes
-    res = 2 if regime(problem.precision, lay.fsdp, problem.model_states) == "lowp" else 4  # residual-stream bytes
+    res = 2 if regime(problem.precision, lay.lowp_params, problem.model_states) == "lowp" else 4  # residual-stream bytes
     # Fraction of blocks whose forward is replayed in backward.
     rc_frac = (1.0 / lay.recompute_every if lay.recompute == "selective" and lay.recompute_policy == "layer"
                else 1.0 if lay.recompute == "full" else 0.0)

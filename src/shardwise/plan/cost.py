@@ -135,7 +135,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     hbm = dev.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
     s = problem.shape
     attn_frac = _device_constant(C.ATTENTION_FRACTION, dev.name, C.ATTENTION_FRACTION_DEFAULT)
-    reg = A.regime(problem.precision, lay.fsdp, problem.model_states)
+    reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
     def block_fwd(moe: bool) -> tuple[float, float, float]:
         gemm = sum(c * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem)

@@ -166,6 +166,18 @@ class Layout:
         return self.zero >= 2 and self.dp_shard > 1
 
     @property
+    def replicate(self) -> bool:
+        """Data parallel by FSDP2's `replicate` instead of DDP (parallel/data.py uses_replicate): TP or
+        PP layouts with dp > 1 that do not shard with FSDP (zero 0 and 1)."""
+        return self.dp > 1 and not self.fsdp and (self.tp > 1 or self.pp > 1)
+
+    @property
+    def lowp_params(self) -> bool:
+        """Compute runs on 16-bit parameter copies (FSDP2 MixedPrecisionPolicy param_dtype) rather than
+        under autocast: FSDP (zero 2/3) and `replicate` (activations.regime's "lowp")."""
+        return self.fsdp or self.replicate
+
+    @property
     def shard_group(self) -> int:
         """Ranks that shard model states: dp_shard x cp (CP ranks hold identical weights, so torchtitan
         shards over both; in this codebase cp = 1 so it is dp_shard)."""

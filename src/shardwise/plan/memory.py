@@ -257,7 +257,7 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
 
     Every term is affine in the micro-batch's tokens, so the coefficients are cached per layout
     without its micro-batch size (the search asks for many micro-batch sizes of one layout)."""
-    key = (core.tp, core.sp, core.cp, core.recompute, core.recompute_policy, core.recompute_every, core.fsdp)
+    key = (core.tp, core.sp, core.cp, core.recompute, core.recompute_policy, core.recompute_every, core.lowp_params)
     (b1, e1, rope, w1), (b0, e0, _, w0) = _activation_terms(problem, key, rank)
     tokens = core.micro_batch * problem.seq_len / core.cp
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, rope, w0 + (w1 - w0) * tokens
@@ -271,8 +271,8 @@ def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tu
 
 def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float]:
     shape = problem.shape
-    tp, sp, cp, recompute, policy, every, fsdp = key
-    reg = A.regime(problem.precision, fsdp, problem.model_states)
+    tp, sp, cp, recompute, policy, every, lowp_params = key
+    reg = A.regime(problem.precision, lowp_params, problem.model_states)
 
     def none_block(moe: bool) -> float:
         b = A.block_bytes(shape, reg, tp, sp, moe)
