@@ -11,6 +11,7 @@ from shardwise.plan.memory import (
     inflight_microbatches,
     memory,
     model_state_bytes,
+    pipeline_rank,
     pipeline_ranks,
 )
 from shardwise.plan.shapes import ModelShape, MoESpec
@@ -180,12 +181,43 @@ def test_inflight_microbatches_per_schedule():
     assert inflight_microbatches("1f1b", 1, 32, 1, True) == 1
 
 
-def test_uneven_pipeline_split_and_dualpipev():
+def test_zbv_inflight_follows_torchs_schedule_order():
+    """ZB-V (Qi et al. 2024 §6): the peak of every rank is 1F1B's first rank's, p micro-batches = 2p
+    half-size chunks, once m >= 2p - 1. The closed form min(2p, m + r + 1) chunk-micro-batches is
+    checked against the order torch's ScheduleZBVZeroBubble runs (what the trainer uses): in-flight =
+    forwards run - weight-gradient (W) passes run, at its maximum."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
+
+    class Order(ScheduleZBVZeroBubble):
+        def __init__(self, pp: int, m: int):  # only what _calculate_single_rank_operations reads
+            self.pp_group_size, self._n_microbatches, self.num_stages = pp, m, 2 * pp
+
+    for pp in (2, 3, 4, 8):
+        for m in range(pp, 3 * pp + 1):
+            for r, first in ((0, True), (pp - 1, False)):
+                now = peak = 0
+                for a in Order(pp, m)._calculate_single_rank_operations(r):
+                    if a is not None:
+                        now += {_ComputationType.FORWARD: 1, _ComputationType.BACKWARD_WEIGHT: -1}.get(a.computation_type, 0)
+                        peak = max(peak, now)
+                assert inflight_microbatches("zbv", pp, m, 2, first) == peak / 2, (pp, m, r)
+    assert inflight_microbatches("zbv", 8, 32, 2, True) == inflight_microbatches("1f1b", 8, 32, 1, True) == 8
+    assert inflight_microbatches("zbv", 8, 32, 2, False) == 8  # balanced: the last rank too
+
+
+def test_uneven_pipeline_split_and_v_shapes():
     s = problem("--model.preset=llama3-405b").shape
     first, last = pipeline_ranks(s, 16, 1, "1f1b")           # 126 = 14 x 8 + 2 x 7
     assert (first.layers, last.layers, first.embedding, last.head) == (8, 7, True, True)
-    v_first, _ = pipeline_ranks(s, 4, 2, "dualpipev")
-    assert v_first.embedding and v_first.head                  # the V puts chunk 0 and chunk 2p-1 on rank 0
+    for schedule in ("zbv", "dualpipev"):
+        v_first, v_last = pipeline_ranks(s, 4, 2, schedule)
+        assert v_first.embedding and v_first.head              # the V puts chunk 0 and chunk 2p-1 on rank 0
+        assert not (v_last.embedding or v_last.head)
+        # 126 blocks in 8 chunks (6 x 16 + 2 x 15): rank 0 holds chunks 0 and 7 (16 + 15), rank 1 chunks
+        # 1 and 6 (16 + 15), rank 3 chunks 3 and 4 (16 + 16).
+        assert (v_first.layers, pipeline_rank(s, 4, 2, schedule, 1).layers, v_last.layers) == (31, 31, 32)
+    looped = pipeline_ranks(s, 4, 2, "zero_bubble")[0]        # zero_bubble keeps the looped placement
+    assert looped.embedding and not looped.head
 
 
 def test_zero2_keeps_unsharded_params_and_accumulated_grads():

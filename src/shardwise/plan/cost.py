@@ -20,7 +20,11 @@ Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch on the sl
   gpipe, 1f1b: (p-1)(t_f + t_b) (Narayanan et al. 2021, arXiv 2104.04473 §2.2: fraction (p-1)/m);
   interleaved_1f1b: (p-1)(t_f + t_b)/v (ibid. §2.2.2);
   zero_bubble (ZB-H1, split backward into B and W = t_b/2 each): (p-1)(t_f + t_B - t_W) = (p-1) t_f,
-    divided by v for the interleaved variant (Qi et al. 2023, arXiv 2401.10241 §3);
+    divided by v for the interleaved variant (Qi et al. 2024, arXiv 2401.10241 §2.1, ZB-H1);
+  zbv (ZB-V, Qi et al. 2024, arXiv 2401.10241 §6): two V-placed half-stage chunks per rank, no bubble
+    when a chunk's T_F = T_B = T_W; we charge what is left when they differ, (p-1)(T_F + T_B - 2T_W)
+    with T_F = t_f/2 and T_B = T_W = t_b/4 (ZB-H1's warm-up term with the V's second chunk filling
+    one more W; our assumption, not a formula of the paper), i.e. (p-1) max(0, t_f/2 - t_b/4);
   dualpipev: (p/2 - 1)(F&B + B - 3W) of a half-stage chunk (DeepSeek-V3, arXiv 2412.19437 Table 2).
 """
 from __future__ import annotations
@@ -186,6 +190,8 @@ def _bubble(schedule: str, p: int, v: int, t_f: float, t_b: float) -> float:
         return (p - 1) * (t_f + t_b) / v
     if schedule == "zero_bubble":
         return (p - 1) * t_f / v
+    if schedule == "zbv":
+        return (p - 1) * max(0.0, t_f / 2 - t_b / 4)
     if schedule == "dualpipev":
         return max(0.0, p / 2 - 1) * t_f / 2
     return (p - 1) * (t_f + t_b)

@@ -36,7 +36,7 @@ from functools import lru_cache
 
 from shardwise.plan import activations as A
 from shardwise.plan import constants as C
-from shardwise.plan.layout import Layout, Problem
+from shardwise.plan.layout import V_SHAPED, Layout, Problem
 from shardwise.plan.shapes import ModelShape, ParamSpec
 
 GIB = 2**30
@@ -85,12 +85,19 @@ class RankModel:
         return self.dense_layers + self.moe_layers
 
 
+def owned_chunks(schedule: str, pp: int, chunks: int, r: int) -> list[int]:
+    """The stages (chunks) pipeline rank r runs: r, r + pp, ... (looped / interleaved, Narayanan et al.
+    2021 §2.2), or r and 2pp-1-r for the V-shaped schedules (zbv, dualpipev), which put the embedding
+    and the head both on rank 0 — parallel/stages.py stage_ids."""
+    if schedule in V_SHAPED and chunks == 2:
+        return [r, 2 * pp - 1 - r]
+    return list(range(r, pp * chunks, pp))
+
+
 @lru_cache(maxsize=4096)
-def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
-    """(first rank, last rank) of the pipeline. Layers are cut into pp x chunks contiguous chunks
-    (uneven counts: the first chunks get one more); rank r holds chunks r, r + pp, ... (interleaved,
-    Narayanan et al. 2021 §2.2) — or r and 2pp-1-r for dualpipev's V shape, which puts the embedding
-    and the head both on rank 0."""
+def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int) -> RankModel:
+    """What pipeline rank r holds. Layers are cut into pp x chunks contiguous chunks (uneven counts:
+    the first chunks get one more, parallel/stages.py even_split)."""
     n = pp * chunks
     base, extra = divmod(shape.n_layers, n)
     bounds, start = [], 0
@@ -98,14 +105,16 @@ def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tu
         size = base + (1 if c < extra else 0)
         bounds.append((start, start + size))
         start += size
+    owned = owned_chunks(schedule, pp, chunks, r)
+    moe = sum(shape.is_moe_layer(i) for c in owned for i in range(*bounds[c]))
+    layers = sum(bounds[c][1] - bounds[c][0] for c in owned)
+    return RankModel(layers - moe, moe, 0 in owned, n - 1 in owned)
 
-    def rank(r: int) -> RankModel:
-        owned = [r, 2 * pp - 1 - r] if schedule == "dualpipev" and chunks == 2 else list(range(r, n, pp))
-        moe = sum(shape.is_moe_layer(i) for c in owned for i in range(*bounds[c]))
-        layers = sum(bounds[c][1] - bounds[c][0] for c in owned)
-        return RankModel(layers - moe, moe, 0 in owned, n - 1 in owned)
 
-    return rank(0), rank(pp - 1)
+@lru_cache(maxsize=4096)
+def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
+    """(first rank, last rank) of the pipeline, the two the planner sizes (see `pipeline_rank`)."""
+    return pipeline_rank(shape, pp, chunks, schedule, 0), pipeline_rank(shape, pp, chunks, schedule, pp - 1)
 
 
 def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int) -> tuple[int, ...]:
@@ -231,7 +240,12 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -
     1f1b: rank r holds p - r (PipeDream-Flush / Megatron warm-up, Narayanan et al. 2021 §2.2).
     interleaved_1f1b: rank r holds 2(p-r-1) + (v-1)p + 1 chunk-micro-batches of 1/v of its layers, i.e.
       p + (p-1)/v on rank 0 = Korthikanti et al. §4.2.3's p(1 + (p-1)/(pv)).
-    zero_bubble (ZB-H1): the same peak as 1F1B (Qi et al. 2023, arXiv 2401.10241 §3).
+    zero_bubble (ZB-H1): the same peak as 1F1B (Qi et al. 2024, arXiv 2401.10241 §2.1).
+    zbv (ZB-V, ibid. §6): two V-placed chunks per rank with the same peak as 1F1B's first rank, p
+      micro-batches (2p half-size chunk-micro-batches), on every rank. Counted on the order torch's
+      ScheduleZBVZeroBubble runs (warm-up 2(p-r)-1 chunk-0 forwards, r pairs of chunk-1 / chunk-0
+      forwards, then F-I-W triples; a chunk's activations live until its W): rank r peaks at
+      min(2p, m + r + 1) chunk-micro-batches, i.e. p once m >= 2p - 1.
     dualpipev: p + 1 (DeepSeek-V3, arXiv 2412.19437, Table 2, DualPipe row).
     """
     if pp == 1:
@@ -241,6 +255,8 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -
         return float(m)
     if schedule == "interleaved_1f1b" and v > 1:
         return min(float(m), (2 * (pp - r - 1) + (v - 1) * pp + 1) / v)
+    if schedule == "zbv":
+        return min(float(m), min(2 * pp, m + r + 1) / 2)
     if schedule == "dualpipev":
         return min(float(m), pp + 1.0)
     return float(min(m, pp - r))
