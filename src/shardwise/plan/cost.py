@@ -13,6 +13,8 @@ Overlap rules:
     i overlaps block i-1's backward; per block, exposed = max(0, comm - compute); the first gather and
     last reduce-scatter of each pass are exposed (Zhao et al. 2023, PyTorch FSDP, arXiv 2304.11277 §3.4).
   ZeRO-1's parameter broadcast runs after the optimizer step: exposed.
+  PP: the schedule reduces gradients (DDP-style all-reduce or FSDP reduce-scatter) once, after the
+    last backward of the step (torch.distributed.pipelining's post-backward): exposed.
   TP: exposed (x (1 - TP_OVERLAP_FRACTION)); CP ring: per layer, max(0, K/V transfer - attention
   compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
   and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
@@ -242,6 +244,8 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
             comm["cp"] += exposed
             per_mb_comm += exposed / m
         elif c.unit in ("loss", "grad_norm"):
+            comm["dp"] += t
+        elif c.phase == "grad" and core.pp > 1:  # reduced after the schedule's last backward
             comm["dp"] += t
         elif core.fsdp and c.phase in ("fwd", "bwd", "grad"):
             (fsdp_fwd if c.phase == "fwd" else fsdp_bwd).append(c)

@@ -24,7 +24,10 @@ tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="sh
      ZeRO-3 holds ~2 blocks unsharded (current + prefetched) plus the root unit (embedding, final norm,
      head: not resharded after forward); with accumulation, ZeRO-2 (which syncs only on the last
      micro-batch) keeps unsharded fp32 gradients of the whole stage; else one block's worth exists
-     before its reduce-scatter. CPU offload moves the persistent shards to host memory.
+     before its reduce-scatter. Under a pipeline schedule (pp > 1) ZeRO-2 and ZeRO-3 alike end the
+     step with the whole stage unsharded, parameters and fp32 gradients (the schedule disables
+     resharding after backward and reduce-scatters once, at its end). CPU offload moves the
+     persistent shards to host memory.
 The fp16 loss scaler (parallel/precision.py DynamicLossScaler) keeps Python floats: no device bytes.
 """
 from __future__ import annotations
@@ -330,7 +333,7 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
     """(params, grads, optimizer, other, cpu bytes, detail items) of one rank: everything but the
     stored activations, which scale with the schedule's in-flight micro-batches."""
     key = (core.tp, core.ep, core.zero, core.dp_shard, core.cp, core.fsdp, core.offload, core.accumulation(problem) > 1,
-           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1))
+           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1), core.pp > 1)
     params, grads, opt, other, cpu, items = _states(problem, key, rank)
     if rank.head:
         # Transient at the loss: 16-bit logits + their fp32 copy (or the fp32 logits), vocab-sharded.
@@ -342,7 +345,7 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
 
 @lru_cache(maxsize=1 << 15)
 def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float, float, float, float, tuple]:
-    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes = key
+    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes, pipelined = key
     shard = dp_shard * cp
     st = model_state_bytes(problem, rank, tp, ep, zero, shard if zero else 1, max(1, shard // ep))
     detail: dict[str, float] = {}
@@ -351,7 +354,14 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
     mixed = problem.model_states == "mixed" and problem.low_precision
     param_dtype = 2 if problem.low_precision else 4
     if fsdp and not mixed:
-        if zero == 2:
+        if pipelined:
+            # The pipeline schedule turns off resharding after backward and holds the gradient sync to
+            # its end (torch.distributed.pipelining stage: reduce-scatter once, after the last
+            # micro-batch): by the last backward every unit of the stage is unsharded, with its fp32
+            # unsharded gradients — ZeRO-3 too (it reshards after each forward only).
+            unsharded = st.unsharded_param_numel * param_dtype
+            grad_work = st.unsharded_param_numel * 4
+        elif zero == 2:
             unsharded = st.unsharded_param_numel * param_dtype
             grad_work = st.unsharded_param_numel * 4 if accumulating else st.block_numel * 4
         else:
