@@ -231,6 +231,20 @@ def test_zero2_keeps_unsharded_params_and_accumulated_grads():
     assert z3.detail["fsdp_unsharded_params"] == 4 * (2 * 49_280 + 65_600)
 
 
+def test_fsdp_under_a_pipeline_schedule_ends_the_step_unsharded():
+    """pp2 x dp_shard2 on a 4-block tiny: the pipeline schedule turns resharding after backward off and
+    reduce-scatters only at the end of the step, so by the last backward the whole stage (embedding
+    32768 + 2 blocks x 49280 elements on the first rank) is unsharded, with its fp32 gradients —
+    for ZeRO-3 as for ZeRO-2 (without PP, ZeRO-3 holds two blocks and the root)."""
+    p, lay = tiny("--cluster.num_gpus=4", "--parallel.dp_shard=2", "--parallel.zero=3", "--parallel.pp=2",
+                  "--model.n_layers=4", "--train.micro_batch=1")
+    stage = 32768 + 2 * 49280
+    for zero in (2, 3):
+        d = memory(p, lay.with_(zero=zero)).detail
+        assert d["fsdp_unsharded_params"] == 4 * stage and d["fsdp_unsharded_grads"] == 4 * stage
+    assert memory(p, lay.with_(pp=1, dp_shard=4)).detail["fsdp_unsharded_params"] == 4 * (2 * 49280 + 65600)
+
+
 def test_offload_moves_states_to_the_host():
     p, lay = tiny("--cluster.num_gpus=2", "--parallel.dp_shard=2", "--parallel.zero=3", "--parallel.offload=true",
                   "--train.micro_batch=4")
