@@ -68,12 +68,13 @@ def _config(argv: list[str]) -> int:
 
 
 def _trainer_refusal(cfg: Config, world: int) -> str | None:
-    """Why `shardwise train` would refuse this layout today (axes not trained yet, zero=1 with tp),
-    or None: the planner also plans layouts later versions will train."""
-    from shardwise.preflight import check_batch, check_parallel
+    """Why `shardwise train` would refuse this layout today (an axis not trained yet: cp, ep; or a
+    pipeline schedule's own rule), or None: the planner also plans layouts later versions will train.
+    It is the trainer's whole pre-flight check (torch-free), so what it accepts, `shardwise train` runs."""
+    from shardwise.preflight import check
 
     try:
-        check_batch(cfg, check_parallel(cfg, world))
+        check(cfg, world)
     except ConfigError as e:
         return f"{e.field}: {e.problem}"
     return None

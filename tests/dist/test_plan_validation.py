@@ -14,6 +14,13 @@ inventory matches every tensor the hooks see today, the margin covers allocator 
 freed FSDP unsharded parameter's address reused by an activation of the same size makes the meter
 skip it: ~0.03% on ZeRO-3) and kernels that save a little more or less on other CPUs.
 
+Pipeline rows (a 4-block tiny model, `model.n_layers=4`) compare each pipeline position: the first and
+the last stage's ranks (max over their data / tensor ranks) against the planner's first and last
+pipeline rank. Their activations are not compared: the trainer does not meter them under the
+pipeline schedule yet (it reports 0). They run one step before the measured one, so the counted
+traffic is a steady step's (the schedules' first step adds 4-byte handshakes between neighbours).
+Communication is compared on every rank, against the planner's prediction for that rank.
+
 Selective "op" recomputation keeps the outputs of matmuls / SDPA inside torch's selective-checkpoint
 cache, where saved-tensor hooks cannot see them (the meter only sees the checkpoint's block inputs);
 the test adds them with a dispatch mode that counts the storages of those ops' outputs during the
@@ -53,13 +60,31 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
     4: {"tp4_kv_replicated": {"parallel.tp": 4},
         "tp2_ddp2_accum2": {"parallel.tp": 2, "parallel.dp_replicate": 2, "train.micro_batch": 2},
         "tp2_zero3_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
-        "tp2_zero2_dp2_accum2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 2}},
+        "tp2_zero2_dp2_accum2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 2},
+        # zero=1 with tp: own ZeRO-1 over TP-local tensors, gradients by FSDP2's replicate (16-bit compute)
+        "tp2_zero1_dp2_bf16": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2,
+                               "train.precision": "bf16"}},
 }
+# Pipeline rows: 4 blocks so that pp2 x 2 virtual stages has a block per stage.
+PP = {"model.n_layers": 4, "parallel.pp": 2, "train.micro_batch": 2}
+CASES[2].update({
+    "pp2_1f1b": dict(PP),
+    "pp2_interleaved_v2": dict(PP, **{"parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual_stages": 2}),
+    "pp2_zbv": dict(PP, **{"parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2}),
+})
+CASES[4].update({
+    "pp2_zero1_dp2_bf16": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 1, "train.precision": "bf16"}),
+    "pp2_tp2": dict(PP, **{"parallel.tp": 2}),
+    "pp2_zero2_dp2": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 2}),
+    "pp2_zero3_dp2": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 3}),
+    "pp2_dualpipev_ddp2": dict(PP, **{"parallel.dp_replicate": 2, "parallel.pp_schedule": "dualpipev",
+                                      "parallel.pp_virtual_stages": 2, "train.micro_batch": 1}),
+})
 STATE_RTOL = 0.02
 ACTIVATION_RTOL = 0.10
 # Communication per axis within 5% (the issue's bound). The planner lists every collective the
-# trainer issues (plan/comm.py); what it leaves out is the gradient-norm reduction of DTensor shards
-# (a few scalars, ~100 bytes against >= 300 kB per axis here).
+# trainer issues (plan/comm.py), the gradient clipping's per-tensor norm reductions included: today
+# every row, every rank and every axis matches to the byte (`pytest -s -k print_comm`).
 COMM_RTOL = 0.05
 
 
@@ -102,6 +127,9 @@ def _measure(base, name: str, overrides: dict, world: int, run_dir: str) -> dict
                             self.bytes += nbytes
             return out
 
+    if trainer.dims.pp > 1:  # a warm-up step: count a steady step's traffic (see the module docstring)
+        trainer.train_step()
+        trainer.comm_bytes = None
     policy = PolicySaved()
     selective_op = trainer.cfg.train.recompute == "selective" and trainer.cfg.train.recompute_policy == "op"
     if selective_op:
@@ -123,7 +151,7 @@ def _measure(base, name: str, overrides: dict, world: int, run_dir: str) -> dict
         trainer._loss = measured_loss
     trainer.train_step(measure_memory=True)
     record = {k: list(v) for k, v in trainer.last_memory.items()}
-    record["comm"] = trainer.comm_bytes  # this rank's (rank 0's) payload bytes per axis, first step
+    record["comm"] = trainer.comm_bytes  # this rank's payload bytes per axis, first (PP: second) step
     if selective_op:
         record["activations"] = [a + policy.bytes for a in record["activations"]]  # one process only
     return record
@@ -137,35 +165,59 @@ def measured(base_overrides, tmp_path_factory):
         def work(rank: int, cases=cases, world=world) -> dict:
             return {name: _measure(base_overrides, name, ov, world, str(root / name)) for name, ov in cases.items()}
 
-        out.update(run_world(world, work)[0])
+        per_rank = run_world(world, work)
+        for name in cases:
+            out[name] = dict(per_rank[0][name], comm=[r[name]["comm"] for r in per_rank])
     return out
 
 
-def _predicted(base_overrides, name: str) -> dict[str, float]:
-    from shardwise.plan.layout import Layout, Problem
-    from shardwise.plan.memory import memory
+def _world(name: str) -> int:
+    return next(w for w, cases in CASES.items() if name in cases)
 
-    world = next(w for w, cases in CASES.items() if name in cases)
+
+def _positions(name: str) -> list[tuple[str, int, list[int]]]:
+    """(label, pipeline rank, global ranks) of the positions compared: the whole world for a layout
+    without PP; the first and the last pipeline rank (pp is the outermost mesh axis) with PP."""
+    world, pp = _world(name), CASES[_world(name)][name].get("parallel.pp", 1)
+    if pp == 1:
+        return [("", 0, list(range(world)))]
+    per = world // pp
+    return [("first", 0, list(range(per))), ("last", pp - 1, list(range(world - per, world)))]
+
+
+def _predicted(base_overrides, name: str, pp_rank: int = 0) -> dict[str, float]:
+    """The planner's bytes: the most loaded rank (no PP), or pipeline rank `pp_rank`."""
+    from shardwise.plan.layout import Layout, Problem
+    from shardwise.plan.memory import memory, pipeline_rank, rank_memory
+
+    world = _world(name)
     cfg = _config(base_overrides, CASES[world][name], world, "unused")
     problem = Problem.from_config(cfg)
-    mem = memory(problem, Layout.from_config(cfg, world))
+    lay = Layout.from_config(cfg, world)
+    if lay.pp == 1:
+        mem = memory(problem, lay)
+    else:
+        rank = pipeline_rank(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule, pp_rank)
+        mem = rank_memory(problem, lay, rank, "first" if pp_rank == 0 else "last", pp_rank == 0)
     return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
             "activations": mem.detail["activations_stored"]}
 
 
 ALL = [name for cases in CASES.values() for name in cases]
+PIPELINED = [name for name in ALL if CASES[_world(name)][name].get("parallel.pp", 1) > 1]
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_model_states_match_within_2_percent(measured, base_overrides, name):
-    predicted = _predicted(base_overrides, name)
-    for category in ("params", "grads", "optimizer"):
-        got = max(measured[name][category])  # the planner predicts the most loaded rank
-        assert got > 0
-        assert abs(predicted[category] - got) / got <= STATE_RTOL, (name, category, predicted[category], got)
+    for _, pp_rank, ranks in _positions(name):
+        predicted = _predicted(base_overrides, name, pp_rank)
+        for category in ("params", "grads", "optimizer"):
+            got = max(measured[name][category][r] for r in ranks)  # the planner predicts the most loaded rank
+            assert got > 0
+            assert abs(predicted[category] - got) / got <= STATE_RTOL, (name, pp_rank, category, predicted[category], got)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", [n for n in ALL if n not in PIPELINED])  # not metered under PP yet
 def test_activations_match_within_10_percent(measured, base_overrides, name):
     predicted = _predicted(base_overrides, name)["activations"]
     for rank, got in enumerate(measured[name]["activations"]):
@@ -174,15 +226,19 @@ def test_activations_match_within_10_percent(measured, base_overrides, name):
 
 def test_print_measured_vs_predicted(measured, base_overrides, capsys):
     """The table of the closing note (`pytest -s -k print_measured`)."""
-    lines = [f"{'layout':<22} {'category':<12} {'measured (max rank)':>20} {'predicted':>12} {'error':>8}"]
+    lines = [f"{'layout':<28} {'category':<12} {'measured (max rank)':>20} {'predicted':>12} {'error':>8}"]
     worst = 0.0
     for name in ALL:
-        predicted = _predicted(base_overrides, name)
-        for category in ("params", "grads", "optimizer", "activations"):
-            got = max(measured[name][category])
-            err = (predicted[category] - got) / got
-            worst = max(worst, abs(err))
-            lines.append(f"{name:<22} {category:<12} {got:>20,} {predicted[category]:>12,.0f} {err * 100:>7.3f}%")
+        for label, pp_rank, ranks in _positions(name):
+            predicted = _predicted(base_overrides, name, pp_rank)
+            for category in ("params", "grads", "optimizer", "activations"):
+                got = max(measured[name][category][r] for r in ranks)
+                if category == "activations" and name in PIPELINED:
+                    continue  # not metered under the pipeline schedule yet
+                err = (predicted[category] - got) / got
+                worst = max(worst, abs(err))
+                where = f"{name} {label}".strip()
+                lines.append(f"{where:<28} {category:<12} {got:>20,} {predicted[category]:>12,.0f} {err * 100:>7.3f}%")
     with capsys.disabled():
         print("\n" + "\n".join(lines) + f"\nworst |error| {worst * 100:.3f}%")
     assert worst <= ACTIVATION_RTOL
@@ -192,26 +248,32 @@ def test_print_measured_vs_predicted(measured, base_overrides, capsys):
 def test_comm_bytes_per_axis_match_within_5_percent(measured, base_overrides, name):
     from shardwise.plan.comm import predict_comm_bytes
 
-    world = next(w for w, cases in CASES.items() if name in cases)
-    predicted = predict_comm_bytes(_config(base_overrides, CASES[world][name], world, "unused"))
-    got = {axis: sum(kinds.values()) for axis, kinds in measured[name]["comm"].items() if axis != "world"}
-    want = {axis: sum(kinds.values()) for axis, kinds in predicted.items()}
-    print(f"{name}: measured {got} predicted {want}")
-    assert set(got) == set(want), (got, want)
-    for axis, nbytes in got.items():
-        assert abs(want[axis] - nbytes) <= COMM_RTOL * nbytes, (name, axis, want[axis], nbytes)
+    world = _world(name)
+    cfg = _config(base_overrides, CASES[world][name], world, "unused")
+    for rank in range(world):
+        predicted = predict_comm_bytes(cfg, rank=rank)
+        got = {axis: sum(kinds.values()) for axis, kinds in measured[name]["comm"][rank].items() if axis != "world"}
+        want = {axis: sum(kinds.values()) for axis, kinds in predicted.items()}
+        print(f"{name} rank {rank}: measured {got} predicted {want}")
+        assert set(got) == set(want), (rank, got, want)
+        for axis, nbytes in got.items():
+            assert abs(want[axis] - nbytes) <= COMM_RTOL * nbytes, (name, rank, axis, want[axis], nbytes)
 
 
 def test_print_comm_measured_vs_predicted(measured, base_overrides, capsys):
     """The communication table of the closing note (`pytest -s -k print_comm`)."""
     from shardwise.plan.comm import predict_comm_bytes
 
-    lines = [f"{'layout':<22} {'axis':<14} {'measured':>12} {'predicted':>12} {'error':>8}"]
+    lines = [f"{'layout':<28} {'axis':<14} {'measured':>12} {'predicted':>12} {'error':>8}"]
     for world, cases in CASES.items():
         for name, ov in cases.items():
-            predicted = predict_comm_bytes(_config(base_overrides, ov, world, "unused"))
-            for axis, kinds in sorted(measured[name]["comm"].items()):
-                got, want = sum(kinds.values()), sum(predicted.get(axis, {}).values())
-                lines.append(f"{name:<22} {axis:<14} {got:>12,} {want:>12,} {(want - got) / got * 100:>7.3f}%")
+            cfg = _config(base_overrides, ov, world, "unused")
+            for label, _, ranks in _positions(name):
+                rank = ranks[0]  # rank 0, and with PP the last stage's first rank
+                predicted = predict_comm_bytes(cfg, rank=rank)
+                for axis, kinds in sorted(measured[name]["comm"][rank].items()):
+                    got, want = sum(kinds.values()), sum(predicted.get(axis, {}).values())
+                    where = f"{name} {label}".strip()
+                    lines.append(f"{where:<28} {axis:<14} {got:>12,} {want:>12,} {(want - got) / got * 100:>7.3f}%")
     with capsys.disabled():
         print("\n" + "\n".join(lines))

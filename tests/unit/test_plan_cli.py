@@ -120,13 +120,24 @@ def test_plan_needs_an_action(capsys):
 
 
 def test_evaluate_says_whether_this_trainer_runs_the_layout(tmp_path, capsys):
-    """The planner plans layouts later versions train (pp here); --json says which ones run today."""
+    """The planner plans layouts later versions train (cp here); --json says which ones run today."""
     config = tmp_path / "run.toml"
     config.write_text(RUN_70B)
+    assert main(["plan", "evaluate", "--config", str(config), "--json", "--parallel.cp=2",
+                 "--parallel.dp_replicate=8"]) == 0  # 8 x cp2 x tp8 x pp8 = 1024
+    out = json.loads(capsys.readouterr().out)
+    assert out["trainable"] is False and "parallel.cp" in out["trainer_refusal"]
+    # Pipeline layouts are trained now: TP8 x PP8 x DP16 (1F1B, 32 micro-batches) runs as planned.
     assert main(["plan", "evaluate", "--config", str(config), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["trainable"] is False and "parallel.pp" in out["trainer_refusal"]
-    assert main(["plan", "evaluate", "--config", str(config), "--json", "--parallel.pp=1", "--parallel.dp_replicate=1",
-                 "--parallel.dp_shard=128", "--parallel.zero=3"]) == 0
-    out = json.loads(capsys.readouterr().out)
     assert out["trainable"] is True and out["trainer_refusal"] is None
+    # ... and so does zero=1 with tp, on the same pipeline.
+    assert main(["plan", "evaluate", "--config", str(config), "--json", "--parallel.dp_replicate=1",
+                 "--parallel.dp_shard=16", "--parallel.zero=1", "--parallel.pp_schedule=zbv",
+                 "--parallel.pp_virtual_stages=2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["trainable"] is True and out["parallel"]["schedule"] == "zbv"
+    # The planner itself applies the trainer's schedule rules (dualpipev needs 2 x pp micro-batches).
+    assert main(["plan", "evaluate", "--config", str(config), "--json", "--parallel.pp_schedule=dualpipev",
+                 "--parallel.pp_virtual_stages=2", "--train.micro_batch=4"]) == 2
+    assert "train.micro_batch" in capsys.readouterr().err

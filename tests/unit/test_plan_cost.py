@@ -6,7 +6,7 @@ import pytest
 from shardwise.config import load_config
 from shardwise.parallel.dims import ParallelDims
 from shardwise.plan import constants as C
-from shardwise.plan.comm import collective_time, predict_comm_bytes, wire_bytes
+from shardwise.plan.comm import collective_time, pp_boundaries, predict_comm_bytes, wire_bytes
 from shardwise.plan.cost import _bubble, evaluate, gemm_time
 from shardwise.plan.layout import Layout, Problem, axis_placement
 
@@ -67,6 +67,21 @@ def test_pipeline_bubbles():
     assert _bubble("interleaved_1f1b", 8, 4, 1.0, 2.0) == 7 * 3.0 / 4
     assert _bubble("zero_bubble", 8, 1, 1.0, 2.0) == 7 * 1.0
     assert _bubble("1f1b", 1, 1, 1.0, 2.0) == 0.0
+    # ZB-V (Qi et al. 2024 §6): no bubble when a chunk's T_F = T_B = T_W (t_b = 2 t_f); what is left
+    # when the backward is lighter: (p-1)(t_f/2 - t_b/4).
+    assert _bubble("zbv", 8, 2, 1.0, 2.0) == 0.0 and _bubble("zbv", 8, 2, 1.0, 3.0) == 0.0
+    assert _bubble("zbv", 8, 2, 1.0, 1.0) == 7 * 0.25
+
+
+def test_pipeline_boundaries_and_v_shape_hand_over():
+    """Cross-rank stage boundaries per micro-batch (forward sends, forward receptions): the V keeps
+    stages pp-1 and pp on rank pp-1, so that hand-over is local; zbv and dualpipev send twice what
+    1F1B does on rank 0 (ZB-V's 2x pipeline communication)."""
+    lay = Layout(pp=4, schedule="zbv", virtual_stages=2)
+    assert [pp_boundaries(lay, r) for r in range(4)] == [(1, 1), (2, 2), (2, 2), (1, 1)]
+    assert pp_boundaries(lay.with_(schedule="dualpipev"), 3) == (1, 1)
+    assert [pp_boundaries(Layout(pp=4), r) for r in range(4)] == [(1, 0), (1, 1), (1, 1), (0, 1)]
+    assert [pp_boundaries(Layout(pp=4, schedule="interleaved_1f1b", virtual_stages=2), r) for r in (0, 3)] == [(2, 1), (1, 2)]
 
 
 def test_textbook_days_at_an_assumed_mfu():
@@ -127,16 +142,35 @@ def test_predict_comm_bytes_ddp_and_zero1():
 
 def test_predict_comm_bytes_fsdp():
     """ZeRO-3, 2 micro-batches: all-gather every unit per forward (root 65600 + blocks 98560 elements, fp32)
-    and the blocks again per backward; reduce-scatter all fp32 gradients per micro-batch; a 4 B
-    gradient-norm all-reduce. ZeRO-2: gathers once per forward, reduce-scatter once per step."""
+    and the blocks again per backward; reduce-scatter all fp32 gradients per micro-batch; gradient
+    clipping all-reduces each of the 21 gradients' 4-byte Partial norm. ZeRO-2: gathers once per
+    forward, reduce-scatter once per step."""
     root, blocks = 32768 + 64 + 32768, 2 * 49280
     cfg = cfg_of(*TINY, "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2")
     got = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2))
     assert got == {"dp_shard": {"all_gather": 4 * (2 * root + 2 * 2 * blocks), "reduce_scatter": 4 * 2 * (root + blocks),
-                                "all_reduce": 4}}
+                                "all_reduce": 4 * 21}}
     cfg = cfg_of(*TINY, "--parallel.dp_shard=2", "--parallel.zero=2", "--train.micro_batch=2", "--train.precision=bf16")
     got = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2))
-    assert got == {"dp_shard": {"all_gather": 2 * 2 * (root + blocks), "reduce_scatter": 4 * (root + blocks), "all_reduce": 4}}
+    assert got == {"dp_shard": {"all_gather": 2 * 2 * (root + blocks), "reduce_scatter": 4 * (root + blocks), "all_reduce": 4 * 21}}
+
+
+def test_predict_comm_bytes_fsdp_under_a_pipeline_schedule():
+    """pp2 x dp_shard2 on a 4-block tiny, 4 micro-batches per step; rank 0 runs the embedding (32768
+    elements) and blocks 0-1 (2 x 49280). The schedule reduce-scatters once per step. ZeRO-2 gathers each
+    unit once; ZeRO-3 gathers the root once and each block m + 1 = 5 times (a forward right after a
+    backward finds it unsharded). Send/recv: one (1, 32, 64) fp32 boundary per micro-batch each way;
+    gradient clipping: 19 Partial norms over dp_shard and one squared norm over pp."""
+    root, blocks = 32768, 2 * 49280
+    base = (*TINY, "--model.n_layers=4", "--parallel.pp=2", "--parallel.dp_shard=2", "--train.micro_batch=1",
+            "--cluster.num_gpus=4")
+    boundary = 1 * 32 * 64 * 4  # micro-batch x seq x dim x fp32
+    pp = {"send": 4 * boundary, "recv": 4 * boundary, "all_reduce": 4}
+    for zero, gathers in ((2, 1), (3, 5)):
+        cfg = cfg_of(*base, f"--parallel.zero={zero}")
+        got = predict_comm_bytes(cfg, rank=0)
+        assert got == {"dp_shard": {"all_gather": 4 * (root + gathers * blocks), "reduce_scatter": 4 * (root + blocks),
+                                    "all_reduce": 4 * 19}, "pp": pp}
 
 
 def test_predict_comm_bytes_hsdp_and_model_parallel_axes():
@@ -149,7 +183,8 @@ def test_predict_comm_bytes_hsdp_and_model_parallel_axes():
     # reduce-scatters of the bf16 attention / MLP outputs; backward swaps them. The head all-gathers its
     # input (fp32) forward and reduce-scatters its gradient backward; the vocab-parallel embedding
     # reduce-scatters its fp32 output forward and all-gathers its gradient backward. The 2L + 1 RMSNorm
-    # gains see sequence shards, so their fp32 gradients are all-reduced once.
+    # gains see sequence shards, so their fp32 gradients are all-reduced once; gradient clipping
+    # all-reduces the Partial norm of each of the 9L + 3 gradients (4 B each).
     cfg = cfg_of("--model.preset=llama3-8b", "--train.precision=bf16", "--parallel.tp=2", "--train.seq_len=4096",
                  "--train.global_batch=1", "--train.micro_batch=1")
     got = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2))["tp"]
@@ -157,5 +192,5 @@ def test_predict_comm_bytes_hsdp_and_model_parallel_axes():
     blocks = 32 * 2 * 2  # layers x 2 collectives per block x (forward + backward)
     head = 4096 * 4 * 3  # loss-parallel scalars per token (max, sum-exp, target logit)
     assert got["all_gather"] == blocks * act * 4 / 2 + blocks * act * 2 / 2 + 2 * act * 4
-    assert got["all_reduce"] == head + (2 * 32 + 1) * 4096 * 4
+    assert got["all_reduce"] == head + (2 * 32 + 1) * 4096 * 4 + 4 * (9 * 32 + 3)
     assert got["reduce_scatter"] == got["all_gather"]

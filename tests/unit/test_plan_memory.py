@@ -11,6 +11,7 @@ from shardwise.plan.memory import (
     inflight_microbatches,
     memory,
     model_state_bytes,
+    pipeline_rank,
     pipeline_ranks,
 )
 from shardwise.plan.shapes import ModelShape, MoESpec
@@ -97,6 +98,21 @@ def test_zero1_greedy_partition_by_hand():
     assert _zero1_most_loaded((10, 10, 1), (), 2) == 8 * 11 + 4 * 2
 
 
+def test_zero1_with_tp_partitions_the_local_shards():
+    """zero=1 with tp=2 (trained since parallel/zero1.py): the partition runs over TP-local sizes.
+    tiny, tp2 (n_kv 2 = tp: KV heads split): decay group local sizes 16384 (embedding rows), 16384 (head
+    rows), 6 x 6144 (w1, w3 rows; w2 columns), 4 x 2048 (wq rows, wo columns), 4 x 1024 (wk, wv) -> each
+    of the 2 dp_shard ranks 16384 + 3 x 6144 + 2 x 2048 + 2 x 1024 = 40960; the 5 replicated norm gains
+    of 64 go to ranks 0, 1, 0, 1, 0 -> rank 0: 41152 elements in 11 tensors = 8 x 41152 + 4 x 11 =
+    329,260 bytes, what the trainer's ZeroOneOptimizer holds on its most loaded rank (measured on 4
+    processes). Parameters and gradients stay whole TP shards (4 x 82240 local elements)."""
+    p, lay = tiny("--cluster.num_gpus=4", "--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.zero=1",
+                  "--train.micro_batch=2")
+    m = memory(p, lay)
+    assert m.optimizer == 329_260
+    assert m.params == m.grads == 4 * (16384 * 2 + 2 * (2048 * 2 + 1024 * 2 + 6144 * 3 + 2 * 64) + 64) == 328_960
+
+
 def test_fsdp_pads_dim0_per_parameter():
     """vocab 510 over 4 shards: the embedding and head shards hold ceil(510/4) = 128 rows of 64."""
     p, lay = tiny("--cluster.num_gpus=4", "--parallel.dp_shard=4", "--parallel.zero=3", "--train.micro_batch=2",
@@ -165,12 +181,43 @@ def test_inflight_microbatches_per_schedule():
     assert inflight_microbatches("1f1b", 1, 32, 1, True) == 1
 
 
-def test_uneven_pipeline_split_and_dualpipev():
+def test_zbv_inflight_follows_torchs_schedule_order():
+    """ZB-V (Qi et al. 2024 §6): the peak of every rank is 1F1B's first rank's, p micro-batches = 2p
+    half-size chunks, once m >= 2p - 1. The closed form min(2p, m + r + 1) chunk-micro-batches is
+    checked against the order torch's ScheduleZBVZeroBubble runs (what the trainer uses): in-flight =
+    forwards run - weight-gradient (W) passes run, at its maximum."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
+
+    class Order(ScheduleZBVZeroBubble):
+        def __init__(self, pp: int, m: int):  # only what _calculate_single_rank_operations reads
+            self.pp_group_size, self._n_microbatches, self.num_stages = pp, m, 2 * pp
+
+    for pp in (2, 3, 4, 8):
+        for m in range(pp, 3 * pp + 1):
+            for r, first in ((0, True), (pp - 1, False)):
+                now = peak = 0
+                for a in Order(pp, m)._calculate_single_rank_operations(r):
+                    if a is not None:
+                        now += {_ComputationType.FORWARD: 1, _ComputationType.BACKWARD_WEIGHT: -1}.get(a.computation_type, 0)
+                        peak = max(peak, now)
+                assert inflight_microbatches("zbv", pp, m, 2, first) == peak / 2, (pp, m, r)
+    assert inflight_microbatches("zbv", 8, 32, 2, True) == inflight_microbatches("1f1b", 8, 32, 1, True) == 8
+    assert inflight_microbatches("zbv", 8, 32, 2, False) == 8  # balanced: the last rank too
+
+
+def test_uneven_pipeline_split_and_v_shapes():
     s = problem("--model.preset=llama3-405b").shape
     first, last = pipeline_ranks(s, 16, 1, "1f1b")           # 126 = 14 x 8 + 2 x 7
     assert (first.layers, last.layers, first.embedding, last.head) == (8, 7, True, True)
-    v_first, _ = pipeline_ranks(s, 4, 2, "dualpipev")
-    assert v_first.embedding and v_first.head                  # the V puts chunk 0 and chunk 2p-1 on rank 0
+    for schedule in ("zbv", "dualpipev"):
+        v_first, v_last = pipeline_ranks(s, 4, 2, schedule)
+        assert v_first.embedding and v_first.head              # the V puts chunk 0 and chunk 2p-1 on rank 0
+        assert not (v_last.embedding or v_last.head)
+        # 126 blocks in 8 chunks (6 x 16 + 2 x 15): rank 0 holds chunks 0 and 7 (16 + 15), rank 1 chunks
+        # 1 and 6 (16 + 15), rank 3 chunks 3 and 4 (16 + 16).
+        assert (v_first.layers, pipeline_rank(s, 4, 2, schedule, 1).layers, v_last.layers) == (31, 31, 32)
+    looped = pipeline_ranks(s, 4, 2, "zero_bubble")[0]        # zero_bubble keeps the looped placement
+    assert looped.embedding and not looped.head
 
 
 def test_zero2_keeps_unsharded_params_and_accumulated_grads():
@@ -182,6 +229,20 @@ def test_zero2_keeps_unsharded_params_and_accumulated_grads():
     assert m.detail["fsdp_unsharded_params"] == 4 * full and m.detail["fsdp_unsharded_grads"] == 4 * full
     z3 = memory(p, lay.with_(zero=3))
     assert z3.detail["fsdp_unsharded_params"] == 4 * (2 * 49_280 + 65_600)
+
+
+def test_fsdp_under_a_pipeline_schedule_ends_the_step_unsharded():
+    """pp2 x dp_shard2 on a 4-block tiny: the pipeline schedule turns resharding after backward off and
+    reduce-scatters only at the end of the step, so by the last backward the whole stage (embedding
+    32768 + 2 blocks x 49280 elements on the first rank) is unsharded, with its fp32 gradients —
+    for ZeRO-3 as for ZeRO-2 (without PP, ZeRO-3 holds two blocks and the root)."""
+    p, lay = tiny("--cluster.num_gpus=4", "--parallel.dp_shard=2", "--parallel.zero=3", "--parallel.pp=2",
+                  "--model.n_layers=4", "--train.micro_batch=1")
+    stage = 32768 + 2 * 49280
+    for zero in (2, 3):
+        d = memory(p, lay.with_(zero=zero)).detail
+        assert d["fsdp_unsharded_params"] == 4 * stage and d["fsdp_unsharded_grads"] == 4 * stage
+    assert memory(p, lay.with_(pp=1, dp_shard=4)).detail["fsdp_unsharded_params"] == 4 * (2 * 49280 + 65600)
 
 
 def test_offload_moves_states_to_the_host():

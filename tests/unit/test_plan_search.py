@@ -38,6 +38,7 @@ def test_small_search_ranks_feasible_layouts_by_step_time():
     # The search's fast path and the full evaluation agree on the winner's step time.
     assert evaluate(p, r.best.layout).step_time_s == pytest.approx(r.best.step_time_s)
     assert r.pruned["tp > gpus_per_node"] > 0 and r.pruned["memory > capacity (model states)"] >= 0
+    assert not any("zero=1" in reason for reason in r.pruned)  # the trainer runs zero=1 with tp now
     text = "\n".join(why_lost(r, 3))
     assert "pruned" in text and "feasible" in text
 
@@ -119,3 +120,45 @@ def test_the_planner_imports_and_runs_without_torch(tmp_path):
                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok " in out.stdout
+
+
+def test_schedule_rules_agree_with_the_trainers_preflight():
+    """The planner's pipeline rules (check_layout) and the trainer's (parallel/stages.py check_pipeline,
+    run by `shardwise train` before spawning) accept the same (schedule, pp, virtual stages,
+    micro-batches) on a 16-block model, so the search never proposes a layout the trainer refuses."""
+    from shardwise.errors import ConfigError
+    from shardwise.parallel.stages import check_pipeline
+
+    base = ["--model.n_layers=16", "--model.vocab_size=512", "--train.seq_len=32", "--train.global_batch=48"]
+    checked = 0
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"):
+        for pp in (2, 3, 4):
+            for v in (1, 2, 3):
+                for mb in (1, 2, 3, 4, 6, 8, 12, 16, 24, 48):
+                    cfg = load_config(overrides=base + [f"--parallel.pp={pp}", f"--parallel.pp_schedule={schedule}",
+                                                        f"--parallel.pp_virtual_stages={v}", f"--train.micro_batch={mb}",
+                                                        f"--cluster.num_gpus={pp}"])
+                    p = Problem.from_config(cfg)
+                    planner_ok = check_layout(p, Layout.from_config(cfg, pp)) is None
+                    try:
+                        check_pipeline(cfg.parallel, cfg.model, 48 // mb)
+                        trainer_ok = True
+                    except ConfigError:
+                        trainer_ok = False
+                    assert planner_ok == trainer_ok, (schedule, pp, v, mb, planner_ok, trainer_ok)
+                    checked += trainer_ok
+    assert checked > 100
+
+
+def test_search_enumerates_zbv_and_keeps_zero_bubble_looped():
+    assert ("zbv", 2) in _schedules(4, 32, False, 4) and ("zero_bubble", 1) in _schedules(4, 32, False, 4)
+    assert ("zbv", 2) not in _schedules(4, 6, False, 4)  # 8 V stages > 6 blocks
+    p = problem("--model.preset=llama3-8b", "--train.precision=bf16", "--cluster.num_gpus=8", "--train.seq_len=2048",
+                "--train.global_batch=16")
+    lay = Layout(dp_replicate=2, pp=4, micro_batch=1, schedule="zbv", virtual_stages=2)
+    assert check_layout(p, lay) is None
+    assert check_layout(p, lay.with_(virtual_stages=1)).reason == "schedule"
+    e = evaluate(p, lay)
+    z1 = evaluate(p, lay.with_(schedule="1f1b", virtual_stages=1))
+    # Same activation peak as 1F1B's first rank, which now also holds the head; (almost) no bubble.
+    assert e.memory.detail["inflight_microbatches"] == 4 and e.breakdown_s["bubble"] < z1.breakdown_s["bubble"]

@@ -11,19 +11,26 @@ all-reduce 2(n-1)/n S).
 
 What this codebase issues (parallel/data.py, train/trainer.py, train/optim.py):
   DDP (zero 0, and zero 1's gradient sync): one all_reduce of every fp32 gradient over the batch group
-    per optimizer step (no_sync on the other micro-batches), in 25 MiB buckets;
-  ZeRO-1: + ZeroRedundancyOptimizer's broadcast of every updated parameter from its owner over dp_shard;
+    per optimizer step (no_sync on the other micro-batches), in 25 MiB buckets — or, for TP / PP layouts,
+    FSDP2's `replicate` (the same bytes, per block unit);
+  ZeRO-1 (parallel/zero1.py, with or without tp): + each owner's broadcast of its updated parameters
+    over dp_shard, one flat buffer per owner: every local (TP-shard) parameter byte once per step;
   FSDP2 (zero 2/3): per micro-batch an all_gather of every unit's parameters (param_dtype; padded to a
     multiple of dp_shard per parameter) in forward, and for ZeRO-3 again of every block in backward
     (the root unit is not resharded after forward); a reduce_scatter of fp32 gradients per micro-batch
     (ZeRO-3) or on the last one (ZeRO-2); HSDP adds an all_reduce of the gradient shards over
-    dp_replicate; gradient clipping all-reduces one fp32 scalar over dp_shard (DTensor full_tensor);
-  TP / SP (parallel/tensor.py): see `_tp_collectives`; validated against the trainer's counter
-    (tests/dist/test_plan_validation.py) to within 0.02% per axis.
+    dp_replicate; gradient clipping all-reduces one fp32 scalar per parameter tensor over dp_shard
+    (each DTensor gradient's Partial norm is reduced on its own; the same over tp with TP);
+  TP / SP (parallel/tensor.py): see `_tp_collectives`;
+  PP (parallel/pipeline.py, torch.distributed.pipelining): send/recv of one micro-batch's boundary
+    activation per cross-rank stage boundary and direction (`pp_collectives`), one fp32 all_reduce of
+    the squared gradient norm over pp; FSDP under the schedule gathers and reduce-scatters less often
+    (see data_and_model_collectives).
+Validated against the trainer's counter, per axis and per pipeline rank, on data-parallel, TP, 2-D and
+pipeline layouts (tests/dist/test_plan_validation.py).
 Not counted (nor by the trainer's counter): the logged loss's all-reduce, checkpoint / logging-step
 traffic on the world group (memory all_gather) and the fp16 loss-scaler flag (world group, not an axis).
-PP, CP and EP are not trained yet; they follow the torchtitan designs DESIGN §2 names: PP send/recv
-of one micro-batch's boundary activation per chunk boundary and direction; CP
+CP and EP are not trained yet; they follow the torchtitan designs DESIGN §2 names: CP
 ring attention (pass-KV: cp-1 rounds of K and V in forward, K, V, dK, dV in backward) or Ulysses
 (4 all_to_all per layer and direction); EP all_to_all dispatch + combine per MoE layer and direction.
 Recomputation repeats the forward's CP / EP collectives (they are not in selective "op"'s save list);
@@ -39,7 +46,7 @@ from typing import Any, NamedTuple
 from shardwise.plan import constants as C
 from shardwise.plan.activations import regime
 from shardwise.plan.layout import Cluster, Layout, Problem, axis_placement
-from shardwise.plan.memory import RankModel, _fsdp_shard_numel, _numel, local_shape, pipeline_ranks
+from shardwise.plan.memory import RankModel, _fsdp_shard_numel, _numel, local_shape, owned_chunks, pipeline_rank
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
 
@@ -105,36 +112,54 @@ def _unit_numel_cached(shape, tp: int, ep: int, n: int, rank: RankModel) -> tupl
     return blk, root, blk_pad, root_pad
 
 
+@lru_cache(maxsize=1 << 14)
+def _param_tensors(shape, rank: RankModel) -> int:
+    """Parameter tensors on this rank (each gets its own gradient-norm reduction, see below)."""
+    n = len(shape.block_params(False)) * rank.dense_layers + (len(shape.block_params(True)) * rank.moe_layers if rank.moe_layers else 0)
+    return n + (len(shape.embedding_params()) if rank.embedding else 0) + (len(shape.head_params()) if rank.head else 0)
+
+
 def collectives(problem: Problem, lay: Layout, rank: RankModel | None = None, pp_rank: int = 0) -> list[Collective]:
     """Every collective one rank issues in one optimizer step (see the module docstring)."""
     if rank is None:
-        first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
-        rank = last if pp_rank == lay.pp - 1 and lay.pp > 1 else first
+        rank = pipeline_rank(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule, pp_rank)
     return data_and_model_collectives(problem, lay, rank) + pp_collectives(problem, lay, pp_rank)
 
 
 def pp_boundary_bytes(problem: Problem, lay: Layout) -> float:
     """One micro-batch's activation (or its gradient) crossing a stage boundary: sequence-sharded
-    under SP, in the residual-stream dtype."""
-    res = 2 if regime(problem.precision, lay.fsdp, problem.model_states) == "lowp" else 4
+    under SP, in the residual-stream dtype (16-bit when FSDP2 / replicate compute on 16-bit
+    parameters: train/trainer.py boundary_dtype)."""
+    res = 2 if regime(problem.precision, lay.lowp_params, problem.model_states) == "lowp" else 4
     return lay.micro_batch * problem.seq_len / lay.cp * problem.shape.dim / (lay.tp if lay.sp else 1) * res
 
 
+def pp_boundaries(lay: Layout, pp_rank: int) -> tuple[int, int]:
+    """(forward sends, forward receptions) per micro-batch of pipeline rank `pp_rank`: one per owned
+    stage that is not the last (first) whose next (previous) stage lives on another rank. The V
+    shapes keep stages pp-1 and pp on rank pp-1: that hand-over is local, not communicated."""
+    v, n_chunks = lay.chunks_per_rank, lay.pp * lay.chunks_per_rank
+    owned = set(owned_chunks(lay.schedule, lay.pp, v, pp_rank))
+    sends = sum(1 for c in owned if c != n_chunks - 1 and c + 1 not in owned)
+    recvs = sum(1 for c in owned if c != 0 and c - 1 not in owned)
+    return sends, recvs
+
+
 def pp_collectives(problem: Problem, lay: Layout, pp_rank: int) -> list[Collective]:
-    """Pipeline send/recv of rank `pp_rank`: per micro-batch, a forward send for each owned chunk
-    that is not the last, a forward recv for each that is not the first, and the same backward."""
+    """Pipeline traffic of rank `pp_rank`: per micro-batch, a forward send for each stage boundary it
+    hands to another rank and a forward recv for each it gets from one, and the same backward (the
+    gradient goes the other way); plus the gradient clipping's one fp32 all_reduce of the squared norm
+    over pp (train/optim.py clip_grad_norm). The schedules' first-step warm-up (4-byte handshakes
+    between neighbours) is not per-step traffic and is not counted."""
     if lay.pp == 1:
         return []
     m = lay.accumulation(problem)
     boundary = pp_boundary_bytes(problem, lay)
-    v, n_chunks = lay.chunks_per_rank, lay.pp * lay.chunks_per_rank
-    owned = ([pp_rank, 2 * lay.pp - 1 - pp_rank] if lay.schedule == "dualpipev" and v == 2
-             else list(range(pp_rank, n_chunks, lay.pp)))
-    sends_fwd = sum(1 for c in owned if c != n_chunks - 1)
-    recvs_fwd = sum(1 for c in owned if c != 0)
+    sends_fwd, recvs_fwd = pp_boundaries(lay, pp_rank)
     # Forward activations out + backward gradients out (to the previous stage), and the receptions.
     return [Collective("pp", "send", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act"),
-            Collective("pp", "recv", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act")]
+            Collective("pp", "recv", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act"),
+            Collective("pp", "all_reduce", 4.0, 1, "step", "grad_norm")]
 
 
 def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -> list[Collective]:
@@ -153,17 +178,32 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
         bax, sax = batch_axis(lay), shard_axis(lay)
         if lay.fsdp:
             n_blocks = max(1, rank.layers)
-            out.append(Collective(sax, "all_gather", root_pad * param_bytes, m, "fwd", "root"))
-            out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, m * n_blocks, "fwd", "block"))
+            if lay.pp > 1:
+                # Under the pipeline schedule (torch.distributed.pipelining) resharding after backward
+                # is off and the reduce-scatter waits for the end of the step. ZeRO-2 gathers every
+                # unit once. ZeRO-3 reshards after each forward: a block gathers for every forward
+                # that does not directly follow a backward of its stage (which left it unsharded) and
+                # for the first backward after a forward — m + 1 per step for any schedule that runs
+                # each stage as runs of forwards and backwards, first a forward, last a backward
+                # (measured on every schedule: tests/dist/test_plan_validation.py). The root units
+                # (not resharded after forward) gather once.
+                block_gathers, syncs = (m, 1) if lay.zero == 3 else (1, 1)
+                root_gathers = 1
+            else:
+                block_gathers, syncs, root_gathers = m, (m if lay.zero == 3 else 1), m
+            out.append(Collective(sax, "all_gather", root_pad * param_bytes, root_gathers, "fwd", "root"))
+            out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, block_gathers * n_blocks, "fwd", "block"))
             if lay.zero == 3:
-                out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, m * n_blocks, "bwd", "block"))
-            syncs = m if lay.zero == 3 else 1
+                bwd_gathers = 1 if lay.pp > 1 else m
+                out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, bwd_gathers * n_blocks, "bwd", "block"))
             out.append(Collective(sax, "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
             out.append(Collective(sax, "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
             if lay.dp_replicate > 1:
                 shard = (blk_pad + root_pad) / lay.shard_group * grad_bytes
                 out.append(Collective("dp_replicate", "all_reduce", shard, syncs, "grad", "grads"))
-            out.append(Collective(sax, "all_reduce", 4.0, 1, "step", "grad_norm"))
+            # Gradient clipping (train/optim.py): the norm of each sharded DTensor gradient is a Partial
+            # scalar, and torch reduces them one by one — one 4-byte all_reduce per parameter tensor.
+            out.append(Collective(sax, "all_reduce", 4.0, _param_tensors(shape, rank), "step", "grad_norm"))
         else:
             grads = local * grad_bytes
             out.append(Collective(bax, "all_reduce", grads, 1, "grad", "grads"))
@@ -172,7 +212,7 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     # ---- tensor parallel (activations of one micro-batch; parallel/tensor.py) ----
     tokens = lay.micro_batch * problem.seq_len / lay.cp
     act = problem.compute_bytes
-    res = 2 if regime(problem.precision, lay.fsdp, problem.model_states) == "lowp" else 4  # residual-stream bytes
+    res = 2 if regime(problem.precision, lay.lowp_params, problem.model_states) == "lowp" else 4  # residual-stream bytes
     # Fraction of blocks whose forward is replayed in backward.
     rc_frac = (1.0 / lay.recompute_every if lay.recompute == "selective" and lay.recompute_policy == "layer"
                else 1.0 if lay.recompute == "full" else 0.0)
@@ -248,15 +288,18 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
             out.append(Collective("tp", "all_gather", per_layer * res, m, "fwd", "head"))
         out.append(Collective("tp", "reduce_scatter" if lay.sp else "all_reduce", per_layer * res, m, "bwd", "head"))
         out.append(Collective("tp", "all_reduce", tokens * 4, 3 * m, "fwd", "loss_parallel"))
-    # Partial gradients of replicated weights: per micro-batch unless FSDP2 / replicate hold the
-    # gradient sync to the last one (zero 2, and zero 0 with dp > 1).
-    syncs = 1 if (lay.fsdp and lay.zero == 2) or (lay.dp > 1 and not lay.fsdp) else m
+    # Partial gradients of replicated weights: per micro-batch with TP alone (parallel/tensor.py
+    # align_gradients_with_parameters, a hook per accumulation); once per step when FSDP2 or its
+    # replicate own the gradients (every zero stage with dp > 1, measured).
+    syncs = 1 if lay.dp > 1 else m
     norm_params = (2 if shape.arch == "gpt" else 1) * shape.dim
     partial = (2 * L + (1 if rank.head else 0)) * norm_params if lay.sp else 0
     if lay.tp > shape.n_kv_heads:
         partial += 2 * L * shape.kv_dim * (shape.dim + (1 if shape.arch == "gpt" else 0))
     if partial:
         out.append(Collective("tp", "all_reduce", partial * 4, syncs, "grad", "partial_grads"))
+    # Gradient clipping: one 4-byte all_reduce of each gradient's Partial norm, per parameter tensor.
+    out.append(Collective("tp", "all_reduce", 4.0, _param_tensors(shape, rank), "step", "grad_norm"))
     return out
 
 

@@ -13,6 +13,8 @@ Overlap rules:
     i overlaps block i-1's backward; per block, exposed = max(0, comm - compute); the first gather and
     last reduce-scatter of each pass are exposed (Zhao et al. 2023, PyTorch FSDP, arXiv 2304.11277 §3.4).
   ZeRO-1's parameter broadcast runs after the optimizer step: exposed.
+  PP: the schedule reduces gradients (DDP-style all-reduce or FSDP reduce-scatter) once, after the
+    last backward of the step (torch.distributed.pipelining's post-backward): exposed.
   TP: exposed (x (1 - TP_OVERLAP_FRACTION)); CP ring: per layer, max(0, K/V transfer - attention
   compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
   and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
@@ -20,7 +22,11 @@ Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch on the sl
   gpipe, 1f1b: (p-1)(t_f + t_b) (Narayanan et al. 2021, arXiv 2104.04473 §2.2: fraction (p-1)/m);
   interleaved_1f1b: (p-1)(t_f + t_b)/v (ibid. §2.2.2);
   zero_bubble (ZB-H1, split backward into B and W = t_b/2 each): (p-1)(t_f + t_B - t_W) = (p-1) t_f,
-    divided by v for the interleaved variant (Qi et al. 2023, arXiv 2401.10241 §3);
+    divided by v for the interleaved variant (Qi et al. 2024, arXiv 2401.10241 §2.1, ZB-H1);
+  zbv (ZB-V, Qi et al. 2024, arXiv 2401.10241 §6): two V-placed half-stage chunks per rank, no bubble
+    when a chunk's T_F = T_B = T_W; we charge what is left when they differ, (p-1)(T_F + T_B - 2T_W)
+    with T_F = t_f/2 and T_B = T_W = t_b/4 (ZB-H1's warm-up term with the V's second chunk filling
+    one more W; our assumption, not a formula of the paper), i.e. (p-1) max(0, t_f/2 - t_b/4);
   dualpipev: (p/2 - 1)(F&B + B - 3W) of a half-stage chunk (DeepSeek-V3, arXiv 2412.19437 Table 2).
 """
 from __future__ import annotations
@@ -135,7 +141,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     hbm = dev.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
     s = problem.shape
     attn_frac = _device_constant(C.ATTENTION_FRACTION, dev.name, C.ATTENTION_FRACTION_DEFAULT)
-    reg = A.regime(problem.precision, lay.fsdp, problem.model_states)
+    reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
     def block_fwd(moe: bool) -> tuple[float, float, float]:
         gemm = sum(c * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem)
@@ -186,6 +192,8 @@ def _bubble(schedule: str, p: int, v: int, t_f: float, t_b: float) -> float:
         return (p - 1) * (t_f + t_b) / v
     if schedule == "zero_bubble":
         return (p - 1) * t_f / v
+    if schedule == "zbv":
+        return (p - 1) * max(0.0, t_f / 2 - t_b / 4)
     if schedule == "dualpipev":
         return max(0.0, p / 2 - 1) * t_f / 2
     return (p - 1) * (t_f + t_b)
@@ -236,6 +244,8 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
             comm["cp"] += exposed
             per_mb_comm += exposed / m
         elif c.unit in ("loss", "grad_norm"):
+            comm["dp"] += t
+        elif c.phase == "grad" and core.pp > 1:  # reduced after the schedule's last backward
             comm["dp"] += t
         elif core.fsdp and c.phase in ("fwd", "bwd", "grad"):
             (fsdp_fwd if c.phase == "fwd" else fsdp_bwd).append(c)

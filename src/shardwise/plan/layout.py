@@ -18,7 +18,10 @@ from shardwise.plan import constants as C
 from shardwise.plan.hardware import Device, lookup
 from shardwise.plan.shapes import ModelShape
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# Schedules whose two stages per rank are placed in a V (r and 2pp-1-r: parallel/stages.py V_SHAPED);
+# the others loop (r, r + pp, ...).
+V_SHAPED = ("zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MODEL_STATES = ("shardwise", "mixed")
@@ -166,6 +169,18 @@ class Layout:
         return self.zero >= 2 and self.dp_shard > 1
 
     @property
+    def replicate(self) -> bool:
+        """Data parallel by FSDP2's `replicate` instead of DDP (parallel/data.py uses_replicate): TP or
+        PP layouts with dp > 1 that do not shard with FSDP (zero 0 and 1)."""
+        return self.dp > 1 and not self.fsdp and (self.tp > 1 or self.pp > 1)
+
+    @property
+    def lowp_params(self) -> bool:
+        """Compute runs on 16-bit parameter copies (FSDP2 MixedPrecisionPolicy param_dtype) rather than
+        under autocast: FSDP (zero 2/3) and `replicate` (activations.regime's "lowp")."""
+        return self.fsdp or self.replicate
+
+    @property
     def shard_group(self) -> int:
         """Ranks that shard model states: dp_shard x cp (CP ranks hold identical weights, so torchtitan
         shards over both; in this codebase cp = 1 so it is dp_shard)."""
@@ -268,8 +283,8 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
         if lay.schedule in ("gpipe", "1f1b") and v != 1:
             return Violation("schedule", "parallel.pp_virtual_stages", f"{lay.schedule} has one stage per rank, got {v}",
                              "set parallel.pp_virtual_stages=1 or use interleaved_1f1b")
-        if lay.schedule == "dualpipev" and v != 2:
-            return Violation("schedule", "parallel.pp_virtual_stages", "dualpipev runs two (V-shaped) stages per rank",
+        if lay.schedule in V_SHAPED and v != 2:
+            return Violation("schedule", "parallel.pp_virtual_stages", f"{lay.schedule} runs two (V-shaped) stages per rank",
                              "set parallel.pp_virtual_stages=2")
     if lay.pp * v > s.n_layers:
         return Violation("layers % (pp*v)", "parallel.pp", f"pp({lay.pp}) x virtual stages({v}) = {lay.pp * v} > n_layers({s.n_layers})",
@@ -290,15 +305,30 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
         return Violation("batch", "train.global_batch",
                          f"global_batch({problem.global_batch}) is not divisible by micro_batch({lay.micro_batch}) x dp({lay.dp})",
                          f"use a global_batch that is a multiple of {lay.micro_batch * lay.dp}")
-    m = lay.accumulation(problem)
-    if lay.pp > 1 and lay.schedule != "gpipe" and m < lay.pp:
-        return Violation("microbatches < pp", "train.micro_batch", f"{m} micro-batches < pp({lay.pp}) stages: "
-                         f"{lay.schedule} would idle (or hang)", "lower train.micro_batch or raise train.global_batch")
-    if lay.pp > 1 and lay.schedule == "interleaved_1f1b" and m % lay.pp:
-        return Violation("microbatches % pp", "train.micro_batch", f"interleaved_1f1b needs micro-batches({m}) divisible by pp({lay.pp})",
-                         "change train.micro_batch or train.global_batch")
+    bad = pipeline_microbatch_rule(lay.schedule, lay.pp, lay.accumulation(problem))
+    if bad is not None:
+        return bad
     if lay.recompute not in RECOMPUTE:
         return Violation("recompute", "train.recompute", f"{lay.recompute!r} is not one of {', '.join(RECOMPUTE)}", 'use "none"')
+    return None
+
+
+def pipeline_microbatch_rule(schedule: str, pp: int, m: int) -> Violation | None:
+    """The micro-batch counts the trainer's schedules need (parallel/stages.py check_pipeline, the same
+    rules): every schedule but gpipe at least pp; dualpipev at least 2 x pp; interleaved_1f1b and
+    zero_bubble run micro-batches in rounds of pp, so m must be a multiple of its max(1, m // pp) rounds."""
+    if pp == 1:
+        return None
+    if schedule != "gpipe" and m < pp:
+        return Violation("microbatches < pp", "train.micro_batch", f"{m} micro-batches < pp({pp}) stages: "
+                         f"{schedule} would idle (or hang)", "lower train.micro_batch or raise train.global_batch")
+    if schedule == "dualpipev" and m < 2 * pp:
+        return Violation("microbatches < 2pp", "train.micro_batch", f"dualpipev needs at least 2 x pp = {2 * pp} "
+                         f"micro-batches, got {m}", "lower train.micro_batch or raise train.global_batch")
+    if schedule in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // pp):
+        return Violation("microbatches % rounds", "train.micro_batch", f"{schedule} runs micro-batches in rounds of "
+                         f"pp({pp}); {m} is not a multiple of its {max(1, m // pp)} rounds",
+                         f"use a multiple of pp({pp}) micro-batches per step")
     return None
 
 

@@ -11,10 +11,12 @@ FSDP2 reduce_dtype fp32) and AdamW's exp_avg / exp_avg_sq in fp32 plus a 4-byte 
 tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="shardwise"`, the same
 16 bytes/param, split differently. Its ZeRO levels (parallel/data.py):
   0  DDP: everything replicated; gradients are views of the DDP buckets (gradient_as_bucket_view).
-  1  DDP + ZeroRedundancyOptimizer: whole parameters are assigned to ranks greedily, largest first, to
-     the least-loaded rank (torch ZeroRedundancyOptimizer._partition_parameters), per param group in
-     order (decay group, then norms/biases) — so the most loaded rank is computed exactly, and the
-     partition is per tensor: it cannot split one tensor (e.g. the embedding) across ranks.
+  1  gradients all-reduced as with zero 0 (DDP; FSDP2 `replicate` for TP / PP layouts) + ZeroOneOptimizer
+     (parallel/zero1.py) over dp_shard: whole tensors are assigned to ranks greedily by their LOCAL
+     element count (the TP shard when tp > 1), largest first, to the least-loaded rank, per param
+     group in order (decay group, then norms/biases; ZeroRedundancyOptimizer._partition_parameters'
+     rule) — so the most loaded rank is computed exactly, and the partition is per tensor: it cannot
+     split one tensor (e.g. the embedding) across ranks.
   2  FSDP2 reshard_after_forward=False, 3 FSDP2 reshard_after_forward=True: each parameter's dim 0 is
      padded to a multiple of the shard group and split (FSDP2 FSDPParam); the persistent local shards
      of params, grads (reduce-scatter output) and optimizer state are 1/N each. Transient on top:
@@ -22,7 +24,10 @@ tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="sh
      ZeRO-3 holds ~2 blocks unsharded (current + prefetched) plus the root unit (embedding, final norm,
      head: not resharded after forward); with accumulation, ZeRO-2 (which syncs only on the last
      micro-batch) keeps unsharded fp32 gradients of the whole stage; else one block's worth exists
-     before its reduce-scatter. CPU offload moves the persistent shards to host memory.
+     before its reduce-scatter. Under a pipeline schedule (pp > 1) ZeRO-2 and ZeRO-3 alike end the
+     step with the whole stage unsharded, parameters and fp32 gradients (the schedule disables
+     resharding after backward and reduce-scatters once, at its end). CPU offload moves the
+     persistent shards to host memory.
 The fp16 loss scaler (parallel/precision.py DynamicLossScaler) keeps Python floats: no device bytes.
 """
 from __future__ import annotations
@@ -34,7 +39,7 @@ from functools import lru_cache
 
 from shardwise.plan import activations as A
 from shardwise.plan import constants as C
-from shardwise.plan.layout import Layout, Problem
+from shardwise.plan.layout import V_SHAPED, Layout, Problem
 from shardwise.plan.shapes import ModelShape, ParamSpec
 
 GIB = 2**30
@@ -83,12 +88,19 @@ class RankModel:
         return self.dense_layers + self.moe_layers
 
 
+def owned_chunks(schedule: str, pp: int, chunks: int, r: int) -> list[int]:
+    """The stages (chunks) pipeline rank r runs: r, r + pp, ... (looped / interleaved, Narayanan et al.
+    2021 §2.2), or r and 2pp-1-r for the V-shaped schedules (zbv, dualpipev), which put the embedding
+    and the head both on rank 0 — parallel/stages.py stage_ids."""
+    if schedule in V_SHAPED and chunks == 2:
+        return [r, 2 * pp - 1 - r]
+    return list(range(r, pp * chunks, pp))
+
+
 @lru_cache(maxsize=4096)
-def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
-    """(first rank, last rank) of the pipeline. Layers are cut into pp x chunks contiguous chunks
-    (uneven counts: the first chunks get one more); rank r holds chunks r, r + pp, ... (interleaved,
-    Narayanan et al. 2021 §2.2) — or r and 2pp-1-r for dualpipev's V shape, which puts the embedding
-    and the head both on rank 0."""
+def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int) -> RankModel:
+    """What pipeline rank r holds. Layers are cut into pp x chunks contiguous chunks (uneven counts:
+    the first chunks get one more, parallel/stages.py even_split)."""
     n = pp * chunks
     base, extra = divmod(shape.n_layers, n)
     bounds, start = [], 0
@@ -96,14 +108,16 @@ def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tu
         size = base + (1 if c < extra else 0)
         bounds.append((start, start + size))
         start += size
+    owned = owned_chunks(schedule, pp, chunks, r)
+    moe = sum(shape.is_moe_layer(i) for c in owned for i in range(*bounds[c]))
+    layers = sum(bounds[c][1] - bounds[c][0] for c in owned)
+    return RankModel(layers - moe, moe, 0 in owned, n - 1 in owned)
 
-    def rank(r: int) -> RankModel:
-        owned = [r, 2 * pp - 1 - r] if schedule == "dualpipev" and chunks == 2 else list(range(r, n, pp))
-        moe = sum(shape.is_moe_layer(i) for c in owned for i in range(*bounds[c]))
-        layers = sum(bounds[c][1] - bounds[c][0] for c in owned)
-        return RankModel(layers - moe, moe, 0 in owned, n - 1 in owned)
 
-    return rank(0), rank(pp - 1)
+@lru_cache(maxsize=4096)
+def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
+    """(first rank, last rank) of the pipeline, the two the planner sizes (see `pipeline_rank`)."""
+    return pipeline_rank(shape, pp, chunks, schedule, 0), pipeline_rank(shape, pp, chunks, schedule, pp - 1)
 
 
 def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int) -> tuple[int, ...]:
@@ -206,8 +220,9 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
 
 @lru_cache(maxsize=4096)
 def _zero1_most_loaded(decay: tuple[int, ...], other: tuple[int, ...], n: int) -> float:
-    """ZeroRedundancyOptimizer's greedy partition (largest tensor first to the least-loaded rank, ties
-    to the lowest rank, per param group with loads carried over); returns the most loaded rank's
+    """ZeroOneOptimizer's greedy partition (parallel/zero1.py `partition`: largest local tensor first to
+    the least-loaded rank, ties to the lowest rank, per param group with loads carried over; the sizes
+    are TP-local, see model_state_bytes); returns the most loaded rank's
     AdamW bytes: 8 per element + 4 per tensor (`step`)."""
     loads = [(0, r, 0) for r in range(n)]  # (elements, rank, tensors)
     heapq.heapify(loads)
@@ -228,7 +243,12 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -
     1f1b: rank r holds p - r (PipeDream-Flush / Megatron warm-up, Narayanan et al. 2021 §2.2).
     interleaved_1f1b: rank r holds 2(p-r-1) + (v-1)p + 1 chunk-micro-batches of 1/v of its layers, i.e.
       p + (p-1)/v on rank 0 = Korthikanti et al. §4.2.3's p(1 + (p-1)/(pv)).
-    zero_bubble (ZB-H1): the same peak as 1F1B (Qi et al. 2023, arXiv 2401.10241 §3).
+    zero_bubble (ZB-H1): the same peak as 1F1B (Qi et al. 2024, arXiv 2401.10241 §2.1).
+    zbv (ZB-V, ibid. §6): two V-placed chunks per rank with the same peak as 1F1B's first rank, p
+      micro-batches (2p half-size chunk-micro-batches), on every rank. Counted on the order torch's
+      ScheduleZBVZeroBubble runs (warm-up 2(p-r)-1 chunk-0 forwards, r pairs of chunk-1 / chunk-0
+      forwards, then F-I-W triples; a chunk's activations live until its W): rank r peaks at
+      min(2p, m + r + 1) chunk-micro-batches, i.e. p once m >= 2p - 1.
     dualpipev: p + 1 (DeepSeek-V3, arXiv 2412.19437, Table 2, DualPipe row).
     """
     if pp == 1:
@@ -238,6 +258,8 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -
         return float(m)
     if schedule == "interleaved_1f1b" and v > 1:
         return min(float(m), (2 * (pp - r - 1) + (v - 1) * pp + 1) / v)
+    if schedule == "zbv":
+        return min(float(m), min(2 * pp, m + r + 1) / 2)
     if schedule == "dualpipev":
         return min(float(m), pp + 1.0)
     return float(min(m, pp - r))
@@ -254,7 +276,7 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
 
     Every term is affine in the micro-batch's tokens, so the coefficients are cached per layout
     without its micro-batch size (the search asks for many micro-batch sizes of one layout)."""
-    key = (core.tp, core.sp, core.cp, core.recompute, core.recompute_policy, core.recompute_every, core.fsdp)
+    key = (core.tp, core.sp, core.cp, core.recompute, core.recompute_policy, core.recompute_every, core.lowp_params)
     (b1, e1, rope, w1), (b0, e0, _, w0) = _activation_terms(problem, key, rank)
     tokens = core.micro_batch * problem.seq_len / core.cp
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, rope, w0 + (w1 - w0) * tokens
@@ -268,8 +290,8 @@ def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tu
 
 def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float]:
     shape = problem.shape
-    tp, sp, cp, recompute, policy, every, fsdp = key
-    reg = A.regime(problem.precision, fsdp, problem.model_states)
+    tp, sp, cp, recompute, policy, every, lowp_params = key
+    reg = A.regime(problem.precision, lowp_params, problem.model_states)
 
     def none_block(moe: bool) -> float:
         b = A.block_bytes(shape, reg, tp, sp, moe)
@@ -311,7 +333,7 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
     """(params, grads, optimizer, other, cpu bytes, detail items) of one rank: everything but the
     stored activations, which scale with the schedule's in-flight micro-batches."""
     key = (core.tp, core.ep, core.zero, core.dp_shard, core.cp, core.fsdp, core.offload, core.accumulation(problem) > 1,
-           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1))
+           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1), core.pp > 1)
     params, grads, opt, other, cpu, items = _states(problem, key, rank)
     if rank.head:
         # Transient at the loss: 16-bit logits + their fp32 copy (or the fp32 logits), vocab-sharded.
@@ -323,7 +345,7 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
 
 @lru_cache(maxsize=1 << 15)
 def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float, float, float, float, tuple]:
-    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes = key
+    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes, pipelined = key
     shard = dp_shard * cp
     st = model_state_bytes(problem, rank, tp, ep, zero, shard if zero else 1, max(1, shard // ep))
     detail: dict[str, float] = {}
@@ -332,7 +354,14 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
     mixed = problem.model_states == "mixed" and problem.low_precision
     param_dtype = 2 if problem.low_precision else 4
     if fsdp and not mixed:
-        if zero == 2:
+        if pipelined:
+            # The pipeline schedule turns off resharding after backward and holds the gradient sync to
+            # its end (torch.distributed.pipelining stage: reduce-scatter once, after the last
+            # micro-batch): by the last backward every unit of the stage is unsharded, with its fp32
+            # unsharded gradients — ZeRO-3 too (it reshards after each forward only).
+            unsharded = st.unsharded_param_numel * param_dtype
+            grad_work = st.unsharded_param_numel * 4
+        elif zero == 2:
             unsharded = st.unsharded_param_numel * param_dtype
             grad_work = st.unsharded_param_numel * 4 if accumulating else st.block_numel * 4
         else:

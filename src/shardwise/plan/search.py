@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.plan.cost import Estimate, compute_lower_bound, evaluate, step_seconds
-from shardwise.plan.layout import Layout, Problem, check_layout
+from shardwise.plan.layout import Layout, Problem, check_layout, pipeline_microbatch_rule
 from shardwise.plan.memory import capacity_bytes, peak_bytes, states_lower_bound
 
 RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
@@ -65,7 +65,7 @@ def _schedules(pp: int, n_layers: int, allow_uneven: bool, max_virtual: int) -> 
         if pp * v <= n_layers and (allow_uneven or n_layers % (pp * v) == 0):
             out.append(("interleaved_1f1b", v))
     if 2 * pp <= n_layers and (allow_uneven or n_layers % (2 * pp) == 0):
-        out.append(("dualpipev", 2))
+        out += [("zbv", 2), ("dualpipev", 2)]  # the two V-shaped schedules (two stages per rank)
     return out
 
 
@@ -89,7 +89,7 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
                 variants = len(schedules) * len(RECOMPUTE_MODES) * max(1, len(divisors(local_batch)) if local_batch else 1)
                 base = Layout(dp_replicate=dp, tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
                 bad = check_layout(problem, base, allow_cross_node_tp, allow_uneven_pp)
-                if bad is not None and bad.reason not in ("microbatches < pp", "microbatches % pp", "zero"):
+                if bad is not None and bad.reason not in ("microbatches < pp", "zero"):
                     splits = len(_dp_splits(dp, max_split_options))
                     considered += variants * splits
                     pruned[bad.reason] += variants * splits
@@ -105,11 +105,6 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
                             considered += variants
                             if (dp_shard * cp) % ep or (ep > 1 and s.moe is None):
                                 pruned["ep"] += variants
-                                continue
-                            if zero == 1 and tp > 1:
-                                # The trainer refuses it (preflight: ZeroRedundancyOptimizer cannot shard
-                                # DTensors); zero=2 shards the same state plus gradients.
-                                pruned["zero=1 with tp (trainer: use zero=2)"] += variants
                                 continue
                             if off and key in fitted:
                                 pruned["dominated: fits without offload"] += variants
@@ -191,11 +186,9 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
         for rc, policy in RECOMPUTE_MODES:
             core = Layout(micro_batch=mb, recompute=rc, recompute_policy=policy, **struct)
             for schedule, v in schedules:
-                if pp > 1 and schedule != "gpipe" and m < pp:
-                    pruned["microbatches < pp"] += 1
-                    continue
-                if pp > 1 and schedule == "interleaved_1f1b" and m % pp:
-                    pruned["microbatches % pp"] += 1
+                bad = pipeline_microbatch_rule(schedule, pp, m)
+                if bad is not None:
+                    pruned[bad.reason] += 1
                     continue
                 if (schedule, v) in fits_cheaper:
                     pruned["dominated: fits with less recompute"] += 1

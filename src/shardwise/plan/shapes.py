@@ -1,7 +1,7 @@
 """Model shapes for the planner, without torch: every parameter's shape, counts and FLOPs per token.
 
 `ModelShape.params()` lists the parameters in the order `model.parameters()` yields them (the order
-matters: ZeroRedundancyOptimizer partitions greedily in that order, and FSDP2 pads per parameter), for
+matters: ZeRO-1 (parallel/zero1.py) partitions greedily in that order, and FSDP2 pads per parameter), for
 the two architectures in `shardwise.models` (llama: RMSNorm, RoPE, GQA, SwiGLU, no biases; gpt:
 LayerNorm, learned positions, GELU 4h MLP, biases, untied head). tests/unit/test_plan_memory.py checks
 them against the real modules built on the meta device and against `Transformer.param_counts`.
