@@ -139,6 +139,6 @@ def check(cfg: Config, world_size: int) -> ParallelDims:
     check_train(cfg)
     dims = check_parallel(cfg, world_size)
     microbatches = check_batch(cfg, dims)
-    check_pipeline(cfg.parallel, cfg.model, microbatches)
+    check_pipeline(cfg.parallel, cfg.model, microbatches, cfg.train.recompute, cfg.train.recompute_policy)
     check_checkpoint(cfg)
     return dims

@@ -53,6 +53,12 @@ BAD = [
     (["train", "--parallel.pp=2", "--parallel.pp_split=balanced", "--parallel.pp_stage_speeds=[1,2,3]", "--nproc", "2"],
      "parallel.pp_stage_speeds", "one positive relative speed per pipeline rank (2)"),
     (["train", "--parallel.pp_split=zigzag"], "parallel.pp_split", "not one of"),
+    # split-backward schedules: wrong gradients with ZeRO-3, two backwards through selective checkpoints
+    (["train", "--parallel.pp=2", "--parallel.pp_schedule=zbv", "--parallel.pp_virtual_stages=2", "--model.n_layers=4",
+      "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2", "--nproc", "4"], "parallel.zero",
+     "misses parameters ZeRO-3 reshards"),
+    (["train", "--parallel.pp=2", "--parallel.pp_schedule=zero_bubble", "--train.recompute=selective", "--nproc", "2"],
+     "train.recompute_policy", "per-op selective recompute allows only one"),
     (["train", "--parallel.ep=3", "--parallel.dp_shard=2", "--parallel.zero=3", "--nproc", "2"], "parallel.ep", "must divide"),
     (["train", "--parallel.dp_shard=-1", "--parallel.dp_replicate=3", "--parallel.zero=3", "--nproc", "4"],
      "parallel.dp_shard", "not an integer"),

@@ -20,6 +20,8 @@ from shardwise.errors import ConfigError
 # Schedules whose two stages per rank are placed in a V (r and 2pp-1-r).
 V_SHAPED = ("zbv", "dualpipev")
 SINGLE_STAGE = ("gpipe", "1f1b")
+# Schedules that split backward into an input-gradient and a later weight-gradient pass.
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
 
 
 def stage_ids(schedule: str, pp: int, v: int, pp_rank: int) -> list[int]:
@@ -89,10 +91,14 @@ def stage_layers(counts: list[int]) -> list[list[int]]:
     return out
 
 
-def check_pipeline(p: ParallelConfig, model: ModelConfig, microbatches: int) -> None:
-    """Refuse a pipeline layout that cannot run or would hang, before anything is spawned."""
+def check_pipeline(p: ParallelConfig, model: ModelConfig, microbatches: int, recompute: str = "none",
+                   recompute_policy: str = "op") -> None:
+    """Refuse a pipeline layout that cannot run, would hang or would train wrongly, before anything is spawned."""
     if p.pp == 1:
         return
+    split = split_backward_refusal(p.pp_schedule, p.zero, recompute, recompute_policy)
+    if split is not None:
+        raise ConfigError(*split)
     v, s = p.pp_virtual_stages, p.pp_schedule
     if s in SINGLE_STAGE and v != 1:
         raise ConfigError("parallel.pp_virtual_stages", f"{s} runs one stage per rank, got pp_virtual_stages={v}",
@@ -151,3 +157,21 @@ def stage_of_parameter(name: str, layers: list[list[int]]) -> int:
     if parts[0] in ("norm", "output"):
         return len(layers) - 1
     return 0
+
+
+def split_backward_refusal(schedule: str, zero: int, recompute: str, recompute_policy: str) -> tuple[str, str, str] | None:
+    """(field, problem, fix) when a split-backward schedule meets a feature that breaks it (torch 2.13,
+    found by the parity tests): with ZeRO-3 the weight-gradient pass misses parameters FSDP2 resharded
+    after forward (some blocks get no gradient at all); per-op selective recompute allows one backward
+    through a checkpointed region and the split runs two."""
+    if schedule not in SPLIT_BACKWARD:
+        return None
+    if zero == 3:
+        return ("parallel.zero", f"{schedule} computes weight gradients in a separate pass, which misses parameters "
+                "ZeRO-3 reshards after forward (wrong gradients)", "use parallel.zero=2 (under a pipeline schedule it "
+                "holds the same memory as ZeRO-3) or zero=1, or the 1f1b / interleaved_1f1b schedule")
+    if recompute == "selective" and recompute_policy == "op":
+        return ("train.recompute_policy", f"{schedule} runs backward twice through each block (input, then weight "
+                "gradients); per-op selective recompute allows only one", 'use train.recompute="full" or '
+                'train.recompute_policy="layer", or the 1f1b / interleaved_1f1b schedule')
+    return None

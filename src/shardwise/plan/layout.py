@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.stages import split_backward_refusal  # torch-free rules shared with the trainer
 from shardwise.plan import constants as C
 from shardwise.plan.hardware import Device, lookup
 from shardwise.plan.shapes import ModelShape
@@ -308,6 +309,10 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
     bad = pipeline_microbatch_rule(lay.schedule, lay.pp, lay.accumulation(problem))
     if bad is not None:
         return bad
+    if lay.pp > 1:
+        split = split_backward_refusal(lay.schedule, lay.zero, lay.recompute, lay.recompute_policy)
+        if split is not None:
+            return Violation("split backward", *split)
     if lay.recompute not in RECOMPUTE:
         return Violation("recompute", "train.recompute", f"{lay.recompute!r} is not one of {', '.join(RECOMPUTE)}", 'use "none"')
     return None
