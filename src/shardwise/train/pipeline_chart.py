@@ -128,6 +128,7 @@ def draw_chart(timeline: dict, path: Path) -> None:
     ax.set_title(describe(timeline), fontsize=9)
     handles = [Patch(color=COLORS[k], label=KIND_NAMES[k]) for k in KINDS if k in used]
     handles.append(Patch(color="#EEEEEE", label="idle"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=7, frameon=False)
+    # Right of the axes; bbox_inches="tight" grows the image to hold it.
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
