@@ -75,7 +75,8 @@ class ParallelConfig:
     pp_schedule: str = opt("1f1b", 'Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" '
                            '(looped placement, any virtual stages), "zbv" (V-shaped zero bubble, 2 virtual stages), '
                            '"dualpipev" (2 virtual stages).')
-    pp_virtual_stages: int = opt(1, "Pipeline stages per rank (interleaved_1f1b, zero_bubble: >= 1 or 2; zbv, dualpipev: 2).")
+    pp_virtual_stages: int = opt(1, "Pipeline stages per rank: 1 for gpipe / 1f1b, >= 2 for interleaved_1f1b, any for "
+                                 "zero_bubble, 2 for zbv / dualpipev.")
     pp_split: str = opt("even", 'How blocks are cut into stages: "even", or "balanced" by each stage\'s compute (embedding '
                         'and head included) over its rank\'s speed. pp_layers_per_stage overrides both.')
     pp_layers_per_stage: list[int] = opt([], "Explicit blocks per stage, one entry per stage (pp x pp_virtual_stages), "
