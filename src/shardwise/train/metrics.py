@@ -158,7 +158,10 @@ class ActivationMeter:
             elif key not in self._excluded and key not in self._seen:
                 self._seen.add(key)
                 self.bytes += nbytes
-        return t
+        # A detached alias, not `t`: for a saved output (ReLU, SDPA out, ...) `t` holds its own
+        # grad_fn, and autograd keeping it would be a reference cycle through the C++ graph: the
+        # measured micro-batch's graph (and those storages) would never be freed.
+        return t.detach()
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -206,7 +209,8 @@ class PeakActivationMeter(ActivationMeter):
     interleaved, so what it needs is the peak of the activations alive at once (1F1B: rank r holds
     p - r micro-batches; GPipe: all m). The pack hook returns a holder (`_SavedActivation`) instead
     of the tensor and the storage counts as live while any holder of it exists (a refcount per
-    storage key); `peak` is the maximum of the live bytes, `bytes` the unique storages ever saved.
+    storage key); `peak` is the maximum of the live bytes; `bytes` counts unique storage keys over the whole run
+    (an address freed and reused makes it undercount: use `peak`).
     A live storage cannot be freed, so its address key cannot be reused while it is counted.
 
     Limits (the same as ActivationMeter's): tensors saved inside a non-reentrant checkpoint region
