@@ -223,17 +223,37 @@ class PeakActivationMeter(ActivationMeter):
     """
 
     def __init__(self, exclude: nn.Module | Iterable[torch.Tensor] = ()):
+        self._excluded_by: dict[Hashable, torch.Tensor] = {}
         super().__init__(exclude)
         self.live = 0
         self.peak = 0
         self._refs: dict[Hashable, int] = {}
         self._lock = threading.RLock()
 
+    def _exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            key, _ = _storage_key(t)
+            if key is not None:
+                self._excluded.add(key)
+                self._excluded_by[key] = t
+
+    def _still_excluded(self, key: Hashable) -> bool:
+        """An excluded key is stale once its parameter's storage has moved or been freed (FSDP2
+        frees the unsharded parameters after forward, ZeRO-3, and the allocator may hand the
+        address to an activation of the same size; over a whole pipeline step that happens often).
+        The base meter keeps every key it ever excluded; its numbers are left as they are."""
+        param = self._excluded_by.get(key)
+        if param is None or _storage_key(param)[0] == key:
+            return True
+        self._excluded.discard(key)
+        del self._excluded_by[key]
+        return False
+
     def _pack(self, t: torch.Tensor) -> Any:  # type: ignore[override]
         if isinstance(t, nn.Parameter):
             return t
         key, nbytes = _storage_key(t)
-        if key is not None and key in self._excluded:
+        if key is not None and key in self._excluded and self._still_excluded(key):
             return t
         with self._lock:
             if key is None:
