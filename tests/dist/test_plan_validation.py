@@ -78,6 +78,10 @@ CASES[2].update({
     "pp2_1f1b": dict(PP),
     "pp2_interleaved_v2": dict(PP, **{"parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual_stages": 2}),
     "pp2_zbv": dict(PP, **{"parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2}),
+    # GPipe holds all m micro-batches; under full recompute the meter sees only the checkpointed
+    # blocks' inputs (the recomputation runs under the checkpoint's own saved-tensor hooks).
+    "pp2_gpipe": dict(PP, **{"parallel.pp_schedule": "gpipe"}),
+    "pp2_1f1b_full": dict(PP, **{"train.recompute": "full"}),
 })
 CASES[4].update({
     "pp2_zero1_dp2_bf16": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 1, "train.precision": "bf16"}),
