@@ -16,8 +16,16 @@ skip it: ~0.03% on ZeRO-3) and kernels that save a little more or less on other 
 
 Pipeline rows (a 4-block tiny model, `model.n_layers=4`) compare each pipeline position: the first and
 the last stage's ranks (max over their data / tensor ranks) against the planner's first and last
-pipeline rank. Their activations are not compared: the trainer does not meter them under the
-pipeline schedule yet (it reports 0). They run one step before the measured one, so the counted
+pipeline rank. Their activations are the trainer's PeakActivationMeter number (the peak, over the
+first step, of the saved activations alive at once on the rank: every micro-batch in flight, all its
+stages) against the planner's `activations_stored` (the per-micro-batch inventory times the
+schedule's in-flight micro-batches, plan/memory.py), within PP_ACTIVATION_RTOL = 3%: the in-flight
+counts are exact. What is left is the int64 token / target storage, which all micro-batches share as
+views of one tensor (the meter counts it once in full: -0.3% at most, -1.5% on full recompute's
+small total), and the TP row's per-token gap (-2.1%, the same 128 B/token as the non-PP tp2 row's
+-1.6%). 3% still catches
+a wrong in-flight model on these rows: one chunk-micro-batch too many or too few is >= 18%, a
+missing per-stage RoPE table set 3.5-4.3%. They run one step before the measured one, so the counted
 traffic is a steady step's (the schedules' first step adds 4-byte handshakes between neighbours).
 Communication is compared on every rank, against the planner's prediction for that rank.
 
@@ -71,6 +79,10 @@ CASES[2].update({
     "pp2_1f1b": dict(PP),
     "pp2_interleaved_v2": dict(PP, **{"parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual_stages": 2}),
     "pp2_zbv": dict(PP, **{"parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2}),
+    # GPipe holds all m micro-batches; under full recompute the meter sees only the checkpointed
+    # blocks' inputs (the recomputation runs under the checkpoint's own saved-tensor hooks).
+    "pp2_gpipe": dict(PP, **{"parallel.pp_schedule": "gpipe"}),
+    "pp2_1f1b_full": dict(PP, **{"train.recompute": "full"}),
 })
 CASES[4].update({
     "pp2_zero1_dp2_bf16": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 1, "train.precision": "bf16"}),
@@ -82,6 +94,7 @@ CASES[4].update({
 })
 STATE_RTOL = 0.02
 ACTIVATION_RTOL = 0.10
+PP_ACTIVATION_RTOL = 0.03  # see the module docstring
 # Communication per axis within 5% (the issue's bound). The planner lists every collective the
 # trainer issues (plan/comm.py), the gradient clipping's per-tensor norm reductions included: today
 # every row, every rank and every axis matches to the byte (`pytest -s -k print_comm`).
@@ -217,11 +230,22 @@ def test_model_states_match_within_2_percent(measured, base_overrides, name):
             assert abs(predicted[category] - got) / got <= STATE_RTOL, (name, pp_rank, category, predicted[category], got)
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if n not in PIPELINED])  # not metered under PP yet
+@pytest.mark.parametrize("name", [n for n in ALL if n not in PIPELINED])
 def test_activations_match_within_10_percent(measured, base_overrides, name):
     predicted = _predicted(base_overrides, name)["activations"]
     for rank, got in enumerate(measured[name]["activations"]):
         assert abs(predicted - got) / got <= ACTIVATION_RTOL, (name, rank, predicted, got)
+
+
+@pytest.mark.parametrize("name", PIPELINED)
+def test_pipeline_activation_peaks_match_within_3_percent(measured, base_overrides, name):
+    """Every rank of the first and of the last pipeline position against the planner's prediction
+    for that position (the ranks of a position differ only in their data / tensor coordinate)."""
+    for label, pp_rank, ranks in _positions(name):
+        predicted = _predicted(base_overrides, name, pp_rank)["activations"]
+        for rank in ranks:
+            got = measured[name]["activations"][rank]
+            assert got > 0 and abs(predicted - got) / got <= PP_ACTIVATION_RTOL, (name, label, rank, predicted, got)
 
 
 def test_print_measured_vs_predicted(measured, base_overrides, capsys):
@@ -233,8 +257,6 @@ def test_print_measured_vs_predicted(measured, base_overrides, capsys):
             predicted = _predicted(base_overrides, name, pp_rank)
             for category in ("params", "grads", "optimizer", "activations"):
                 got = max(measured[name][category][r] for r in ranks)
-                if category == "activations" and name in PIPELINED:
-                    continue  # not metered under the pipeline schedule yet
                 err = (predicted[category] - got) / got
                 worst = max(worst, abs(err))
                 where = f"{name} {label}".strip()

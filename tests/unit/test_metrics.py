@@ -10,6 +10,7 @@ from torch import nn
 from shardwise.train.metrics import (
     ActivationMeter,
     MetricsLogger,
+    PeakActivationMeter,
     memory_by_category,
     mfu,
     plot_loss_curve,
@@ -121,6 +122,68 @@ def test_activation_meter_restores_autograd():
     loss.backward()  # hooks unpack transparently
     assert meter.bytes == 1536 + 4 * 8 * 4
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_activation_meter_does_not_leak_saved_outputs():
+    """ReLU saves its output; packing the tensor itself would keep its graph alive forever."""
+    import gc
+    import weakref
+
+    x = torch.randn(8, 16, requires_grad=True)
+    with ActivationMeter() as meter:
+        out = torch.relu(x)
+        loss = out.sum()
+    ref = weakref.ref(out)
+    del out, loss
+    gc.collect()
+    assert meter.bytes == 4 * 8 * 16 and ref() is None
+
+
+def test_peak_activation_meter_counts_what_is_alive_at_once():
+    """1F1B-like order F0 F1 B0 F2 B1 B2: at most two micro-batches' 1536 bytes are alive at once;
+    every saved storage is released by its backward. The unique total is still counted in `bytes`."""
+    model = _mlp()
+    with PeakActivationMeter(exclude=model) as meter:
+        losses = {i: model(torch.randn(8, 16)).sum() for i in (0, 1)}
+        assert meter.live == meter.peak == 2 * 1536
+        losses.pop(0).backward()
+        assert meter.live == 1536
+        losses[2] = model(torch.randn(8, 16)).sum()
+        losses.pop(1).backward()
+        losses.pop(2).backward()
+    assert meter.peak == 2 * 1536
+    assert meter.live == 0
+    # `bytes` dedupes by address over the whole run: a storage of F2 may reuse a freed one's address
+    assert 2 * 1536 <= meter.bytes <= 3 * 1536
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_peak_activation_meter_frees_a_dropped_graph_and_gpipe_order():
+    model = _mlp()
+    with PeakActivationMeter(exclude=model) as meter:
+        loss = model(torch.randn(8, 16)).sum()
+        del loss  # the graph is freed without backward: its saved tensors are released
+        assert meter.live == 0
+        losses = [model(torch.randn(8, 16)).sum() for _ in range(4)]  # GPipe: every forward first
+        for loss in losses:
+            loss.backward()
+        del losses, loss
+    assert meter.peak == 4 * 1536 and meter.live == 0
+
+
+def test_peak_activation_meter_under_checkpoint_sees_only_the_saved_input():
+    """Non-reentrant checkpointing packs the region's tensors with its own (inner) hooks, and its
+    backward recomputation too: the meter sees the input the checkpoint saves (8 x 16 fp32), also at
+    its peak, so the recompute working set is not part of the number."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _mlp()
+    x = torch.randn(8, 16)
+    with PeakActivationMeter(exclude=model) as meter:
+        loss = checkpoint(model, x, use_reentrant=False).sum()
+        loss.backward()
+    assert meter.peak == 4 * 8 * 16
+    assert meter.live == 0
 
 
 # ---- logger ----

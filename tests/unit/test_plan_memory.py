@@ -8,6 +8,7 @@ from shardwise.plan import activations as A
 from shardwise.plan.layout import Layout, Problem
 from shardwise.plan.memory import (
     _zero1_most_loaded,
+    head_inflight_microbatches,
     inflight_microbatches,
     memory,
     model_state_bytes,
@@ -203,6 +204,47 @@ def test_zbv_inflight_follows_torchs_schedule_order():
                 assert inflight_microbatches("zbv", pp, m, 2, first) == peak / 2, (pp, m, r)
     assert inflight_microbatches("zbv", 8, 32, 2, True) == inflight_microbatches("1f1b", 8, 32, 1, True) == 8
     assert inflight_microbatches("zbv", 8, 32, 2, False) == 8  # balanced: the last rank too
+
+
+def _v_schedule_peaks(cls, pp: int, m: int, r: int) -> tuple[int, int]:
+    """(peak chunk-micro-batches in flight on rank r, peak of the last stage's) in the order torch's V
+    schedule `cls` runs: a forward adds one, a full backward or a weight pass (W) frees one; an
+    overlapped F+B runs its forward first (what the trainer's PeakActivationMeter measured)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    class Order(cls):
+        def __init__(self):  # only what _calculate_single_rank_operations reads
+            self.pp_group_size, self._n_microbatches, self.num_stages = pp, m, 2 * pp
+
+    live: dict[int, int] = {}
+    peak = head = 0
+    for a in Order()._calculate_single_rank_operations(r):
+        if a is None:
+            continue
+        for sub in (a.sub_actions if a.computation_type == T.OVERLAP_F_B else (a,)):
+            delta = {T.FORWARD: 1, T.FULL_BACKWARD: -1, T.BACKWARD_WEIGHT: -1}.get(sub.computation_type, 0)
+            live[sub.stage_index] = live.get(sub.stage_index, 0) + delta
+            peak = max(peak, sum(live.values()))
+            head = max(head, live.get(2 * pp - 1, 0))
+    return peak, head
+
+
+def test_dualpipev_and_head_inflight_follow_torchs_schedule_order():
+    """DualPipeV peaks at 2p + 1 half-size chunk-micro-batches on every rank (m >= 2p, stages.py);
+    the last stage (chunk 1 of rank 0 under both V schedules) never holds more than one."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    for pp in (2, 3, 4, 8):
+        for m in range(2 * pp, 3 * pp + 1):
+            for r, first in ((0, True), (pp - 1, False)):
+                peak, head = _v_schedule_peaks(ScheduleDualPipeV, pp, m, r)
+                assert inflight_microbatches("dualpipev", pp, m, 2, first) == peak / 2 == pp + 0.5, (pp, m, r)
+                if r == 0:
+                    assert head == head_inflight_microbatches("dualpipev", pp, m, 2) == 1
+                    assert _v_schedule_peaks(ScheduleZBVZeroBubble, pp, m, r)[1] == 1
+    assert head_inflight_microbatches("gpipe", 4, 16, 1) == 16
+    assert head_inflight_microbatches("1f1b", 4, 16, 1) == inflight_microbatches("1f1b", 4, 16, 1, False) == 1
+    assert head_inflight_microbatches("interleaved_1f1b", 4, 16, 2) == 1
 
 
 def test_uneven_pipeline_split_and_v_shapes():

@@ -249,7 +249,16 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -
       ScheduleZBVZeroBubble runs (warm-up 2(p-r)-1 chunk-0 forwards, r pairs of chunk-1 / chunk-0
       forwards, then F-I-W triples; a chunk's activations live until its W): rank r peaks at
       min(2p, m + r + 1) chunk-micro-batches, i.e. p once m >= 2p - 1.
-    dualpipev: p + 1 (DeepSeek-V3, arXiv 2412.19437, Table 2, DualPipe row).
+    dualpipev: p + 1/2, i.e. 2p + 1 chunk-micro-batches, on every rank. Counted on the order torch's
+      ScheduleDualPipeV runs (DeepSeek's dualpipev steps): rank r runs 2(p-r-1) chunk-0 forwards, then
+      r+1 chunk-0 / chunk-1 forward pairs (2p-r-1 chunk-0 and r+1 chunk-1 in flight), p-r-1 B-W-F
+      triples of chunk 1 (no change), then the main step's pairs (F chunk 0, B chunk 1), (F chunk 1,
+      B chunk 0), each forward before its backward: 2p-r + r+1 = 2p+1 at their peak. It runs at least
+      once since m >= 2p (stages.py). DeepSeek-V3's Table 2 "PP + 1" (arXiv 2412.19437) is DualPipe's,
+      with two copies of the model per rank; the measured peak (tests/dist/test_plan_validation.py,
+      PeakActivationMeter) is 2p + 1 half-rank chunks.
+    The stage holding the head (the loss's fp32 log-softmax, large with a big vocabulary) is a
+    different count, see `head_inflight_microbatches`.
     """
     if pp == 1:
         return 1.0
@@ -261,8 +270,26 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -
     if schedule == "zbv":
         return min(float(m), min(2 * pp, m + r + 1) / 2)
     if schedule == "dualpipev":
-        return min(float(m), pp + 1.0)
+        return min(float(m), pp + 0.5)
     return float(min(m, pp - r))
+
+
+def head_inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
+    """Micro-batches in flight on the last stage (the one with the output head and the loss), whose
+    backward can start as soon as its own forward ends: 1 in every schedule that runs it so —
+    1F1B's last rank alternates F and B; interleaved 1F1B's last rank starts its steady state with
+    the last chunk (its warm-up, (v-1)p forwards, covers only the other chunks: F and B of the last
+    chunk then alternate); ZB-V and DualPipeV put the last stage on rank 0 as chunk 1 and run its
+    F then I (and W for ZB-V) back to back, or keep r+1 = 1 chunk-1 micro-batch on rank 0 (see
+    `inflight_microbatches`). GPipe holds all m. ZB-H1 (zero_bubble) may defer the last stage's W
+    (its saved inputs stay until then): counted as the rank's in-flight, not measured here."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "zero_bubble":
+        return inflight_microbatches(schedule, pp, m, v, False)
+    return 1.0
 
 
 def core_layout(lay: Layout) -> Layout:
@@ -271,15 +298,16 @@ def core_layout(lay: Layout) -> Layout:
     return lay if lay.schedule == "1f1b" and lay.virtual_stages == 1 else lay.with_(schedule="1f1b", virtual_stages=1)
 
 
-def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float]:
-    """(blocks, embedding + head, RoPE tables, recompute working set) in bytes for one micro-batch.
+def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float, float]:
+    """(blocks, embedding, head, RoPE tables of one stage, recompute working set) in bytes for one
+    micro-batch.
 
     Every term is affine in the micro-batch's tokens, so the coefficients are cached per layout
     without its micro-batch size (the search asks for many micro-batch sizes of one layout)."""
     key = (core.tp, core.sp, core.cp, core.recompute, core.recompute_policy, core.recompute_every, core.lowp_params)
-    (b1, e1, rope, w1), (b0, e0, _, w0) = _activation_terms(problem, key, rank)
+    (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     tokens = core.micro_batch * problem.seq_len / core.cp
-    return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, rope, w0 + (w1 - w0) * tokens
+    return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
 
 @lru_cache(maxsize=1 << 15)
@@ -288,7 +316,7 @@ def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tu
     return _activations_at(problem, key, rank, 1.0), _activations_at(problem, key, rank, 0.0)
 
 
-def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float]:
+def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float, float]:
     shape = problem.shape
     tp, sp, cp, recompute, policy, every, lowp_params = key
     reg = A.regime(problem.precision, lowp_params, problem.model_states)
@@ -311,19 +339,32 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
         blocks = sum(stored("full" if c else "none", i >= rank.dense_layers) for i, c in enumerate(ckpt))
     else:
         blocks = rank.dense_layers * stored(mode, False) + (rank.moe_layers * stored(mode, True) if rank.moe_layers else 0.0)
-    ends = 0.0
+    embedding = head = 0.0
     if rank.embedding:
-        ends += A.embedding_bytes_per_token(shape) * tokens + A.gpt_positions_bytes(shape, problem.seq_len / cp)
+        embedding = A.embedding_bytes_per_token(shape) * tokens + A.gpt_positions_bytes(shape, problem.seq_len / cp)
     if rank.head:
         hb = A.head_bytes(shape, reg, tp, sp)
-        ends += hb.per_token * tokens + hb.fixed
+        head = hb.per_token * tokens + hb.fixed
     # RoPE slices are saved only by blocks that are not checkpointed (inside a checkpoint nothing but
     # the block input, and under "op" the matmul/SDPA outputs, is kept).
     plain_blocks = mode == "none" or (mode == "selective" and policy == "layer" and every > 1 and rank.layers > 1)
     rope = A.rope_table_bytes(shape) if rank.layers and plain_blocks else 0.0
     # Recomputing a checkpointed block in backward rematerializes its full activations (one at a time).
     working = none_block(rank.moe_layers > 0) if mode != "none" and rank.layers else 0.0
-    return blocks, ends, rope, working
+    return blocks, embedding, head, rope, working
+
+
+def stored_activations(blocks: float, embedding: float, head: float, rope: float, inflight: float,
+                       head_inflight: float, stages: int) -> float:
+    """Saved bytes at the rank's peak: blocks (and the embedding: 8 B/token, counted at the rank's
+    average in-flight) times the in-flight micro-batches, the head times its own stage's in-flight,
+    and one set of RoPE tables per stage: every stage is a model of its own with its own cos/sin
+    buffers (parallel/parallelize.py build_pipeline), each kept alive by its blocks' saved slices."""
+    return (blocks + embedding) * inflight + head * head_inflight + rope * stages
+
+
+def _stages_with_layers(rank: RankModel, chunks: int) -> int:
+    return max(1, min(chunks, rank.layers))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -387,12 +428,16 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
 def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, first: bool) -> Memory:
     core = core_layout(lay)
     params, grads, opt, other, cpu, items = _states_and_other(problem, core, rank)
-    blocks, ends, rope, working = microbatch_activations(problem, core, rank)
-    inflight = inflight_microbatches(lay.schedule, lay.pp, lay.accumulation(problem), lay.chunks_per_rank, first)
-    stored = (blocks + ends) * inflight + rope
+    blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
+    m, v = lay.accumulation(problem), lay.chunks_per_rank
+    inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first)
+    head_inflight = head_inflight_microbatches(lay.schedule, lay.pp, m, v)
+    stages = _stages_with_layers(rank, v)
+    stored = stored_activations(blocks, embedding, head, rope, inflight, head_inflight, stages)
     detail = dict(items)
-    detail.update({"activations_blocks": blocks * inflight, "activations_embedding_head": ends * inflight,
-                   "activations_rope_tables": rope, "inflight_microbatches": inflight,
+    detail.update({"activations_blocks": blocks * inflight,
+                   "activations_embedding_head": embedding * inflight + head * head_inflight,
+                   "activations_rope_tables": rope * stages, "inflight_microbatches": inflight,
                    "recompute_working_set": working, "activations_stored": stored})
     capacity = problem.cluster.device.memory_gib * GIB * C.USABLE_MEMORY_FRACTION
     return Memory(params, grads, opt, stored + working, other, capacity, which, detail, cpu)
@@ -418,9 +463,11 @@ def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
     best = 0.0
     for rank, is_first in ((first, True), (last, False)) if core.pp > 1 else ((first, True),):
         params, grads, opt, other, _, _ = _states_and_other(problem, core, rank)
-        blocks, ends, rope, working = microbatch_activations(problem, core, rank)
+        blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
         inflight = inflight_microbatches(schedule, core.pp, m, chunks, is_first)
-        best = max(best, params + grads + opt + other + (blocks + ends) * inflight + rope + working)
+        stored = stored_activations(blocks, embedding, head, rope, inflight,
+                                    head_inflight_microbatches(schedule, core.pp, m, chunks), _stages_with_layers(rank, chunks))
+        best = max(best, params + grads + opt + other + stored + working)
     return best
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Hashable, Iterable, Iterator
 from pathlib import Path
@@ -157,7 +158,10 @@ class ActivationMeter:
             elif key not in self._excluded and key not in self._seen:
                 self._seen.add(key)
                 self.bytes += nbytes
-        return t
+        # A detached alias, not `t`: for a saved output (ReLU, SDPA out, ...) `t` holds its own
+        # grad_fn, and autograd keeping it would be a reference cycle through the C++ graph: the
+        # measured micro-batch's graph (and those storages) would never be freed.
+        return t.detach()
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -177,6 +181,115 @@ class ActivationMeter:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class _SavedActivation:
+    """What PeakActivationMeter's pack hook gives autograd in place of a saved tensor (a detached
+    alias: the tensor itself would, for a saved output, hold its own grad_fn, a reference cycle
+    through autograd's C++ graph that never frees the graph; unpacking re-attaches it). Autograd keeps
+    it as long as the saved tensor: it drops it when the node's backward has run (retain_graph=False;
+    a split backward's input pass retains it until the weight pass) or when the graph is freed. The
+    finalizer then releases the storage from the meter's live set."""
+
+    __slots__ = ("tensor", "key", "nbytes", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: Hashable | None, nbytes: int, meter: PeakActivationMeter):
+        self.tensor, self.key, self.nbytes, self.meter = tensor, key, nbytes, meter
+
+    def __del__(self) -> None:
+        self.meter._release(self.key, self.nbytes)
+
+
+class PeakActivationMeter(ActivationMeter):
+    """The peak, over everything run inside it, of the bytes of the unique storages autograd holds
+    saved for backward at once (the exclusion rules of ActivationMeter: parameters, and with a module
+    as `exclude` the parameters its submodules hold at call time).
+
+    Under a pipeline schedule a rank runs the forwards and backwards of several micro-batches
+    interleaved, so what it needs is the peak of the activations alive at once (1F1B: rank r holds
+    p - r micro-batches; GPipe: all m). The pack hook returns a holder (`_SavedActivation`) instead
+    of the tensor and the storage counts as live while any holder of it exists (a refcount per
+    storage key); `peak` is the maximum of the live bytes; `bytes` counts unique storage keys over the whole run
+    (an address freed and reused makes it undercount: use `peak`).
+    A live storage cannot be freed, so its address key cannot be reused while it is counted.
+
+    Limits (the same as ActivationMeter's): tensors saved inside a non-reentrant checkpoint region
+    (train.recompute = full, selective "layer") are packed by the checkpoint's own inner hooks, so only
+    the checkpoint's saved block inputs are seen, and the recomputation in backward (also under the
+    checkpoint's hooks) is not; the outputs selective "op" recomputation caches are invisible.
+    saved_tensors_hooks are thread-local: the meter must wrap the calls that run the forwards (the
+    pipelining schedule runs them on the calling thread); a holder may be released on an autograd
+    worker thread, hence the lock.
+    """
+
+    def __init__(self, exclude: nn.Module | Iterable[torch.Tensor] = ()):
+        self._excluded_by: dict[Hashable, torch.Tensor] = {}
+        super().__init__(exclude)
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[Hashable, int] = {}
+        self._lock = threading.RLock()
+
+    def _exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            key, _ = _storage_key(t)
+            if key is not None:
+                self._excluded.add(key)
+                self._excluded_by[key] = t
+
+    def _still_excluded(self, key: Hashable) -> bool:
+        """An excluded key is stale once its parameter's storage has moved or been freed (FSDP2
+        frees the unsharded parameters after forward, ZeRO-3, and the allocator may hand the
+        address to an activation of the same size; over a whole pipeline step that happens often).
+        The base meter keeps every key it ever excluded; its numbers are left as they are."""
+        param = self._excluded_by.get(key)
+        if param is None or _storage_key(param)[0] == key:
+            return True
+        self._excluded.discard(key)
+        del self._excluded_by[key]
+        return False
+
+    def _pack(self, t: torch.Tensor) -> Any:  # type: ignore[override]
+        if isinstance(t, nn.Parameter):
+            return t
+        key, nbytes = _storage_key(t)
+        if key is not None and key in self._excluded and self._still_excluded(key):
+            return t
+        with self._lock:
+            if key is None:
+                self.bytes += nbytes
+                self.live += nbytes
+            else:
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.bytes += nbytes
+                count = self._refs.get(key, 0)
+                self._refs[key] = count + 1
+                if count == 0:
+                    self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        return _SavedActivation(t.detach(), key, nbytes, self)
+
+    def _release(self, key: Hashable | None, nbytes: int) -> None:
+        with self._lock:
+            if key is None:
+                self.live -= nbytes
+                return
+            count = self._refs.pop(key) - 1
+            if count:
+                self._refs[key] = count
+            else:
+                self.live -= nbytes
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _SavedActivation) else saved
+
+    def __enter__(self) -> PeakActivationMeter:
+        super().__enter__()
+        with self._lock:
+            self.peak = self.live
+        return self
 
 
 # ---- logging ----

@@ -43,6 +43,7 @@ from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split
 from shardwise.train.metrics import (
     ActivationMeter,
     MetricsLogger,
+    PeakActivationMeter,
     cuda_memory,
     memory_by_category,
     mfu,
@@ -222,8 +223,15 @@ class Trainer:
         if record:
             dist.barrier()  # a common start: the step's timeline is measured from here on every rank
         start = time.perf_counter()
-        with self._loss_context():
+        # The first step meters activations (as the non-PP path does): the peak, over the whole
+        # schedule, of the saved activations alive at once on this rank (see memory()).
+        meter = None
+        if self.activation_bytes == 0:
+            meter = PeakActivationMeter(exclude=torch.nn.ModuleList(s.submod for s in self.pipeline.stages))
+        with self._loss_context(), meter if meter is not None else contextlib.nullcontext():
             losses, actions = self.pipeline.step(inputs, targets, record)
+        if meter is not None:
+            self.activation_bytes = meter.peak
         if record:
             self.pipeline_timeline = (start, time.perf_counter(), actions)
         total = torch.zeros((), device=self.device)
@@ -302,7 +310,14 @@ class Trainer:
     def memory(self) -> dict[str, int]:
         """This rank's bytes by category: local shards of params, grads, optimizer state; buffers;
         activations saved for backward by one micro-batch (measured once, on the first); on CUDA
-        also the allocator's peak allocated and reserved bytes (DESIGN §5)."""
+        also the allocator's peak allocated and reserved bytes (DESIGN §5).
+
+        With pipeline parallelism "activations" is instead the peak, over the first step, of the
+        bytes autograd holds saved for backward at once on this rank: every micro-batch in flight
+        (forwarded, its backward not yet run; under split backward schedules until its weight pass),
+        summed over all the stages this rank runs (interleaved / V schedules hold two or more), the
+        loss's saved tensors included (train/metrics.py PeakActivationMeter). It is what the
+        planner's `activations_stored` predicts for a pipeline rank (plan/memory.py)."""
         mem = memory_by_category(self.inner, self.optimizer)
         mem["activations"] = self.activation_bytes
         if self.device.type == "cuda":
