@@ -24,7 +24,7 @@ commands:
            search   --config FILE.toml [--top 10] [--json] [--emit best.toml] [--plot out.png]
                     [--allow-cross-node-tp] [--allow-uneven-pp] [--assume-mfu X] [--section.key=value ...]
            predict memory, step time, MFU and days of a layout on [cluster] (no GPU needed), or search for the best
-  pipeline-chart RUN_DIR [--out chart.png]
+  pipeline-chart RUN_DIR [--out chart.png] [--text]
            draw the measured pipeline schedule of a PP run (per-stage Gantt chart) with its bubble
 """
 
@@ -166,11 +166,12 @@ def _plan(argv: list[str]) -> int:
 
 
 def _pipeline_chart(argv: list[str]) -> int:
-    from shardwise.train.pipeline_chart import CHART_FILE, describe, draw_chart, load_timeline
+    from shardwise.train.pipeline_chart import CHART_FILE, describe, draw_chart, load_timeline, text_chart
 
     parser = argparse.ArgumentParser(prog="shardwise pipeline-chart")
     parser.add_argument("run_dir", help="run directory of a pipeline-parallel run (holds pipeline_timeline.json)")
     parser.add_argument("--out", default=None, help=f"PNG to write (default: RUN_DIR/{CHART_FILE})")
+    parser.add_argument("--text", action="store_true", help="also print the chart as text (F/B/I/W, . idle)")
     args = parser.parse_args(argv)
     timeline = load_timeline(Path(args.run_dir))
     out = Path(args.out) if args.out else Path(args.run_dir) / CHART_FILE
@@ -178,6 +179,8 @@ def _pipeline_chart(argv: list[str]) -> int:
     print(describe(timeline))
     for r in timeline["ranks"]:
         print(f"  pp rank {r['pp_rank']}: busy {r['busy_s'] * 1e3:.1f} ms of {timeline['span_s'] * 1e3:.1f} ms, idle {r['bubble']:.1%}")
+    if args.text:
+        print(text_chart(timeline))
     print(f"wrote {out}")
     return 0
 

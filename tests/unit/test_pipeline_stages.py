@@ -110,5 +110,13 @@ def test_pipeline_chart_command(tmp_path, capsys):
     assert main(["pipeline-chart", str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0
     out = capsys.readouterr().out
     assert "bubble measured 43.8%, theoretical 50.0%" in out and (tmp_path / "c.png").stat().st_size > 5000
+    assert main(["pipeline-chart", str(tmp_path), "--out", str(tmp_path / "c.png"), "--text"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pp")]
+    rows.insert(0, "")
+    # 4 s span over 100 characters: rank 0 forward 0-1 s, idle 1-2 s, backward 2-4 s
+    assert rows[1] == "pp0  |" + "F" * 25 + "." * 25 + "B" * 50 + "| idle 25%"
+    # rank 1: F 1-1.5 s, I 1.5-2 s, W 2.5-3 s; actions ending mid-character share it (ties may go either way)
+    assert rows[2].startswith("pp1  |" + "." * 25 + "F" * 12) and rows[2].endswith("." * 25 + "| idle 62%")
+    assert [rows[2].count(k) for k in "FIW"] in ([13, 12, 12], [13, 12, 13], [12, 13, 12], [12, 13, 13])
     assert main(["pipeline-chart", str(tmp_path / "nowhere")]) == 2
     assert "only pipeline-parallel runs" in capsys.readouterr().err

@@ -99,6 +99,24 @@ def describe(timeline: dict) -> str:
             f"(step {timeline['step']}): bubble measured {timeline['bubble_measured']:.1%}, theoretical {theory_text}")
 
 
+def text_chart(timeline: dict, width: int = 100) -> str:
+    """The chart as text for a terminal: one row per pipeline rank, one character per span/width seconds,
+    F forward, B backward, I backward-input, W backward-weight, . idle; the kind that covers most of a
+    character's time interval wins it."""
+    span = timeline["span_s"]
+    lines = [describe(timeline)]
+    for r in timeline["ranks"]:
+        cover = [dict.fromkeys("FBIW", 0.0) for _ in range(width)]
+        for kind, _, _, t0, t1 in r["actions"]:
+            first, last = int(t0 / span * width), min(width - 1, int(t1 / span * width))
+            for c in range(first, last + 1):
+                lo, hi = c * span / width, (c + 1) * span / width
+                cover[c][kind] += max(0.0, min(hi, t1) - max(lo, t0))
+        row = "".join(max(c, key=c.get) if max(c.values()) > 0.5 * span / width else "." for c in cover)
+        lines.append(f"pp{r['pp_rank']:<3}|{row}| idle {r['bubble']:.0%}")
+    return "\n".join(lines)
+
+
 def draw_chart(timeline: dict, path: Path) -> None:
     """Gantt chart, one row per pipeline rank: forward, backward(-input), backward-weight; gaps are idle.
     Each bar is labelled with its micro-batch (and stage, when a rank runs several). matplotlib Agg."""
