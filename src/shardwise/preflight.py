@@ -5,12 +5,11 @@ from shardwise.config import Config, ModelConfig
 from shardwise.errors import ConfigError
 from shardwise.models import ARCH_NAMES
 from shardwise.parallel.dims import ParallelDims, refuse_unimplemented
-from shardwise.parallel.stages import check_pipeline
+from shardwise.parallel.stages import SCHEDULES, check_pipeline
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_POLICIES = ("op", "layer")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 PP_SPLITS = ("even", "balanced")
 
 
@@ -74,7 +73,7 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"must be 0, 1, 2 or 3, got {p.zero}",
                           "0: DDP, 1: shard optimizer state, 2: + gradients, 3: + parameters (FSDP)")
-    _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    _choice("parallel.pp_schedule", p.pp_schedule, SCHEDULES)
     _choice("parallel.pp_split", p.pp_split, PP_SPLITS)
     _positive("parallel.pp_virtual_stages", p.pp_virtual_stages)
     dims = ParallelDims.from_config(p, world_size)

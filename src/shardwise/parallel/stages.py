@@ -17,7 +17,8 @@ from __future__ import annotations
 from shardwise.config import ModelConfig, ParallelConfig
 from shardwise.errors import ConfigError
 
-# Schedules whose two stages per rank are placed in a V (r and 2pp-1-r).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# Schedules whose two stages per rank are placed in a V (r and 2pp-1-r); the others loop (r, r + pp, ...).
 V_SHAPED = ("zbv", "dualpipev")
 SINGLE_STAGE = ("gpipe", "1f1b")
 # Schedules that split backward into an input-gradient and a later weight-gradient pass.
@@ -96,19 +97,10 @@ def check_pipeline(p: ParallelConfig, model: ModelConfig, microbatches: int, rec
     """Refuse a pipeline layout that cannot run, would hang or would train wrongly, before anything is spawned."""
     if p.pp == 1:
         return
-    split = split_backward_refusal(p.pp_schedule, p.zero, recompute, recompute_policy)
-    if split is not None:
-        raise ConfigError(*split)
     v, s = p.pp_virtual_stages, p.pp_schedule
-    if s in SINGLE_STAGE and v != 1:
-        raise ConfigError("parallel.pp_virtual_stages", f"{s} runs one stage per rank, got pp_virtual_stages={v}",
-                          "set parallel.pp_virtual_stages=1, or use interleaved_1f1b / zero_bubble")
-    if s == "interleaved_1f1b" and v < 2:
-        raise ConfigError("parallel.pp_virtual_stages", "interleaved_1f1b needs pp_virtual_stages >= 2",
-                          "set parallel.pp_virtual_stages=2 (or use 1f1b)")
-    if s in V_SHAPED and v != 2:
-        raise ConfigError("parallel.pp_virtual_stages", f"{s} runs two (V-shaped) stages per rank, got {v}",
-                          "set parallel.pp_virtual_stages=2")
+    for refusal in (split_backward_refusal(s, p.zero, recompute, recompute_policy), virtual_stage_refusal(s, v)):
+        if refusal is not None:
+            raise ConfigError(*refusal[1:])
     n_stages = p.pp * v
     if p.pp_layers_per_stage:
         counts = p.pp_layers_per_stage
@@ -131,20 +123,47 @@ def check_pipeline(p: ParallelConfig, model: ModelConfig, microbatches: int, rec
         if len(p.pp_stage_speeds) != p.pp or min(p.pp_stage_speeds) <= 0:
             raise ConfigError("parallel.pp_stage_speeds", f"{list(p.pp_stage_speeds)} must give one positive relative "
                               f"speed per pipeline rank ({p.pp})", f"e.g. {[1.0] * p.pp}")
-    # The schedules' own requirements (torch.distributed.pipelining), checked here rather than
-    # discovered as an exception (or a hang) on every rank after spawning.
-    if s != "gpipe" and microbatches < p.pp:
-        raise ConfigError("train.micro_batch", f"{s} needs at least pp({p.pp}) micro-batches per step, got {microbatches}",
-                          "lower train.micro_batch or raise train.global_batch")
-    if s == "dualpipev" and microbatches < n_stages:
-        raise ConfigError("train.micro_batch", f"dualpipev needs at least 2 x pp = {n_stages} micro-batches, got {microbatches}",
-                          "lower train.micro_batch or raise train.global_batch")
-    if s in ("interleaved_1f1b", "zero_bubble"):
-        rounds = max(1, microbatches // p.pp)
-        if microbatches % rounds:
-            raise ConfigError("train.micro_batch", f"{s} runs micro-batches in rounds of pp({p.pp}); {microbatches} "
-                              f"micro-batches is not a multiple of its {rounds} rounds",
-                              f"use a multiple of pp({p.pp}) micro-batches per step")
+    refusal = microbatch_refusal(s, p.pp, microbatches)
+    if refusal is not None:
+        raise ConfigError(*refusal[1:])
+
+
+# The rules below return (reason, field, problem, fix) or None. Pre-flight raises them as a ConfigError;
+# the planner (plan/layout.py) prunes with them and counts `reason`, so both refuse the same layouts.
+Refusal = tuple[str, str, str, str]
+
+
+def virtual_stage_refusal(schedule: str, v: int) -> Refusal | None:
+    """`schedule` cannot run `v` stages per pipeline rank."""
+    if schedule in SINGLE_STAGE and v != 1:
+        return ("schedule", "parallel.pp_virtual_stages", f"{schedule} runs one stage per rank, got pp_virtual_stages={v}",
+                "set parallel.pp_virtual_stages=1, or use interleaved_1f1b / zero_bubble")
+    if schedule == "interleaved_1f1b" and v < 2:
+        return ("schedule", "parallel.pp_virtual_stages", "interleaved_1f1b needs pp_virtual_stages >= 2",
+                "set parallel.pp_virtual_stages=2 (or use 1f1b)")
+    if schedule in V_SHAPED and v != 2:
+        return ("schedule", "parallel.pp_virtual_stages", f"{schedule} runs two (V-shaped) stages per rank, got {v}",
+                "set parallel.pp_virtual_stages=2")
+    return None
+
+
+def microbatch_refusal(schedule: str, pp: int, m: int) -> Refusal | None:
+    """The schedules' own requirements on the micro-batches per step (torch.distributed.pipelining),
+    checked before spawning rather than discovered as an exception (or a hang) on every rank."""
+    if pp == 1:
+        return None
+    if schedule != "gpipe" and m < pp:
+        return ("microbatches < pp", "train.micro_batch", f"{schedule} needs at least pp({pp}) micro-batches per step, "
+                f"got {m}", "lower train.micro_batch or raise train.global_batch")
+    if schedule == "dualpipev" and m < 2 * pp:
+        return ("microbatches < 2pp", "train.micro_batch", f"dualpipev needs at least 2 x pp = {2 * pp} micro-batches, "
+                f"got {m}", "lower train.micro_batch or raise train.global_batch")
+    rounds = max(1, m // pp)
+    if schedule in ("interleaved_1f1b", "zero_bubble") and m % rounds:
+        return ("microbatches % rounds", "train.micro_batch", f"{schedule} runs micro-batches in rounds of pp({pp}); "
+                f"{m} micro-batches is not a multiple of its {rounds} rounds",
+                f"use a multiple of pp({pp}) micro-batches per step")
+    return None
 
 
 def stage_of_parameter(name: str, layers: list[list[int]]) -> int:
@@ -159,19 +178,19 @@ def stage_of_parameter(name: str, layers: list[list[int]]) -> int:
     return 0
 
 
-def split_backward_refusal(schedule: str, zero: int, recompute: str, recompute_policy: str) -> tuple[str, str, str] | None:
-    """(field, problem, fix) when a split-backward schedule meets a feature that breaks it (torch 2.13,
+def split_backward_refusal(schedule: str, zero: int, recompute: str, recompute_policy: str) -> Refusal | None:
+    """A refusal when a split-backward schedule meets a feature that breaks it (torch 2.13,
     found by the parity tests): with ZeRO-3 the weight-gradient pass misses parameters FSDP2 resharded
     after forward (some blocks get no gradient at all); per-op selective recompute allows one backward
     through a checkpointed region and the split runs two."""
     if schedule not in SPLIT_BACKWARD:
         return None
     if zero == 3:
-        return ("parallel.zero", f"{schedule} computes weight gradients in a separate pass, which misses parameters "
+        return ("split backward", "parallel.zero", f"{schedule} computes weight gradients in a separate pass, which misses parameters "
                 "ZeRO-3 reshards after forward (wrong gradients)", "use parallel.zero=2 (under a pipeline schedule it "
                 "holds the same memory as ZeRO-3) or zero=1, or the 1f1b / interleaved_1f1b schedule")
     if recompute == "selective" and recompute_policy == "op":
-        return ("train.recompute_policy", f"{schedule} runs backward twice through each block (input, then weight "
+        return ("split backward", "train.recompute_policy", f"{schedule} runs backward twice through each block (input, then weight "
                 "gradients); per-op selective recompute allows only one", 'use train.recompute="full" or '
                 'train.recompute_policy="layer", or the 1f1b / interleaved_1f1b schedule')
     return None

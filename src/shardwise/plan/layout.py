@@ -14,15 +14,17 @@ from functools import cached_property
 from typing import Any
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.stages import split_backward_refusal  # torch-free rules shared with the trainer
+from shardwise.parallel.stages import (  # torch-free names and rules shared with the trainer
+    SCHEDULES,
+    V_SHAPED,
+    microbatch_refusal,
+    split_backward_refusal,
+    virtual_stage_refusal,
+)
 from shardwise.plan import constants as C
 from shardwise.plan.hardware import Device, lookup
 from shardwise.plan.shapes import ModelShape
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
-# Schedules whose two stages per rank are placed in a V (r and 2pp-1-r: parallel/stages.py V_SHAPED);
-# the others loop (r, r + pp, ...).
-V_SHAPED = ("zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MODEL_STATES = ("shardwise", "mixed")
@@ -278,15 +280,9 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
                          f"use one of {', '.join(SCHEDULES)}")
     v = lay.chunks_per_rank
     if lay.pp > 1:
-        if lay.schedule == "interleaved_1f1b" and v < 2:
-            return Violation("schedule", "parallel.pp_virtual_stages", "interleaved_1f1b needs pp_virtual_stages >= 2",
-                             "set parallel.pp_virtual_stages=2 (or use 1f1b)")
-        if lay.schedule in ("gpipe", "1f1b") and v != 1:
-            return Violation("schedule", "parallel.pp_virtual_stages", f"{lay.schedule} has one stage per rank, got {v}",
-                             "set parallel.pp_virtual_stages=1 or use interleaved_1f1b")
-        if lay.schedule in V_SHAPED and v != 2:
-            return Violation("schedule", "parallel.pp_virtual_stages", f"{lay.schedule} runs two (V-shaped) stages per rank",
-                             "set parallel.pp_virtual_stages=2")
+        refusal = virtual_stage_refusal(lay.schedule, v)
+        if refusal is not None:
+            return Violation(*refusal)
     if lay.pp * v > s.n_layers:
         return Violation("layers % (pp*v)", "parallel.pp", f"pp({lay.pp}) x virtual stages({v}) = {lay.pp * v} > n_layers({s.n_layers})",
                          "use fewer pipeline stages")
@@ -312,29 +308,16 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
     if lay.pp > 1:
         split = split_backward_refusal(lay.schedule, lay.zero, lay.recompute, lay.recompute_policy)
         if split is not None:
-            return Violation("split backward", *split)
+            return Violation(*split)
     if lay.recompute not in RECOMPUTE:
         return Violation("recompute", "train.recompute", f"{lay.recompute!r} is not one of {', '.join(RECOMPUTE)}", 'use "none"')
     return None
 
 
 def pipeline_microbatch_rule(schedule: str, pp: int, m: int) -> Violation | None:
-    """The micro-batch counts the trainer's schedules need (parallel/stages.py check_pipeline, the same
-    rules): every schedule but gpipe at least pp; dualpipev at least 2 x pp; interleaved_1f1b and
-    zero_bubble run micro-batches in rounds of pp, so m must be a multiple of its max(1, m // pp) rounds."""
-    if pp == 1:
-        return None
-    if schedule != "gpipe" and m < pp:
-        return Violation("microbatches < pp", "train.micro_batch", f"{m} micro-batches < pp({pp}) stages: "
-                         f"{schedule} would idle (or hang)", "lower train.micro_batch or raise train.global_batch")
-    if schedule == "dualpipev" and m < 2 * pp:
-        return Violation("microbatches < 2pp", "train.micro_batch", f"dualpipev needs at least 2 x pp = {2 * pp} "
-                         f"micro-batches, got {m}", "lower train.micro_batch or raise train.global_batch")
-    if schedule in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // pp):
-        return Violation("microbatches % rounds", "train.micro_batch", f"{schedule} runs micro-batches in rounds of "
-                         f"pp({pp}); {m} is not a multiple of its {max(1, m // pp)} rounds",
-                         f"use a multiple of pp({pp}) micro-batches per step")
-    return None
+    """The micro-batch counts the trainer's schedules need (parallel/stages.py, the same rules)."""
+    refusal = microbatch_refusal(schedule, pp, m)
+    return None if refusal is None else Violation(*refusal)
 
 
 def axis_placement(lay: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]]:
