@@ -10,9 +10,9 @@ of its layouts.
 Tolerances: parameters, gradients and optimizer state within 2% — the planner computes them exactly
 (per-parameter FSDP padding, ZeroRedundancyOptimizer's greedy partition, AdamW's 4-byte `step`), so
 2% only absorbs a future change such as a new buffer; activations within 10% — the planner's
-inventory matches every tensor the hooks see today, the margin covers allocator address reuse (a
-freed FSDP unsharded parameter's address reused by an activation of the same size makes the meter
-skip it: ~0.03% on ZeRO-3) and kernels that save a little more or less on other CPUs.
+inventory matches every tensor the hooks see today (the meter stops excluding a parameter's address
+once FSDP has freed that storage, so an activation reusing it is counted), and the margin covers
+kernels that save a little more or less on other CPUs.
 
 Pipeline rows (a 4-block tiny model, `model.n_layers=4`) compare each pipeline position: the first and
 the last stage's ranks (max over their data / tensor ranks) against the planner's first and last

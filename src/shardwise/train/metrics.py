@@ -136,6 +136,7 @@ class ActivationMeter:
         self.bytes = 0
         self._module = exclude if isinstance(exclude, nn.Module) else None
         self._excluded: set[Hashable] = set()
+        self._excluded_by: dict[Hashable, torch.Tensor] = {}
         self._seen: set[Hashable] = set()
         self._exclude(exclude.parameters() if self._module is not None else exclude)
         self._handles: list[Any] = []
@@ -146,6 +147,18 @@ class ActivationMeter:
             key, _ = _storage_key(t)
             if key is not None:
                 self._excluded.add(key)
+                self._excluded_by[key] = t
+
+    def _still_excluded(self, key: Hashable) -> bool:
+        """An excluded key is stale once its parameter's storage has moved or been freed: FSDP2 frees
+        the unsharded parameters after forward (ZeRO-3), and the allocator may hand the address to
+        an activation of the same size, which must then be counted."""
+        param = self._excluded_by.get(key)
+        if param is None or _storage_key(param)[0] == key:
+            return True
+        self._excluded.discard(key)
+        del self._excluded_by[key]
+        return False
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
         self._exclude(module.parameters())
@@ -155,7 +168,7 @@ class ActivationMeter:
             key, nbytes = _storage_key(t)
             if key is None:
                 self.bytes += nbytes
-            elif key not in self._excluded and key not in self._seen:
+            elif not (key in self._excluded and self._still_excluded(key)) and key not in self._seen:
                 self._seen.add(key)
                 self.bytes += nbytes
         # A detached alias, not `t`: for a saved output (ReLU, SDPA out, ...) `t` holds its own
@@ -223,31 +236,11 @@ class PeakActivationMeter(ActivationMeter):
     """
 
     def __init__(self, exclude: nn.Module | Iterable[torch.Tensor] = ()):
-        self._excluded_by: dict[Hashable, torch.Tensor] = {}
         super().__init__(exclude)
         self.live = 0
         self.peak = 0
         self._refs: dict[Hashable, int] = {}
         self._lock = threading.RLock()
-
-    def _exclude(self, tensors: Iterable[torch.Tensor]) -> None:
-        for t in tensors:
-            key, _ = _storage_key(t)
-            if key is not None:
-                self._excluded.add(key)
-                self._excluded_by[key] = t
-
-    def _still_excluded(self, key: Hashable) -> bool:
-        """An excluded key is stale once its parameter's storage has moved or been freed (FSDP2
-        frees the unsharded parameters after forward, ZeRO-3, and the allocator may hand the
-        address to an activation of the same size; over a whole pipeline step that happens often).
-        The base meter keeps every key it ever excluded; its numbers are left as they are."""
-        param = self._excluded_by.get(key)
-        if param is None or _storage_key(param)[0] == key:
-            return True
-        self._excluded.discard(key)
-        del self._excluded_by[key]
-        return False
 
     def _pack(self, t: torch.Tensor) -> Any:  # type: ignore[override]
         if isinstance(t, nn.Parameter):
