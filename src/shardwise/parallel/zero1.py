@@ -8,40 +8,21 @@ Why our own: torch's ZeroRedundancyOptimizer broadcasts the parameters themselve
 no sharding rule for c10d.broadcast_, so it fails as soon as TP (or FSDP2's replicate, which the
 pipeline and TP layouts use for their data-parallel gradient reduction) makes the parameters
 DTensors. This one partitions the same way (whole tensors, largest first to the least-loaded rank,
-per param group in order; the planner's memory model relies on it) and broadcasts the *local*
+per param group in order: plan/memory.zero1_owners, the planner's own model) and broadcasts the *local*
 tensor of each DTensor over the dp_shard process group: a TP rank's dp group exchanges its own TP
 shard, so the tensor-parallel layout is untouched.
 """
 from __future__ import annotations
 
-import heapq
-
 import torch
 import torch.distributed as dist
-from torch import nn
+
+from shardwise.plan.memory import zero1_owners
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
     """The storage this rank holds for `param` (the local shard of a DTensor)."""
     return param._local_tensor if hasattr(param, "_local_tensor") else param.data
-
-
-def partition(groups: list[list[nn.Parameter]], n: int) -> list[int]:
-    """Owner rank of every parameter, groups flattened in order: greedy by local element count,
-    largest first (stable), to the least-loaded rank, ties to the lowest rank; loads carry over
-    from one group to the next (ZeroRedundancyOptimizer._partition_parameters)."""
-    loads = [(0, r) for r in range(n)]
-    heapq.heapify(loads)
-    owners: list[int] = []
-    for group in groups:
-        order = sorted(range(len(group)), key=lambda i: -local_tensor(group[i]).numel())
-        group_owner = [0] * len(group)
-        for i in order:
-            elems, r = heapq.heappop(loads)
-            group_owner[i] = r
-            heapq.heappush(loads, (elems + local_tensor(group[i]).numel(), r))
-        owners += group_owner
-    return owners
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
@@ -54,7 +35,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         params = [p for g in self.param_groups for p in g["params"]]
-        owners = partition([g["params"] for g in self.param_groups], self.size)
+        owners = zero1_owners([[local_tensor(p).numel() for p in g["params"]] for g in self.param_groups], self.size)
         self.owner = {id(p): r for p, r in zip(params, owners)}
         # Per owner, its parameters' local tensors in a fixed order: one flat broadcast per owner.
         self.owned_by = [[p for p in params if self.owner[id(p)] == r] for r in range(self.size)]

@@ -218,19 +218,32 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
     return StateBytes(4 * local, 4 * local, opt, tensors, local, local, block_numel, root_numel)
 
 
+def zero1_owners(groups: tuple[tuple[int, ...], ...] | list[list[int]], n: int) -> list[int]:
+    """ZeroRedundancyOptimizer's greedy partition, which parallel/zero1.py runs for the trainer: each
+    tensor (by element count, largest first, stable) to the least-loaded rank, ties to the lowest
+    rank, per param group with loads carried over. Returns the owner of every tensor, groups
+    flattened in order."""
+    loads = [(0, r) for r in range(n)]
+    heapq.heapify(loads)
+    owners: list[int] = []
+    for group in groups:
+        owner = [0] * len(group)
+        for i in sorted(range(len(group)), key=lambda i: -group[i]):
+            elems, r = heapq.heappop(loads)
+            owner[i] = r
+            heapq.heappush(loads, (elems + group[i], r))
+        owners += owner
+    return owners
+
+
 @lru_cache(maxsize=4096)
 def _zero1_most_loaded(decay: tuple[int, ...], other: tuple[int, ...], n: int) -> float:
-    """ZeroOneOptimizer's greedy partition (parallel/zero1.py `partition`: largest local tensor first to
-    the least-loaded rank, ties to the lowest rank, per param group with loads carried over; the sizes
-    are TP-local, see model_state_bytes); returns the most loaded rank's
-    AdamW bytes: 8 per element + 4 per tensor (`step`)."""
-    loads = [(0, r, 0) for r in range(n)]  # (elements, rank, tensors)
-    heapq.heapify(loads)
-    for group in (decay, other):
-        for size in sorted(group, reverse=True):
-            elems, r, count = heapq.heappop(loads)
-            heapq.heappush(loads, (elems + size, r, count + 1))
-    return max(8 * e + 4 * c for e, _, c in loads)
+    """The most loaded rank's AdamW bytes under zero1_owners: 8 per element + 4 per tensor (`step`)."""
+    elems, tensors = [0] * n, [0] * n
+    for size, r in zip(decay + other, zero1_owners((decay, other), n)):
+        elems[r] += size
+        tensors[r] += 1
+    return max(8 * e + 4 * c for e, c in zip(elems, tensors))
 
 
 # ---------------------------------------------------------------------------------------------------
