@@ -134,7 +134,6 @@ class PipelineRun:
             self.stages.append(TimedStage(module, index, num_stages, device, input_args=(meta(inputs),),
                                           output_args=(meta(outputs),), group=group))
         self.schedule = build_schedule(self.stages, schedule, microbatches, loss_fn)
-        self.has_last = any(s.is_last for s in self.stages)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, record: bool) -> tuple[list[torch.Tensor], list[Action]]:
         """One optimizer step's forward and backward over all micro-batches; returns the per

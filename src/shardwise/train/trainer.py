@@ -137,8 +137,7 @@ class Trainer:
         return parts.model
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / self.tokens_per_rank_step
-        return self.scaler.scale_loss(loss)
+        return self.scaler.scale_loss(self._token_loss(logits, targets))
 
     # ---- one optimizer step ----
     def _sync_context(self, last_microbatch: bool):
@@ -159,8 +158,11 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(self.cfg.train.precision, self.device.type):
             logits = self.model(inputs)
-        # Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
-        # makes it the token mean over the global batch, identical to the reference.
+        return self._token_loss(logits, targets)
+
+    def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
+        makes it the token mean over the global batch, identical to the reference."""
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / self.tokens_per_rank_step
 
     def train_step(self, measure_memory: bool = False) -> StepResult:
@@ -188,10 +190,20 @@ class Trainer:
     def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         t = self.cfg.train
         micro = self.batches.local_micro_batches(self.step, self.batch_rank, self.dims.dp, t.micro_batch)
+        loss_sum = self._pipeline_forward_backward(micro) if self.pipeline is not None else self._accumulate(micro)
+        found_inf = self.scaler.unscale_((p.grad for p in self.params if p.grad is not None), self.world_group)
+        grad_norm = clip_grad_norm(self.params, t.grad_clip, self.mesh["pp"].get_group() if self.pipeline else None)
+        lr = self.scheduler.get_last_lr()[0]
+        if not found_inf:
+            self.optimizer.step()
+        self.scaler.update(found_inf)
+        self.scheduler.step()
+        return loss_sum, grad_norm, lr, found_inf
+
+    def _accumulate(self, micro: list[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of every micro-batch in turn (gradient accumulation); the loss sum."""
         loss_sum = torch.zeros((), device=self.device)
-        if self.pipeline is not None:
-            loss_sum = self._pipeline_forward_backward(micro)
-        for i, batch in enumerate(micro if self.pipeline is None else []):
+        for i, batch in enumerate(micro):
             inputs, targets = (x.to(self.device, non_blocking=True) for x in split_inputs_targets(batch))
             last = i == len(micro) - 1
             with self._sync_context(last), self._loss_context():
@@ -204,14 +216,7 @@ class Trainer:
                 self.scaler.scale_loss(loss).backward()
             # With loss parallel the loss is a replicated DTensor: every tp rank holds the value.
             loss_sum += local_value(loss.detach())
-        found_inf = self.scaler.unscale_((p.grad for p in self.params if p.grad is not None), self.world_group)
-        grad_norm = clip_grad_norm(self.params, t.grad_clip, self.mesh["pp"].get_group() if self.pipeline else None)
-        lr = self.scheduler.get_last_lr()[0]
-        if not found_inf:
-            self.optimizer.step()
-        self.scaler.update(found_inf)
-        self.scheduler.step()
-        return loss_sum, grad_norm, lr, found_inf
+        return loss_sum
 
     def _pipeline_forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """All micro-batches through the pipeline schedule; returns this rank's loss sum (non-zero
@@ -225,12 +230,12 @@ class Trainer:
         start = time.perf_counter()
         # The first step meters activations (as the non-PP path does): the peak, over the whole
         # schedule, of the saved activations alive at once on this rank (see memory()).
-        meter = None
-        if self.activation_bytes == 0:
-            meter = PeakActivationMeter(exclude=torch.nn.ModuleList(s.submod for s in self.pipeline.stages))
-        with self._loss_context(), meter if meter is not None else contextlib.nullcontext():
+        metering = self.activation_bytes == 0
+        meter = PeakActivationMeter(exclude=torch.nn.ModuleList(s.submod for s in self.pipeline.stages)) \
+            if metering else contextlib.nullcontext()
+        with self._loss_context(), meter:
             losses, actions = self.pipeline.step(inputs, targets, record)
-        if meter is not None:
+        if metering:
             self.activation_bytes = meter.peak
         if record:
             self.pipeline_timeline = (start, time.perf_counter(), actions)
@@ -247,7 +252,7 @@ class Trainer:
                                 self.dims.coordinates(self.rank), self.device)
         if ranks is None:
             return None
-        return summarize(ranks, p.pp_schedule, p.pp, len(self.pipeline_layers) // p.pp, self.accumulation, self.step)
+        return summarize(ranks, p.pp_schedule, p.pp, p.pp_virtual_stages, self.accumulation, self.step)
 
     # ---- the loop ----
     def train(self) -> list[float]:
