@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
+from shardwise.plan.hardware import lookup
 
 INIT_STD = 0.02  # GPT-2 / Megatron default initializer range.
-# FLOPs a GPU can do in the time it moves one byte of HBM (its roofline ridge point): H100 SXM dense
-# bf16 989 TFLOP/s over 3.35 TB/s ~ 295 (NVIDIA H100 datasheet). Prices memory-bound work in FLOPs.
-MEMORY_BOUND_FLOPS_PER_BYTE = 295
+# FLOPs a GPU can do in the time it moves one byte of HBM (its roofline ridge point), from the
+# planner's device table: H100 SXM dense bf16 over HBM bandwidth, ~295. Prices memory-bound work in FLOPs.
+_RIDGE = lookup("h100-sxm-80gb")
+MEMORY_BOUND_FLOPS_PER_BYTE = _RIDGE.peak_flops("bf16") / (_RIDGE.memory_bandwidth_gbps * 1e9)
 
 
 class Attention(nn.Module):
