@@ -108,13 +108,11 @@ class PipelineParts:
 
 
 def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, pp_rank: int) -> PipelineParts:
-    from shardwise.models import build_model
+    from shardwise.models import ARCHS, build_model
 
     p = cfg.parallel
-    with torch.device("meta"):
-        whole = build_model(cfg.model)
-    layers = stage_layers(layers_per_stage(p, cfg.model, cfg.train.seq_len,
-                                           whole.pipeline_costs(cfg.model, cfg.train.seq_len)))
+    costs = ARCHS[cfg.model.arch].pipeline_costs(cfg.model, cfg.train.seq_len)  # closed form: no model built
+    layers = stage_layers(layers_per_stage(p, cfg.model, cfg.train.seq_len, costs))
     last = len(layers) - 1
     stages: dict[int, nn.Module] = {}
     for stage in stage_ids(p.pp_schedule, p.pp, p.pp_virtual_stages, pp_rank):
