@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import TrainConfig
@@ -55,8 +56,6 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
     if pp_group is not None:
-        import torch.distributed as dist
-
         squared = total.float() ** 2
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
