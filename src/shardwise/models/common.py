@@ -22,8 +22,18 @@ _RIDGE = lookup("h100-sxm-80gb")
 MEMORY_BOUND_FLOPS_PER_BYTE = _RIDGE.peak_flops("bf16") / (_RIDGE.memory_bandwidth_gbps * 1e9)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The default attention core: causal SDPA, with grouped-query KV heads when k has fewer heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
-    """Causal multi-head attention with grouped-query KV heads, computed by SDPA."""
+    """Causal multi-head attention with grouped-query KV heads.
+
+    `core` (q, k, v) -> out computes the attention itself; it is causal SDPA unless a parallelism
+    replaces it (context parallelism installs ring / Ulysses attention, parallel/context.py), so the
+    model code stays free of communication.
+    """
 
     def __init__(self, cfg: ModelConfig, bias: bool):
         super().__init__()
@@ -33,6 +43,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=bias)
+        self.core = causal_attention
 
     def forward(self, x: torch.Tensor, rope: "RotaryEmbedding | None" = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,7 +54,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = rope(q, positions), rope(k, positions)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
