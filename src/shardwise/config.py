@@ -70,7 +70,10 @@ class ParallelConfig:
     tp: int = opt(1, "Tensor-parallel axis (Megatron-style: heads and MLP columns split over tp ranks; the innermost mesh axis).")
     sequence_parallel: bool = opt(True, "With tp > 1: shard norms and the activations between TP regions along the sequence (Korthikanti et al. 2022).")
     pp: int = opt(1, "Pipeline-parallel axis: the model's blocks are cut into pp x pp_virtual_stages stages.")
-    cp: int = opt(1, "Context-parallel axis (not implemented yet: must be 1).")
+    cp: int = opt(1, "Context-parallel axis: every sequence is split over cp ranks (load-balanced causal chunks); "
+                  "cp ranks join data parallelism for gradients and sharding.")
+    cp_mode: str = opt("ring", '"ring" (K/V passed around the cp ranks, any head count) or "ulysses" (all-to-all '
+                       "of heads: local heads must be divisible by cp).")
     ep: int = opt(1, "Expert-parallel axis (not implemented yet: must be 1).")
     pp_schedule: str = opt("1f1b", 'Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" '
                            '(looped placement, any virtual stages), "zbv" (V-shaped zero bubble, 2 virtual stages), '

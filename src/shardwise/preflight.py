@@ -82,14 +82,40 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
         raise ConfigError("parallel.zero", f"zero=0 shards nothing, but dp_shard={dims.dp_shard}",
                           f"set parallel.zero to 1, 2 or 3 to shard over dp_shard, or move the {dims.dp_shard} "
                           "ranks to parallel.dp_replicate for plain DDP")
-    if p.zero > 0 and dims.dp_shard == 1:
-        raise ConfigError("parallel.zero", f"zero={p.zero} shards over dp_shard, which is 1",
+    if p.zero > 0 and dims.dp_shard * dims.cp == 1:
+        raise ConfigError("parallel.zero", f"zero={p.zero} shards over dp_shard x cp, which is 1",
                           "set parallel.dp_shard > 1 (e.g. -1 for all ranks) or parallel.zero=0")
     if p.offload and p.zero < 2:
         raise ConfigError("parallel.offload", f"CPU offload needs FSDP (zero >= 2), got zero={p.zero}",
                           "set parallel.zero=2 or 3, or parallel.offload=false")
     check_tensor_parallel(cfg.model, dims.tp, cfg.train.seq_len, p.sequence_parallel)
+    check_context_parallel(cfg.model, dims.cp, dims.tp, cfg.train.seq_len, p.cp_mode, p.sequence_parallel)
     return dims
+
+
+CP_MODES = ("ring", "ulysses")
+
+
+def check_context_parallel(model: ModelConfig, cp: int, tp: int, seq_len: int, mode: str, sequence_parallel: bool) -> None:
+    """The splits context parallelism needs (parallel/context.py): 2·cp equal chunks per sequence
+    (the load-balanced causal split), SP's further split of each cp shard, and for Ulysses whole
+    heads per cp rank."""
+    _choice("parallel.cp_mode", mode, CP_MODES)
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
+        raise ConfigError("train.seq_len", f"context parallelism cuts each sequence into 2 x cp = {2 * cp} equal chunks "
+                          f"(load-balanced causal split), but seq_len={seq_len} is not divisible by {2 * cp}",
+                          f"choose seq_len divisible by {2 * cp}, or another parallel.cp")
+    if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
+        raise ConfigError("train.seq_len", f"sequence parallelism splits each cp shard of seq_len/cp = {seq_len // cp} "
+                          f"tokens over tp={tp} ranks, which does not divide it",
+                          f"choose seq_len divisible by cp x tp = {cp * tp}, or set parallel.sequence_parallel=false")
+    heads = model.n_heads // tp
+    if mode == "ulysses" and heads % cp:
+        raise ConfigError("parallel.cp", f"Ulysses gives each cp rank n_heads / tp / cp heads, but n_heads / tp = {heads} "
+                          f"is not divisible by cp={cp}",
+                          f"choose cp dividing {heads}, or set parallel.cp_mode=ring (any head count)")
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int, seq_len: int, sequence_parallel: bool) -> None:

@@ -135,4 +135,28 @@ PP_FAMILY = [
         **{"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3}),
 ]
 
-MATRIX = DP_FAMILY + TP_FAMILY + PP_FAMILY
+# Context parallel: ring and Ulysses at cp2 / cp4 (seq 32: 2·cp4 = 8 chunks of 4 tokens; the tiny
+# preset's 2 KV heads are repeated to 4 for Ulysses at cp4) and composed with every other axis.
+_CP2 = {"parallel.cp": 2}
+_ULYSSES = {"parallel.cp_mode": "ulysses"}
+CP_FAMILY = [
+    # world size 2
+    Layout("cp2_ring", 2, _CP2),
+    Layout("cp2_ulysses", 2, {**_CP2, **_ULYSSES}),
+    Layout("gpt_cp2_ring", 2, {**_GPT, **_CP2}, reference="gpt"),
+    Layout("cp2_ring_recompute_full", 2, {**_CP2, "train.recompute": "full"}),
+    # world size 4
+    Layout("cp4_ring", 4, {"parallel.cp": 4}),
+    Layout("cp4_ulysses", 4, {"parallel.cp": 4, **_ULYSSES}),
+    Layout("cp2_zero3_dp2", 4, {**_CP2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}),
+    Layout("cp2_ddp2", 4, {**_CP2, "parallel.dp_replicate": 2, "train.micro_batch": 4}),
+    Layout("cp2_zero1_dp2", 4, {**_CP2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 4}),
+    Layout("cp2_tp2", 4, {**_CP2, "parallel.tp": 2}),
+    Layout("cp2_ulysses_tp2", 4, {**_CP2, **_ULYSSES, "parallel.tp": 2}),
+    _pp("cp2_pp2", 4, 2, "1f1b", **{"parallel.pp": 2, **_CP2}),
+    # world size 8
+    Layout("cp2_tp2_zero3_dp2", 8, {**_CP2, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
+                                    "train.micro_batch": 4}),
+]
+
+MATRIX = DP_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY

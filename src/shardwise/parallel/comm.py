@@ -56,7 +56,7 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 def axis_names(mesh) -> dict[str, str]:
     """{process-group name: axis name} for every axis of `mesh` (a Meshes or DeviceMesh) and the
-    flattened batch view, plus the default (world) group."""
+    flattened batch, dp_cp and dp_shard_cp views, plus the default (world) group."""
     # Axes first: a group with the same ranks as an axis (but another name) is that axis, and a 1-D
     # mesh over the whole world may reuse the default group, which is then named by its axis.
     names: dict[str, str] = {}
@@ -67,6 +67,11 @@ def axis_names(mesh) -> dict[str, str]:
         batch = getattr(mesh, "batch", None)
         if batch is not None and batch.mesh_dim_names[0] not in root.mesh_dim_names:
             names[batch.get_group().group_name] = "dp"
+        # Context parallel's flattened views, under the planner's names (plan/comm.py batch_axis,
+        # shard_axis); a view that is one axis (dims.build_mesh) keeps that axis's name.
+        for view in (getattr(mesh, "dp_cp", None), getattr(mesh, "dp_shard_cp", None)):
+            if view is not None:
+                names.setdefault(view.get_group().group_name, view.mesh_dim_names[0])
     if dist.is_initialized():
         names.setdefault(dist.group.WORLD.group_name, "world")
     return names

@@ -7,6 +7,12 @@ parallel.zero says what is sharded over the dp_shard axis (Rajbhandari et al. 20
   3  + parameters — FSDP2 with reshard_after_forward=True
 dp_replicate > 1 with zero >= 2 is HSDP: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh shards
 inside a replica group and all-reduces across groups.
+
+Context parallel (cp > 1): cp ranks hold the same parameters but see different tokens of the same
+sequences, so for gradients they are data-parallel ranks too: DDP / replicate average over dp_cp
+(dp_replicate x dp_shard x cp) and FSDP / ZeRO-1 shard over dp_shard_cp (dp_shard x cp), as
+torchtitan does. Every rank's loss is its tokens' sum over its local tokens per step, so the
+average over dp_cp is the global token mean (train/trainer.py).
 """
 from __future__ import annotations
 
@@ -21,7 +27,10 @@ from shardwise.parallel.precision import fsdp_mp_policy
 
 
 def dp_mesh(mesh, dims: ParallelDims):
-    """The mesh view FSDP2 shards over: 2-D (replicate, shard) for HSDP, else the dp_shard axis."""
+    """The mesh view FSDP2 shards over: 2-D (replicate, shard) for HSDP, else the dp_shard axis
+    (with CP: dp_shard x cp)."""
+    if dims.cp > 1:
+        return mesh.hsdp_cp if dims.dp_replicate > 1 else mesh.dp_shard_cp
     if dims.dp_replicate > 1 and dims.dp_shard > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
@@ -30,6 +39,19 @@ def dp_mesh(mesh, dims: ParallelDims):
 def batch_group(mesh) -> "dist.ProcessGroup | None":
     """The process group of the batch view (ranks that read different data); None on one rank."""
     return mesh.batch.get_group() if mesh is not None and mesh.batch is not None else None
+
+
+def gradient_mesh(mesh):
+    """The ranks gradients (and the logged loss) are averaged over: the batch view, or with CP
+    dp_cp; None on one rank."""
+    if mesh is None:
+        return None
+    return mesh.dp_cp if mesh.dp_cp is not None else mesh.batch
+
+
+def gradient_group(mesh) -> "dist.ProcessGroup | None":
+    view = gradient_mesh(mesh)
+    return view.get_group() if view is not None else None
 
 
 def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, precision: str) -> None:
@@ -60,8 +82,8 @@ def apply_replicate(model: nn.Module, mesh, precision: str) -> None:
 
     mp_policy = fsdp_mp_policy(precision)
     for block in model.blocks():
-        replicate(block, mesh=mesh.batch, mp_policy=mp_policy)
-    replicate(model, mesh=mesh.batch, mp_policy=mp_policy)
+        replicate(block, mesh=gradient_mesh(mesh), mp_policy=mp_policy)
+    replicate(model, mesh=gradient_mesh(mesh), mp_policy=mp_policy)
 
 
 def apply_ddp(model: nn.Module, mesh, dims: ParallelDims) -> nn.Module:
@@ -70,28 +92,28 @@ def apply_ddp(model: nn.Module, mesh, dims: ParallelDims) -> nn.Module:
     (RoPE tables) are computed identically on every rank, so they are not re-synced each forward."""
     device = next(model.parameters()).device
     return DistributedDataParallel(
-        model, process_group=batch_group(mesh), bucket_cap_mb=25, forward_sync_buffers=False,
+        model, process_group=gradient_group(mesh), bucket_cap_mb=25, forward_sync_buffers=False,
         gradient_as_bucket_view=True, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def zero1_group(mesh, dims: ParallelDims) -> "dist.ProcessGroup":
-    return mesh["dp_shard"].get_group()
+    return (mesh.dp_shard_cp if dims.cp > 1 else mesh["dp_shard"]).get_group()
 
 
 def uses_fsdp(p: ParallelConfig, dims: ParallelDims) -> bool:
-    return p.zero >= 2 and dims.dp_shard > 1
+    return p.zero >= 2 and dims.dp_shard * dims.cp > 1
 
 
 def uses_ddp(p: ParallelConfig, dims: ParallelDims) -> bool:
     """DistributedDataParallel: data parallel without FSDP, on plain parameters of a whole model."""
-    return dims.dp > 1 and not uses_fsdp(p, dims) and dims.tp == 1 and dims.pp == 1
+    return dims.dp * dims.cp > 1 and not uses_fsdp(p, dims) and dims.tp == 1 and dims.pp == 1
 
 
 def uses_replicate(p: ParallelConfig, dims: ParallelDims) -> bool:
     """FSDP2-based replicate: the DDP of TP and PP layouts (see apply_replicate). For PP it is chosen
     even without TP because the pipeline schedule drives FSDP2-family modules' gradient reduction
     itself (one reduction after the last micro-batch), for every stage a rank holds."""
-    return dims.dp > 1 and not uses_fsdp(p, dims) and (dims.tp > 1 or dims.pp > 1)
+    return dims.dp * dims.cp > 1 and not uses_fsdp(p, dims) and (dims.tp > 1 or dims.pp > 1)
 
 
 def gradient_sync_each_microbatch(p: ParallelConfig) -> bool:

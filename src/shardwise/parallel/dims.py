@@ -13,7 +13,7 @@ from shardwise.errors import ConfigError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Axes that are validated now but trained by later milestones; each entry says what refuses it.
-NOT_YET_TRAINABLE = ("cp", "ep")
+NOT_YET_TRAINABLE = ("ep",)
 
 
 @dataclass(frozen=True)
@@ -113,16 +113,35 @@ class ParallelDims:
             batch = root["dp_replicate", "dp_shard"]._flatten("dp")
         elif self.dp > 1:
             batch = root["dp_replicate" if self.dp_replicate > 1 else "dp_shard"]
-        return Meshes(root, batch)
+        if self.cp == 1:
+            return Meshes(root, batch)
+        # CP ranks hold the same weights but see other tokens: gradients are averaged over
+        # dp_replicate x dp_shard x cp and model states sharded over dp_shard x cp (torchtitan's
+        # "dp_cp" / "dp_shard_cp"). A flattened view of one non-trivial axis is that axis (DeviceMesh
+        # returns the same group), and it keeps that axis's name, as the planner does (plan/comm.py).
+        shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp") if self.dp_shard > 1 else root["cp"]
+        if self.dp_replicate == 1:
+            grad = shard_cp
+        else:
+            grad = root[tuple(a for a in ("dp_replicate", "dp_shard", "cp") if getattr(self, a) > 1)]._flatten("dp_cp")
+        # HSDP with CP: FSDP2's 2-D mesh (replicate, shard) with the shard dim over dp_shard x cp.
+        hsdp = root["dp_replicate", shard_cp.mesh_dim_names[0]] if self.dp_replicate > 1 else None
+        return Meshes(root, batch, grad, shard_cp, hsdp)
 
 
 @dataclass(frozen=True)
 class Meshes:
     """The root mesh (index it by axis names) and the 1-D batch view over dp_replicate x dp_shard:
-    the ranks that read different data (None when there is one such rank)."""
+    the ranks that read different data (None when there is one such rank). With cp > 1 also the
+    gradient view `dp_cp` (dp_replicate x dp_shard x cp: gradient and loss averaging), the sharding
+    view `dp_shard_cp` (dp_shard x cp: FSDP / ZeRO-1) and, with dp_replicate > 1, `hsdp_cp`, the
+    2-D (dp_replicate, dp_shard_cp) mesh of HSDP; all None when cp == 1."""
 
     root: object
     batch: object | None
+    dp_cp: object | None = None
+    dp_shard_cp: object | None = None
+    hsdp_cp: object | None = None
 
     def __getitem__(self, names):
         return self.root[names]

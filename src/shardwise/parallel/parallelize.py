@@ -7,7 +7,7 @@ EP rewrite modules inside a block and must see the plain modules; activation che
 whole (already tensor-parallel) block so recomputation replays its collectives; compile sees the
 final block; FSDP goes last because it shards whatever parameters (plain or DTensor) the earlier
 steps produced. DDP needs materialized parameters, so it wraps after initialization.
-CP and EP land in later milestones; ParallelDims refuses them before anything is spawned.
+EP lands in a later milestone; ParallelDims refuses it before anything is spawned.
 
 3-D (PP x data parallel x TP): the pp axis is outermost. Every local stage is a pruned copy of the
 meta model (pipeline.py) and goes through `parallelize` on its own, so FSDP / replicate units end at
@@ -29,6 +29,7 @@ from torch import nn
 from shardwise.config import Config
 from shardwise.models.common import Transformer
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
 from shardwise.parallel.dims import ParallelDims
 from shardwise.parallel.stages import layers_per_stage, stage_ids, stage_layers
@@ -48,7 +49,11 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> No
     # PP split: done by build_pipeline before this (each stage arrives here as its own model).
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], cfg.model, cfg.parallel.sequence_parallel)
-    # (CP, EP: later milestones.)
+    if dims.cp > 1:
+        # After TP: the attention core then sees this rank's heads; before checkpointing, so a
+        # recomputed block replays its ring / all-to-all traffic like the forward did.
+        apply_context_parallel(model, mesh["cp"], cfg.parallel.cp_mode, cfg.train.seq_len)
+    # (EP: a later milestone.)
     apply_activation_checkpointing(model, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
     if uses_fsdp(cfg.parallel, dims):

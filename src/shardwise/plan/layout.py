@@ -168,14 +168,14 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        """ZeRO-2/3 run as FSDP2 in this codebase (parallel/data.py: zero >= 2 and dp_shard > 1)."""
-        return self.zero >= 2 and self.dp_shard > 1
+        """ZeRO-2/3 run as FSDP2 in this codebase (parallel/data.py: zero >= 2 and dp_shard x cp > 1)."""
+        return self.zero >= 2 and self.shard_group > 1
 
     @property
     def replicate(self) -> bool:
         """Data parallel by FSDP2's `replicate` instead of DDP (parallel/data.py uses_replicate): TP or
         PP layouts with dp > 1 that do not shard with FSDP (zero 0 and 1)."""
-        return self.dp > 1 and not self.fsdp and (self.tp > 1 or self.pp > 1)
+        return self.dp * self.cp > 1 and not self.fsdp and (self.tp > 1 or self.pp > 1)
 
     @property
     def lowp_params(self) -> bool:
@@ -186,7 +186,7 @@ class Layout:
     @property
     def shard_group(self) -> int:
         """Ranks that shard model states: dp_shard x cp (CP ranks hold identical weights, so torchtitan
-        shards over both; in this codebase cp = 1 so it is dp_shard)."""
+        shards over both: parallel/data.py)."""
         return self.dp_shard * self.cp
 
     @property
@@ -254,8 +254,8 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
     if lay.zero == 0 and lay.dp_shard > 1:
         return Violation("zero", "parallel.zero", f"zero=0 shards nothing, but dp_shard={lay.dp_shard}",
                          "set parallel.zero >= 1, or move the ranks to parallel.dp_replicate")
-    if lay.zero > 0 and lay.dp_shard == 1:
-        return Violation("zero", "parallel.zero", f"zero={lay.zero} shards over dp_shard, which is 1",
+    if lay.zero > 0 and lay.shard_group == 1:
+        return Violation("zero", "parallel.zero", f"zero={lay.zero} shards over dp_shard x cp, which is 1",
                          "set parallel.dp_shard > 1 or parallel.zero=0")
     if lay.offload and lay.zero < 2:
         return Violation("offload", "parallel.offload", f"CPU offload needs FSDP (zero >= 2), got zero={lay.zero}",
@@ -289,9 +289,17 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
     if s.n_layers % (lay.pp * v) and not allow_uneven_pp:
         return Violation("layers % (pp*v)", "parallel.pp", f"n_layers({s.n_layers}) is not divisible by pp({lay.pp}) x virtual stages({v})",
                          "choose pp * pp_virtual_stages dividing model.n_layers")
+    if lay.cp_mode not in ("ring", "ulysses"):
+        return Violation("cp_mode", "parallel.cp_mode", f"{lay.cp_mode!r} is not one of ring, ulysses", 'use "ring"')
     if problem.seq_len % (2 * lay.cp) and lay.cp > 1:
-        return Violation("seq % 2cp", "parallel.cp", f"seq_len({problem.seq_len}) is not divisible by 2 x cp({lay.cp})",
+        return Violation("seq % 2cp", "train.seq_len", f"seq_len({problem.seq_len}) is not divisible by 2 x cp({lay.cp})",
                          "causal load balancing splits each sequence into 2*cp chunks")
+    if lay.cp > 1 and lay.sp and (problem.seq_len // lay.cp) % lay.tp:
+        return Violation("seq/cp % tp", "train.seq_len", f"SP splits seq_len/cp({problem.seq_len // lay.cp}) over tp({lay.tp})",
+                         "choose seq_len divisible by cp x tp, or parallel.sequence_parallel=false")
+    if lay.cp > 1 and lay.cp_mode == "ulysses" and (s.n_heads // lay.tp) % lay.cp:
+        return Violation("heads/tp % cp", "parallel.cp", f"Ulysses splits n_heads/tp({s.n_heads // lay.tp}) over cp({lay.cp})",
+                         "choose cp dividing n_heads / tp, or parallel.cp_mode=ring")
     if lay.ep > 1 and (s.moe is None or s.moe.num_experts % lay.ep):
         what = "the model has no experts" if s.moe is None else f"num_experts({s.moe.num_experts}) is not divisible by ep({lay.ep})"
         return Violation("ep", "parallel.ep", what, "set parallel.ep=1" if s.moe is None else "choose ep dividing num_experts")

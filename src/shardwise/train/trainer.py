@@ -21,8 +21,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardwise.config import Config
 from shardwise.models import build_model
 from shardwise.parallel.comm import CommCounter, axis_names, describe_comm
+from shardwise.parallel.context import zigzag_index
 from shardwise.parallel.data import (
     batch_group,
+    gradient_group,
     gradient_sync_each_microbatch,
     unwrap,
     uses_ddp,
@@ -84,6 +86,11 @@ class Trainer:
         self.accumulation = check_batch(cfg, self.dims)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.batch_group = batch_group(self.mesh)
+        # The logged loss is averaged over every rank with its own tokens: dp, and cp's sequence shards.
+        self.loss_group = gradient_group(self.mesh)
+        # Context parallel: this rank's tokens of every sequence (the load-balanced zigzag split).
+        self.cp_index = zigzag_index(cfg.train.seq_len, self.dims.cp, self.dims.coordinates(self.rank)["cp"]) \
+            if self.dims.cp > 1 else None
         self.batch_rank = self.dims.batch_rank(self.rank)
         self.run_dir = Path(cfg.run.dir)
         self.quiet = log is None or self.rank != 0
@@ -109,7 +116,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.world_group = dist.group.WORLD if distributed else None
-        self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len
+        self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len // self.dims.cp
         self.step = 0
         self.record_pipeline = False
         self.pipeline_timeline = None
@@ -126,15 +133,22 @@ class Trainer:
         cfg, dims, t = self.cfg, self.dims, self.cfg.train
         parts = build_pipeline(dims, self.mesh, cfg, self.device, dims.coordinates(self.rank)["pp"])
         self.pipeline_layers = parts.layers
-        seq = t.seq_len // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else t.seq_len
+        local = t.seq_len // dims.cp  # a cp rank's share of each sequence
+        seq = local // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else local
         low = uses_fsdp(cfg.parallel, dims) or uses_replicate(cfg.parallel, dims)
         vocab = -(-cfg.model.vocab_size // dims.tp)  # the loss reads the real (DTensor) logits; shape only
-        io = {"tokens": ((t.micro_batch, t.seq_len), torch.int64),
+        io = {"tokens": ((t.micro_batch, local), torch.int64),
               "hidden": ((t.micro_batch, seq, cfg.model.dim), boundary_dtype(t.precision, low)),
-              "logits": ((t.micro_batch, t.seq_len, vocab), torch.float32)}
+              "logits": ((t.micro_batch, local, vocab), torch.float32)}
         self.pipeline = PipelineRun(parts.stages, len(parts.layers), cfg.parallel.pp_schedule, self.accumulation,
                                     self._pipeline_loss, self.mesh["pp"].get_group(), self.device, io, t.precision)
         return parts.model
+
+    def _cp_split(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This cp rank's tokens of (b, seq) inputs and targets; the targets of a token stay with it."""
+        if self.cp_index is None:
+            return inputs, targets
+        return inputs[:, self.cp_index].contiguous(), targets[:, self.cp_index].contiguous()
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(self._token_loss(logits, targets))
@@ -180,9 +194,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:  # only the last stage has the loss
             dist.all_reduce(loss_sum, group=self.mesh["pp"].get_group())
-        if self.batch_group is not None:  # the logged loss only; not part of training traffic
-            dist.all_reduce(loss_sum, group=self.batch_group)
-            loss_sum /= self.dims.dp
+        if self.loss_group is not None:  # the logged loss only; not part of training traffic
+            dist.all_reduce(loss_sum, group=self.loss_group)
+            loss_sum /= self.dims.dp * self.dims.cp
         self.step += 1
         loss_value, norm_value = torch.stack([loss_sum, grad_norm.float().to(loss_sum.device)]).tolist()  # one host sync
         return StepResult(loss_value, norm_value, lr, time.perf_counter() - start, found_inf)
@@ -204,7 +218,7 @@ class Trainer:
         """Forward and backward of every micro-batch in turn (gradient accumulation); the loss sum."""
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
-            inputs, targets = (x.to(self.device, non_blocking=True) for x in split_inputs_targets(batch))
+            inputs, targets = (x.to(self.device, non_blocking=True) for x in self._cp_split(*split_inputs_targets(batch)))
             last = i == len(micro) - 1
             with self._sync_context(last), self._loss_context():
                 if self.activation_bytes == 0 and i == 0:
@@ -221,7 +235,7 @@ class Trainer:
     def _pipeline_forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """All micro-batches through the pipeline schedule; returns this rank's loss sum (non-zero
         only where the last stage runs). On recorded steps every stage's actions are timed."""
-        pairs = [split_inputs_targets(batch) for batch in micro]
+        pairs = [self._cp_split(*split_inputs_targets(batch)) for batch in micro]
         inputs = torch.cat([i for i, _ in pairs]).to(self.device)
         targets = torch.cat([t for _, t in pairs]).to(self.device)
         record = self.record_pipeline
