@@ -37,6 +37,22 @@ CASES = {
     "zero3_dp2": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
 }
 CASES_4 = {"zero3_dp2_tp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}}
+# Context parallel (parallel/context.py): the cp axis and the dp_cp / dp_shard_cp gradient groups.
+_CP = {"parallel.cp": 2}
+_UL = {"parallel.cp_mode": "ulysses"}
+CASES.update({
+    "cp2_ring": dict(_CP),
+    "cp2_ulysses": {**_CP, **_UL},
+    "cp2_ring_recompute_full": {**_CP, "train.recompute": "full"},
+    "cp2_ulysses_recompute_full_accum2": {**_CP, **_UL, "train.recompute": "full", "train.micro_batch": 4},
+})
+CASES_4.update({
+    "cp4_ring": {"parallel.cp": 4},
+    "cp4_ulysses": {"parallel.cp": 4, **_UL},
+    "cp2_ring_zero3_dp2": {**_CP, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
+    "cp2_ulysses_ddp2": {**_CP, **_UL, "parallel.dp_replicate": 2, "train.micro_batch": 4},
+    "cp2_ring_tp2": {**_CP, "parallel.tp": 2},
+})
 
 
 def _train_one_step(base, overrides: dict, run_dir) -> dict:
@@ -125,3 +141,57 @@ def test_fsdp_tp_2d_splits_traffic_by_axis(counted):
 def test_metrics_report_bytes_per_axis(counted):
     line = counted["metrics_line"]
     assert line["comm_tp_bytes"] == sum(line["comm_bytes_per_step"]["tp"].values()) > 0
+
+
+CP_CASES = [n for n in (*CASES, *CASES_4) if n.startswith("cp")]
+
+
+def _cp_analytic(base_overrides, ov: dict, accumulation: int) -> dict[str, int]:
+    """Bytes per step on the cp axis from first principles, fp32, for a rank holding b·s/cp tokens
+    of each micro-batch (b sequences of s tokens), L blocks, heads of size d (4 query heads and 2 KV
+    heads in the tiny preset; with tp, the local heads):
+      ring: K and V (2·kv·d values per token) go cp-1 hops forward and, in backward, K/V again plus
+        the dK/dV accumulators cp-1 hops (Liu et al. 2023 ring, dK/dV returned to their owners):
+        3(cp-1) sends and as many receptions per block; full recompute replays the forward's cp-1.
+      Ulysses: q, k, v and the output are each all-to-all'ed once forward and once backward (their
+        gradients), KV heads repeated to a multiple of cp first; full recompute replays the forward."""
+    import math
+
+    cfg = build_config(None, base_overrides + [(k, str(v)) for k, v in ov.items()])
+    m, cp, tp = cfg.model, cfg.parallel.cp, cfg.parallel.tp
+    d = m.dim // m.n_heads
+    tokens = cfg.train.micro_batch * cfg.train.seq_len // cp
+    heads, kv = m.n_heads // tp, max(1, m.n_kv_heads // tp)
+    replay = 1 if cfg.train.recompute == "full" else 0
+    L = m.n_layers
+    if cfg.parallel.cp_mode == "ring":
+        hops = (cp - 1) * (3 + replay)
+        per = tokens * 2 * kv * d * 4 * hops * L * accumulation
+        return {"send": per, "recv": per}
+    if kv % cp:
+        kv *= cp // math.gcd(kv, cp)
+    per_direction = tokens * (2 * heads + 2 * kv) * d * 4 * L
+    return {"all_to_all": per_direction * (2 + replay) * accumulation}
+
+
+@pytest.mark.parametrize("name", CP_CASES)
+def test_cp_traffic_matches_planner_exactly(counted, base_overrides, name):
+    """The counted bytes on cp (and on the dp_cp / dp_shard_cp gradient groups) equal the planner's
+    predict_comm_bytes to the byte, and the cp attention traffic equals the closed form above."""
+    from shardwise.plan.comm import predict_comm_bytes
+
+    ov = {**CASES, **CASES_4}[name]
+    world = 2 if name in CASES else 4
+    cfg = build_config(None, base_overrides + [(k, str(v)) for k, v in ov.items()])
+    cfg.cluster.num_gpus = world
+    predicted = predict_comm_bytes(cfg)
+    got = counted[name]["comm"]
+    analytic = _cp_analytic(base_overrides, ov, counted[name]["accumulation"])
+    print(f"{name}: cp bytes/step {got['cp']} (planner {predicted['cp']}, analytic {analytic}); "
+          f"gradient groups {({a: got[a] for a in got if a.startswith('dp')})}")
+    assert got["cp"] == predicted["cp"]
+    # With dp = 1 the cp group also carries the gradient all-reduce (the planner's dp_cp is then cp).
+    assert {kind: got["cp"].get(kind) for kind in analytic} == analytic
+    for axis in set(got) | set(predicted):
+        if axis.startswith("dp") or axis == "cp":
+            assert got.get(axis) == predicted.get(axis), f"{axis}: counted {got.get(axis)} vs planner {predicted.get(axis)}"

@@ -30,11 +30,13 @@ Validated against the trainer's counter, per axis and per pipeline rank, on data
 pipeline layouts (tests/dist/test_plan_validation.py).
 Not counted (nor by the trainer's counter): the logged loss's all-reduce, checkpoint / logging-step
 traffic on the world group (memory all_gather) and the fp16 loss-scaler flag (world group, not an axis).
-CP and EP are not trained yet; they follow the torchtitan designs DESIGN §2 names: CP
-ring attention (pass-KV: cp-1 rounds of K and V in forward, K, V, dK, dV in backward) or Ulysses
-(4 all_to_all per layer and direction); EP all_to_all dispatch + combine per MoE layer and direction.
-Recomputation repeats the forward's CP / EP collectives (they are not in selective "op"'s save list);
-for TP see `_tp_collectives`.
+CP (parallel/context.py): ring attention sends and receives K and V (compact KV heads, compute
+dtype) cp-1 times per layer and micro-batch in forward, and in backward cp-1 times K/V plus cp-1
+times the dK/dV accumulators; Ulysses 4 all_to_all (q, k, v, out) per layer and direction. CP ranks
+join data parallelism: gradients over dp_cp, model states sharded over dp_shard_cp (`batch_axis`,
+`shard_axis`; the counter's names for them: `counted_axis`). EP is not trained yet: all_to_all
+dispatch + combine per MoE layer and direction. Recomputation repeats the forward's CP / EP
+collectives (they are not in selective "op"'s save list); for TP see `_tp_collectives`.
 """
 from __future__ import annotations
 
@@ -207,7 +209,7 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
         else:
             grads = local * grad_bytes
             out.append(Collective(bax, "all_reduce", grads, 1, "grad", "grads"))
-            if lay.zero == 1 and lay.dp_shard > 1:
+            if lay.zero == 1 and lay.shard_group > 1:
                 out.append(Collective(sax, "broadcast", local * param_bytes if mixed else local * 4, 1, "step", "params"))
     # ---- tensor parallel (activations of one micro-batch; parallel/tensor.py) ----
     tokens = lay.micro_batch * problem.seq_len / lay.cp
@@ -225,9 +227,15 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
         kv_local = max(shape.kv_dim / lay.tp, shape.head_dim)
         L = rank.layers
         if lay.cp_mode == "ulysses":
-            qkvo = tokens * (2 * shape.dim / lay.tp + 2 * kv_local) * act
+            # q, k, v to heads and the output back; local KV heads that cp does not divide are
+            # repeated cp / gcd(kv heads, cp) times first (parallel/context.py UlyssesAttention).
+            kv_heads = kv_local / shape.head_dim
+            kv_sent = kv_local * lay.cp / math.gcd(int(kv_heads), lay.cp) if kv_heads % lay.cp else kv_local
+            qkvo = tokens * (2 * shape.dim / lay.tp + 2 * kv_sent) * act
             out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m, "fwd", "act"))
             out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m, "bwd", "act"))
+            if rc_other:
+                out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m * rc_other, "recompute", "act"))
         else:
             kv = tokens * 2 * kv_local * act
             for kind in ("send", "recv"):
@@ -303,6 +311,17 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     return out
 
 
+def counted_axis(axis: str, lay: Layout) -> str:
+    """The name the trainer's counter gives the group of `axis`: a flattened CP view with one
+    non-trivial member axis is that axis's own process group (parallel/dims.py build_mesh), and with
+    dp_replicate = 1 the gradient view dp_cp is the sharding view dp_shard_cp."""
+    if axis == "dp_cp" and lay.dp_replicate == 1:
+        axis = "dp_shard_cp"
+    if axis == "dp_shard_cp" and lay.dp_shard == 1:
+        axis = "cp"
+    return axis
+
+
 def predict_comm_bytes(cfg: Any, dims: Any = None, rank: int = 0) -> dict[str, dict[str, int]]:
     """Payload bytes per mesh axis and collective kind that `rank` moves in one optimizer step.
 
@@ -323,7 +342,7 @@ def predict_comm_bytes(cfg: Any, dims: Any = None, rank: int = 0) -> dict[str, d
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for c in collectives(problem, lay, pp_rank=pp_rank):
         if c.total > 0:
-            totals[c.axis][c.kind] += c.total
+            totals[counted_axis(c.axis, lay)][c.kind] += c.total
     return {axis: {kind: int(round(v)) for kind, v in kinds.items()} for axis, kinds in totals.items()}
 
 
