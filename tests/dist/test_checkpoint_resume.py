@@ -25,12 +25,15 @@ SAME_LAYOUT = {
         # pipeline: one stage per rank of the 2-block tiny model; V-shaped zero bubble on 4 blocks
         "pp2_1f1b": {"parallel.pp": 2, "train.micro_batch": 2},
         "pp2_zbv": {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2,
-                    "model.n_layers": 4, "train.micro_batch": 2}},
+                    "model.n_layers": 4, "train.micro_batch": 2},
+        # context parallel; ZeRO-1 with dp_shard = 1 shards the optimizer state over the cp ranks
+        "cp2_ulysses_zero1": {"parallel.cp": 2, "parallel.cp_mode": "ulysses", "parallel.zero": 1}},
     4: {"tp2_zero3_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
         "tp2_ddp2_nosp": {"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.sequence_parallel": "false",
                           "train.micro_batch": 4},
         "pp2_tp2": {"parallel.pp": 2, "parallel.tp": 2, "train.micro_batch": 2},
-        "pp2_zero1_dp2": {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2}},
+        "pp2_zero1_dp2": {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2},
+        "cp2_ring_zero3_dp2": {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}},
 }
 
 

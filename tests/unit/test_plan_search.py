@@ -162,3 +162,31 @@ def test_search_enumerates_zbv_and_keeps_zero_bubble_looped():
     z1 = evaluate(p, lay.with_(schedule="1f1b", virtual_stages=1))
     # Same activation peak as 1F1B's first rank, which now also holds the head; (almost) no bubble.
     assert e.memory.detail["inflight_microbatches"] == 4 and e.breakdown_s["bubble"] < z1.breakdown_s["bubble"]
+
+
+def test_context_parallel_rules_agree_with_the_trainers_preflight():
+    """The planner's CP rules (check_layout) and the trainer's pre-flight (check_tensor_parallel +
+    check_context_parallel) accept the same (cp, cp_mode, tp, SP, seq_len) on the tiny preset."""
+    from shardwise.errors import ConfigError
+    from shardwise.preflight import check_context_parallel, check_tensor_parallel
+
+    checked = 0
+    for cp in (2, 3, 4):
+        for tp in (1, 2, 4):
+            for mode in ("ring", "ulysses"):
+                for sp in ("true", "false"):
+                    for seq in (24, 32, 36, 48):
+                        cfg = load_config(overrides=["--model.preset=tiny", "--train.global_batch=8", "--train.micro_batch=8",
+                                                     f"--train.seq_len={seq}", f"--parallel.cp={cp}", f"--parallel.tp={tp}",
+                                                     f"--parallel.cp_mode={mode}", f"--parallel.sequence_parallel={sp}",
+                                                     f"--cluster.num_gpus={cp * tp}", f"--cluster.gpus_per_node={cp * tp}"])
+                        planner_ok = check_layout(Problem.from_config(cfg), Layout.from_config(cfg, cp * tp)) is None
+                        try:
+                            check_tensor_parallel(cfg.model, tp, seq, cfg.parallel.sequence_parallel)
+                            check_context_parallel(cfg.model, cp, tp, seq, mode, cfg.parallel.sequence_parallel)
+                            trainer_ok = True
+                        except ConfigError:
+                            trainer_ok = False
+                        assert planner_ok == trainer_ok, (cp, tp, mode, sp, seq, planner_ok, trainer_ok)
+                        checked += trainer_ok
+    assert checked > 20

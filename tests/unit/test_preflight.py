@@ -17,7 +17,14 @@ BAD = [
     (["train", "--parallel.dp_shard=3", "--parallel.zero=3", "--nproc", "2"], "parallel",
      "dp_replicate(1) * dp_shard(3) * cp(1) * tp(1) * pp(1) = 3 != world_size 2"),
     (["train", "--parallel.dp_shard=2", "--nproc", "2"], "parallel.zero", "zero=0 shards nothing"),
-    (["train", "--parallel.zero=2", "--nproc", "1"], "parallel.zero", "dp_shard, which is 1"),
+    (["train", "--parallel.zero=2", "--nproc", "1"], "parallel.zero", "dp_shard x cp, which is 1"),
+    # context parallel (seq 128 by default)
+    (["train", "--parallel.cp=2", "--parallel.cp_mode=striped", "--nproc", "2"], "parallel.cp_mode", "not one of"),
+    (["train", "--parallel.cp=4", "--train.seq_len=36", "--nproc", "4"], "train.seq_len", "2 x cp = 8 equal chunks"),
+    (["train", "--parallel.cp=2", "--parallel.tp=4", "--train.seq_len=36", "--nproc", "8"], "train.seq_len",
+     "each cp shard of seq_len/cp = 18"),
+    (["train", "--parallel.cp=4", "--parallel.tp=2", "--parallel.cp_mode=ulysses", "--nproc", "8"], "parallel.cp",
+     "n_heads / tp = 2 is not divisible by cp=4"),
     (["train", "--parallel.zero=5"], "parallel.zero", "must be 0, 1, 2 or 3"),
     (["train", "--parallel.dp_replicate=2", "--parallel.offload=true", "--nproc", "2"], "parallel.offload", "needs FSDP"),
     # tensor parallel: the tiny preset has 4 query heads, 2 KV heads, ffn 192, seq 128 by default
