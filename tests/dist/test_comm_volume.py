@@ -44,6 +44,7 @@ CASES.update({
     "cp2_ring": dict(_CP),
     "cp2_ulysses": {**_CP, **_UL},
     "cp2_ring_recompute_full": {**_CP, "train.recompute": "full"},
+    "cp2_ring_recompute_op": {**_CP, "train.recompute": "selective"},
     "cp2_ulysses_recompute_full_accum2": {**_CP, **_UL, "train.recompute": "full", "train.micro_batch": 4},
 })
 CASES_4.update({
@@ -152,7 +153,8 @@ def _cp_analytic(base_overrides, ov: dict, accumulation: int) -> dict[str, int]:
     heads in the tiny preset; with tp, the local heads):
       ring: K and V (2·kv·d values per token) go cp-1 hops forward and, in backward, K/V again plus
         the dK/dV accumulators cp-1 hops (Liu et al. 2023 ring, dK/dV returned to their owners):
-        3(cp-1) sends and as many receptions per block; full recompute replays the forward's cp-1.
+        3(cp-1) sends and as many receptions per block; recompute (full or per-op) replays the
+        forward's cp-1.
       Ulysses: q, k, v and the output are each all-to-all'ed once forward and once backward (their
         gradients), KV heads repeated to a multiple of cp first; full recompute replays the forward."""
     import math
@@ -162,7 +164,8 @@ def _cp_analytic(base_overrides, ov: dict, accumulation: int) -> dict[str, int]:
     d = m.dim // m.n_heads
     tokens = cfg.train.micro_batch * cfg.train.seq_len // cp
     heads, kv = m.n_heads // tp, max(1, m.n_kv_heads // tp)
-    replay = 1 if cfg.train.recompute == "full" else 0
+    # Selective "op" does not save point-to-point / all-to-all outputs: replayed like full recompute.
+    replay = 1 if cfg.train.recompute in ("full", "selective") else 0
     L = m.n_layers
     if cfg.parallel.cp_mode == "ring":
         hops = (cp - 1) * (3 + replay)

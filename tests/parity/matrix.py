@@ -145,6 +145,7 @@ CP_FAMILY = [
     Layout("cp2_ulysses", 2, {**_CP2, **_ULYSSES}),
     Layout("gpt_cp2_ring", 2, {**_GPT, **_CP2}, reference="gpt"),
     Layout("cp2_ring_recompute_full", 2, {**_CP2, "train.recompute": "full"}),
+    Layout("cp2_ring_recompute_op", 2, {**_CP2, "train.recompute": "selective", "train.recompute_policy": "op"}),
     # world size 4
     Layout("cp4_ring", 4, {"parallel.cp": 4}),
     Layout("cp4_ulysses", 4, {"parallel.cp": 4, **_ULYSSES}),
