@@ -158,6 +158,8 @@ CP_FAMILY = [
     # world size 8
     Layout("cp2_tp2_zero3_dp2", 8, {**_CP2, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
                                     "train.micro_batch": 4}),
+    Layout("cp2_hsdp_2x2_zero3", 8, {**_CP2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
+                                     "train.micro_batch": 2}),
 ]
 
 MATRIX = DP_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY

@@ -125,6 +125,9 @@ class ParallelDims:
         else:
             grad = root[tuple(a for a in ("dp_replicate", "dp_shard", "cp") if getattr(self, a) > 1)]._flatten("dp_cp")
         # HSDP with CP: FSDP2's 2-D mesh (replicate, shard) with the shard dim over dp_shard x cp.
+        # With dp_shard > 1 this slices the flattened dim back out of the root mesh, which torch
+        # warns will be deprecated; it reuses the existing groups (a fresh 2-D DeviceMesh would
+        # create new communicators). Parity: tests/parity/matrix.py cp2_hsdp_2x2_zero3.
         hsdp = root["dp_replicate", shard_cp.mesh_dim_names[0]] if self.dp_replicate > 1 else None
         return Meshes(root, batch, grad, shard_cp, hsdp)
 
