@@ -29,6 +29,14 @@ missing per-stage RoPE table set 3.5-4.3%. They run one step before the measured
 traffic is a steady step's (the schedules' first step adds 4-byte handshakes between neighbours).
 Communication is compared on every rank, against the planner's prediction for that rank.
 
+Context-parallel rows (cp2_*, parallel/context.py) are the same comparisons on every cp rank. Each
+exposed a CP-specific term of what autograd saves, now in the planner (plan/activations.py
+cp_block_bytes_per_token, cp_rope_bytes_per_block, cp_stage_bytes): the core's output copy that wo
+saves, Ulysses' repeated KV heads and index permutations, ring's bf16 LSE under autocast, and RoPE's
+gathered cos/sin rows in place of the whole tables. They match to the byte except the TP rows (the
+non-CP tp2 row's 128 B/token, -1.6%) and cp2_ring_pp2_1f1b (the shared int64 token / target storage,
+-0.2% at most).
+
 Selective "op" recomputation keeps the outputs of matmuls / SDPA inside torch's selective-checkpoint
 cache, where saved-tensor hooks cannot see them (the meter only sees the checkpoint's block inputs);
 the test adds them with a dispatch mode that counts the storages of those ops' outputs during the
@@ -91,6 +99,24 @@ CASES[4].update({
     "pp2_zero3_dp2": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 3}),
     "pp2_dualpipev_ddp2": dict(PP, **{"parallel.dp_replicate": 2, "parallel.pp_schedule": "dualpipev",
                                       "parallel.pp_virtual_stages": 2, "train.micro_batch": 1}),
+})
+# Context parallel (parallel/context.py): every sequence cut over cp in zigzag order; ring or Ulysses
+# attention; the cp ranks shard model states with dp_shard (dp_shard_cp) and reduce gradients over dp_cp.
+CP = {"parallel.cp": 2}
+CASES[2].update({
+    "cp2_ring": dict(CP),
+    "cp2_ulysses": dict(CP, **{"parallel.cp_mode": "ulysses"}),
+    "cp2_ring_full": dict(CP, **{"train.recompute": "full"}),
+    "cp2_ring_bf16_autocast": dict(CP, **{"train.precision": "bf16"}),  # ring's fp32 output under 16-bit
+})
+CASES[4].update({
+    "cp2_ring_zero3_dp2": dict(CP, **{"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}),
+    "cp2_ring_zero3_dp2_bf16": dict(CP, **{"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4,
+                                           "train.precision": "bf16"}),  # 16-bit params: ring computes in fp32
+    "cp2_ring_tp2": dict(CP, **{"parallel.tp": 2}),
+    "cp2_ring_pp2_1f1b": dict(PP, **CP),
+    # one KV head per tp rank, cp2: Ulysses repeats it twice before the all-to-all
+    "cp2_ulysses_tp2": dict(CP, **{"parallel.tp": 2, "parallel.cp_mode": "ulysses"}),
 })
 STATE_RTOL = 0.02
 ACTIVATION_RTOL = 0.10

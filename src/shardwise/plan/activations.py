@@ -26,6 +26,7 @@ it sharded); a row-parallel linear's output is a full-size partial sum. CP divid
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -156,6 +157,52 @@ def rope_table_bytes(shape: ModelShape) -> float:
     """llama's RoPE cos/sin buffers (max_seq_len x head_dim fp32 each): RoPE saves slices of them,
     which keep the whole buffer alive — counted once, like the activation meter does."""
     return 2 * 4 * shape.max_seq_len * shape.head_dim if shape.arch == "llama" else 0.0
+
+
+def cp_block_bytes_per_token(shape: ModelShape, reg: str, tp: int, cp: int, cp_mode: str) -> float:
+    """What a block saves under context parallelism (parallel/context.py) on top of `block_bytes`, per
+    local token. Measured with saved-tensor hooks on the tiny preset (tests/dist/test_plan_validation.py
+    cp2_* rows; listing every saved storage with the source line that saved it):
+    - both modes: the core returns a contiguous (b, heads, s, d) tensor, so Attention.forward's
+      `out.transpose(1, 2).reshape(b, s, -1)` is a copy, which wo saves (a·h/tp). Causal SDPA on CPU
+      returns its output already laid out as (b, s, heads, d), so without CP that reshape is a view
+      and no copy exists (the single-process rows show none).
+    - ring: _RingAttention saves q, k, v, its output `o` and LSE. In fp32 that is SDPA's inventory.
+      In 16-bit the trainer runs the forward under torch.autocast (parallel/precision.py, also with
+      FSDP2's 16-bit parameters), and the Function's forward runs inside that region: its
+      torch.matmul casts the fp32 `_compute_dtype` copies back to bf16, so `o` and LSE come out
+      bf16 (measured on cp2_ring_bf16_autocast and cp2_ring_zero3_dp2_bf16: `o` (b, heads, s/cp, d)
+      and LSE (b, heads, s/cp, 1) both bf16): LSE 2·heads/tp bytes less than SDPA's fp32 LSE.
+    - ulysses: SDPA saves k and v after the all-to-all; when cp does not divide the local KV heads
+      they were repeated r = cp / gcd(kv heads, cp) times first (UlyssesAttention.__call__), and
+      the repeated heads are what is saved: (r - 1) more copies of k and v (plan/comm.py sends them)."""
+    if cp == 1:
+        return 0.0
+    a = 4 if reg == "fp32" else 2
+    extra = a * shape.dim / tp
+    if cp_mode == "ring":
+        return extra - (2 * shape.n_heads / tp if reg != "fp32" else 0.0)
+    kv_local = max(shape.kv_dim / tp, shape.head_dim)
+    heads = int(kv_local // shape.head_dim)
+    if heads % cp:
+        extra += 2 * a * kv_local * (cp // math.gcd(heads, cp) - 1)
+    return extra
+
+
+def cp_rope_bytes_per_block(shape: ModelShape, seq_len: int, cp: int) -> float:
+    """llama under CP: RoPE indexes its cos/sin tables with this rank's zigzag positions
+    (models/common.py RotaryEmbedding: `self.cos[positions]`), an advanced-indexing gather that makes
+    new (s/cp, head_dim) fp32 tensors, which the products with q and with k each save: 2 calls x
+    (cos, sin) per block and micro-batch (measured: 4 x (16, 16) fp32 per block at seq 32, cp 2).
+    The whole tables are then no longer kept alive (`cp_stage_bytes` replaces `rope_table_bytes`)."""
+    return 2 * 2 * 4 * (seq_len / cp) * shape.head_dim if shape.arch == "llama" else 0.0
+
+
+def cp_stage_bytes(shape: ModelShape, seq_len: int, cp_mode: str) -> float:
+    """Per-model (pipeline stage) storages under CP, counted once like `rope_table_bytes`: Ulysses'
+    two int64 permutations of the gathered sequence (UlyssesAttention.natural / .order), which every
+    layer's index_select saves (measured: 2 x (32,) int64 at seq 32); nothing for ring."""
+    return 2 * 8.0 * seq_len if cp_mode == "ulysses" else 0.0
 
 
 def gpt_positions_bytes(shape: ModelShape, seq_len: int) -> float:

@@ -317,7 +317,8 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
 
     Every term is affine in the micro-batch's tokens, so the coefficients are cached per layout
     without its micro-batch size (the search asks for many micro-batch sizes of one layout)."""
-    key = (core.tp, core.sp, core.cp, core.recompute, core.recompute_policy, core.recompute_every, core.lowp_params)
+    key = (core.tp, core.sp, core.cp, core.cp_mode if core.cp > 1 else "", core.recompute, core.recompute_policy,
+           core.recompute_every, core.lowp_params)
     (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     tokens = core.micro_batch * problem.seq_len / core.cp
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
@@ -331,12 +332,17 @@ def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tu
 
 def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float, float]:
     shape = problem.shape
-    tp, sp, cp, recompute, policy, every, lowp_params = key
+    tp, sp, cp, cp_mode, recompute, policy, every, lowp_params = key
     reg = A.regime(problem.precision, lowp_params, problem.model_states)
+    # Context parallelism changes what a plain block saves (activations.py cp_block_bytes_per_token,
+    # cp_rope_bytes_per_block): the core's output copy, ring's fp32 output, Ulysses' repeated KV
+    # heads, and RoPE's gathered cos/sin rows instead of slices of the whole tables.
+    cp_per_token = A.cp_block_bytes_per_token(shape, reg, tp, cp, cp_mode)
+    cp_fixed = A.cp_rope_bytes_per_block(shape, problem.seq_len, cp) if cp > 1 else 0.0
 
     def none_block(moe: bool) -> float:
         b = A.block_bytes(shape, reg, tp, sp, moe)
-        return b.per_token * tokens + b.fixed
+        return (b.per_token + cp_per_token) * tokens + b.fixed + cp_fixed
 
     def stored(mode: str, moe: bool) -> float:
         if mode == "full":
@@ -362,6 +368,8 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
     # the block input, and under "op" the matmul/SDPA outputs, is kept).
     plain_blocks = mode == "none" or (mode == "selective" and policy == "layer" and every > 1 and rank.layers > 1)
     rope = A.rope_table_bytes(shape) if rank.layers and plain_blocks else 0.0
+    if cp > 1:  # the tables are gathered per block instead (above); Ulysses' index permutations
+        rope = A.cp_stage_bytes(shape, problem.seq_len, cp_mode) if rank.layers and plain_blocks else 0.0
     # Recomputing a checkpointed block in backward rematerializes its full activations (one at a time).
     working = none_block(rank.moe_layers > 0) if mode != "none" and rank.layers else 0.0
     return blocks, embedding, head, rope, working
