@@ -108,6 +108,14 @@ def _wait(reqs: list) -> None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
+        # The trainer runs forward under torch.autocast for bf16/fp16: left on, it would cast the fp32
+        # copies below back to 16 bits inside every matmul, so scores, block merges and LSE would round
+        # to bf16 once per block. Off here (and in backward), they are computed in _compute_dtype.
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._forward(ctx, q, k, v, ring)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, ring: _Ring):
         cp, rank = ring.size, ring.rank
         dt = _compute_dtype(q.dtype)
         groups = q.shape[1] // k.shape[1]
@@ -134,20 +142,27 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 _wait(reqs)
                 kv = nxt
-        o = torch.cat(out, dim=2)
+        # Like FlashAttention-2, keep the output in the input dtype (the tensor returned, so nothing
+        # extra is stored) and the LSE in fp32: the same inventory SDPA saves (plan/activations.py).
+        o = torch.cat(out, dim=2).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
         ctx.ring, ctx.scale, ctx.groups = ring, scale, groups
-        return o.to(q.dtype)
+        return o
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
         ring, scale, groups = ctx.ring, ctx.scale, ctx.groups
         cp, rank = ring.size, ring.rank
-        dt = o.dtype
+        dt = lse.dtype
         qc, doc = q.to(dt).chunk(2, dim=2), dout.to(dt).chunk(2, dim=2)
         lsec = lse.chunk(2, dim=2)
-        delta = [(d * oo).sum(-1, keepdim=True) for d, oo in zip(doc, o.chunk(2, dim=2))]  # D = rowsum(dO∘O)
+        delta = [(d * oo).sum(-1, keepdim=True) for d, oo in zip(doc, o.to(dt).chunk(2, dim=2))]  # D = rowsum(dO∘O)
         dq = [torch.zeros_like(x) for x in qc]
 
         def block_grads(kv: torch.Tensor, src: int) -> torch.Tensor:

@@ -167,12 +167,9 @@ def cp_block_bytes_per_token(shape: ModelShape, reg: str, tp: int, cp: int, cp_m
       `out.transpose(1, 2).reshape(b, s, -1)` is a copy, which wo saves (a·h/tp). Causal SDPA on CPU
       returns its output already laid out as (b, s, heads, d), so without CP that reshape is a view
       and no copy exists (the single-process rows show none).
-    - ring: _RingAttention saves q, k, v, its output `o` and LSE. In fp32 that is SDPA's inventory.
-      In 16-bit the trainer runs the forward under torch.autocast (parallel/precision.py, also with
-      FSDP2's 16-bit parameters), and the Function's forward runs inside that region: its
-      torch.matmul casts the fp32 `_compute_dtype` copies back to bf16, so `o` and LSE come out
-      bf16 (measured on cp2_ring_bf16_autocast and cp2_ring_zero3_dp2_bf16: `o` (b, heads, s/cp, d)
-      and LSE (b, heads, s/cp, 1) both bf16): LSE 2·heads/tp bytes less than SDPA's fp32 LSE.
+    - ring: _RingAttention saves q, k, v, its output `o` (input dtype, the tensor it returns) and an
+      fp32 LSE (autocast is off inside it, so the block maths stay fp32): SDPA's inventory in every
+      precision.
     - ulysses: SDPA saves k and v after the all-to-all; when cp does not divide the local KV heads
       they were repeated r = cp / gcd(kv heads, cp) times first (UlyssesAttention.__call__), and
       the repeated heads are what is saved: (r - 1) more copies of k and v (plan/comm.py sends them)."""
@@ -181,7 +178,7 @@ def cp_block_bytes_per_token(shape: ModelShape, reg: str, tp: int, cp: int, cp_m
     a = 4 if reg == "fp32" else 2
     extra = a * shape.dim / tp
     if cp_mode == "ring":
-        return extra - (2 * shape.n_heads / tp if reg != "fp32" else 0.0)
+        return extra
     kv_local = max(shape.kv_dim / tp, shape.head_dim)
     heads = int(kv_local // shape.head_dim)
     if heads % cp:

@@ -238,9 +238,13 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
                 out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m * rc_other, "recompute", "act"))
         else:
             kv = tokens * 2 * kv_local * act
+            # Backward sends K/V again (compute dtype) and the dK/dV accumulators, which the ring
+            # keeps in fp32 whatever the precision (parallel/context.py: autocast off, sums over cp hops).
+            dkv = tokens * 2 * kv_local * 4
             for kind in ("send", "recv"):
                 out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m, "fwd", "kv"))
-                out.append(Collective("cp", kind, kv, 2 * (lay.cp - 1) * L * m, "bwd", "kv"))
+                out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m, "bwd", "kv"))
+                out.append(Collective("cp", kind, dkv, (lay.cp - 1) * L * m, "bwd", "dkv"))
                 if rc_other:
                     out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m * rc_other, "recompute", "kv"))
     # ---- expert parallel ----
