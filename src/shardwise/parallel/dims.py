@@ -13,7 +13,7 @@ from shardwise.errors import ConfigError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Axes that are validated now but trained by later milestones; each entry says what refuses it.
-NOT_YET_TRAINABLE = ("cp", "ep")
+NOT_YET_TRAINABLE = ("cp",)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,9 @@ class ParallelDims:
             batch = root["dp_replicate", "dp_shard"]._flatten("dp")
         elif self.dp > 1:
             batch = root["dp_replicate" if self.dp_replicate > 1 else "dp_shard"]
-        return Meshes(root, batch)
+        from shardwise.parallel.expert import build_expert_mesh
+
+        return Meshes(root, batch, build_expert_mesh(self, device_type))
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class Meshes:
 
     root: object
     batch: object | None
+    expert: object | None = None  # the (efsdp, ep) expert mesh (parallel/expert.py); None without EP
 
     def __getitem__(self, names):
         return self.root[names]

@@ -7,7 +7,8 @@ EP rewrite modules inside a block and must see the plain modules; activation che
 whole (already tensor-parallel) block so recomputation replays its collectives; compile sees the
 final block; FSDP goes last because it shards whatever parameters (plain or DTensor) the earlier
 steps produced. DDP needs materialized parameters, so it wraps after initialization.
-CP and EP land in later milestones; ParallelDims refuses them before anything is spawned.
+CP lands in a later milestone; ParallelDims refuses it before anything is spawned. EP (parallel/expert.py)
+shards the stacked experts over the ep axis of its own (efsdp, ep) mesh before FSDP sees them.
 
 3-D (PP x data parallel x TP): the pp axis is outermost. Every local stage is a pruned copy of the
 meta model (pipeline.py) and goes through `parallelize` on its own, so FSDP / replicate units end at
@@ -31,6 +32,7 @@ from shardwise.models.common import Transformer
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
 from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.expert import apply_expert_parallel
 from shardwise.parallel.stages import layers_per_stage, stage_ids, stage_layers
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 
@@ -48,7 +50,9 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> No
     # PP split: done by build_pipeline before this (each stage arrives here as its own model).
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], cfg.model, cfg.parallel.sequence_parallel)
-    # (CP, EP: later milestones.)
+    # (CP: a later milestone.)
+    if dims.ep > 1:
+        apply_expert_parallel(model, mesh.expert, dims, uses_fsdp(cfg.parallel, dims))
     apply_activation_checkpointing(model, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
     if uses_fsdp(cfg.parallel, dims):

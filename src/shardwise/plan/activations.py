@@ -86,7 +86,7 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     if moe_layer and shape.moe is not None:
         # Each token visits top_k experts (padded to the capacity factor); the router saves its fp32
         # logits/probabilities (2 x num_experts) and the dispatched copy of the token (h) per choice.
-        cf = capacity_factor if capacity_factor is not None else shape.moe.capacity_factor
+        cf = capacity_factor if capacity_factor is not None else shape.moe.load_factor
         mlp = shape.moe.top_k * cf * (mlp + a * h) + 8 * shape.moe.num_experts
     per_token += mlp
     fixed = 0.0
@@ -121,7 +121,7 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     n_up = 2 if shape.arch == "llama" else 1
     mlp = a * (n_up * f / tp + h)
     if moe_layer and shape.moe is not None:
-        mlp = shape.moe.top_k * shape.moe.capacity_factor * mlp
+        mlp = shape.moe.top_k * shape.moe.load_factor * mlp
     reductions = 2 * a * h / res_div if tp > 1 else 0.0
     per_token = (res * h / res_div + a * (h / tp + 2 * kv_local + h / tp + h) + 4 * shape.n_heads / tp + mlp
                  + reductions)
@@ -179,7 +179,7 @@ def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_
     a = 4 if reg == "fp32" else 2
     r = 2 if reg == "lowp" else 4
     res_div = tp if sp else 1
-    f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.capacity_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
+    f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.load_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
     if shape.arch == "llama":
         norm = (20 * h + 2 * r * h + (12 * h if reg == "lowp" else 0)) / res_div
         casts = 5 * 6 * h if reg == "autocast" else 0.0  # q, k, v inputs; w1, w3 inputs

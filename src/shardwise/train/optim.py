@@ -10,12 +10,31 @@ from torch import nn
 from shardwise.config import TrainConfig
 
 
+def _mesh_key(t: torch.Tensor):
+    mesh = getattr(t, "device_mesh", None)
+    return None if mesh is None else id(mesh)
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors split by the DeviceMesh they are DTensors on (plain tensors together), in first-seen
+    order: foreach kernels on DTensors need one mesh per call, and expert parallelism puts the experts
+    on a mesh of their own (parallel/expert.py)."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(_mesh_key(t), []).append(t)
+    return list(groups.values())
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices (linear weights, embeddings); no decay for norm gains and biases (1-D), as in
-    GPT-3 / Megatron-LM. Grouping by dimensionality works on shards too: a DTensor keeps its ndim."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    GPT-3 / Megatron-LM. Grouping by dimensionality works on shards too: a DTensor keeps its ndim.
+    Parameters on a second mesh (experts under EP) get groups of their own (foreach needs one mesh)."""
+    out = []
+    for params in by_mesh(list(model.parameters())):
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        out += [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in out if g["params"]] if len(out) > 2 else out
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None) -> torch.optim.Optimizer:
@@ -52,13 +71,16 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -
     different shards (and not over replicas), so every layout computes the same global norm.
     Pipeline stages hold disjoint parameters: their squared norms add up over `pp_group`."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
+    norms = []
+    for group in by_mesh(grads) or [[]]:
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
     if pp_group is not None:
         squared = total.float() ** 2
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total, foreach=True)
+        for group in by_mesh([p for p in params if p.grad is not None]):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
