@@ -151,6 +151,8 @@ def shard_experts(model: nn.Module, expert_mesh, dims: ParallelDims, reshard: bo
         fully_shard(moe.experts, mesh=expert_mesh["efsdp"], reshard_after_forward=reshard,
                     **{k: v for k, v in fsdp_kwargs.items() if k != "mesh"})
         moe.experts.set_gradient_divide_factor(float(dims.dp_shard * dims.cp))
+        # A custom factor would use ReduceOp.PREMUL_SUM, which gloo lacks: sum, then divide.
+        moe.experts.set_force_sum_reduction_for_comms(True)
     return set()
 
 
