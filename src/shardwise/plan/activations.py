@@ -88,6 +88,8 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
         # logits/probabilities (2 x num_experts) and the dispatched copy of the token (h) per choice.
         cf = capacity_factor if capacity_factor is not None else shape.moe.load_factor
         mlp = shape.moe.top_k * cf * (mlp + a * h) + 8 * shape.moe.num_experts
+        # Shared experts (one always-on MLP of num_shared x expert ffn) save like a dense MLP.
+        mlp += (4 if shape.arch == "llama" else 2) * a * shape.moe.num_shared_experts * f / tp
     per_token += mlp
     fixed = 0.0
     if reg == "autocast":
@@ -121,7 +123,8 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     n_up = 2 if shape.arch == "llama" else 1
     mlp = a * (n_up * f / tp + h)
     if moe_layer and shape.moe is not None:
-        mlp = shape.moe.top_k * shape.moe.load_factor * mlp
+        shared = shape.moe.num_shared_experts * f
+        mlp = shape.moe.top_k * shape.moe.load_factor * mlp + (a * (n_up * shared / tp + h) if shared else 0.0)
     reductions = 2 * a * h / res_div if tp > 1 else 0.0
     per_token = (res * h / res_div + a * (h / tp + 2 * kv_local + h / tp + h) + 4 * shape.n_heads / tp + mlp
                  + reductions)
