@@ -12,13 +12,14 @@ from shardwise.config import TrainConfig
 
 def _mesh_key(t: torch.Tensor):
     mesh = getattr(t, "device_mesh", None)
-    return None if mesh is None else id(mesh)
+    return id(mesh) if mesh is not None and "ep" in (mesh.mesh_dim_names or ()) else None
 
 
 def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Tensors split by the DeviceMesh they are DTensors on (plain tensors together), in first-seen
+    """Tensors split into those on the expert mesh (parallel/expert.py) and the rest, in first-seen
     order: foreach kernels on DTensors need one mesh per call, and expert parallelism puts the experts
-    on a mesh of their own (parallel/expert.py)."""
+    on a mesh of their own. Every other layout keeps one group (its numerics and ZeRO-1 partition
+    unchanged)."""
     groups: dict = {}
     for t in tensors:
         groups.setdefault(_mesh_key(t), []).append(t)
