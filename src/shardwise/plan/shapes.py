@@ -89,7 +89,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, model: Any) -> "ModelShape":
         """From a resolved `ModelConfig`. MoE keys are read with getattr defaults (`model.moe` may be
-        a section object or dict with num_experts/top_k/...; absent or num_experts <= 1 = dense)."""
+        a section object or dict with num_experts/top_k/...; absent or num_experts = 0: dense; capacity_factor 0 = dropless)."""
         moe_cfg = getattr(model, "moe", None)
         get = (moe_cfg.get if isinstance(moe_cfg, dict) else (lambda k, d=None: getattr(moe_cfg, k, d)))
         moe = None
