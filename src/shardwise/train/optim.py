@@ -29,13 +29,20 @@ def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices (linear weights, embeddings); no decay for norm gains and biases (1-D), as in
     GPT-3 / Megatron-LM. Grouping by dimensionality works on shards too: a DTensor keeps its ndim.
-    Parameters on a second mesh (experts under EP) get groups of their own (foreach needs one mesh)."""
-    out = []
-    for params in by_mesh(list(model.parameters())):
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
-        out += [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in out if g["params"]] if len(out) > 2 else out
+
+    MoE models put their stacked experts in groups of their own, in every layout: under expert
+    parallelism they live on another mesh (foreach kernels need one mesh per call), and the same
+    groups without EP keep optimizer and scheduler state interchangeable between layouts (an ep2
+    checkpoint resumes on ep1). Dense models keep exactly the two groups."""
+    named = list(model.named_parameters())
+    experts = [p for n, p in named if "experts" in n.split(".") and p.ndim == 3]
+    ids = {id(p) for p in experts}
+    dense = [p for _, p in named if id(p) not in ids]
+    out = [{"params": [p for p in dense if p.ndim >= 2], "weight_decay": weight_decay},
+           {"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0}]
+    if experts:
+        out.append({"params": experts, "weight_decay": weight_decay})
+    return out
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None) -> torch.optim.Optimizer:
