@@ -160,7 +160,8 @@ class MoE(nn.Module):
         counts = torch.bincount(top_i.reshape(-1), minlength=self.num_experts).to(probs.dtype)
         tokens = torch.tensor(float(probs.shape[0]), dtype=probs.dtype, device=probs.device)
         prob_sum = probs.sum(0)
-        z_sum = logits.logsumexp(-1).pow(2).sum()
+        # Without a z-loss its term is a constant: no graph, nothing saved for backward.
+        z_sum = logits.logsumexp(-1).pow(2).sum() if self.z_loss_coef > 0 else probs.new_zeros(())
         if self.stats_group is not None:
             # Sum over the ranks sharing this micro-batch. f (counts, tokens) carries no gradient.
             # P and z go through the differentiable all-reduce: its backward sums the (identical)
@@ -173,7 +174,8 @@ class MoE(nn.Module):
             dist.all_reduce(counts, group=self.stats_group)
             dist.all_reduce(tokens, group=self.stats_group)
             prob_sum = all_reduce(prob_sum, group=self.stats_group)
-            z_sum = all_reduce(z_sum, group=self.stats_group)
+            if self.z_loss_coef > 0:
+                z_sum = all_reduce(z_sum, group=self.stats_group)
         f = counts / (tokens * self.top_k)
         p = prob_sum / tokens
         aux = self.aux_loss_coef * self.num_experts * (f * p).sum()
@@ -192,7 +194,11 @@ class MoE(nn.Module):
         token_of = order // self.top_k
         y = self.experts(tokens[token_of], counts)
         y = (y.float() * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token_of, y)
+        # Combine: put each kept copy back in its (token, slot) place and sum the k slots. Unlike
+        # index_add (whose backward keeps the whole source alive) this saves only the indices, and it
+        # adds a token's slots in the same order (slot 0 + slot 1 ...) whatever the layout.
+        slots = tokens.new_zeros(flat_e.numel(), shape[-1]).index_put((order,), y)
+        out = slots.view(-1, self.top_k, shape[-1]).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
 
