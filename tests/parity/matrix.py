@@ -151,7 +151,8 @@ _MOE = REFERENCES["moe"]
 # within fp32 rounding (~1e-7) of each other can switch experts in one layout and not another. Over these
 # 20 steps no token does (per-step expert loads are identical); on the default `shardwise parity` config
 # (seq 128, batch 16) ep2 x efsdp2 hit one such near-tie at step 18: the loss still agreed to 3.6e-7 but
-# the weights of the experts involved moved by 2.5e-4.
+# the weights of the experts involved moved by 2.5e-4. Not an EP effect: with train.seed=1 plain ZeRO-3
+# over 4 ranks without EP (and ep2 x dp_shard2) hit one too (loss 1.5e-6, weights 7e-4), ep4 did not.
 MOE_FAMILY = [
     # world size 2
     Layout("moe_ep1_zero3_dp2", 2, {**_MOE, "parallel.dp_shard": 2, "parallel.zero": 3}, reference="moe"),
