@@ -68,8 +68,8 @@ def _config(argv: list[str]) -> int:
 
 
 def _trainer_refusal(cfg: Config, world: int) -> str | None:
-    """Why `shardwise train` would refuse this layout today (an axis not trained yet: cp, ep; or a
-    pipeline schedule's own rule), or None: the planner also plans layouts later versions will train.
+    """Why `shardwise train` would refuse this layout today (an axis not trained yet: cp; a MoE / EP
+    combination it does not run: tp, dp_replicate, ZeRO-0/1 with ep; or a pipeline schedule's own rule), or None: the planner also plans layouts later versions will train.
     It is the trainer's whole pre-flight check (torch-free), so what it accepts, `shardwise train` runs."""
     from shardwise.preflight import check
 

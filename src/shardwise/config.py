@@ -26,6 +26,31 @@ def opt(default: Any, doc: str) -> Any:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts (models/moe.py). num_experts = 0 keeps the dense MLP in every block."""
+
+    num_experts: int | None = opt(None, "Routed experts per MoE block (unset: the preset's, else 0 = dense model, no MoE).")
+    top_k: int | None = opt(None, "Experts each token is routed to (unset: the preset's, else 2; Mixtral: 2 of 8).")
+    every_k_layers: int | None = opt(None, "Block i (0-based) is MoE when (i + 1) % every_k_layers == 0 (unset: the "
+                                           "preset's, else 1 = every block).")
+    capacity_factor: float | None = opt(None, "Expert capacity C = ceil(cf x tokens x top_k / num_experts) over a micro-batch's "
+                                              "local tokens, overflow dropped (Switch, Fedus et al. 2021). Unset: the "
+                                              "preset's, else 0 = dropless: no token is dropped, so the result never "
+                                              "depends on how tokens are grouped across ranks.")
+    expert_ffn_dim: int | None = opt(None, "Inner size of one expert's MLP (unset: the preset's, else 0 = model.ffn_dim).")
+    num_shared_experts: int | None = opt(None, "Always-on shared experts, merged into one MLP of num_shared x expert_ffn_dim "
+                                               "(DeepSeekMoE, Dai et al. 2024, arXiv 2401.06066); unset: the preset's, else 0.")
+    aux_loss_coef: float | None = opt(None, "Load-balancing loss weight alpha (unset: the preset's, else 0.01, the Switch "
+                                            "Transformer default); 0 = off.")
+    z_loss_coef: float | None = opt(None, "Router z-loss weight beta (ST-MoE, Zoph et al. 2022, eq. 5; they use 1e-3). "
+                                          "Unset: the preset's, else 0 = off.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.num_experts)
+
+
+@dataclass
 class ModelConfig:
     preset: str = opt("tiny", "Named model shape from shardwise.models.presets; explicit model.* keys override it.")
     arch: str | None = opt(None, '"llama" (RMSNorm, RoPE, GQA, SwiGLU) or "gpt" (LayerNorm, learned positions, GELU MLP).')
@@ -38,6 +63,7 @@ class ModelConfig:
     max_seq_len: int | None = opt(None, "Longest sequence the model supports (learned positions for gpt, RoPE table).")
     norm_eps: float | None = opt(None, "Epsilon of RMSNorm / LayerNorm (unset: the preset's, else 1e-5).")
     rope_theta: float | None = opt(None, "RoPE base frequency, llama only (unset: the preset's, e.g. 500000 for llama3-*, else 10000).")
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture of experts ([model.moe]); the preset's values fill unset keys."})
 
 
 @dataclass
@@ -141,8 +167,10 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"doc": "Cluster to plan for (shardwise plan)."})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {s.name: {k: v for k, v in dataclasses.asdict(getattr(self, s.name)).items() if v is not None}
-                for s in dataclasses.fields(self)}
+        def clean(d: dict) -> dict:
+            return {k: clean(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+
+        return {s.name: clean(dataclasses.asdict(getattr(self, s.name))) for s in dataclasses.fields(self)}
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -160,8 +188,19 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
+def _keys(prefix: str, cls: type) -> list[str]:
+    out = []
+    for name, hint in _field_types(cls).items():
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            out += _keys(f"{prefix}{name}.", hint)
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
 def all_keys() -> list[str]:
-    return [f"{s}.{k}" for s, cls in _sections().items() for k in _field_types(cls)]
+    """Every settable key, three levels deep for sub-tables (model.moe.top_k)."""
+    return [k for s, cls in _sections().items() for k in _keys(f"{s}.", cls)]
 
 
 def _nearest(key: str, candidates: list[str]) -> str:
@@ -213,18 +252,30 @@ def _parse_cli_value(key: str, text: str, base: type) -> Any:
 
 
 def _set(cfg: Config, key: str, value: Any, from_cli: bool) -> None:
+    """Set `key` ("section.name" or "section.sub.name", e.g. model.moe.top_k) strictly: every part
+    must name a field of the dataclass tree. A TOML sub-table ([model.moe]) arrives as a dict."""
     parts = key.split(".")
-    sections = _sections()
-    if len(parts) != 2 or parts[0] not in sections:
+    node: Any = cfg
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node) or part not in _field_types(type(node)):
+            raise ConfigError(key, "unknown config key", _nearest(key, all_keys()))
+        hint = _field_types(type(node))[part]
+        if depth == len(parts) - 1:
+            break
+        node = getattr(node, part)
+    name = parts[-1]
+    if len(parts) < 2:
         raise ConfigError(key, "unknown config key", _nearest(key, all_keys()))
-    section, name = parts
-    types = _field_types(sections[section])
-    if name not in types:
-        raise ConfigError(key, "unknown config key", _nearest(key, all_keys()))
-    if not from_cli and isinstance(value, str) and _base_type(types[name]) is not str:
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"is a table of keys, got {value!r}", f"set its keys, e.g. {key}.{dataclasses.fields(hint)[0].name}=...")
+        for sub, v in value.items():
+            _set(cfg, f"{key}.{sub}", v, from_cli)
+        return
+    if not from_cli and isinstance(value, str) and _base_type(hint) is not str:
         # TOML is typed: a quoted number in a file is a mistake, not something to guess at.
-        raise ConfigError(key, f"expected {_base_type(types[name]).__name__}, got the string {value!r}", "remove the quotes")
-    setattr(getattr(cfg, section), name, _coerce(key, value, types[name]))
+        raise ConfigError(key, f"expected {_base_type(hint).__name__}, got the string {value!r}", "remove the quotes")
+    setattr(node, name, _coerce(key, value, hint))
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -282,8 +333,15 @@ def resolve_model(model: ModelConfig) -> None:
     if model.preset not in PRESETS:
         raise ConfigError("model.preset", f"unknown preset {model.preset!r}", _nearest(model.preset, sorted(PRESETS)))
     for key, value in PRESETS[model.preset].items():
-        if getattr(model, key) is None:
+        if key == "moe":
+            for sub, v in value.items():
+                if getattr(model.moe, sub) is None:
+                    setattr(model.moe, sub, v)
+        elif getattr(model, key) is None:
             setattr(model, key, value)
+    for key, default in MOE_FALLBACKS.items():
+        if getattr(model.moe, key) is None:
+            setattr(model.moe, key, default)
     if model.n_kv_heads is None:
         model.n_kv_heads = model.n_heads
     for key, default in MODEL_FALLBACKS.items():
@@ -293,14 +351,27 @@ def resolve_model(model: ModelConfig) -> None:
 
 # Values for model fields that neither the config nor the preset sets.
 MODEL_FALLBACKS = {"norm_eps": 1e-5, "rope_theta": 10000.0}
+# MoE defaults: dense; when enabled, top-2 (Mixtral), every block, dropless, Switch's alpha = 0.01.
+MOE_FALLBACKS = {"num_experts": 0, "top_k": 2, "every_k_layers": 1, "capacity_factor": 0.0, "expert_ffn_dim": 0,
+                 "num_shared_experts": 0, "aux_loss_coef": 0.01, "z_loss_coef": 0.0}
 
 
 def describe() -> str:
     """Every key with its default and documentation, for --help-config."""
     lines = []
-    for section, cls in _sections().items():
-        lines.append(f"[{section}]")
+
+    def table(name: str, cls: type) -> None:
+        lines.append(f"[{name}]")
+        subs = []
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if dataclasses.is_dataclass(default):
+                subs.append((f"{name}.{f.name}", type(default)))
+                continue
             lines.append(f"  {f.name} = {default!r}\n      {f.metadata['doc']}")
+        for sub, sub_cls in subs:
+            table(sub, sub_cls)
+
+    for section, cls in _sections().items():
+        table(section, cls)
     return "\n".join(lines)

@@ -41,12 +41,61 @@ def check_model_shape(m) -> None:
 def check_model(cfg: Config) -> None:
     m = cfg.model
     check_model_shape(m)
+    check_moe(cfg)
     if m.arch == "llama" and (m.dim // m.n_heads) % 2:
         raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs of dims",
                           "choose n_heads so that dim / n_heads is even")
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} exceeds model.max_seq_len({m.max_seq_len})",
                           f"lower train.seq_len or raise model.max_seq_len to >= {cfg.train.seq_len}")
+
+
+def check_moe(cfg: Config) -> None:
+    """model.moe.* on its own (the layout rules are in check_expert_parallel)."""
+    m = cfg.model.moe
+    if m.num_experts == 0:
+        return
+    _positive("model.moe.num_experts", m.num_experts)
+    if not 1 <= m.top_k <= m.num_experts:
+        raise ConfigError("model.moe.top_k", f"top_k({m.top_k}) must be within 1..num_experts({m.num_experts})",
+                          "choose 1 <= top_k <= num_experts")
+    _positive("model.moe.every_k_layers", m.every_k_layers)
+    if m.every_k_layers > cfg.model.n_layers:
+        raise ConfigError("model.moe.every_k_layers", f"every_k_layers({m.every_k_layers}) > n_layers({cfg.model.n_layers}): "
+                          "no block would be MoE", f"choose every_k_layers <= {cfg.model.n_layers}")
+    for name in ("capacity_factor", "expert_ffn_dim", "num_shared_experts", "aux_loss_coef", "z_loss_coef"):
+        _positive(f"model.moe.{name}", getattr(m, name), 0)
+
+
+def check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
+    """Which layouts MoE / EP train with (refused here, before anything is spawned)."""
+    p, moe = cfg.parallel, cfg.model.moe
+    if dims.ep > 1 and not moe.num_experts:
+        raise ConfigError("parallel.ep", f"ep={dims.ep} splits experts, but the model has none (model.moe.num_experts=0)",
+                          "set model.moe.num_experts (e.g. --model.preset=tiny-moe) or parallel.ep=1")
+    if dims.ep > 1 and moe.num_experts % dims.ep:
+        raise ConfigError("parallel.ep", f"num_experts({moe.num_experts}) is not divisible by ep({dims.ep})",
+                          "choose ep among the divisors of model.moe.num_experts")
+    if moe.num_experts and dims.tp > 1:
+        # Not implemented: under TP the MoE block would see sequence-parallel token shards, so the
+        # router and experts would have to route each tp rank's tokens and reduce their Partial
+        # gradients over tp; plain tp-replicated modules here would silently double-count them.
+        raise ConfigError("parallel.tp", f"tp={dims.tp} with a MoE model is not implemented (router and experts are not "
+                          "tensor-parallel)", "set parallel.tp=1 and use parallel.ep / dp_shard to split the experts")
+    if dims.ep == 1:
+        return
+    if p.zero not in (2, 3):
+        # DDP / ZeRO-1 reduce a whole model's gradients over the batch group; the experts differ per
+        # ep rank and must not be all-reduced with each other. FSDP's units let them be left out.
+        raise ConfigError("parallel.zero", f"expert parallelism needs FSDP (zero 2 or 3), got zero={p.zero}",
+                          "set parallel.zero=2 or 3 (with dp_shard = ep x efsdp)")
+    if dims.dp_replicate > 1:
+        raise ConfigError("parallel.dp_replicate", f"dp_replicate={dims.dp_replicate} with ep={dims.ep} is not implemented "
+                          "(the expert gradients would need an all-reduce across replicas outside FSDP)",
+                          "put the data-parallel ranks in parallel.dp_shard instead")
+    if p.offload:
+        raise ConfigError("parallel.offload", "CPU offload with expert parallelism is not implemented (the experts are "
+                          "outside the offloaded FSDP units when efsdp = 1)", "set parallel.offload=false")
 
 
 def check_train(cfg: Config) -> None:
@@ -90,6 +139,7 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
                           "set parallel.zero=2 or 3, or parallel.offload=false")
     check_tensor_parallel(cfg.model, dims.tp, cfg.train.seq_len, p.sequence_parallel)
     check_context_parallel(cfg.model, dims.cp, dims.tp, cfg.train.seq_len, p.cp_mode, p.sequence_parallel)
+    check_expert_parallel(cfg, dims)
     return dims
 
 

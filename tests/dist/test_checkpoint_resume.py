@@ -27,7 +27,10 @@ SAME_LAYOUT = {
         "pp2_zbv": {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2,
                     "model.n_layers": 4, "train.micro_batch": 2},
         # context parallel; ZeRO-1 with dp_shard = 1 shards the optimizer state over the cp ranks
-        "cp2_ulysses_zero1": {"parallel.cp": 2, "parallel.cp_mode": "ulysses", "parallel.zero": 1}},
+        "cp2_ulysses_zero1": {"parallel.cp": 2, "parallel.cp_mode": "ulysses", "parallel.zero": 1},
+        # expert parallelism: experts are DTensors Shard(0) over ep, outside the FSDP units
+        "moe_ep2_zero3": {"model.preset": "tiny-moe", "model.vocab_size": 512, "parallel.dp_shard": 2,
+                          "parallel.ep": 2, "parallel.zero": 3, "train.micro_batch": 2}},
     4: {"tp2_zero3_dp2": {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
         "tp2_ddp2_nosp": {"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.sequence_parallel": "false",
                           "train.micro_batch": 4},
@@ -95,6 +98,10 @@ def results(base_overrides, tmp_path_factory):
         # ... and onto pipeline stages (each stage loads its own parameters by name)
         res["single->pp2"] = (None, _resume_other_layout(base_overrides, {"parallel.pp": 2, "train.micro_batch": 2},
                                                          single_ckpt, root / "x5"))
+        # an ep2 checkpoint resharded onto ZeRO-3 without EP (experts keyed by their global shape)
+        moe_ep1 = {k: v for k, v in SAME_LAYOUT[2]["moe_ep2_zero3"].items() if k != "parallel.ep"}
+        res["moe_ep2->moe_zero3_dp2"] = (None, _resume_other_layout(base_overrides, moe_ep1,
+                                                                    root / "moe_ep2_zero3" / "ckpt", root / "x6"))
         return res
 
     def four(rank: int) -> dict:
@@ -113,6 +120,15 @@ def results(base_overrides, tmp_path_factory):
 def test_resume_same_layout_is_bitwise(results, name):
     straight, resumed = results[name]
     assert resumed == straight[CUT:], f"{name}: resumed losses differ from an uninterrupted run"
+
+
+def test_expert_parallel_checkpoint_reshards_without_ep(results):
+    """Same tolerance as parity: the resumed ep1 run continues the ep2 run's losses."""
+    reference = results["moe_ep2_zero3"][0][CUT:]
+    resumed = results["moe_ep2->moe_zero3_dp2"][1]
+    assert len(resumed) == STEPS - CUT
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
+    assert worst <= LOSS_RTOL, f"max relative |dloss| {worst:.2e}"
 
 
 @pytest.mark.parametrize("name", ["zero3_dp2->single", "single->zero3_dp2", "single->zero1_dp2", "single->tp2",

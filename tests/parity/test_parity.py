@@ -70,3 +70,20 @@ def test_summary(runs, capsys):
         print("\nparity (fp32, 20 steps): layout, max rel |dloss|, max |dparam|")
         for name, (dl, dp) in rows.items():
             print(f"  {name:28s} {dl:.2e}  {dp:.2e}")
+
+
+def test_capacity_dropping_is_counted_and_logged(runs):
+    """With capacity_factor 1 the router overflows some experts: metrics.jsonl reports the dropped
+    fraction (the same on one process and under EP, since dropping is decided per micro-batch), the
+    per-expert load and the aux loss; dropless runs report 0 dropped."""
+    def last(name: str) -> dict:
+        return json.loads((runs[name] / "metrics.jsonl").read_text().splitlines()[-1])
+
+    capped, ref_capped, dropless = last("moe_ep2_zero3_capacity1"), last("ref_moe_cap"), last("moe_ep2_zero3")
+    assert 0 < capped["moe_dropped_frac"] < 0.5
+    assert abs(capped["moe_dropped_frac"] - ref_capped["moe_dropped_frac"]) < 1e-12
+    assert dropless["moe_dropped_frac"] == 0
+    for record in (capped, dropless):
+        assert len(record["moe_expert_load"]) == 8 and abs(sum(record["moe_expert_load"]) - 1) < 1e-9
+        assert record["moe_load_max"] >= 1 >= record["moe_load_min"] >= 0
+        assert 0 < record["moe_aux_loss"] < 1  # 2 blocks x alpha 0.01 x ~1 (balanced = alpha per block)

@@ -25,6 +25,28 @@ MEMORY_BOUND_FLOPS_PER_BYTE = _RIDGE.peak_flops("bf16") / (_RIDGE.memory_bandwid
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The default attention core: causal SDPA, with grouped-query KV heads when k has fewer heads."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
+    """Block `index` (0-based) is MoE when (index + 1) % every_k_layers == 0 (plan/shapes.py MoESpec)."""
+    return bool(cfg.moe.num_experts) and (index + 1) % cfg.moe.every_k_layers == 0
+
+
+def moe_counts(cfg: ModelConfig, matrices: int, shared_bias: int) -> dict[str, int]:
+    """One MoE feed-forward block in closed form: {'params', 'active_matmul', 'n_moe_layers'}.
+    `matrices`: weight matrices per expert MLP (3 SwiGLU, 2 GELU); `shared_bias`: 1 when the shared
+    MLP has biases (gpt: fc and proj biases). Active = router + top_k experts + shared experts: what
+    one token multiplies with (FLOPs count only the experts a token visits)."""
+    m = cfg.moe
+    if not m.num_experts:
+        return {"params": 0, "active_matmul": 0, "n_moe_layers": 0}
+    h, f = cfg.dim, m.expert_ffn_dim or cfg.ffn_dim
+    expert = matrices * h * f
+    shared_f = m.num_shared_experts * f
+    shared = matrices * h * shared_f
+    shared_b = shared_bias * (shared_f + h) if shared_f else 0
+    router = m.num_experts * h
+    n_moe = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
+    return {"params": router + m.num_experts * expert + shared + shared_b,
+            "active_matmul": router + m.top_k * expert + shared, "n_moe_layers": n_moe}
 
 
 class Attention(nn.Module):
@@ -140,7 +162,9 @@ class Transformer(nn.Module):
     @classmethod
     def count_params(cls, cfg: ModelConfig) -> int:
         c = cls.param_counts(cfg)
-        return c["embedding"] + cfg.n_layers * c["per_layer"] + c["final_norm"] + c["head"]
+        n_moe = c.get("n_moe_layers", 0)
+        return (c["embedding"] + (cfg.n_layers - n_moe) * c["per_layer"] + n_moe * c.get("per_moe_layer", 0)
+                + c["final_norm"] + c["head"])
 
     @classmethod
     def count_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
@@ -187,6 +211,8 @@ class Transformer(nn.Module):
         skips (DESIGN §3). Residual projections get std 0.02/sqrt(2L) (GPT-2, Radford et al. 2019 §2.3).
         """
         leaf = fqn.rsplit(".", 2)
+        if len(leaf) >= 2 and leaf[-2] == "experts":  # stacked experts (E, out, in): named by the leaf
+            leaf = [leaf[-1], "weight"]
         if fqn.endswith("bias") or (fqn.endswith("weight") and "norm" in fqn.split(".")[-2]):
             return torch.ones(shape) if fqn.endswith("weight") else torch.zeros(shape)
         gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(fqn.encode())) % 2**63)

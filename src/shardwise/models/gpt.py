@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.models.common import Attention, Transformer
+from shardwise.models.common import Attention, Transformer, is_moe_layer, moe_counts
+from shardwise.models.moe import MoE
 
 
 class GELUMLP(nn.Module):
@@ -24,12 +25,12 @@ class GELUMLP(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.attention_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg, bias=True)
         self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = GELUMLP(cfg.dim, cfg.ffn_dim)
+        self.mlp = MoE(cfg) if moe else GELUMLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -42,7 +43,7 @@ class GPT(Transformer):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
-        self.layers = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(GPTBlock(cfg, is_moe_layer(cfg, i)) for i in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
@@ -66,5 +67,8 @@ class GPT(Transformer):
         mlp_w = 2 * h * f
         mlp_b = f + h
         per_layer = attn_w + attn_b + mlp_w + mlp_b + 4 * h   # + two LayerNorms (gain, bias)
+        moe = moe_counts(cfg, matrices=2, shared_bias=1)
+        n_moe = moe["n_moe_layers"]
         return {"embedding": v * h + cfg.max_seq_len * h, "per_layer": per_layer, "final_norm": 2 * h,
-                "head": v * h, "matmul": cfg.n_layers * (attn_w + mlp_w) + v * h}
+                "head": v * h, "per_moe_layer": attn_w + attn_b + moe["params"] + 4 * h, "n_moe_layers": n_moe,
+                "matmul": (cfg.n_layers - n_moe) * (attn_w + mlp_w) + n_moe * (attn_w + moe["active_matmul"]) + v * h}

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.models.common import Attention, RotaryEmbedding, Transformer
+from shardwise.models.common import Attention, RotaryEmbedding, Transformer, is_moe_layer, moe_counts
+from shardwise.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -36,12 +37,12 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, bias=False)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, positions)
@@ -54,7 +55,7 @@ class Llama(Transformer):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(LlamaBlock(cfg, is_moe_layer(cfg, i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
@@ -74,5 +75,8 @@ class Llama(Transformer):
         attn = h * h + 2 * h * kv + h * h          # wq, wk, wv, wo
         mlp = 3 * h * f                            # w1, w3, w2
         per_layer = attn + mlp + 2 * h             # + two RMSNorm gains
+        moe = moe_counts(cfg, matrices=3, shared_bias=0)
+        n_moe = moe["n_moe_layers"]
         return {"embedding": v * h, "per_layer": per_layer, "final_norm": h, "head": v * h,
-                "matmul": cfg.n_layers * (attn + mlp) + v * h}
+                "per_moe_layer": attn + moe["params"] + 2 * h, "n_moe_layers": n_moe,
+                "matmul": (cfg.n_layers - n_moe) * (attn + mlp) + n_moe * (attn + moe["active_matmul"]) + v * h}

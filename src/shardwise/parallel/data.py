@@ -67,6 +67,12 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, pr
                   # Pinned host memory speeds up GPU<->CPU copies; it needs an accelerator to exist.
                   offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if p.offload else OffloadPolicy())
     reshard = p.zero == 3
+    # Expert parallelism: experts get their own units over efsdp first, or are left out (expert.py).
+    from shardwise.parallel.expert import shard_experts
+
+    ignored = shard_experts(model, getattr(mesh, "expert", None), dims, reshard, kwargs)
+    if ignored:
+        kwargs["ignored_params"] = ignored
     for block in model.blocks():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)

@@ -13,7 +13,7 @@ from shardwise.errors import ConfigError
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Axes that are validated now but trained by later milestones; each entry says what refuses it.
-NOT_YET_TRAINABLE = ("ep",)
+NOT_YET_TRAINABLE: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,11 @@ class ParallelDims:
             batch = root["dp_replicate", "dp_shard"]._flatten("dp")
         elif self.dp > 1:
             batch = root["dp_replicate" if self.dp_replicate > 1 else "dp_shard"]
+        from shardwise.parallel.expert import build_expert_mesh
+
+        expert = build_expert_mesh(self, device_type)
         if self.cp == 1:
-            return Meshes(root, batch)
+            return Meshes(root, batch, expert=expert)
         # CP ranks hold the same weights but see other tokens: gradients are averaged over
         # dp_replicate x dp_shard x cp and model states sharded over dp_shard x cp (torchtitan's
         # "dp_cp" / "dp_shard_cp"). A flattened view of one non-trivial axis is that axis (DeviceMesh
@@ -129,7 +132,7 @@ class ParallelDims:
         # warns will be deprecated; it reuses the existing groups (a fresh 2-D DeviceMesh would
         # create new communicators). Parity: tests/parity/matrix.py cp2_hsdp_2x2_zero3.
         hsdp = root["dp_replicate", shard_cp.mesh_dim_names[0]] if self.dp_replicate > 1 else None
-        return Meshes(root, batch, grad, shard_cp, hsdp)
+        return Meshes(root, batch, grad, shard_cp, hsdp, expert)
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class Meshes:
     dp_cp: object | None = None
     dp_shard_cp: object | None = None
     hsdp_cp: object | None = None
+    expert: object | None = None  # the (efsdp, ep) expert mesh (parallel/expert.py); None without EP
 
     def __getitem__(self, names):
         return self.root[names]

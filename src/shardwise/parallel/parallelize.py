@@ -7,7 +7,9 @@ EP rewrite modules inside a block and must see the plain modules; activation che
 whole (already tensor-parallel) block so recomputation replays its collectives; compile sees the
 final block; FSDP goes last because it shards whatever parameters (plain or DTensor) the earlier
 steps produced. DDP needs materialized parameters, so it wraps after initialization.
-EP lands in a later milestone; ParallelDims refuses it before anything is spawned.
+CP (parallel/context.py) swaps every attention core for ring / Ulysses attention over the cp axis. EP
+(parallel/expert.py) shards the stacked experts over the ep axis of its own (efsdp, ep) mesh before FSDP
+sees them.
 
 3-D (PP x data parallel x TP): the pp axis is outermost. Every local stage is a pruned copy of the
 meta model (pipeline.py) and goes through `parallelize` on its own, so FSDP / replicate units end at
@@ -32,6 +34,7 @@ from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
 from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.expert import apply_expert_parallel, moe_modules
 from shardwise.parallel.stages import layers_per_stage, stage_ids, stage_layers
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 
@@ -53,7 +56,12 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> No
         # After TP: the attention core then sees this rank's heads; before checkpointing, so a
         # recomputed block replays its ring / all-to-all traffic like the forward did.
         apply_context_parallel(model, mesh["cp"], cfg.parallel.cp_mode, cfg.train.seq_len)
-    # (EP: a later milestone.)
+        # A micro-batch's tokens are spread over the cp ranks: the MoE load-balancing statistics
+        # (f, P, z) are summed over them, so the aux loss is the whole micro-batch's (models/moe.py).
+        for moe in moe_modules(model):
+            moe.stats_group = mesh["cp"].get_group()
+    if dims.ep > 1:
+        apply_expert_parallel(model, mesh.expert, dims, uses_fsdp(cfg.parallel, dims))
     apply_activation_checkpointing(model, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
     if uses_fsdp(cfg.parallel, dims):

@@ -85,10 +85,17 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     f = shape.expert_ffn if moe_layer else shape.ffn_dim
     mlp = (4 if shape.arch == "llama" else 2) * a * f / tp  # SwiGLU: w1 out, silu out, w3 out, product; GELU: fc out, gelu out
     if moe_layer and shape.moe is not None:
-        # Each token visits top_k experts (padded to the capacity factor); the router saves its fp32
-        # logits/probabilities (2 x num_experts) and the dispatched copy of the token (h) per choice.
-        cf = capacity_factor if capacity_factor is not None else shape.moe.capacity_factor
-        mlp = shape.moe.top_k * cf * (mlp + a * h) + 8 * shape.moe.num_experts
+        # models/moe.py, per routed copy (top_k per token, x the capacity / load factor): the expert's
+        # MLP intermediates, its input copy (h) and its output (h, kept for the routing-weight
+        # product); per slot: three int64 index vectors (top-k ids, sort order, token of each copy)
+        # and fp32 top-k probability + gathered weight; per token: the fp32 router probabilities (E)
+        # and the top-k sum. Measured with saved-tensor hooks on tiny-moe: 3172.6 bytes/token, this
+        # formula 3172 (the z-loss, when on, adds the fp32 logits: 4 E + 8).
+        cf = capacity_factor if capacity_factor is not None else shape.moe.load_factor
+        k = shape.moe.top_k
+        mlp = k * cf * (mlp + 2 * a * h) + k * (3 * 8 + 2 * 4) + 4 * shape.moe.num_experts + 4
+        # Shared experts (one always-on MLP of num_shared x expert ffn) save like a dense MLP.
+        mlp += (4 if shape.arch == "llama" else 2) * a * shape.moe.num_shared_experts * f / tp
     per_token += mlp
     fixed = 0.0
     if reg == "autocast":
@@ -122,7 +129,8 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     n_up = 2 if shape.arch == "llama" else 1
     mlp = a * (n_up * f / tp + h)
     if moe_layer and shape.moe is not None:
-        mlp = shape.moe.top_k * shape.moe.capacity_factor * mlp
+        shared = shape.moe.num_shared_experts * f
+        mlp = shape.moe.top_k * shape.moe.load_factor * mlp + (a * (n_up * shared / tp + h) if shared else 0.0)
     reductions = 2 * a * h / res_div if tp > 1 else 0.0
     per_token = (res * h / res_div + a * (h / tp + 2 * kv_local + h / tp + h) + 4 * shape.n_heads / tp + mlp
                  + reductions)
@@ -223,7 +231,7 @@ def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_
     a = 4 if reg == "fp32" else 2
     r = 2 if reg == "lowp" else 4
     res_div = tp if sp else 1
-    f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.capacity_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
+    f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.load_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
     if shape.arch == "llama":
         norm = (20 * h + 2 * r * h + (12 * h if reg == "lowp" else 0)) / res_div
         casts = 5 * 6 * h if reg == "autocast" else 0.0  # q, k, v inputs; w1, w3 inputs

@@ -249,11 +249,19 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
                     out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m * rc_other, "recompute", "kv"))
     # ---- expert parallel ----
     if lay.ep > 1 and rank.moe_layers and shape.moe is not None:
-        dispatched = tokens * shape.moe.top_k * shape.moe.capacity_factor * shape.dim * act
+        # parallel/expert.py: per MoE layer and micro-batch, the token copies this rank routed (T*k,
+        # fewer when capacity drops some) go out in one all_to_all (dispatch) and come back in another
+        # (combine); backward runs both in reverse. A rank *receives* as many copies as its experts
+        # were chosen for, so a single rank's combine payload follows the routing; over the ep group
+        # the mean is exactly this. The per-expert counts (E int64) are exchanged first (forward only).
+        dispatched = tokens * shape.moe.top_k * shape.moe.sent_fraction * shape.dim * act
+        counts = shape.moe.num_experts * 8.0
         out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "fwd", "tokens"))
+        out.append(Collective("ep", "all_to_all", counts, rank.moe_layers * m, "fwd", "counts"))
         out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "bwd", "tokens"))
         if rc_other:
             out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m * rc_other, "recompute", "tokens"))
+            out.append(Collective("ep", "all_to_all", counts, rank.moe_layers * m * rc_other, "recompute", "counts"))
     return out
 
 

@@ -122,10 +122,13 @@ def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[
     out = [(tokens, h // tp, h, 1), (tokens, kv, h, 2), (tokens, h, h // tp, 1)]
     if moe and s.moe is not None:
         local_experts = max(1, s.moe.num_experts // lay.ep)
-        per_expert = max(1, round(tokens * s.moe.top_k * s.moe.capacity_factor * lay.ep / s.moe.num_experts))
+        per_expert = max(1, round(tokens * s.moe.top_k * s.moe.load_factor * lay.ep / s.moe.num_experts))
         f = math.ceil(s.expert_ffn / tp)
         ups = 2 if s.arch == "llama" else 1
         out += [(per_expert, f, h, ups * local_experts), (per_expert, h, f, local_experts), (tokens, s.moe.num_experts, h, 1)]
+        if s.moe.num_shared_experts:  # the shared MLP sees every token, split by tp like a dense MLP
+            fs = math.ceil(s.moe.num_shared_experts * s.expert_ffn / tp)
+            out += [(tokens, fs, h, ups), (tokens, h, fs, 1)]
         return out
     f = math.ceil(s.ffn_dim / tp)
     ups = 2 if s.arch == "llama" else 1

@@ -6,12 +6,13 @@ the two architectures in `shardwise.models` (llama: RMSNorm, RoPE, GQA, SwiGLU, 
 LayerNorm, learned positions, GELU 4h MLP, biases, untied head). tests/unit/test_plan_memory.py checks
 them against the real modules built on the meta device and against `Transformer.param_counts`.
 
-Mixture of experts is planner-only for now (no MoE model exists yet): a `[model.moe]`-style spec
-(num_experts, top_k, every_k_layers, capacity_factor, expert_ffn_dim) replaces the MLP of every k-th
-block by `num_experts` experts of the architecture's MLP plus a linear router (Shazeer et al. 2017,
-arXiv 1701.06538; Mixtral: Jiang et al. 2024, arXiv 2401.04088). Expert weights are stacked 3-D
-tensors (E, out, in), as torchtitan's GroupedExperts. Everything MoE lives in `MoESpec` and the
-`moe_*` branches here, to be wired to models/moe.py when it lands.
+Mixture of experts (models/moe.py, config `[model.moe]`: num_experts, top_k, every_k_layers,
+capacity_factor, expert_ffn_dim, num_shared_experts) replaces the MLP of every k-th block by
+`num_experts` experts of the architecture's MLP plus a linear router (Shazeer et al. 2017, arXiv
+1701.06538; Mixtral: Jiang et al. 2024, arXiv 2401.04088) and optional shared experts merged into one
+MLP of num_shared x expert ffn (DeepSeekMoE, Dai et al. 2024, arXiv 2401.06066). Expert weights are
+stacked 3-D tensors (E, out, in), as torchtitan's GroupedExperts. tests/unit/test_moe.py checks the
+inventory and counts against the built MoE model.
 """
 from __future__ import annotations
 
@@ -51,8 +52,21 @@ class MoESpec:
     num_experts: int
     top_k: int
     every_k_layers: int = 1
-    capacity_factor: float = 1.0
+    capacity_factor: float = 1.0  # 0 = dropless
     expert_ffn_dim: int = 0  # 0 = model.ffn_dim
+    num_shared_experts: int = 0
+
+    @property
+    def load_factor(self) -> float:
+        """Expert rows per routed slot the planner sizes compute and activations for: the capacity
+        factor (buffers padded to capacity), or 1 when dropless (balanced routing on average)."""
+        return self.capacity_factor if self.capacity_factor > 0 else 1.0
+
+    @property
+    def sent_fraction(self) -> float:
+        """Fraction of the T*k routed slots the all-to-all sends: dropped slots are not sent, and at
+        most cf*T*k slots fit (balanced routing); dropless sends all of them."""
+        return min(1.0, self.capacity_factor) if self.capacity_factor > 0 else 1.0
 
     def is_moe_layer(self, index: int) -> bool:
         """Block `index` (0-based) is MoE when (index + 1) % every_k_layers == 0 (every layer for k = 1)."""
@@ -75,13 +89,14 @@ class ModelShape:
     @classmethod
     def from_config(cls, model: Any) -> "ModelShape":
         """From a resolved `ModelConfig`. MoE keys are read with getattr defaults (`model.moe` may be
-        a section object or dict with num_experts/top_k/...; absent or num_experts <= 1 = dense)."""
+        a section object or dict with num_experts/top_k/...; absent or num_experts = 0: dense; capacity_factor 0 = dropless)."""
         moe_cfg = getattr(model, "moe", None)
         get = (moe_cfg.get if isinstance(moe_cfg, dict) else (lambda k, d=None: getattr(moe_cfg, k, d)))
         moe = None
-        if moe_cfg is not None and (get("num_experts", 0) or 0) > 1:
+        if moe_cfg is not None and (get("num_experts", 0) or 0) > 0:
+            cf = get("capacity_factor", 0.0)
             moe = MoESpec(int(get("num_experts")), int(get("top_k", 2) or 2), int(get("every_k_layers", 1) or 1),
-                          float(get("capacity_factor", 1.0) or 1.0), int(get("expert_ffn_dim", 0) or 0))
+                          float(cf or 0.0), int(get("expert_ffn_dim", 0) or 0), int(get("num_shared_experts", 0) or 0))
         shape = cls(model.arch, model.dim, model.n_layers, model.n_heads, model.n_kv_heads or model.n_heads,
                     model.ffn_dim, model.vocab_size, model.max_seq_len, moe)
         shape.validate()
@@ -174,6 +189,15 @@ class ModelShape:
         for n in names:
             shape = (e, h, f) if n in ("w2", "proj") else (e, f, h)
             out.append(ParamSpec(prefix + f"experts.{n}", shape, "expert"))
+        fs = self.moe.num_shared_experts * f
+        if fs:  # one always-on MLP (models/moe.py), split by tp like a dense MLP
+            p = prefix + "shared_experts."
+            if self.arch == "llama":
+                out += [ParamSpec(p + "w1.weight", (fs, h), "col"), ParamSpec(p + "w3.weight", (fs, h), "col"),
+                        ParamSpec(p + "w2.weight", (h, fs), "row")]
+            else:
+                out += [ParamSpec(p + "fc.weight", (fs, h), "col"), ParamSpec(p + "fc.bias", (fs,), "col", False),
+                        ParamSpec(p + "proj.weight", (h, fs), "row"), ParamSpec(p + "proj.bias", (h,), "", False)]
         return out
 
     def params(self) -> list[ParamSpec]:

@@ -10,12 +10,39 @@ from torch import nn
 from shardwise.config import TrainConfig
 
 
+def _mesh_key(t: torch.Tensor):
+    mesh = getattr(t, "device_mesh", None)
+    return id(mesh) if mesh is not None and "ep" in (mesh.mesh_dim_names or ()) else None
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors split into those on the expert mesh (parallel/expert.py) and the rest, in first-seen
+    order: foreach kernels on DTensors need one mesh per call, and expert parallelism puts the experts
+    on a mesh of their own. Every other layout keeps one group (its numerics and ZeRO-1 partition
+    unchanged)."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(_mesh_key(t), []).append(t)
+    return list(groups.values())
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices (linear weights, embeddings); no decay for norm gains and biases (1-D), as in
-    GPT-3 / Megatron-LM. Grouping by dimensionality works on shards too: a DTensor keeps its ndim."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    GPT-3 / Megatron-LM. Grouping by dimensionality works on shards too: a DTensor keeps its ndim.
+
+    MoE models put their stacked experts in groups of their own, in every layout: under expert
+    parallelism they live on another mesh (foreach kernels need one mesh per call), and the same
+    groups without EP keep optimizer and scheduler state interchangeable between layouts (an ep2
+    checkpoint resumes on ep1). Dense models keep exactly the two groups."""
+    named = list(model.named_parameters())
+    experts = [p for n, p in named if "experts" in n.split(".") and p.ndim == 3]
+    ids = {id(p) for p in experts}
+    dense = [p for _, p in named if id(p) not in ids]
+    out = [{"params": [p for p in dense if p.ndim >= 2], "weight_decay": weight_decay},
+           {"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0}]
+    if experts:
+        out.append({"params": experts, "weight_decay": weight_decay})
+    return out
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None) -> torch.optim.Optimizer:
@@ -52,13 +79,16 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -
     different shards (and not over replicas), so every layout computes the same global norm.
     Pipeline stages hold disjoint parameters: their squared norms add up over `pp_group`."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
+    norms = []
+    for group in by_mesh(grads) or [[]]:
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
     if pp_group is not None:
         squared = total.float() ** 2
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total, foreach=True)
+        for group in by_mesh([p for p in params if p.grad is not None]):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

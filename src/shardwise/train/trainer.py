@@ -42,6 +42,8 @@ from shardwise.preflight import check, check_batch
 from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state
 from shardwise.train.pipeline_chart import CHART_FILE, describe, gather_timeline, summarize, write_timeline
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
+from shardwise.parallel.expert import expert_group_axes
+from shardwise.train import moe_stats
 from shardwise.train.metrics import (
     ActivationMeter,
     MetricsLogger,
@@ -123,6 +125,9 @@ class Trainer:
         self.last_timeline: dict | None = None
         self.activation_bytes = 0
         self.group_axes = axis_names(self.mesh) if distributed else {}
+        if self.mesh is not None:
+            self.group_axes.update(expert_group_axes(self.mesh.expert))
+        self.moe_layers = moe_stats.moe_layers(self.inner)
         self.comm_bytes: dict[str, dict[str, int]] | None = None
         self.last_memory: dict[str, list[int]] = {}
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep)
@@ -204,6 +209,8 @@ class Trainer:
     def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         t = self.cfg.train
         micro = self.batches.local_micro_batches(self.step, self.batch_rank, self.dims.dp, t.micro_batch)
+        moe_stats.reset(self.moe_layers)
+        moe_stats.set_aux_grad_scale(self.moe_layers, self.scaler.scale / self.accumulation)
         loss_sum = self._pipeline_forward_backward(micro) if self.pipeline is not None else self._accumulate(micro)
         found_inf = self.scaler.unscale_((p.grad for p in self.params if p.grad is not None), self.world_group)
         grad_norm = clip_grad_norm(self.params, t.grad_clip, self.mesh["pp"].get_group() if self.pipeline else None)
@@ -307,6 +314,12 @@ class Trainer:
                     record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in self.comm_bytes.items()})
                     record["comm_bytes_per_step"] = self.comm_bytes
                     record["memory_per_rank_bytes"] = self.last_memory
+                    if self.moe_layers or self.cfg.model.moe.num_experts:
+                        record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.world_group))
+                        if not self.quiet:
+                            metrics.print(f"step {self.step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
+                                          f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
+                                          f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
                     if timeline is not None:
                         record["pp_bubble_measured"] = timeline["bubble_measured"]
                         record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
