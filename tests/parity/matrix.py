@@ -193,6 +193,18 @@ MOE_FAMILY = [
            reference="moe"),
     Layout("moe_ep2_pp2_zero3", 4, {**_MOE, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.ep": 2,
                                     "parallel.zero": 3}, reference="moe"),
+    # CP x EP: ep folded into the cp ranks (dp_shard 1), and into dp_shard x cp; the router statistics
+    # of a micro-batch are summed over its cp ranks (without that sum: rel |dloss| 3.5e-4, |dparam| 1.4e-2)
+    Layout("moe_cp2_ep2_zero3", 2, {**_MOE, "parallel.cp": 2, "parallel.ep": 2, "parallel.zero": 3}, reference="moe"),
+    Layout("moe_cp2_ulysses_dp2_ep4_zero3", 4, {**_MOE, "parallel.cp": 2, "parallel.cp_mode": "ulysses",
+                                                "parallel.dp_shard": 2, "parallel.ep": 4, "parallel.zero": 3},
+           reference="moe"),
+    # world size 8, 5-D: pp2 x dp_shard2 x cp2 with ep folded into dp_shard x cp (2 and 4)
+    Layout("moe_5d_pp2_dp2_cp2_ep2_zero3", 8, {**_MOE, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.cp": 2,
+                                               "parallel.ep": 2, "parallel.zero": 3}, reference="moe"),
+    Layout("moe_5d_pp2_dp2_cp2_ulysses_ep4_zero2", 8, {**_MOE, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.cp": 2,
+                                                       "parallel.cp_mode": "ulysses", "parallel.ep": 4,
+                                                       "parallel.zero": 2}, reference="moe"),
 ]
 
 MATRIX = DP_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY + MOE_FAMILY

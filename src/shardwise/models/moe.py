@@ -73,6 +73,29 @@ class GroupedExperts(nn.Module):
         return self.compute(x, counts.tolist(), [w.to(x.dtype) for w in self.weights()])
 
 
+class _GroupSum(torch.autograd.Function):
+    """Sum over a process group whose backward sums the gradients over the group too (the adjoint
+    of a sum that every rank consumes). Ours because torch.distributed.nn's is deprecated and the
+    functional all_reduce has no autograd formula."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class _AttachAuxLoss(torch.autograd.Function):
     """Return the MoE output unchanged; in backward give `aux` the constant gradient `scale`.
 
@@ -169,13 +192,12 @@ class MoE(nn.Module):
             # its tokens' share of grad(aux); averaging gradients over the group (dp_cp) divides that
             # factor out again, leaving exactly grad(aux) of the whole micro-batch's statistics.
             import torch.distributed as dist
-            from torch.distributed.nn.functional import all_reduce
 
-            dist.all_reduce(counts, group=self.stats_group)
-            dist.all_reduce(tokens, group=self.stats_group)
-            prob_sum = all_reduce(prob_sum, group=self.stats_group)
-            if self.z_loss_coef > 0:
-                z_sum = all_reduce(z_sum, group=self.stats_group)
+            plain = torch.cat([counts, tokens.view(1)])
+            dist.all_reduce(plain, group=self.stats_group)
+            counts, tokens = plain[:-1], plain[-1]
+            summed = _GroupSum.apply(torch.cat([prob_sum, z_sum.view(1)]), self.stats_group)
+            prob_sum, z_sum = summed[:-1], summed[-1]
         f = counts / (tokens * self.top_k)
         p = prob_sum / tokens
         aux = self.aux_loss_coef * self.num_experts * (f * p).sum()
