@@ -247,6 +247,13 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
                 out.append(Collective("cp", kind, dkv, (lay.cp - 1) * L * m, "bwd", "dkv"))
                 if rc_other:
                     out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m * rc_other, "recompute", "kv"))
+        if rank.moe_layers and shape.moe is not None:
+            # models/moe.py under CP: per MoE layer and micro-batch the router statistics of the cp
+            # ranks are summed, (counts, tokens) and the differentiable (P, z) sums, E + 1 fp32 values
+            # each, the latter again in backward: 3 small all_reduces.
+            stats = (shape.moe.num_experts + 1) * 4.0
+            out.append(Collective("cp", "all_reduce", stats, 2 * rank.moe_layers * m, "fwd", "moe_stats"))
+            out.append(Collective("cp", "all_reduce", stats, rank.moe_layers * m, "bwd", "moe_stats"))
     # ---- expert parallel ----
     if lay.ep > 1 and rank.moe_layers and shape.moe is not None:
         # parallel/expert.py: per MoE layer and micro-batch, the token copies this rank routed (T*k,
