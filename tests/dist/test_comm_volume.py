@@ -219,12 +219,27 @@ MOE_CASES = {2: {"moe_ep2_zero3": {**_Z3, "parallel.dp_shard": 2, "parallel.ep":
 MOE_NAMES = [n for cases in MOE_CASES.values() for n in cases]
 
 
+def _moe_step(base, overrides: dict, run_dir) -> dict:
+    """One counted optimizer step; under PP a steady one (the schedules' first step adds 4-byte shape
+    handshakes between neighbours, not per-step traffic: tests/dist/test_plan_validation.py)."""
+    from shardwise.train.trainer import Trainer
+
+    cfg = build_config(None, base + [(k, str(v)) for k, v in overrides.items()] + [("train.steps", "2")])
+    cfg.run.dir = str(run_dir)
+    trainer = Trainer(cfg, log=None)
+    if trainer.dims.pp > 1:
+        trainer.train_step()
+        trainer.comm_bytes = None
+    trainer.train_step()
+    return {"comm": trainer.comm_bytes}
+
+
 @pytest.fixture(scope="module")
 def moe_counted(base_overrides, tmp_path_factory):
     root = tmp_path_factory.mktemp("comm_moe")
     out = {}
     for world, cases in MOE_CASES.items():
-        ranks = run_world(world, lambda rank, cases=cases: {n: _train_one_step(base_overrides, ov, root / f"{n}_{rank}")
+        ranks = run_world(world, lambda rank, cases=cases: {n: _moe_step(base_overrides, ov, root / f"{n}_{rank}")
                                                             for n, ov in cases.items()})
         for name in cases:
             out[name] = [r[name] for r in ranks]
@@ -259,9 +274,7 @@ def test_expert_parallel_all_to_all_matches_planner(moe_counted, base_overrides,
 
 def _moe_axis_table(cfg, world: int, counted_ranks: list[dict]) -> list[tuple]:
     """(rank, axis, kind, counted, predicted) for every axis and kind either side has, but the ep
-    all_to_all (routing-dependent per rank: test above) and the pp point-to-point traffic (the
-    schedules' first step adds 4-byte shape handshakes: tests/dist/test_plan_validation.py counts a
-    steady step)."""
+    all_to_all (routing-dependent per rank: test above)."""
     from shardwise.parallel.dims import ParallelDims
     from shardwise.plan.comm import predict_comm_bytes
 
@@ -271,7 +284,7 @@ def _moe_axis_table(cfg, world: int, counted_ranks: list[dict]) -> list[tuple]:
         got, pred = r["comm"], predict_comm_bytes(cfg, dims, rank=rank)
         for axis in sorted(set(got) | set(pred)):
             for kind in sorted(set(got.get(axis, {})) | set(pred.get(axis, {}))):
-                if (axis, kind) == ("ep", "all_to_all") or (axis == "pp" and kind in ("send", "recv")):
+                if (axis, kind) == ("ep", "all_to_all"):
                     continue
                 rows.append((rank, axis, kind, got.get(axis, {}).get(kind), pred.get(axis, {}).get(kind)))
     return rows
@@ -281,7 +294,8 @@ def _moe_axis_table(cfg, world: int, counted_ranks: list[dict]) -> list[tuple]:
 def test_moe_traffic_matches_planner_on_every_axis(moe_counted, base_overrides, name):
     """MoE layouts, every rank, every axis and kind (dp_shard / cp for the dense FSDP units and their
     gradient norms, efsdp for the experts' own FSDP unit, ep for the experts' gradient norms, cp for
-    the router statistics and attention, pp for the norm): counted == predict_comm_bytes, to the byte.
+    the router statistics and attention, pp for the boundary activations and the norm): counted ==
+    predict_comm_bytes, to the byte.
     With ep > 1 the stacked experts are outside the dense units (parallel/expert.py)."""
     world = next(w for w, cases in MOE_CASES.items() if name in cases)
     cfg = build_config(None, base_overrides + [(k, str(v)) for k, v in MOE_CASES[world][name].items()])
