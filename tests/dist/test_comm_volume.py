@@ -204,10 +204,34 @@ def test_cp_traffic_matches_planner_exactly(counted, base_overrides, name):
 # repeats both with the roles swapped. What one rank receives follows the routing, but over the ep group
 # sent = received, so the mean over ranks is exactly 2 x T*k*h*4 per direction, plus the E int64 counts.
 MOE = {"model.preset": "tiny-moe", "train.micro_batch": 2}
-MOE_CASES = {2: {"moe_ep2_zero3": {**MOE, "parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero": 3}},
-             4: {"moe_ep4_zero3": {**MOE, "parallel.dp_shard": 4, "parallel.ep": 4, "parallel.zero": 3},
-                 "moe_ep2_efsdp2_capacity1": {**MOE, "parallel.dp_shard": 4, "parallel.ep": 2, "parallel.zero": 3,
-                                              "model.moe.capacity_factor": 1.0}}}
+_Z3 = {**MOE, "parallel.zero": 3}
+MOE_CASES = {2: {"moe_ep2_zero3": {**_Z3, "parallel.dp_shard": 2, "parallel.ep": 2},
+                 # the experts as ordinary block parameters of the dense FSDP units
+                 "moe_ep1_zero3": {**_Z3, "parallel.dp_shard": 2},
+                 "moe_ep2_zero2": {**MOE, "parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero": 2},
+                 # ep folded onto cp: dp_shard 1, the dense units shard over cp
+                 "moe_cp2_ep2_zero3": {**_Z3, "parallel.cp": 2, "parallel.ep": 2}},
+             4: {"moe_ep4_zero3": {**_Z3, "parallel.dp_shard": 4, "parallel.ep": 4},
+                 "moe_ep2_efsdp2_capacity1": {**_Z3, "parallel.dp_shard": 4, "parallel.ep": 2,
+                                              "model.moe.capacity_factor": 1.0},
+                 "moe_ep2_efsdp2_zero2": {**MOE, "parallel.dp_shard": 4, "parallel.ep": 2, "parallel.zero": 2},
+                 "moe_pp2_dp2_ep2_zero3": {**_Z3, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.ep": 2}}}
+MOE_NAMES = [n for cases in MOE_CASES.values() for n in cases]
+
+
+def _moe_step(base, overrides: dict, run_dir) -> dict:
+    """One counted optimizer step; under PP a steady one (the schedules' first step adds 4-byte shape
+    handshakes between neighbours, not per-step traffic: tests/dist/test_plan_validation.py)."""
+    from shardwise.train.trainer import Trainer
+
+    cfg = build_config(None, base + [(k, str(v)) for k, v in overrides.items()] + [("train.steps", "2")])
+    cfg.run.dir = str(run_dir)
+    trainer = Trainer(cfg, log=None)
+    if trainer.dims.pp > 1:
+        trainer.train_step()
+        trainer.comm_bytes = None
+    trainer.train_step()
+    return {"comm": trainer.comm_bytes}
 
 
 @pytest.fixture(scope="module")
@@ -215,14 +239,14 @@ def moe_counted(base_overrides, tmp_path_factory):
     root = tmp_path_factory.mktemp("comm_moe")
     out = {}
     for world, cases in MOE_CASES.items():
-        ranks = run_world(world, lambda rank, cases=cases: {n: _train_one_step(base_overrides, ov, root / f"{n}_{rank}")
+        ranks = run_world(world, lambda rank, cases=cases: {n: _moe_step(base_overrides, ov, root / f"{n}_{rank}")
                                                             for n, ov in cases.items()})
         for name in cases:
             out[name] = [r[name] for r in ranks]
     return out
 
 
-@pytest.mark.parametrize("name", ["moe_ep2_zero3", "moe_ep4_zero3", "moe_ep2_efsdp2_capacity1"])
+@pytest.mark.parametrize("name", [n for n in MOE_NAMES if "_ep1_" not in n])
 def test_expert_parallel_all_to_all_matches_planner(moe_counted, base_overrides, name):
     from shardwise.parallel.dims import ParallelDims
     from shardwise.plan.comm import predict_comm_bytes
@@ -230,7 +254,11 @@ def test_expert_parallel_all_to_all_matches_planner(moe_counted, base_overrides,
     world = next(w for w, cases in MOE_CASES.items() if name in cases)
     overrides = MOE_CASES[world][name]
     cfg = build_config(None, base_overrides + [(k, str(v)) for k, v in overrides.items()])
-    predicted = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, world))["ep"]["all_to_all"]
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    # every rank of the ep group holds the same layers (under pp: one stage's ep group at a time)
+    per_rank = [predict_comm_bytes(cfg, dims, rank=r)["ep"]["all_to_all"] for r in range(world)]
+    assert len(set(per_rank)) == 1, per_rank
+    predicted = per_rank[0]
     measured = [r["comm"]["ep"]["all_to_all"] for r in moe_counted[name]]
     mean = sum(measured) / len(measured)
     print(f"{name}: ep all_to_all bytes/step per rank {measured}, mean {mean:.0f}, planner {predicted}")
@@ -242,3 +270,43 @@ def test_expert_parallel_all_to_all_matches_planner(moe_counted, base_overrides,
     else:
         # capacity: dropped copies are not sent; the planner's min(1, cf) * T*k is the balanced bound
         assert 0.5 * predicted < mean <= predicted
+
+
+def _moe_axis_table(cfg, world: int, counted_ranks: list[dict]) -> list[tuple]:
+    """(rank, axis, kind, counted, predicted) for every axis and kind either side has, but the ep
+    all_to_all (routing-dependent per rank: test above)."""
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.plan.comm import predict_comm_bytes
+
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    rows = []
+    for rank, r in enumerate(counted_ranks):
+        got, pred = r["comm"], predict_comm_bytes(cfg, dims, rank=rank)
+        for axis in sorted(set(got) | set(pred)):
+            for kind in sorted(set(got.get(axis, {})) | set(pred.get(axis, {}))):
+                if (axis, kind) == ("ep", "all_to_all"):
+                    continue
+                rows.append((rank, axis, kind, got.get(axis, {}).get(kind), pred.get(axis, {}).get(kind)))
+    return rows
+
+
+@pytest.mark.parametrize("name", MOE_NAMES)
+def test_moe_traffic_matches_planner_on_every_axis(moe_counted, base_overrides, name):
+    """MoE layouts, every rank, every axis and kind (dp_shard / cp for the dense FSDP units and their
+    gradient norms, efsdp for the experts' own FSDP unit, ep for the experts' gradient norms, cp for
+    the router statistics and attention, pp for the boundary activations and the norm): counted ==
+    predict_comm_bytes, to the byte.
+    With ep > 1 the stacked experts are outside the dense units (parallel/expert.py)."""
+    world = next(w for w, cases in MOE_CASES.items() if name in cases)
+    cfg = build_config(None, base_overrides + [(k, str(v)) for k, v in MOE_CASES[world][name].items()])
+    rows = _moe_axis_table(cfg, world, moe_counted[name])
+    for row in rows:
+        print(name, *row)
+    assert [r for r in rows if r[3] != r[4]] == []
+    axes = {r[1] for r in rows}
+    ov = MOE_CASES[world][name]
+    efsdp = ov.get("parallel.dp_shard", 1) * ov.get("parallel.cp", 1) // ov.get("parallel.ep", 1)
+    # the layouts exercise what they are meant to: the experts' own FSDP axis only with efsdp > 1,
+    # expert gradient norms on ep with ep > 1
+    assert ("efsdp" in axes) == (efsdp > 1 and ov.get("parallel.ep", 1) > 1), axes
+    assert (("ep", "all_reduce") in {(r[1], r[2]) for r in rows}) == (ov.get("parallel.ep", 1) > 1)

@@ -53,8 +53,19 @@ def build_expert_mesh(dims: ParallelDims, device_type: str):
     # whole world (it would otherwise reuse the default group, which the root mesh's axis may already
     # use): the communication counter names groups by axis, so "ep" must not share one with dp_shard.
     backend = dist.get_backend()
-    return init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names,
+    mesh = init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names,
                             backend_override={a: backend for a in names})
+    if _BUILT[0] is not dist.group.WORLD:  # a new world: the old groups are gone
+        _BUILT[:] = [dist.group.WORLD, {}]
+    _BUILT[1].update({mesh[a].get_group().group_name: a for a in names if a in ("efsdp", "ep")})
+    return mesh
+
+
+# [the world group, {group name: axis}] of every expert mesh built in this world. DTensor caches
+# sharding decisions by mesh *equality* (same ranks and axis names), so a second trainer in one
+# process (the tests run several per world) may run its expert collectives on an equal mesh that
+# an earlier trainer built: same axis, other group; the counter must still name it by its axis.
+_BUILT: list = [None, {}]
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:
@@ -160,4 +171,5 @@ def expert_group_axes(expert_mesh) -> dict[str, str]:
     """{process-group name: axis} for the expert mesh's axes (for the communication counter)."""
     if expert_mesh is None:
         return {}
-    return {expert_mesh[a].get_group().group_name: a for a in expert_mesh.mesh_dim_names if a in ("efsdp", "ep")}
+    own = {expert_mesh[a].get_group().group_name: a for a in expert_mesh.mesh_dim_names if a in ("efsdp", "ep")}
+    return {**(_BUILT[1] if _BUILT[0] is dist.group.WORLD else {}), **own}

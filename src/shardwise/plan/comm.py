@@ -2,7 +2,7 @@
 
 Bytes convention (shared with the trainer's counter): per rank, per optimizer step, per mesh axis
 ("dp_replicate", "dp_shard", "dp" = the flattened dp_replicate x dp_shard group, "tp", "cp", "pp",
-"ep") and per collective kind, the *payload* = the size of the full logical buffer of each call:
+"ep", "efsdp") and per collective kind, the *payload* = the size of the full logical buffer of each call:
 all_reduce: the tensor; all_gather: the gathered output; reduce_scatter: the unsharded input;
 broadcast: the tensor; all_to_all: the input; send / recv: the tensor. `wire_bytes` converts a
 payload into what a rank actually sends with the ring algorithms (Thakur et al. 2005, "Optimization of
@@ -34,8 +34,11 @@ CP (parallel/context.py): ring attention sends and receives K and V (compact KV 
 dtype) cp-1 times per layer and micro-batch in forward, and in backward cp-1 times K/V plus cp-1
 times the dK/dV accumulators; Ulysses 4 all_to_all (q, k, v, out) per layer and direction. CP ranks
 join data parallelism: gradients over dp_cp, model states sharded over dp_shard_cp (`batch_axis`,
-`shard_axis`; the counter's names for them: `counted_axis`). EP is not trained yet: all_to_all
-dispatch + combine per MoE layer and direction. Recomputation repeats the forward's CP / EP
+`shard_axis`; the counter's names for them: `counted_axis`). EP (parallel/expert.py): all_to_all
+dispatch + combine per MoE layer and direction on "ep"; the stacked experts leave the dense FSDP
+units, and with efsdp = dp_shard x cp / ep > 1 have their own per-block FSDP unit on the expert
+mesh's "efsdp" axis; their gradient norms are reduced on ep (and efsdp): `_expert_fsdp_collectives`.
+Validated per axis and rank on MoE layouts (tests/dist/test_comm_volume.py). Recomputation repeats the forward's CP / EP
 collectives (they are not in selective "op"'s save list); for TP see `_tp_collectives`.
 """
 from __future__ import annotations
@@ -85,15 +88,33 @@ def shard_axis(lay: Layout) -> str:
     return "dp_shard_cp" if lay.cp > 1 else "dp_shard"
 
 
-def _unit_numel(problem: Problem, lay: Layout, rank: RankModel) -> tuple[float, float, float, float]:
-    """(block numel, root numel) unsharded TP-local, and the same padded to FSDP's shard multiple."""
+class Units(NamedTuple):
+    """Numel of one rank's FSDP units, TP-local: `blk` / `root` unsharded and `*_pad` padded to FSDP's
+    shard multiple; `exp` / `exp_pad` the stacked experts of its MoE blocks under expert parallelism
+    (E/ep local experts each), which are not in the dense block units (see `_unit_numel_cached`)."""
+
+    blk: float
+    root: float
+    blk_pad: float
+    root_pad: float
+    exp: float = 0.0
+    exp_pad: float = 0.0
+
+
+def _unit_numel(problem: Problem, lay: Layout, rank: RankModel) -> Units:
     return _unit_numel_cached(problem.shape, lay.tp, lay.ep, lay.shard_group, rank)
 
 
 @lru_cache(maxsize=1 << 14)
-def _unit_numel_cached(shape, tp: int, ep: int, n: int, rank: RankModel) -> tuple[float, float, float, float]:
-    ep_n = max(1, n // ep)
-    blk = blk_pad = root = root_pad = 0.0
+def _unit_numel_cached(shape, tp: int, ep: int, n: int, rank: RankModel) -> Units:
+    """Without EP the stacked experts are ordinary block parameters (padded over the n = dp_shard x cp
+    shard ranks like any other). With ep > 1 parallel/expert.py takes them out of the dense units:
+    with efsdp = n / ep == 1 FSDP ignores them (each ep rank owns its E/ep experts, nothing to gather
+    or reduce-scatter), with efsdp > 1 each MoE block's experts module is an FSDP2 unit of its own over
+    the expert mesh's efsdp axis (shard_experts). FSDP2 shards dim 0 in both cases (no
+    shard_placement_fn): padded to ceil(d0 / group) x group rows."""
+    efsdp = max(1, n // ep)
+    blk = blk_pad = root = root_pad = exp = exp_pad = 0.0
     specs = []
     if rank.dense_layers:
         specs += [(p, rank.dense_layers, True) for p in shape.block_params(False)]
@@ -105,20 +126,25 @@ def _unit_numel_cached(shape, tp: int, ep: int, n: int, rank: RankModel) -> tupl
         specs += [(p, 1, False) for p in shape.head_params()]
     for spec, repeat, in_block in specs:
         ls = local_shape(spec, shape, tp, ep)
-        group = ep_n if spec.tp == "expert" else n
-        full, pad = _numel(ls) * repeat, _fsdp_shard_numel(ls, group, spec.tp == "expert") * group * repeat
-        if in_block:
+        expert_unit = spec.tp == "expert" and ep > 1
+        group = efsdp if expert_unit else n
+        full, pad = _numel(ls) * repeat, _fsdp_shard_numel(ls, group, False) * group * repeat
+        if expert_unit:
+            exp, exp_pad = exp + full, exp_pad + (pad if efsdp > 1 else 0.0)
+        elif in_block:
             blk, blk_pad = blk + full, blk_pad + pad
         else:
             root, root_pad = root + full, root_pad + pad
-    return blk, root, blk_pad, root_pad
+    return Units(blk, root, blk_pad, root_pad, exp, exp_pad)
 
 
 @lru_cache(maxsize=1 << 14)
-def _param_tensors(shape, rank: RankModel) -> int:
-    """Parameter tensors on this rank (each gets its own gradient-norm reduction, see below)."""
-    n = len(shape.block_params(False)) * rank.dense_layers + (len(shape.block_params(True)) * rank.moe_layers if rank.moe_layers else 0)
-    return n + (len(shape.embedding_params()) if rank.embedding else 0) + (len(shape.head_params()) if rank.head else 0)
+def _param_tensors(shape, rank: RankModel, experts: bool | None = None) -> int:
+    """Parameter tensors on this rank (each gets its own gradient-norm reduction, see below); only the
+    stacked expert weights (experts=True) or all but them (False)."""
+    specs = [*shape.block_params(False)] * rank.dense_layers + ([*shape.block_params(True)] * rank.moe_layers if rank.moe_layers else [])
+    specs += [*(shape.embedding_params() if rank.embedding else ()), *(shape.head_params() if rank.head else ())]
+    return sum(1 for p in specs if experts is None or (p.tp == "expert") == experts)
 
 
 def collectives(problem: Problem, lay: Layout, rank: RankModel | None = None, pp_rank: int = 0) -> list[Collective]:
@@ -173,8 +199,9 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     mixed = problem.model_states == "mixed" and low
     param_bytes = 2 if low else 4
     grad_bytes = 2 if mixed else 4
-    blk, root, blk_pad, root_pad = _unit_numel(problem, lay, rank)
-    local = blk + root
+    units = _unit_numel(problem, lay, rank)
+    blk, root, blk_pad, root_pad = units.blk, units.root, units.blk_pad, units.root_pad
+    local = blk + root + units.exp
     # ---- data parallel ----
     if lay.dp * lay.cp > 1:
         bax, sax = batch_axis(lay), shard_axis(lay)
@@ -195,8 +222,8 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
                 block_gathers, syncs, root_gathers = m, (m if lay.zero == 3 else 1), m
             out.append(Collective(sax, "all_gather", root_pad * param_bytes, root_gathers, "fwd", "root"))
             out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, block_gathers * n_blocks, "fwd", "block"))
-            if lay.zero == 3:
-                bwd_gathers = 1 if lay.pp > 1 else m
+            bwd_gathers = (1 if lay.pp > 1 else m) if lay.zero == 3 else 0
+            if bwd_gathers:
                 out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, bwd_gathers * n_blocks, "bwd", "block"))
             out.append(Collective(sax, "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
             out.append(Collective(sax, "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
@@ -204,8 +231,14 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
                 shard = (blk_pad + root_pad) / lay.shard_group * grad_bytes
                 out.append(Collective("dp_replicate", "all_reduce", shard, syncs, "grad", "grads"))
             # Gradient clipping (train/optim.py): the norm of each sharded DTensor gradient is a Partial
-            # scalar, and torch reduces them one by one — one 4-byte all_reduce per parameter tensor.
-            out.append(Collective(sax, "all_reduce", 4.0, _param_tensors(shape, rank), "step", "grad_norm"))
+            # scalar reduced over its mesh — 4 bytes per parameter tensor (torch coalesces a foreach
+            # group's into one call: same bytes).
+            ep_experts = lay.ep > 1 and rank.moe_layers and shape.moe is not None
+            dense_tensors = _param_tensors(shape, rank, False) if ep_experts else _param_tensors(shape, rank)
+            out.append(Collective(sax, "all_reduce", 4.0, dense_tensors, "step", "grad_norm"))
+            if ep_experts:
+                out += _expert_fsdp_collectives(lay, units, rank.moe_layers, _param_tensors(shape, rank, True),
+                                                param_bytes, grad_bytes, block_gathers, bwd_gathers, syncs)
         else:
             grads = local * grad_bytes
             out.append(Collective(bax, "all_reduce", grads, 1, "grad", "grads"))
@@ -269,6 +302,27 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
         if rc_other:
             out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m * rc_other, "recompute", "tokens"))
             out.append(Collective("ep", "all_to_all", counts, rank.moe_layers * m * rc_other, "recompute", "counts"))
+    return out
+
+
+def _expert_fsdp_collectives(lay: Layout, units: Units, moe_layers: int, tensors: int, param_bytes: int,
+                             grad_bytes: int, fwd_gathers: int, bwd_gathers: int, syncs: int) -> list[Collective]:
+    """The stacked experts under EP (parallel/expert.py), one rank. With efsdp = dp_shard x cp / ep > 1
+    each MoE block's experts module is an FSDP2 unit over the expert mesh's efsdp axis with the blocks'
+    reshard policy (zero 3: resharded after forward), so per MoE block it gathers (param dtype) and
+    reduce-scatters (fp32 gradients) exactly as often as its block does; with efsdp == 1 it moves
+    nothing on the data-parallel axes (FSDP ignores the experts; a gradient hook divides locally).
+    Gradient clipping (train/optim.py clip_grad_norm) takes the expert gradients' norm on the expert
+    mesh: each tensor's Partial norm is all-reduced over every mesh axis it is sharded on — ep (E/ep
+    experts per rank) and, with efsdp > 1, efsdp (FSDP's shard): 4 bytes per tensor on each."""
+    out = [Collective("ep", "all_reduce", 4.0, tensors, "step", "grad_norm")]
+    if lay.shard_group // lay.ep > 1:
+        unit = units.exp_pad / moe_layers
+        out += [Collective("efsdp", "all_gather", unit * param_bytes, fwd_gathers * moe_layers, "fwd", "experts"),
+                Collective("efsdp", "reduce_scatter", unit * grad_bytes, syncs * moe_layers, "grad", "experts"),
+                Collective("efsdp", "all_reduce", 4.0, tensors, "step", "grad_norm")]
+        if bwd_gathers:
+            out.append(Collective("efsdp", "all_gather", unit * param_bytes, bwd_gathers * moe_layers, "bwd", "experts"))
     return out
 
 

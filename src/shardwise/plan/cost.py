@@ -185,7 +185,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
 # step
 # ---------------------------------------------------------------------------------------------------
 def _axis_group(axis: str) -> str:
-    return "dp" if axis in ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp") else axis
+    return "dp" if axis in ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp", "efsdp") else axis
 
 
 def _bubble(schedule: str, p: int, v: int, t_f: float, t_b: float) -> float:
@@ -232,6 +232,8 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
             t *= 1.0 - C.TP_OVERLAP_FRACTION
             comm["tp"] += t
             per_mb_comm += t / m
+        elif group == "ep" and c.unit == "grad_norm":  # after the backward, with the other norms
+            comm["dp"] += t
         elif group == "ep":
             comm["ep"] += t
             per_mb_comm += t / m
@@ -330,9 +332,12 @@ def _fsdp_exposed(fwd: list[Collective], bwd: list[Collective], mb: MicroBatchTi
         for c in colls:
             t_all = time_of(c, place, cl)
             total += t_all
-            if c.unit == "block":
-                times_per_step = c.calls / n_blocks
-                per_block = t_all / c.calls
+            if c.unit in ("block", "experts"):
+                # An MoE block's experts unit (efsdp, plan/comm.py) moves with its block: its time
+                # spread over the blocks (all of them are MoE in the presets).
+                units = n_blocks if c.unit == "block" else max(1, rank.moe_layers)
+                times_per_step = c.calls / units
+                per_block = t_all / (times_per_step * n_blocks)
                 by_calls[times_per_step] = by_calls.get(times_per_step, 0.0) + per_block
             else:  # root gather / root reduce-scatter / HSDP all-reduce of the shards
                 if c.unit == "grads":

@@ -352,6 +352,10 @@ def axis_placement(lay: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]
     # Experts live on the dp_shard x cp ranks (dims.py): an ep group of size e is the innermost e of them.
     groups["ep"] = lay.ep
     strides["ep"] = strides["cp"] if lay.cp > 1 else strides["dp_shard"]
+    # ... and efsdp (the ranks holding the same experts, parallel/expert.py) is the rest of that block,
+    # outside ep: stride ep x ep's stride.
+    groups["efsdp"] = max(1, lay.dp_shard * lay.cp // lay.ep)
+    strides["efsdp"] = strides["ep"] * lay.ep
     for axis, n in groups.items():
         st = strides[axis]
         if n == 1:
