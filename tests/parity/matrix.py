@@ -199,6 +199,14 @@ MOE_FAMILY = [
     Layout("moe_cp2_ulysses_dp2_ep4_zero3", 4, {**_MOE, "parallel.cp": 2, "parallel.cp_mode": "ulysses",
                                                 "parallel.dp_shard": 2, "parallel.ep": 4, "parallel.zero": 3},
            reference="moe"),
+    # MoE x TP (Megatron expert-TP, parallel/tensor.py MoERegion): every tp rank routes the same tokens,
+    # experts (and shared experts) split on the ffn dim, one reduction per MoE block like a dense MLP
+    Layout("moe_tp2", 2, {**_MOE, "parallel.tp": 2}, reference="moe"),
+    Layout("moe_tp2_nosp", 2, {**_MOE, "parallel.tp": 2, "parallel.sequence_parallel": False}, reference="moe"),
+    Layout("moe_tp2_zero3_dp2", 4, {**_MOE, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3},
+           reference="moe"),
+    Layout("moe_ep2_tp2_zero3", 4, {**_MOE, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.ep": 2,
+                                    "parallel.zero": 3}, reference="moe"),
     # world size 8, 5-D: pp2 x dp_shard2 x cp2 with ep folded into dp_shard x cp (2 and 4)
     Layout("moe_5d_pp2_dp2_cp2_ep2_zero3", 8, {**_MOE, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.cp": 2,
                                                "parallel.ep": 2, "parallel.zero": 3}, reference="moe"),
