@@ -204,7 +204,10 @@ def test_cp_traffic_matches_planner_exactly(counted, base_overrides, name):
 # repeats both with the roles swapped. What one rank receives follows the routing, but over the ep group
 # sent = received, so the mean over ranks is exactly 2 x T*k*h*4 per direction, plus the E int64 counts.
 MOE = {"model.preset": "tiny-moe", "train.micro_batch": 2}
-MOE_CASES = {2: {"moe_ep2_zero3": {**MOE, "parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero": 3}},
+MOE_CASES = {2: {"moe_ep2_zero3": {**MOE, "parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero": 3},
+                 # MoE x TP (parallel/tensor.py MoERegion): the dense MLP's TP collectives + the router's Partial grad
+                 "moe_tp2": {**MOE, "parallel.tp": 2},
+                 "moe_tp2_nosp": {**MOE, "parallel.tp": 2, "parallel.sequence_parallel": False}},
              4: {"moe_ep4_zero3": {**MOE, "parallel.dp_shard": 4, "parallel.ep": 4, "parallel.zero": 3},
                  "moe_ep2_efsdp2_capacity1": {**MOE, "parallel.dp_shard": 4, "parallel.ep": 2, "parallel.zero": 3,
                                               "model.moe.capacity_factor": 1.0}}}
@@ -242,3 +245,22 @@ def test_expert_parallel_all_to_all_matches_planner(moe_counted, base_overrides,
     else:
         # capacity: dropped copies are not sent; the planner's min(1, cf) * T*k is the balanced bound
         assert 0.5 * predicted < mean <= predicted
+
+
+@pytest.mark.parametrize("name", ["moe_tp2", "moe_tp2_nosp"])
+def test_moe_tensor_parallel_traffic_matches_planner(moe_counted, base_overrides, name):
+    """A MoE block under TP is one region like the dense MLP (all-gather / reduce-scatter, or all-reduce
+    without SP, at its entry and exit), plus the router's Partial gradient all-reduced over tp: the
+    trainer's tp bytes per kind equal the planner's."""
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.plan.comm import predict_comm_bytes
+
+    overrides = MOE_CASES[2][name]
+    cfg = build_config(None, base_overrides + [(k, str(v)) for k, v in overrides.items()])
+    predicted = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2))["tp"]
+    for r in moe_counted[name]:
+        got = r["comm"]["tp"]
+        print(f"{name}: tp bytes/step by kind {got}, planner {predicted}")
+        assert set(got) == set(predicted)
+        for kind, nbytes in predicted.items():
+            assert abs(got[kind] - nbytes) <= 0.01 * nbytes, (kind, got[kind], nbytes)
