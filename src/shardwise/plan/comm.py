@@ -311,8 +311,10 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
         out.append(Collective("tp", "all_reduce", tokens * 4, 3 * m, "fwd", "loss_parallel"))
     # Partial gradients of replicated weights: per micro-batch with TP alone (parallel/tensor.py
     # align_gradients_with_parameters, a hook per accumulation); once per step when FSDP2 or its
-    # replicate own the gradients (every zero stage with dp > 1, measured).
-    syncs = 1 if lay.dp > 1 else m
+    # replicate own the gradients (every zero stage with dp > 1, measured) — except ZeRO-3 without PP,
+    # whose reduce-scatter (and this all-reduce with it) runs after every micro-batch (measured on
+    # tp2 x zero3 dp2 with 2 micro-batches: one sync per micro-batch).
+    syncs = m if lay.fsdp and lay.zero == 3 and lay.pp == 1 else 1 if lay.dp > 1 else m
     norm_params = (2 if shape.arch == "gpt" else 1) * shape.dim
     partial = (2 * L + (1 if rank.head else 0)) * norm_params if lay.sp else 0
     if lay.tp > shape.n_kv_heads:
