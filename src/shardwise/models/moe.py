@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward block (no parallelism in here; parallel/expert.py adds EP).
+"""Mixture-of-experts feed-forward block (no parallelism in here; parallel/expert.py adds EP,
+parallel/tensor.py MoERegion TP).
 
 A MoE block replaces the MLP of every k-th transformer block ((index + 1) % every_k_layers == 0, as
 the planner's `MoESpec.is_moe_layer`) by a linear router and `num_experts` experts of the

@@ -7,7 +7,9 @@ names, so it can be printed and tested without a process group;
 
 Layout per block (h = hidden, s = sequence, tp = TP size):
   attention: wq / wk / wv column-wise (split by heads), wo row-wise;
-  MLP: up / gate (w1, w3; gpt: fc) column-wise, down (w2; gpt: proj) row-wise.
+  MLP: up / gate (w1, w3; gpt: fc) column-wise, down (w2; gpt: proj) row-wise;
+  MoE feed-forward: one region (MoERegion): router replicated, every expert and the shared experts
+  split on the ffn dim (Megatron expert-TP), the partial outputs reduced once at the exit.
 Without SP the block input is replicated and each row-wise output is all-reduced (Megatron's g);
 the column-wise input's gradient is all-reduced in backward (Megatron's f): 2 all-reduces of s·h per
 block forward and 2 in backward. With SP the norms run on s/tp tokens; the replicated input of a
