@@ -77,11 +77,14 @@ def check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError("parallel.ep", f"num_experts({moe.num_experts}) is not divisible by ep({dims.ep})",
                           "choose ep among the divisors of model.moe.num_experts")
     if moe.num_experts and dims.tp > 1:
-        # Not implemented: under TP the MoE block would see sequence-parallel token shards, so the
-        # router and experts would have to route each tp rank's tokens and reduce their Partial
-        # gradients over tp; plain tp-replicated modules here would silently double-count them.
-        raise ConfigError("parallel.tp", f"tp={dims.tp} with a MoE model is not implemented (router and experts are not "
-                          "tensor-parallel)", "set parallel.tp=1 and use parallel.ep / dp_shard to split the experts")
+        # Expert tensor parallelism (parallel/tensor.py MoERegion): every expert (and the merged
+        # shared experts) is split on its ffn dim over tp, as the dense MLP.
+        hidden = moe.expert_ffn_dim or cfg.model.ffn_dim
+        field = "model.moe.expert_ffn_dim" if moe.expert_ffn_dim else "model.ffn_dim"
+        if hidden % dims.tp:
+            raise ConfigError(field, f"tensor parallelism splits every expert's ffn dim over tp={dims.tp}, but the expert "
+                              f"ffn dim {hidden} is not divisible by it",
+                              f"choose {field} divisible by {dims.tp}, or another parallel.tp")
     if dims.ep == 1:
         return
     if p.zero not in (2, 3):

@@ -36,7 +36,10 @@ SAME_LAYOUT = {
                           "train.micro_batch": 4},
         "pp2_tp2": {"parallel.pp": 2, "parallel.tp": 2, "train.micro_batch": 2},
         "pp2_zero1_dp2": {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2},
-        "cp2_ring_zero3_dp2": {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}},
+        "cp2_ring_zero3_dp2": {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
+        # MoE x EP x TP: experts are 2-D DTensors (Shard(0) over ep, the ffn dim over tp)
+        "moe_ep2_tp2_zero3": {"model.preset": "tiny-moe", "model.vocab_size": 512, "parallel.dp_shard": 2,
+                              "parallel.ep": 2, "parallel.tp": 2, "parallel.zero": 3, "train.micro_batch": 2}},
 }
 
 
@@ -105,7 +108,11 @@ def results(base_overrides, tmp_path_factory):
         return res
 
     def four(rank: int) -> dict:
-        return {name: _straight_and_resumed(base_overrides, ov, root / name) for name, ov in SAME_LAYOUT[4].items()}
+        res = {name: _straight_and_resumed(base_overrides, ov, root / name) for name, ov in SAME_LAYOUT[4].items()}
+        # the ep2 checkpoint (2 processes) resharded onto ep2 x tp2 (experts split on the ffn dim too)
+        res["moe_ep2->moe_ep2_tp2_zero3"] = (None, _resume_other_layout(base_overrides, SAME_LAYOUT[4]["moe_ep2_tp2_zero3"],
+                                                                       root / "moe_ep2_zero3" / "ckpt", root / "x7"))
+        return res
 
     def back_to_one(rank: int) -> dict:
         # a two-process ZeRO-3 checkpoint resumed on one process
@@ -122,10 +129,11 @@ def test_resume_same_layout_is_bitwise(results, name):
     assert resumed == straight[CUT:], f"{name}: resumed losses differ from an uninterrupted run"
 
 
-def test_expert_parallel_checkpoint_reshards_without_ep(results):
-    """Same tolerance as parity: the resumed ep1 run continues the ep2 run's losses."""
+@pytest.mark.parametrize("target", ["moe_ep2->moe_zero3_dp2", "moe_ep2->moe_ep2_tp2_zero3"])
+def test_expert_parallel_checkpoint_reshards(results, target):
+    """Same tolerance as parity: the run resumed without EP, or with EP x TP, continues the ep2 run's losses."""
     reference = results["moe_ep2_zero3"][0][CUT:]
-    resumed = results["moe_ep2->moe_zero3_dp2"][1]
+    resumed = results[target][1]
     assert len(resumed) == STEPS - CUT
     worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
     assert worst <= LOSS_RTOL, f"max relative |dloss| {worst:.2e}"

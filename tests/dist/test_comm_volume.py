@@ -210,12 +210,16 @@ MOE_CASES = {2: {"moe_ep2_zero3": {**_Z3, "parallel.dp_shard": 2, "parallel.ep":
                  "moe_ep1_zero3": {**_Z3, "parallel.dp_shard": 2},
                  "moe_ep2_zero2": {**MOE, "parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero": 2},
                  # ep folded onto cp: dp_shard 1, the dense units shard over cp
-                 "moe_cp2_ep2_zero3": {**_Z3, "parallel.cp": 2, "parallel.ep": 2}},
+                 "moe_cp2_ep2_zero3": {**_Z3, "parallel.cp": 2, "parallel.ep": 2},
+                 # MoE x TP (parallel/tensor.py MoERegion): the dense MLP's TP collectives + the router's Partial grad
+                 "moe_tp2": {**MOE, "parallel.tp": 2},
+                 "moe_tp2_nosp": {**MOE, "parallel.tp": 2, "parallel.sequence_parallel": False}},
              4: {"moe_ep4_zero3": {**_Z3, "parallel.dp_shard": 4, "parallel.ep": 4},
                  "moe_ep2_efsdp2_capacity1": {**_Z3, "parallel.dp_shard": 4, "parallel.ep": 2,
                                               "model.moe.capacity_factor": 1.0},
                  "moe_ep2_efsdp2_zero2": {**MOE, "parallel.dp_shard": 4, "parallel.ep": 2, "parallel.zero": 2},
-                 "moe_pp2_dp2_ep2_zero3": {**_Z3, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.ep": 2}}}
+                 "moe_pp2_dp2_ep2_zero3": {**_Z3, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.ep": 2},
+                 "moe_ep2_tp2_zero3": {**_Z3, "parallel.dp_shard": 2, "parallel.ep": 2, "parallel.tp": 2}}}
 MOE_NAMES = [n for cases in MOE_CASES.values() for n in cases]
 
 
@@ -246,7 +250,10 @@ def moe_counted(base_overrides, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", [n for n in MOE_NAMES if "_ep1_" not in n])
+EP_NAMES = [n for w, cases in MOE_CASES.items() for n, ov in cases.items() if ov.get("parallel.ep", 1) > 1]
+
+
+@pytest.mark.parametrize("name", EP_NAMES)
 def test_expert_parallel_all_to_all_matches_planner(moe_counted, base_overrides, name):
     from shardwise.parallel.dims import ParallelDims
     from shardwise.plan.comm import predict_comm_bytes
@@ -310,3 +317,22 @@ def test_moe_traffic_matches_planner_on_every_axis(moe_counted, base_overrides, 
     # expert gradient norms on ep with ep > 1
     assert ("efsdp" in axes) == (efsdp > 1 and ov.get("parallel.ep", 1) > 1), axes
     assert (("ep", "all_reduce") in {(r[1], r[2]) for r in rows}) == (ov.get("parallel.ep", 1) > 1)
+
+
+@pytest.mark.parametrize("name", ["moe_tp2", "moe_tp2_nosp"])
+def test_moe_tensor_parallel_traffic_matches_planner(moe_counted, base_overrides, name):
+    """A MoE block under TP is one region like the dense MLP (all-gather / reduce-scatter, or all-reduce
+    without SP, at its entry and exit), plus the router's Partial gradient all-reduced over tp: the
+    trainer's tp bytes per kind equal the planner's."""
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.plan.comm import predict_comm_bytes
+
+    overrides = MOE_CASES[2][name]
+    cfg = build_config(None, base_overrides + [(k, str(v)) for k, v in overrides.items()])
+    predicted = predict_comm_bytes(cfg, ParallelDims.from_config(cfg.parallel, 2))["tp"]
+    for r in moe_counted[name]:
+        got = r["comm"]["tp"]
+        print(f"{name}: tp bytes/step by kind {got}, planner {predicted}")
+        assert set(got) == set(predicted)
+        for kind, nbytes in predicted.items():
+            assert abs(got[kind] - nbytes) <= 0.01 * nbytes, (kind, got[kind], nbytes)

@@ -100,6 +100,11 @@ CASES[4].update({
     "pp2_dualpipev_ddp2": dict(PP, **{"parallel.dp_replicate": 2, "parallel.pp_schedule": "dualpipev",
                                       "parallel.pp_virtual_stages": 2, "train.micro_batch": 1}),
 })
+# MoE x TP (parallel/tensor.py MoERegion): experts split on the ffn dim, the router's Partial gradient
+# all-reduced over tp; ZeRO-3 with 2 micro-batches syncs those Partial gradients per micro-batch.
+MOE_TP = {"model.preset": "tiny-moe", "parallel.tp": 2, "train.micro_batch": 2}
+CASES[2].update({"moe_tp2": dict(MOE_TP)})
+CASES[4].update({"moe_tp2_zero3_dp2_accum2": dict(MOE_TP, **{"parallel.dp_shard": 2, "parallel.zero": 3})})
 # Context parallel (parallel/context.py): every sequence cut over cp in zigzag order; ring or Ulysses
 # attention; the cp ranks shard model states with dp_shard (dp_shard_cp) and reduce gradients over dp_cp.
 CP = {"parallel.cp": 2}

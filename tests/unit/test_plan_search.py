@@ -190,3 +190,26 @@ def test_context_parallel_rules_agree_with_the_trainers_preflight():
                         assert planner_ok == trainer_ok, (cp, tp, mode, sp, seq, planner_ok, trainer_ok)
                         checked += trainer_ok
     assert checked > 20
+
+
+def test_expert_ffn_tp_rule_agrees_with_the_trainers_preflight():
+    """MoE x TP splits every expert's ffn dim over tp: planner (check_layout) and trainer pre-flight
+    refuse the same configs with the same field."""
+    from shardwise.config import build_config
+    from shardwise.errors import ConfigError
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.plan.shapes import ModelShape
+    from shardwise.preflight import check_expert_parallel
+
+    for ffn, tp in ((192, 2), (191, 2), (66, 4), (64, 4)):
+        cfg = build_config(None, [("model.preset", "tiny-moe"), ("model.moe.expert_ffn_dim", str(ffn)),
+                                  ("parallel.tp", str(tp))])
+        try:
+            check_expert_parallel(cfg, ParallelDims.from_config(cfg.parallel, tp))
+            trainer = None
+        except ConfigError as e:
+            trainer = e.field
+        base = problem("--model.preset=tiny-moe", f"--cluster.num_gpus={tp}")
+        p = Problem(ModelShape.from_config(cfg.model), base.cluster, 32, 8, 10**9, "fp32", "shardwise")
+        v = check_layout(p, Layout(tp=tp, micro_batch=1))
+        assert (trainer, v and v.field) == ((None, None) if ffn % tp == 0 else ("model.moe.expert_ffn_dim",) * 2)

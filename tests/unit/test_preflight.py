@@ -78,7 +78,11 @@ BAD = [
     (["train", "--model.preset=tiny-moe", "--model.moe.every_k_layers=0"], "model.moe.every_k_layers", "must be >= 1"),
     (["train", "--model.preset=tiny-moe", "--model.moe.every_k_layers=3"], "model.moe.every_k_layers", "no block would be MoE"),
     (["train", "--model.preset=tiny-moe", "--model.moe.aux_loss_coef=-0.1"], "model.moe.aux_loss_coef", "must be >= 0"),
-    (["train", "--model.preset=tiny-moe", "--parallel.tp=2", "--nproc", "2"], "parallel.tp", "with a MoE model is not implemented"),
+    # MoE x TP: every expert's ffn dim is split over tp
+    (["train", "--model.preset=tiny-moe", "--parallel.tp=2", "--model.moe.expert_ffn_dim=191", "--nproc", "2"],
+     "model.moe.expert_ffn_dim", "expert ffn dim 191 is not divisible"),
+    (["train", "--model.preset=tiny-moe", "--parallel.tp=4", "--model.moe.expert_ffn_dim=66", "--nproc", "4"],
+     "model.moe.expert_ffn_dim", "not divisible by it"),
     (["train", "--model.preset=tiny-moe", "--parallel.ep=2", "--parallel.dp_shard=2", "--parallel.zero=1", "--nproc", "2"],
      "parallel.zero", "expert parallelism needs FSDP"),
     (["train", "--model.preset=tiny-moe", "--parallel.ep=2", "--parallel.dp_shard=2", "--parallel.dp_replicate=2",

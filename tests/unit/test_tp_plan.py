@@ -30,3 +30,22 @@ def test_megatron_split_and_kv_replication():
     assert two["layers.*.attention.wo"] == two["layers.*.feed_forward.w2"] == ROWWISE
     assert two["layers.*.attention.wk"] == COLWISE                 # 2 KV heads over 2 ranks: split
     assert four["layers.*.attention.wk"] == four["layers.*.attention.wv"] == COLWISE_REPLICATED_KV
+
+
+def test_moe_plan_covers_every_parameter_and_names_moe_blocks_by_index():
+    """MoE models: every k-th block's feed-forward is one MoE region (router, experts and shared
+    experts inside it), the other blocks keep the dense MLP entries."""
+    from shardwise.parallel.tensor import MOE_REGION, REGION_INPUT
+
+    for preset, ffn in (("tiny-moe", "feed_forward"), ("tiny-gpt", "mlp")):
+        cfg = _model_cfg(f"model.preset={preset}", "model.moe.num_experts=4", "model.moe.every_k_layers=2",
+                         "model.moe.num_shared_experts=1")
+        with torch.device("meta"):
+            model = build_model(cfg)
+        raw = tp_plan(cfg, 2)
+        assert raw[f"layers.1.{ffn}"] == MOE_REGION and raw[f"layers.0.{ffn}"] == REGION_INPUT
+        plan = expand_plan(raw, model)
+        owners = {name.rsplit(".", 1)[0] for name, _ in model.named_parameters()}
+        covered = {o for o in owners if any(o == k or o.startswith(k + ".") for k, v in plan.items()
+                                            if v == MOE_REGION or o == k)}
+        assert covered == owners, owners - covered

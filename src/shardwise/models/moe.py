@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward block (no parallelism in here; parallel/expert.py adds EP).
+"""Mixture-of-experts feed-forward block (no parallelism in here; parallel/expert.py adds EP,
+parallel/tensor.py MoERegion TP).
 
 A MoE block replaces the MLP of every k-th transformer block ((index + 1) % every_k_layers == 0, as
 the planner's `MoESpec.is_moe_layer`) by a linear router and `num_experts` experts of the
@@ -69,8 +70,15 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`x`: token copies sorted by expert; `counts`: (E,) copies per expert."""
-        return self.compute(x, counts.tolist(), [w.to(x.dtype) for w in self.weights()])
+        """`x`: token copies sorted by expert; `counts`: (E,) copies per expert. Under tensor
+        parallelism the weights are DTensors split on the ffn dim: this rank's slices compute a
+        partial output (parallel/tensor.py MoERegion sums it over tp)."""
+        return self.compute(x, counts.tolist(), [_local(w).to(x.dtype) for w in self.weights()])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its gradient keeps the DTensor's own placements), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _GroupSum(torch.autograd.Function):
@@ -145,6 +153,9 @@ class MoE(nn.Module):
                 self.shared_experts = GELUMLP(cfg.dim, m.num_shared_experts * hidden)
         # Set by the trainer every step: loss scale / micro-batches per step (see _AttachAuxLoss).
         self.aux_grad_scale = 1.0
+        # This rank's share of that gradient: 1, or 1 / tp under tensor parallelism, where every tp
+        # rank computes the same aux loss and the gradients are summed over tp (parallel/tensor.py).
+        self.aux_grad_share = 1.0
         # Optional process group over which the router statistics f and P are summed (context
         # parallelism: one micro-batch's tokens live on several ranks). None: this rank's tokens.
         self.stats_group = None
@@ -158,13 +169,21 @@ class MoE(nn.Module):
         self.stats_z = 0.0
         self.stats_forwards = 0
 
+    # Overridden per instance by tensor parallelism (parallel/tensor.py MoERegion): the weight as a
+    # local tensor, and the shared experts computed on this rank's ffn slice.
+    def router_weight(self) -> torch.Tensor:
+        return self.router.weight
+
+    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared_experts(x)
+
     def capacity(self, tokens: int) -> int:
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
     def route(self, x: torch.Tensor):
         """x (T, h) -> (top-k expert ids (T, k), renormalised weights (T, k) fp32, keep mask (T, k),
         probs (T, E) fp32, logits (T, E) fp32)."""
-        logits = F.linear(x.float(), self.router.weight.float())
+        logits = F.linear(x.float(), self.router_weight().float())
         probs = logits.softmax(dim=-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)
         weights = top_p / top_p.sum(dim=-1, keepdim=True)
@@ -222,7 +241,7 @@ class MoE(nn.Module):
         slots = tokens.new_zeros(flat_e.numel(), shape[-1]).index_put((order,), y)
         out = slots.view(-1, self.top_k, shape[-1]).sum(dim=1)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            out = out + self.shared_forward(tokens)
 
         # Always the same ops (also when recomputed: activation checkpointing needs the replay to
         # save the same tensors); without a loss to train they only feed the logged statistics.
@@ -236,5 +255,5 @@ class MoE(nn.Module):
             self.stats_z += float(z.detach())
             self.stats_forwards += 1
         if train_aux and torch.is_grad_enabled():
-            out = _AttachAuxLoss.apply(out, aux + z, self.aux_grad_scale)
+            out = _AttachAuxLoss.apply(out, aux + z, self.aux_grad_scale * self.aux_grad_share)
         return out.view(shape)

@@ -131,6 +131,8 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, dims: ParallelDims, fsd
     which then reduces expert gradients over efsdp when efsdp > 1."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from torch.distributed.tensor import DTensor
+
     ep_mesh = expert_mesh["ep"]
     efsdp = expert_axis_sizes(dims)["efsdp"]
     data_ranks = dims.dp_shard * dims.cp  # dp_replicate > 1 is refused with ep (preflight)
@@ -139,7 +141,16 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, dims: ParallelDims, fsd
         for name, param in list(experts.named_parameters(recurse=False)):
             # src_data_rank=None: no communication, each rank keeps its slice (values come later
             # from materialize's layout-independent init).
-            dt = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            if isinstance(param, DTensor):
+                # Already split on the ffn dim over tp (parallel/tensor.py MoERegion): a 2-D DTensor
+                # on the expert mesh's (ep, tp) axes, experts over ep and the same ffn split over tp
+                # (FSDP2 shards such "EP+TP" parameters over efsdp). The expert mesh's tp groups hold
+                # the same ranks as the root mesh's; nothing is communicated on them in the MoE
+                # forward (each rank computes on its local slices).
+                full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+                dt = distribute_tensor(full, expert_mesh["ep", "tp"], [Shard(0), *param.placements], src_data_rank=None)
+            else:
+                dt = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         experts.__class__ = ExpertParallelExperts
         experts.ep_group, experts.ep = ep_mesh.get_group(), dims.ep

@@ -7,7 +7,9 @@ names, so it can be printed and tested without a process group;
 
 Layout per block (h = hidden, s = sequence, tp = TP size):
   attention: wq / wk / wv column-wise (split by heads), wo row-wise;
-  MLP: up / gate (w1, w3; gpt: fc) column-wise, down (w2; gpt: proj) row-wise.
+  MLP: up / gate (w1, w3; gpt: fc) column-wise, down (w2; gpt: proj) row-wise;
+  MoE feed-forward: one region (MoERegion): router replicated, every expert and the shared experts
+  split on the ffn dim (Megatron expert-TP), the partial outputs reduced once at the exit.
 Without SP the block input is replicated and each row-wise output is all-reduced (Megatron's g);
 the column-wise input's gradient is all-reduced in backward (Megatron's f): 2 all-reduces of s·h per
 block forward and 2 in backward. With SP the norms run on s/tp tokens; the replicated input of a
@@ -43,6 +45,7 @@ from shardwise.errors import ConfigError
 COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD = "colwise", "rowwise", "vocab_embedding", "vocab_head"
 COLWISE_REPLICATED_KV, NORM, REGION_INPUT, POSITION_EMBEDDING = (
     "colwise_replicated_kv", "norm", "region_input", "position_embedding")
+MOE_REGION = "moe_region"
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
@@ -56,16 +59,26 @@ def tp_plan(model: ModelConfig, tp: int) -> dict[str, str]:
     attention = {"attention_norm": NORM, "attention": REGION_INPUT, "attention.wq": COLWISE, "attention.wk": kv,
                  "attention.wv": kv, "attention.wo": ROWWISE}
     if model.arch == "llama":
-        mlp = {"ffn_norm": NORM, "feed_forward": REGION_INPUT, "feed_forward.w1": COLWISE,
-               "feed_forward.w3": COLWISE, "feed_forward.w2": ROWWISE}
+        ffn, norm, mlp = "feed_forward", "ffn_norm", {"w1": COLWISE, "w3": COLWISE, "w2": ROWWISE}
         top = {"tok_embeddings": VOCAB_EMBEDDING}
     elif model.arch == "gpt":
-        mlp = {"mlp_norm": NORM, "mlp": REGION_INPUT, "mlp.fc": COLWISE, "mlp.proj": ROWWISE}
+        ffn, norm, mlp = "mlp", "mlp_norm", {"fc": COLWISE, "proj": ROWWISE}
         top = {"tok_embeddings": VOCAB_EMBEDDING, "pos_embeddings": POSITION_EMBEDDING}
     else:
         raise ConfigError("model.arch", f"no tensor-parallel plan for arch {model.arch!r}", "use llama or gpt")
+    dense = {ffn: REGION_INPUT, **{f"{ffn}.{name}": style for name, style in mlp.items()}}
     plan = dict(top)
-    plan.update({f"layers.*.{name}": style for name, style in {**attention, **mlp}.items()})
+    plan.update({f"layers.*.{name}": style for name, style in {**attention, norm: NORM}.items()})
+    if not model.moe.num_experts:
+        plan.update({f"layers.*.{name}": style for name, style in dense.items()})
+    else:
+        # MoE blocks (every k-th) differ from dense ones: one entry per block index. A pipeline
+        # stage drops the entries of blocks it does not hold (apply_tensor_parallel).
+        from shardwise.models.common import is_moe_layer
+
+        for i in range(model.n_layers):
+            block = {ffn: MOE_REGION} if is_moe_layer(model, i) else dense
+            plan.update({f"layers.{i}.{name}": style for name, style in block.items()})
     plan.update({"norm": NORM, "output": VOCAB_HEAD})
     return plan
 
@@ -85,7 +98,9 @@ def expand_plan(plan: dict[str, str], module: nn.Module) -> dict[str, str]:
 def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: ModelConfig, sequence_parallel: bool) -> None:
     """Parallelize `model` in place over the 1-D `tp_mesh`; every parameter becomes a DTensor on it."""
     # A pipeline stage lacks some top-level parts (embedding, head): their entries do not apply.
-    present = {k: v for k, v in tp_plan(cfg, tp_mesh.size()).items() if getattr(model, k.split(".")[0], None) is not None}
+    blocks = {name for name, _ in model.layers.named_children()}
+    present = {k: v for k, v in tp_plan(cfg, tp_mesh.size()).items() if getattr(model, k.split(".")[0], None) is not None
+               and (not k.startswith("layers.") or k.split(".")[1] in ("*", *blocks))}
     plan = expand_plan(present, model)
     styles = _styles(sequence_parallel, cfg, tp_mesh.size())
     parallelize_module(model, tp_mesh, {name: styles[style] for name, style in plan.items()})
@@ -129,6 +144,7 @@ def _styles(sp: bool, cfg: ModelConfig, tp: int) -> dict[str, ParallelStyle]:
         REGION_INPUT: RegionInput(between),
         COLWISE_REPLICATED_KV: ReplicatedKVColwise(cfg.n_kv_heads, tp),
         POSITION_EMBEDDING: ReplicateParallel(output_layout=Shard(0) if sp else None),
+        MOE_REGION: MoERegion(between),
     }
 
 
@@ -215,6 +231,90 @@ class ReplicatedKVColwise(ParallelStyle):
             weight = module.weight.to_local(grad_placements=[Partial()])[rows]
             bias = None if module.bias is None else module.bias.to_local(grad_placements=[Partial()])[rows]
             return torch.nn.functional.linear(x, weight, bias)
+
+        module.forward = forward
+        return module
+
+
+class MoERegion(ParallelStyle):
+    """A MoE feed-forward block as one TP region (Megatron-style expert tensor parallelism: every tp
+    rank holds all experts, each split on the ffn dim like a dense MLP).
+
+    Entry as RegionInput: the block's activation (sequence-sharded with SP, else replicated) becomes
+    the full micro-batch's tokens on every tp rank, so routing (router replicated, fp32 logits,
+    top-k, capacity over the same T tokens) is identical on all tp ranks and equals one process's.
+    Stacked experts w1 / w3 / fc (E, f, h) are Shard(1) over tp, w2 / proj (E, h, f) Shard(2); the
+    shared experts are split column- / row-wise like the dense MLP. Everything inside runs on local
+    tensors (data-dependent routing has no DTensor sharding rules) and yields this rank's *partial*
+    output (its ffn slice, routed plus shared), summed over tp once at the exit: an all-reduce, or
+    with SP a reduce-scatter along the sequence, like RowwiseParallel — the same collectives as a
+    dense MLP region (plan/comm.py counts them so).
+
+    Gradients. The experts' (and shared experts') local gradients are exactly their slices'. The
+    router is replicated but its gradient is *not* the same on every tp rank: the combine weights
+    multiply this rank's partial expert outputs, so their gradient (and through them the router's
+    and the input's) is this rank's partial share. Hence the router weight and the region input
+    enter with `grad_placements=[Partial()]` (like ReplicatedKVColwise): the router's gradient is
+    all-reduced over tp once per gradient sync (align_gradients_with_parameters, or FSDP2), the
+    input's joins the region-entry reduction (one all-reduce / reduce-scatter, as for the dense MLP).
+    The aux / z losses are computed identically on every tp rank; for their gradient to be counted
+    once in that sum each rank injects 1 / tp of it (MoE.aux_grad_share). A Replicate router gradient
+    would need the combine-weight gradients all-reduced per MoE layer and micro-batch instead."""
+
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        tp, rank = mesh.size(), mesh.get_local_rank()
+
+        def shard(owner: nn.Module, name: str, placement: Placement) -> None:
+            param = getattr(owner, name)
+            # src_data_rank=None: no communication; the values come from materialize's global init.
+            dt = distribute_tensor(param.data, mesh, [placement], src_data_rank=None)
+            owner.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+        shard(module.router, "weight", Replicate())
+        for name, _ in list(module.experts.named_parameters(recurse=False)):
+            shard(module.experts, name, Shard(2 if name in ("w2", "proj") else 1))
+        shared = module.shared_experts
+        if shared is not None:
+            cols, row = ((shared.w1, shared.w3), shared.w2) if hasattr(shared, "w1") else ((shared.fc,), shared.proj)
+            for lin in cols:
+                shard(lin, "weight", Shard(0))
+                if lin.bias is not None:
+                    shard(lin, "bias", Shard(0))
+            shard(row, "weight", Shard(1))
+            if row.bias is not None:
+                shard(row, "bias", Replicate())
+
+            def shared_forward(x: torch.Tensor) -> torch.Tensor:
+                def col(lin):
+                    bias = None if lin.bias is None else lin.bias.to_local()
+                    return torch.nn.functional.linear(x, lin.weight.to_local(), bias)
+
+                if hasattr(shared, "w1"):
+                    h = torch.nn.functional.silu(col(shared.w1)) * col(shared.w3)
+                else:
+                    h = torch.nn.functional.gelu(col(shared.fc), approximate="tanh")
+                out = torch.nn.functional.linear(h, row.weight.to_local())
+                if row.bias is not None:
+                    # Added once to the tp sum: by rank 0 (the others add 0, so every rank's bias
+                    # has a gradient: rank 0's is the full one, a Partial sum).
+                    bias = row.bias.to_local(grad_placements=[Partial()])
+                    out = out + (bias if rank == 0 else bias * 0.0)
+                return out
+
+            module.shared_forward = shared_forward
+        module.router_weight = lambda: module.router.weight.to_local(grad_placements=[Partial()])
+        module.aux_grad_share = 1.0 / tp
+        inner = module.forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            full = DTensor.from_local(x, mesh, [self.layout], run_check=False).redistribute(mesh, [Replicate()])
+            partial = inner(full.to_local(grad_placements=[Partial()]))
+            out = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [self.layout])
+            return out.to_local()
 
         module.forward = forward
         return module

@@ -339,7 +339,8 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     (torch.utils.checkpoint stops before the last one, which feeds only the residual add);
     selective "op" saves the reductions' outputs (parallel/checkpointing.py) and replays the SP
     all_gathers only. Replicated weights used on sharded activations get Partial gradients that
-    are all-reduced once per gradient sync: the SP norms, and every KV projection when n_kv < tp.
+    are all-reduced once per gradient sync: the SP norms, every KV projection when n_kv < tp, and
+    the router of every MoE block (with or without SP).
     """
     shape, L = problem.shape, rank.layers
     per_layer = tokens * shape.dim
@@ -371,12 +372,20 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
         out.append(Collective("tp", "all_reduce", tokens * 4, 3 * m, "fwd", "loss_parallel"))
     # Partial gradients of replicated weights: per micro-batch with TP alone (parallel/tensor.py
     # align_gradients_with_parameters, a hook per accumulation); once per step when FSDP2 or its
-    # replicate own the gradients (every zero stage with dp > 1, measured).
-    syncs = 1 if lay.dp > 1 else m
+    # replicate own the gradients (every zero stage with dp > 1, measured) — except ZeRO-3 without PP,
+    # whose reduce-scatter (and this all-reduce with it) runs after every micro-batch (measured on
+    # tp2 x zero3 dp2 with 2 micro-batches: one sync per micro-batch).
+    syncs = m if lay.fsdp and lay.zero == 3 and lay.pp == 1 else 1 if lay.dp > 1 else m
     norm_params = (2 if shape.arch == "gpt" else 1) * shape.dim
     partial = (2 * L + (1 if rank.head else 0)) * norm_params if lay.sp else 0
     if lay.tp > shape.n_kv_heads:
         partial += 2 * L * shape.kv_dim * (shape.dim + (1 if shape.arch == "gpt" else 0))
+    if rank.moe_layers and shape.moe is not None:
+        # MoE blocks (parallel/tensor.py MoERegion) are one TP region each, with the dense MLP's
+        # entry / exit collectives (counted above); the replicated router's gradient is Partial over
+        # tp (the combine weights multiply partial expert outputs), as is gpt's shared-expert output bias.
+        shared_bias = shape.dim if shape.arch == "gpt" and shape.moe.num_shared_experts else 0
+        partial += rank.moe_layers * (shape.moe.num_experts * shape.dim + shared_bias)
     if partial:
         out.append(Collective("tp", "all_reduce", partial * 4, syncs, "grad", "partial_grads"))
     # Gradient clipping: one 4-byte all_reduce of each gradient's Partial norm, per parameter tensor.

@@ -269,6 +269,9 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
     if s.ffn_dim % lay.tp:
         return Violation("ffn % tp", "parallel.tp", f"ffn_dim({s.ffn_dim}) is not divisible by tp({lay.tp})",
                          "choose tp among the divisors of model.ffn_dim")
+    if s.moe is not None and s.expert_ffn % lay.tp:
+        return Violation("expert ffn % tp", "model.moe.expert_ffn_dim", f"expert ffn dim({s.expert_ffn}) is not divisible by tp({lay.tp})",
+                         "choose tp among the divisors of the expert ffn dim (experts are split on it)")
     if lay.sp and problem.seq_len % lay.tp:
         return Violation("seq % tp", "train.seq_len", f"sequence parallelism splits seq_len({problem.seq_len}) over tp({lay.tp})",
                          "choose seq_len divisible by tp, or parallel.sequence_parallel=false")
