@@ -56,7 +56,8 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 def axis_names(mesh) -> dict[str, str]:
     """{process-group name: axis name} for every axis of `mesh` (a Meshes or DeviceMesh) and the
-    flattened batch, dp_cp and dp_shard_cp views, plus the default (world) group."""
+    flattened batch, dp_cp and dp_shard_cp views, the expert mesh's efsdp and ep axes, plus the
+    default (world) group."""
     # Axes first: a group with the same ranks as an axis (but another name) is that axis, and a 1-D
     # mesh over the whole world may reuse the default group, which is then named by its axis.
     names: dict[str, str] = {}
@@ -72,6 +73,12 @@ def axis_names(mesh) -> dict[str, str]:
         for view in (getattr(mesh, "dp_cp", None), getattr(mesh, "dp_shard_cp", None)):
             if view is not None:
                 names.setdefault(view.get_group().group_name, view.mesh_dim_names[0])
+        # The expert mesh's own groups (parallel/expert.py builds them apart from the root's).
+        expert = getattr(mesh, "expert", None)
+        if expert is not None:
+            for axis in ("efsdp", "ep"):
+                if axis in expert.mesh_dim_names:
+                    names[expert[axis].get_group().group_name] = axis
     if dist.is_initialized():
         names.setdefault(dist.group.WORLD.group_name, "world")
     return names
@@ -100,9 +107,16 @@ class CommCounter(TorchDispatchMode):
         return "unknown"
 
     def _axis_of(self, pg) -> str:
-        """A group made outside the mesh (FSDP2's replicate builds its own) is named by the axis
-        whose group has the same ranks."""
+        """A group this counter was not told about is named by the mesh axis DeviceMesh created it
+        for (its group_desc is "mesh_<axis>"), when that axis is one of ours: DTensor caches sharding
+        by mesh equality, so a second trainer in one process may run collectives on an equal mesh an
+        earlier one built (the tests run several per world), whose expert ep group has the ranks of
+        dp_shard. Otherwise (FSDP2's replicate builds its own groups) by the axis whose group has the
+        same ranks."""
         name = pg.group_name
+        desc = getattr(pg, "group_desc", "")
+        if name not in self.group_axes and desc.startswith("mesh_") and desc[5:] in self.group_axes.values():
+            self.group_axes[name] = desc[5:]
         if name not in self.group_axes:
             ranks = dist.get_process_group_ranks(pg)
             known = {tuple(dist.get_process_group_ranks(_resolve_process_group(n))): axis

@@ -32,6 +32,7 @@ from torch import nn
 
 from shardwise.models.moe import GroupedExperts, MoE
 from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.tensor import local_value
 
 EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 
@@ -53,19 +54,8 @@ def build_expert_mesh(dims: ParallelDims, device_type: str):
     # whole world (it would otherwise reuse the default group, which the root mesh's axis may already
     # use): the communication counter names groups by axis, so "ep" must not share one with dp_shard.
     backend = dist.get_backend()
-    mesh = init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names,
+    return init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names,
                             backend_override={a: backend for a in names})
-    if _BUILT[0] is not dist.group.WORLD:  # a new world: the old groups are gone
-        _BUILT[:] = [dist.group.WORLD, {}]
-    _BUILT[1].update({mesh[a].get_group().group_name: a for a in names if a in ("efsdp", "ep")})
-    return mesh
-
-
-# [the world group, {group name: axis}] of every expert mesh built in this world. DTensor caches
-# sharding decisions by mesh *equality* (same ranks and axis names), so a second trainer in one
-# process (the tests run several per world) may run its expert collectives on an equal mesh that
-# an earlier trainer built: same axis, other group; the counter must still name it by its axis.
-_BUILT: list = [None, {}]
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:
@@ -115,7 +105,7 @@ class ExpertParallelExperts(GroupedExperts):
         by_expert = torch.cat([segments[r * local_e + e] for e in range(local_e) for r in range(ep)])
         weights = []
         for w in self.weights():
-            local = w.to_local() if hasattr(w, "to_local") else w
+            local = local_value(w)
             if self.grad_scale != 1.0:
                 local = _ScaleGrad.apply(local, self.grad_scale)
             weights.append(local.to(x.dtype))
@@ -129,9 +119,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, dims: ParallelDims, fsd
     """On the meta model: shard every MoE block's experts over ep and switch them to the all-to-all
     forward. `fsdp`: the data-parallel mode is FSDP (the only one EP composes with, see preflight),
     which then reduces expert gradients over efsdp when efsdp > 1."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     ep_mesh = expert_mesh["ep"]
     efsdp = expert_axis_sizes(dims)["efsdp"]
@@ -176,11 +164,3 @@ def shard_experts(model: nn.Module, expert_mesh, dims: ParallelDims, reshard: bo
         # A custom factor would use ReduceOp.PREMUL_SUM, which gloo lacks: sum, then divide.
         moe.experts.set_force_sum_reduction_for_comms(True)
     return set()
-
-
-def expert_group_axes(expert_mesh) -> dict[str, str]:
-    """{process-group name: axis} for the expert mesh's axes (for the communication counter)."""
-    if expert_mesh is None:
-        return {}
-    own = {expert_mesh[a].get_group().group_name: a for a in expert_mesh.mesh_dim_names if a in ("efsdp", "ep")}
-    return {**(_BUILT[1] if _BUILT[0] is dist.group.WORLD else {}), **own}

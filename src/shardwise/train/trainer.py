@@ -23,7 +23,6 @@ from shardwise.models import build_model
 from shardwise.parallel.comm import CommCounter, axis_names, describe_comm
 from shardwise.parallel.context import zigzag_index
 from shardwise.parallel.data import (
-    batch_group,
     gradient_group,
     gradient_sync_each_microbatch,
     unwrap,
@@ -42,7 +41,6 @@ from shardwise.preflight import check, check_batch
 from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state
 from shardwise.train.pipeline_chart import CHART_FILE, describe, gather_timeline, summarize, write_timeline
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
-from shardwise.parallel.expert import expert_group_axes
 from shardwise.train import moe_stats
 from shardwise.train.metrics import (
     ActivationMeter,
@@ -87,7 +85,6 @@ class Trainer:
         self.dims = check(cfg, world_size)
         self.accumulation = check_batch(cfg, self.dims)
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.batch_group = batch_group(self.mesh)
         # The logged loss is averaged over every rank with its own tokens: dp, and cp's sequence shards.
         self.loss_group = gradient_group(self.mesh)
         # Context parallel: this rank's tokens of every sequence (the load-balanced zigzag split).
@@ -125,8 +122,6 @@ class Trainer:
         self.last_timeline: dict | None = None
         self.activation_bytes = 0
         self.group_axes = axis_names(self.mesh) if distributed else {}
-        if self.mesh is not None:
-            self.group_axes.update(expert_group_axes(self.mesh.expert))
         self.moe_layers = moe_stats.moe_layers(self.inner)
         self.comm_bytes: dict[str, dict[str, int]] | None = None
         self.last_memory: dict[str, list[int]] = {}
