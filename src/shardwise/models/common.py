@@ -25,6 +25,8 @@ MEMORY_BOUND_FLOPS_PER_BYTE = _RIDGE.peak_flops("bf16") / (_RIDGE.memory_bandwid
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The default attention core: causal SDPA, with grouped-query KV heads when k has fewer heads."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
     """Block `index` (0-based) is MoE when (index + 1) % every_k_layers == 0 (plan/shapes.py MoESpec)."""
     return bool(cfg.moe.num_experts) and (index + 1) % cfg.moe.every_k_layers == 0

@@ -36,11 +36,6 @@ def dp_mesh(mesh, dims: ParallelDims):
     return mesh["dp_shard"]
 
 
-def batch_group(mesh) -> "dist.ProcessGroup | None":
-    """The process group of the batch view (ranks that read different data); None on one rank."""
-    return mesh.batch.get_group() if mesh is not None and mesh.batch is not None else None
-
-
 def gradient_mesh(mesh):
     """The ranks gradients (and the logged loss) are averaged over: the batch view, or with CP
     dp_cp; None on one rank."""
