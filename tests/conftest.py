@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -34,3 +36,39 @@ def base_overrides(corpus_file, tmp_path_factory) -> list[tuple[str, str]]:
             ("train.global_batch", "8"), ("train.micro_batch", "8"), ("train.steps", "20"),
             ("train.warmup_steps", "5"), ("train.lr", "3e-3"), ("run.progress", "false"),
             ("run.tensorboard", "false"), ("checkpoint.final", "false"), ("checkpoint.resume", "false")]
+
+
+@pytest.fixture()
+def read_only_dir(tmp_path):
+    """A directory no process can write: a read-only tmpfs as root (root ignores permission bits),
+    a mode-555 directory otherwise. Skips, saying why, when root cannot mount."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mounted = shutil.which("mount") and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                                                       capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("running as root, and mounting a read-only tmpfs failed (no CAP_SYS_ADMIN?): root writes anywhere else")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A directory on a 4 MiB tmpfs (root only; skips, saying why, otherwise): fills up for real."""
+    path = tmp_path / "small-disk"
+    path.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("a full disk is simulated with a small tmpfs, which needs root")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs failed (no CAP_SYS_ADMIN?)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

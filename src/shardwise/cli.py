@@ -1,7 +1,7 @@
-"""`shardwise train | parity | config | plan | pipeline-chart` — the command line.
+"""`shardwise train | parity | config | plan | pipeline-chart | checkpoint verify` — the command line.
 
 Every input error surfaces here as a ConfigError before any process is spawned: printed without a
-traceback, exit code 2.
+traceback, exit code 2. A failure during a run is one line and its exit code (errors.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from shardwise.config import Config, describe, load_config
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, Interrupted, RunFailure, storage_failure
 
 USAGE = """shardwise <command> [options]
 
@@ -26,13 +26,21 @@ commands:
            predict memory, step time, MFU and days of a layout on [cluster] (no GPU needed), or search for the best
   pipeline-chart RUN_DIR [--out chart.png] [--text]
            draw the measured pipeline schedule of a PP run (per-stage Gantt chart) with its bubble
+  checkpoint verify DIR
+           check every checkpoint in a run directory (or checkpoints/, or one step_N) against its
+           manifest, without loading it; exit 1 if one is damaged
+
+exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled collective,
+            130 / 143 interrupted (SIGINT / SIGTERM, SIGUSR1) after writing a checkpoint
 """
 
 
 def _train(argv: list[str]) -> int:
+    from shardwise.launch import rundir
     from shardwise.launch.local import check_nproc, torchrun
     from shardwise.preflight import check
     from shardwise.train.data import prepare_data
+    from shardwise.train.manifest import file_digest
 
     parser = argparse.ArgumentParser(prog="shardwise train")
     parser.add_argument("--config", default=None, help="TOML config file (default: built-in defaults)")
@@ -41,17 +49,63 @@ def _train(argv: list[str]) -> int:
     check_nproc(args.nproc)
     cfg = load_config(args.config, overrides)
     check(cfg, args.nproc)
+    rundir.check_cache_dir(cfg)
     data = prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(run_dir / "config.toml")
-    print(f"run directory: {run_dir}  (config: {run_dir / 'config.toml'})")
-    if args.nproc == 1:
-        from shardwise.train.trainer import Trainer
+    rundir.check_run_dirs(cfg)
+    locks = rundir.lock_dirs(cfg)  # held until the job ends: one job per run directory
+    try:
+        done = rundir.resume_preflight(cfg, len(data.tokens), file_digest(data.tokenizer_path)[1])
+        if done:
+            print(done)
+            return 0
+        run_dir = Path(cfg.run.dir)
+        cfg.save(run_dir / "config.toml")
+        print(f"run directory: {run_dir}  (config: {run_dir / 'config.toml'})")
+        if args.nproc == 1 and cfg.run.max_restarts == 0:
+            return _train_in_process(cfg, data)
+        return torchrun(args.nproc, "shardwise.train", ["--config", str(run_dir / "config.toml")],
+                        max_restarts=cfg.run.max_restarts, run_dir=run_dir, checkpoints=rundir.checkpoint_dir(cfg))
+    finally:
+        for lock in locks:
+            lock.release()
 
-        Trainer(cfg, data=data).train()
-        return 0
-    return torchrun(args.nproc, "shardwise.train", ["--config", str(run_dir / "config.toml")])
+
+def _train_in_process(cfg: Config, data) -> int:
+    """One process, no launcher: the trainer runs here (a restart needs torchrun's agent)."""
+    from shardwise.train.trainer import Trainer
+
+    try:
+        try:
+            Trainer(cfg, data=data).train()
+        except OSError as e:
+            raise storage_failure(e) or e
+    except RunFailure as e:
+        print(("" if isinstance(e, Interrupted) else "error: ") + e.message, file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+def _checkpoint(argv: list[str]) -> int:
+    """`shardwise checkpoint verify DIR`: every checkpoint's files against its manifest (sizes,
+    SHA-256) and its DCP metadata through the safe unpickler; nothing is loaded or changed."""
+    from shardwise.train.checkpoint import verify_directory
+
+    if not argv or argv[0] != "verify":
+        raise ConfigError("checkpoint", f"expected 'verify', got {argv[0] if argv else 'nothing'!r}",
+                          "run `shardwise checkpoint verify RUN_DIR`")
+    parser = argparse.ArgumentParser(prog="shardwise checkpoint verify")
+    parser.add_argument("dir", help="a run directory, its checkpoints/ directory, or one step_N checkpoint")
+    args = parser.parse_args(argv[1:])
+    results = verify_directory(Path(args.dir))
+    if not results:
+        raise ConfigError("DIR", f"{args.dir} holds no checkpoints",
+                          "give a run directory, its checkpoints/ directory or one step_N directory")
+    damaged = 0
+    for path, status, problems in results:
+        print(f"{path}: {status}" + "".join(f"\n    {p}" for p in problems))
+        damaged += status == "DAMAGED"
+    print(f"{len(results)} checked, {damaged} damaged")
+    return 1 if damaged else 0
 
 
 def _config(argv: list[str]) -> int:
@@ -191,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    commands = {"train": _train, "config": _config, "plan": _plan, "pipeline-chart": _pipeline_chart}
+    commands = {"train": _train, "config": _config, "plan": _plan, "pipeline-chart": _pipeline_chart,
+                "checkpoint": _checkpoint}
     from shardwise.parity import parity_main
 
     commands["parity"] = parity_main

@@ -86,6 +86,9 @@ class TrainConfig:
     seed: int = opt(0, "Seed for weight initialization and data order; identical for every layout.")
     log_every: int = opt(10, "Write metrics every this many steps (the progress bar updates every step).")
     tokens: int = opt(0, "Tokens to train on in total, for planning; 0 means steps x global_batch x seq_len.")
+    max_skipped_steps: int = opt(5, "A step whose loss or gradient norm is not finite is skipped on every rank (weights and "
+                                    "optimizer state unchanged); after this many in a row (fp16 loss-scale back-offs "
+                                    "included) the run stops with exit code 3.")
 
 
 @dataclass
@@ -138,6 +141,12 @@ class RunConfig:
     progress: bool = opt(True, "Show a progress bar on rank 0.")
     tensorboard: bool = opt(True, "Write TensorBoard events.")
     save_final_model: bool = opt(False, "Write the full (unsharded) final weights to <run.dir>/final_model.pt (used by parity).")
+    max_restarts: int = opt(0, "Restart the whole worker group this many times after a worker fails (torchrun's elastic "
+                               "agent); each restart resumes from the newest good checkpoint. Divergence, bad input and "
+                               "I/O errors are not restarted.")
+    collective_timeout_s: float = opt(300.0, "A collective that waits longer than this fails the run (exit code 5) after "
+                                             "every rank's Python stack and last collective are written to "
+                                             "<run.dir>/stall/ and the ranks that did not arrive are named.")
 
 
 @dataclass

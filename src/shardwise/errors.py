@@ -1,12 +1,43 @@
-"""The one exception type for bad user input (config, layout, paths).
+"""The exceptions a user sees, and the exit code each one means.
 
-The CLI renders it without a traceback and exits with code 2, before any process is spawned.
+ConfigError is bad input: the CLI renders it without a traceback and exits 2, before any process is
+spawned. RunFailure and its subclasses are failures during a run that every rank agreed on (or that
+one rank hit and reports): the worker prints one line and exits with the failure's code.
+
+Exit codes (README "Run safety"): 0 success, 1 an unexpected failure (a crash, a killed worker),
+2 bad input, 3 diverged, 4 an I/O error (disk full, read-only), 5 a stalled collective,
+130 / 143 interrupted by SIGINT / SIGTERM (or SIGUSR1) after writing a checkpoint.
 """
 from __future__ import annotations
+
+import errno
+import signal
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_IO = 4
+EXIT_STALLED = 5
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+# A restart (run.max_restarts) cannot help these: the same input, settings or disk fail the same way.
+# Interruptions are not restarted either when the launcher itself was signalled (torchrun's agent
+# shuts down), and a worker signalled on its own resumes from the checkpoint it just wrote.
+NOT_RESTARTABLE = frozenset({EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_IO})
+# Codes whose worker already printed the one line the user needs; the launcher adds nothing.
+REPORTED_BY_WORKER = frozenset({EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_IO, EXIT_STALLED, EXIT_SIGINT, EXIT_SIGTERM})
+
+
+def interrupt_exit_code(signum: int) -> int:
+    """130 for SIGINT (Ctrl-C), 143 for SIGTERM and the other stop requests (SIGUSR1: SLURM's warning)."""
+    return EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
 
 
 class ConfigError(ValueError):
     """A user-facing input error: which field, what was wrong, how to fix it."""
+
+    exit_code = EXIT_BAD_INPUT
 
     def __init__(self, field: str, problem: str, fix: str = ""):
         self.field = field
@@ -19,3 +50,57 @@ class ConfigError(ValueError):
         if self.fix:
             text += f"\n  fix: {self.fix}"
         return text
+
+
+class RunFailure(Exception):
+    """A failure during a run: one line for the user and a distinct exit code.
+
+    `report` says whether this rank prints the line: failures every rank agreed on are printed by
+    rank 0 only; a failure one rank hit is printed by that rank."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, message: str, report: bool = True):
+        super().__init__(message)
+        self.message = message
+        self.report = report
+
+
+class Diverged(RunFailure):
+    """Too many consecutive non-finite steps, or non-finite weights at a checkpoint."""
+
+    exit_code = EXIT_DIVERGED
+
+
+class StorageFailure(RunFailure):
+    """A write or read the run depends on failed (disk full, read-only file system, I/O error)."""
+
+    exit_code = EXIT_IO
+
+
+class Stalled(RunFailure):
+    """A collective waited longer than run.collective_timeout_s."""
+
+    exit_code = EXIT_STALLED
+
+
+class Interrupted(RunFailure):
+    """SIGINT / SIGTERM / SIGUSR1: the run stopped after a step and wrote a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int, report: bool = True):
+        super().__init__(message, report)
+        self.exit_code = exit_code
+
+
+# errno values that mean the storage, not the program, failed.
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
+
+
+def storage_failure(error: OSError, report: bool = True) -> StorageFailure | None:
+    """A write the run needed (metrics, logs, checkpoints) failed for a reason of the disk's: the one
+    line to show, or None for other OS errors."""
+    if error.errno not in _STORAGE_ERRNOS:
+        return None
+    where = f" ({error.filename})" if error.filename else ""
+    return StorageFailure(f"cannot write{where}: {error.strerror}; free space or fix the permissions, then rerun to "
+                          "resume from the newest checkpoint", report=report)

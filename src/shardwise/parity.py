@@ -206,12 +206,14 @@ def worker_main(argv: list[str]) -> int:
     """`python -m shardwise.parity --worker SPEC.json` under torchrun."""
     from shardwise.config import load_config
     from shardwise.train.__main__ import init_distributed
+    from shardwise.train.signals import exit_with_parent
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", required=True)
     args = parser.parse_args(argv)
     configs = [load_config(p) for p in json.loads(Path(args.worker).read_text())]
-    init_distributed()
+    exit_with_parent()
+    init_distributed(configs[0].run.collective_timeout_s)
     import torch.distributed as dist
 
     try:

@@ -106,7 +106,7 @@ def check_train(cfg: Config) -> None:
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.recompute", t.recompute, RECOMPUTE)
     _choice("train.recompute_policy", t.recompute_policy, RECOMPUTE_POLICIES)
-    for name in ("seq_len", "global_batch", "micro_batch", "steps", "recompute_every", "log_every"):
+    for name in ("seq_len", "global_batch", "micro_batch", "steps", "recompute_every", "log_every", "max_skipped_steps"):
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.warmup_steps", t.warmup_steps, 0)
     if t.lr <= 0:
@@ -211,6 +211,13 @@ def check_checkpoint(cfg: Config) -> None:
     _positive("checkpoint.every", cfg.checkpoint.every, 0)
 
 
+def check_run(cfg: Config) -> None:
+    _positive("run.max_restarts", cfg.run.max_restarts, 0)
+    if not cfg.run.collective_timeout_s > 0:
+        raise ConfigError("run.collective_timeout_s", f"must be > 0, got {cfg.run.collective_timeout_s}",
+                          "use e.g. 300 (seconds); raise it if a checkpoint save or first step takes longer")
+
+
 def check(cfg: Config, world_size: int) -> ParallelDims:
     """All checks; returns the validated ParallelDims."""
     check_model(cfg)
@@ -219,4 +226,5 @@ def check(cfg: Config, world_size: int) -> ParallelDims:
     microbatches = check_batch(cfg, dims)
     check_pipeline(cfg.parallel, cfg.model, microbatches, cfg.train.recompute, cfg.train.recompute_policy)
     check_checkpoint(cfg)
+    check_run(cfg)
     return dims

@@ -41,7 +41,7 @@ def test_train_two_processes_writes_a_run_and_resumes(common, tmp_path):
     assert sum(per_rank["optimizer"]) >= 2 * 4 * n_params  # exp_avg + exp_avg_sq, sharded
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert checkpoints == ["step_00000006"], checkpoints          # keep=1 pruned step 3
-    assert (run / "checkpoints" / "step_00000006" / "COMPLETE").exists()
+    assert (run / "checkpoints" / "step_00000006" / "manifest.json").exists()
     assert (run / "checkpoints" / "step_00000006" / "tokenizer.json").exists()
 
     second = _shardwise(["train"] + common + args + ["--train.steps=8"], tmp_path)

@@ -21,6 +21,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# The trainer's own control group (train/control.py: skip/stop flags, checkpoint agreements) is named
+# this and not counted: it is not training traffic, and the planner's bytes per axis leave it out.
+CONTROL_AXIS = "control"
 # op name (without overload) -> (kind, how to find the counted tensors in the args)
 _KINDS = {
     # functional collectives (DTensor, loss parallel)
@@ -148,6 +151,8 @@ class CommCounter(TorchDispatchMode):
         else:
             counted = _tensors(args[0])
         axis = self._axis(args, kwargs)
+        if axis == CONTROL_AXIS:
+            return
         self.bytes[axis][kind] += _nbytes(counted)
         self.calls[axis][kind] += 1
 

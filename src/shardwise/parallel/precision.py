@@ -9,7 +9,6 @@ import contextlib
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,7 +33,7 @@ class DynamicLossScaler:
 
     Our own rather than torch.amp.GradScaler because the same object must serve DDP gradients,
     ZeRO-1 and FSDP2 DTensor shards, with the overflow flag agreed over all ranks (each rank only
-    sees its own shard, so one rank's inf must skip the step everywhere).
+    sees its own shard, so one rank's inf must skip the step everywhere; train/health.py agrees on it).
     """
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -48,18 +47,17 @@ class DynamicLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
 
-    def unscale_(self, grads: Iterable[torch.Tensor], group: "dist.ProcessGroup | None") -> bool:
-        """Divide local gradient shards by the scale; return True when any rank saw inf/nan."""
+    def unscale_(self, grads: Iterable[torch.Tensor]) -> bool:
+        """Divide local gradient shards by the scale; return True when this rank's shards hold an
+        inf/nan. The trainer agrees on it over all ranks together with its other step checks
+        (train/health.py): each rank only sees its own shard, so one rank's inf skips the step everywhere."""
         if not self.enabled:
             return False
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        found = torch.zeros(1)
-        if local:
-            torch._foreach_mul_(local, 1.0 / self.scale)
-            found = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in local]).any().float().reshape(1).cpu()
-        if group is not None:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
+        if not local:
+            return False
+        torch._foreach_mul_(local, 1.0 / self.scale)
+        return bool(torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in local]).any())
 
     def update(self, found_inf: bool) -> None:
         if not self.enabled:

@@ -29,7 +29,8 @@ What this codebase issues (parallel/data.py, train/trainer.py, train/optim.py):
 Validated against the trainer's counter, per axis and per pipeline rank, on data-parallel, TP, 2-D and
 pipeline layouts (tests/dist/test_plan_validation.py).
 Not counted (nor by the trainer's counter): the logged loss's all-reduce, checkpoint / logging-step
-traffic on the world group (memory all_gather) and the fp16 loss-scaler flag (world group, not an axis).
+traffic on the world group (memory all_gather) and the trainer's control group (train/control.py: one
+all-reduce of two flags per step, finite step and stop request, fp16's overflow check included).
 CP (parallel/context.py): ring attention sends and receives K and V (compact KV heads, compute
 dtype) cp-1 times per layer and micro-batch in forward, and in backward cp-1 times K/V plus cp-1
 times the dK/dV accumulators; Ulysses 4 all_to_all (q, k, v, out) per layer and direction. CP ranks

@@ -2,59 +2,180 @@
 
 Under torchrun (RANK / WORLD_SIZE set by it) this joins the process group — NCCL when CUDA is
 present, gloo otherwise — and trains; without them it trains on one process.
+
+What a worker guarantees (README "Run safety"): it dies with its launcher; a stop signal ends it after
+a step and a checkpoint (exit 130 / 143); a failure every rank agrees on is printed once, by rank 0,
+with its exit code (2 bad input, 3 diverged, 4 I/O); a stalled collective is diagnosed (exit 5); any
+other error writes its traceback to <run.dir>/errors/rank_<r>.txt, records itself for the launcher
+(torchelastic's error file: the launcher prints the root cause among the failed ranks) and exits 1. Failure paths leave through os._exit: a process
+group that lost a peer cannot be torn down cleanly, and its C++ destructors could abort the process.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
+import traceback
 from datetime import timedelta
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from shardwise.train.signals import StopRequest, exit_with_parent
 
-from shardwise.config import load_config
-from shardwise.errors import ConfigError
+# torchrun's own variables: this job's id and how many times its agent restarted the workers.
+RUN_ID = "TORCHELASTIC_RUN_ID"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
 def init_distributed(timeout_s: float = 600) -> bool:
     """Join the default process group when launched by torchrun; return whether we did."""
+    import torch
+    import torch.distributed as dist
+
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return dist.is_initialized()
+    # torch's flight recorder (also on gloo): the stall report names each rank's last collectives.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store for every restart of the worker group (torch 2.13), so the
+        # default group's keys of a failed attempt are still there: a restarted rank can read a dead
+        # peer's address and fail to connect ("Connection refused"). Scope the keys by attempt.
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                    timeout=timeout)
+        store = dist.PrefixStore(f"shardwise/attempt_{os.environ.get(RESTART_COUNT, '0')}", agent_store)
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return True
 
 
+def _say(text: str, prefix: str = "error: ") -> None:
+    print(f"{prefix}{text}", file=sys.stderr, flush=True)
+
+
+def _record_crash(run_dir: Path, rank: int, error: BaseException) -> Path | None:
+    """The traceback to <run_dir>/errors/rank_<r>.txt, and the root cause to torchelastic's error file
+    (the launcher picks the first failure by its timestamp)."""
+    text = "".join(traceback.format_exception(error))
+    path = None
+    try:
+        path = run_dir / "errors" / f"rank_{rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{text}\n")
+    except OSError:
+        path = None
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
+    if RUN_ID in os.environ:  # started by torchrun's agent: die with it (not with a shell that ran us directly)
+        exit_with_parent()
+    stop = StopRequest().install()  # from here on a signal waits for the end of a step
     parser = argparse.ArgumentParser(prog="python -m shardwise.train")
     parser.add_argument("--config", default=None, help="TOML config file")
     args, overrides = parser.parse_known_args(argv)
+    from shardwise.config import load_config
+    from shardwise.errors import ConfigError
+
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
-        print(f"error: {e.render()}", file=sys.stderr)
+        _say(e.render())
         return 2
+    from shardwise.launch import rundir
+
+    run_dir = Path(cfg.run.dir)
+    run_id, attempt = os.environ.get(RUN_ID, ""), int(os.environ.get(RESTART_COUNT, "0"))
+    if attempt:
+        earlier = rundir.unrestartable_failure(run_dir, run_id)
+        if earlier is not None:  # the elastic agent restarted a failure a restart cannot fix: end at once
+            if os.environ.get("RANK") == "0":
+                print(f"restart {attempt}: not training again: this job failed with exit code {earlier}, "
+                      "which a restart cannot fix", flush=True)
+            return earlier
+    distributed = init_distributed(cfg.run.collective_timeout_s)
+    code = _run(cfg, run_dir, stop, run_id, attempt, distributed)
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distributed: bool) -> int:
+    import torch.distributed as dist
+
+    from shardwise.errors import EXIT_STALLED, ConfigError, Interrupted, RunFailure, storage_failure
+    from shardwise.launch import rundir
     from shardwise.train.data import prepare_data
     from shardwise.train.trainer import Trainer
+    from shardwise.train.watchdog import StallWatchdog, is_timeout
 
-    distributed = init_distributed()
+    rank = dist.get_rank() if distributed else 0
+    if attempt and rank == 0:
+        print(f"restart {attempt} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: the worker group was restarted "
+              "after a failure; resuming from the newest intact checkpoint", flush=True)
+    watchdog = StallWatchdog(run_dir, rank, dist.get_world_size(), f"{run_id}/{attempt}") \
+        if distributed and "MASTER_ADDR" in os.environ else None
+    lock = None
     try:
-        try:
-            # Rank 0 trains and caches the tokenizer and token array; the others then hit the cache.
-            data = None
-            if not distributed or dist.get_rank() == 0:
-                data = prepare_data(cfg.data, cfg.model.vocab_size)
-            if distributed:
-                dist.barrier()
-            trainer = Trainer(cfg, data=data)
-        except ConfigError as e:
-            print(f"error: {e.render()}", file=sys.stderr)
-            return 2
+        if rank == 0:  # plain torchrun: the launcher did not lock the run directory for us
+            lock = rundir.lock_unless_parent_holds(cfg)
+        # Rank 0 trains and caches the tokenizer and token array; the others then hit the cache. They
+        # wait on the store, not in a collective: a first tokenization may outlast collective_timeout_s.
+        data = prepare_data(cfg.data, cfg.model.vocab_size) if rank == 0 else None
+        if watchdog is not None:
+            watchdog.wait_for_rank0("data")
+        elif distributed:
+            dist.barrier()
+        trainer = Trainer(cfg, data=data, stop=stop, run_id=run_id, restarted=attempt > 0)
+        if watchdog is not None:
+            watchdog.step, watchdog.axes = (lambda: trainer.step), (lambda: trainer.group_axes)
         trainer.train()
+    except ConfigError as e:
+        if rank == 0:
+            _say(e.render())
+            rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)
+        return e.exit_code
+    except OSError as e:
+        failure = storage_failure(e)
+        if failure is None:
+            raise
+        _say(failure.message)
+        if rank == 0:
+            rundir.record_unrestartable_failure(run_dir, run_id, failure.exit_code)
+        return failure.exit_code
+    except RunFailure as e:
+        if e.report:
+            _say(e.message, "" if isinstance(e, Interrupted) else "error: ")
+        if rank == 0 and e.exit_code in rundir.NOT_RESTARTABLE:
+            rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)
+        return e.exit_code
+    except Exception as e:
+        if watchdog is not None and is_timeout(e):
+            report = watchdog.report(e)
+            if report:
+                _say(report)
+            return EXIT_STALLED
+        _record_crash(run_dir, rank, e)  # the launcher names the root cause among the failed ranks
+        if not distributed:
+            raise
+        return 1
     finally:
-        if distributed:
-            dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
+    if watchdog is not None:
+        watchdog.close()
+    if distributed:
+        dist.destroy_process_group()
     return 0
 
 

@@ -1,26 +1,44 @@
-"""Distributed checkpoints with torch.distributed.checkpoint (DCP), written atomically.
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP): atomic, verified, never unsafe.
 
 Layout of one checkpoint:  <dir>/step_00000100/
     DCP shards + .metadata     model and optimizer state, keyed by parameter FQN (reshardable)
-    trainer_state.json         step, LR scheduler, loss scaler, data position
+    trainer_state.json         step, LR scheduler, loss scaler, data position, skipped-step counts
     rng/rank_<r>.pt            each rank's RNG state (tensors only; loaded with weights_only=True)
     tokenizer.json, config.toml
-    COMPLETE                   written last; a directory without it is never loaded
-Writes go to step_X.tmp and are renamed into place only when complete, so a crash mid-save never
-replaces or corrupts a checkpoint that was already written; pruning only touches complete ones.
+    manifest.json              written last: size and SHA-256 of every file (train/manifest.py)
+
+Saving (every rank): step_N.tmp -> DCP -> RNG -> rank 0's files -> checksums (each rank hashes a share of
+the files) -> manifest -> rename into place -> prune. Any write that fails on any rank (disk full,
+read-only) fails the save on every rank: the partial .tmp is removed, older checkpoints are untouched,
+and StorageFailure (exit code 4) names the error. A crash at any point leaves either the old set of
+checkpoints or the old set plus the new one.
+
+Loading: the newest complete checkpoint is verified first (every file against the manifest, the ranks
+sharing the reading; DCP's pickled `.metadata` through an unpickler that only builds DCP's own metadata
+classes). A damaged one is reported, renamed step_N.corrupt (never deleted) and the previous one is
+tried. DCP's stock reader unpickles `.metadata` and `torch.load(weights_only=False)`s non-tensor values:
+a crafted checkpoint could run code on resume, so both go through the safe paths below.
 """
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import pickle
 import shutil
+import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,38 +47,107 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from shardwise.errors import StorageFailure
 from shardwise.parallel.parallelize import canonical_fqn
+from shardwise.train import manifest as mf
+from shardwise.train.control import Control
 
-MARKER = "COMPLETE"
 # Optimizer state keyed by parameter name throughout ("param_groups.<fqn>.lr", not "param_groups.0"):
 # pipeline stages hold different parameters in their param group 0, and positional keys would make
 # the stages overwrite each other's groups in the checkpoint.
 FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+TRAINER_STATE = "trainer_state.json"
+# What DCP pickles into `.metadata` (torch 2.13): its metadata dataclasses, torch.Size, dtypes, layouts
+# (by name, through torch.serialization._get_layout) and the checkpoint's path.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+# Verification outcome per file, agreed over ranks by maximum (worst wins).
+_REASONS = {1: "missing", 2: "wrong size (truncated or overwritten)", 3: "checksum mismatch (the content changed)",
+            4: "unreadable", 5: "unsafe or unreadable DCP metadata"}
 
 
-def _dcp(fn, state: dict, path: Path) -> None:
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refers to {module}.{name}, which DCP metadata never holds")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's `.metadata` without running code: only DCP's own classes can be built."""
+    with open(path, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def metadata_problem(step_dir: Path) -> str | None:
+    """None when `.metadata` reads safely, else why not."""
+    try:
+        read_metadata(step_dir / ".metadata")
+    except FileNotFoundError:
+        return "missing"
+    except Exception as e:  # any failure to read it is a reason not to load the checkpoint
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata goes through `read_metadata` (the stock one calls pickle.load)."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        metadata = read_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that refuses non-tensor values other than plain data: the stock planner
+    torch.load()s them with weights_only=False. A value that loads with weights_only=True holds only
+    allow-listed types, so handing the same bytes on to the stock planner runs nothing."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def _dcp(fn, state: dict, path: Path, **kwargs) -> None:
     """dcp.save / dcp.load; on one process DCP warns it is 'assuming the intent is to save in a
     single process', which is exactly the reference path's intent, so that warning is dropped."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, checkpoint_id=str(path))
+        fn(state, checkpoint_id=str(path), **kwargs)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints in `directory`, oldest first."""
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / MARKER).exists()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+def _storage_error(e: CheckpointException, directory: Path) -> OSError | None:
+    """The I/O error behind a failed DCP save, or None when it failed for another reason. DCP writes
+    non-tensor values with torch.save, whose stream writer reports a full disk as a RuntimeError
+    ("unexpected pos ..."), not an OSError: a file system left (nearly) full says what happened."""
+    for exc, _trace in e.failures.values():
+        while exc is not None and not isinstance(exc, OSError):
+            exc = exc.__cause__ or exc.__context__
+        if exc is not None:
+            return exc
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if free < max(1 << 20, total // 1000):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    return None
 
 
 def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
@@ -101,58 +188,178 @@ def _app_state(model: nn.Module, optimizer: torch.optim.Optimizer, for_load: boo
 
 
 class CheckpointManager:
-    def __init__(self, directory: Path, keep: int):
+    """Saves and loads checkpoints under `directory`; every method is collective over `control`."""
+
+    def __init__(self, directory: Path, keep: int, control: Control, log: Callable[[str], None] = print):
         self.directory = directory
         self.keep = keep
+        self.control = control
+        self.log = log
+
+    @property
+    def rank(self) -> int:
+        return self.control.rank
 
     def latest(self) -> Path | None:
-        found = complete_checkpoints(self.directory)
+        found = mf.complete_checkpoints(self.directory)
         return found[-1] if found else None
 
+    # ---- save ----
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-             extra_files: dict[str, Path]) -> Path:
-        final = self.directory / f"step_{step:08d}"
-        tmp = self.directory / f"step_{step:08d}.tmp"
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
-            tmp.mkdir(parents=True)
-        _barrier()
-        _dcp(dcp.save, _app_state(model, optimizer, for_load=False), tmp)
-        rng_dir = tmp / "rng"
-        rng_dir.mkdir(exist_ok=True)
-        torch.save(_rng_state(), rng_dir / f"rank_{_rank()}.pt")
-        _barrier()
-        if _rank() == 0:
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-            for name, src in extra_files.items():
-                if src.is_file():
-                    shutil.copyfile(src, tmp / name)
-            (tmp / MARKER).write_text(f"step {step}\n")
-            if final.exists():  # re-saving a step (e.g. a final save after a periodic one)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+             extra_files: dict[str, Path], manifest: dict) -> Path:
+        final = self.directory / mf.step_dir_name(step)
+        # A final save right after a periodic one of the same step: that state is on disk already.
+        if self.control.max([float(mf.is_complete(final))])[0]:
+            return final
+        tmp = final.with_name(f"{final.name}.tmp")
+
+        def start() -> None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+                tmp.mkdir(parents=True)
+        self._on_every_rank(start, step, tmp)
+        try:
+            _dcp(dcp.save, _app_state(model, optimizer, for_load=False), tmp)
+        except CheckpointException as e:
+            # Every rank gets the same exception; whether it is the disk's fault is agreed too (the
+            # free space one rank sees changes as soon as rank 0 removes the partial checkpoint).
+            error = _storage_error(e, self.directory)
+            if not self.control.max([float(error is not None)])[0]:
+                raise
+            self._failed(error, step, tmp, report=self.rank == 0)
+
+        def local_files() -> None:
+            buf = io.BytesIO()
+            torch.save(_rng_state(), buf)
+            (tmp / "rng").mkdir(exist_ok=True)
+            (tmp / "rng" / f"rank_{self.rank}.pt").write_bytes(buf.getvalue())
+            if self.rank == 0:
+                (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+                for name, src in extra_files.items():
+                    if src.is_file():
+                        shutil.copyfile(src, tmp / name)
+        self._on_every_rank(local_files, step, tmp)
+        files = self._checksums(tmp, step)
+
+        def publish() -> None:
+            if self.rank == 0:
+                mf.write_manifest(tmp, {**manifest, "format": mf.FORMAT, "step": step, "files": files,
+                                        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                os.replace(tmp, final)
+                mf.fsync_dir(self.directory)
+        self._on_every_rank(publish, step, tmp)
+        if self.rank == 0:
             self._prune()
-        _barrier()
+        self.control.barrier()
         return final
 
-    def _prune(self) -> None:
-        found = complete_checkpoints(self.directory)
-        for old in found[: max(0, len(found) - self.keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _checksums(self, tmp: Path, step: int) -> dict[str, dict]:
+        """{relative path: {size, sha256}} of every file in `tmp`; each rank hashes every world_size-th."""
+        names = self.control.broadcast_json(mf.listed_files(tmp) if self.rank == 0 else None)
+        rows = torch.zeros(len(names), 33, dtype=torch.int64)  # 32 digest bytes + the size
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        def hash_share() -> None:
+            for i in range(self.rank, len(names), self.control.world_size):
+                size, digest = mf.file_digest(tmp / names[i])
+                rows[i, :32] = torch.tensor(list(bytes.fromhex(digest)))
+                rows[i, 32] = size
+        self._on_every_rank(hash_share, step, tmp)
+        rows = self.control.sum(rows)
+        return {name: {"size": int(row[32]), "sha256": bytes(row[:32].tolist()).hex()} for name, row in zip(names, rows)}
+
+    def _on_every_rank(self, action: Callable[[], None], step: int, tmp: Path) -> None:
+        """Run a local write step on every rank; when it failed on any, fail the save everywhere."""
+        error = None
+        try:
+            action()
+        except OSError as e:
+            error = e
+        first = self.control.first_failure(error is not None)
+        if first is not None:
+            self._failed(error, step, tmp, report=self.rank == first)
+
+    def _failed(self, error: OSError | None, step: int, tmp: Path, report: bool) -> None:
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        older = self.latest()
+        what = f"{error.strerror or error}" + (f" ({error.filename})" if getattr(error, "filename", None) else "") \
+            if error is not None else "failed on another rank"
+        kept = f"{older} is intact" if older is not None else "no earlier checkpoint exists"
+        raise StorageFailure(f"checkpoint: cannot write step {step} to {self.directory}: {what}; the partial "
+                             f"checkpoint was removed and {kept}. Free space or point checkpoint.dir elsewhere, "
+                             "then rerun to resume", report=report)
+
+    def _prune(self) -> None:
+        mf.remove_leftovers(self.directory)
+        for old in mf.to_prune(mf.complete_checkpoints(self.directory), self.keep):
+            mf.remove(old)
+
+    # ---- load ----
+    def load_newest(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    accept: Callable[[Path, dict], bool] = lambda path, manifest: True) -> tuple[Path, dict] | None:
+        """Load the newest intact checkpoint that `accept(path, manifest)` takes; damaged ones are set
+        aside on the way. Returns (path, trainer state) or None when there is nothing to resume."""
+        names = self.control.broadcast_json([p.name for p in mf.complete_checkpoints(self.directory)]
+                                            if self.rank == 0 else None)
+        for name in reversed(names):
+            path = self.directory / name
+            manifest, problems = self._verify(path)
+            if problems:
+                if self.rank == 0:
+                    aside = mf.set_aside(path)
+                    self.log(f"checkpoint: {path} is damaged ({'; '.join(map(str, problems))}); set aside as "
+                             f"{aside.name}, trying the previous one")
+                self.control.barrier()
+                continue
+            if not accept(path, manifest):
+                continue
+            return path, self._load(path, model, optimizer)
+        return None
+
+    def _verify(self, path: Path) -> tuple[dict, list[mf.Problem]]:
+        """(manifest, problems) agreed by every rank; legacy checkpoints (no manifest) are not verified."""
+        if not (path / mf.MANIFEST).is_file() and (path / mf.LEGACY_MARKER).is_file():
+            if self.rank == 0:
+                self.log(f"checkpoint: {path} predates manifests; loading it unverified")
+            return {}, []
+        local_problem = None
+        try:
+            manifest = mf.read_manifest(path)
+        except ValueError as e:
+            manifest, local_problem = {"files": {}}, e.args[0]
+        if self.control.max([float(local_problem is not None)])[0]:
+            return manifest, [local_problem or mf.Problem(mf.MANIFEST, "unreadable on another rank")]
+        names = sorted(manifest["files"])
+        codes = [0.0] * (len(names) + 1)
+        details: dict[int, str] = {}
+        for i in range(self.rank, len(names), self.control.world_size):
+            reason = mf.check_file(path, names[i], manifest["files"][names[i]])
+            if reason is not None:
+                codes[i] = 1.0 if reason == "missing" else 2.0 if reason.startswith("size") else \
+                    3.0 if reason.startswith("checksum") else 4.0
+                details[i] = reason
+        if self.rank == 0 and ".metadata" in manifest["files"]:
+            reason = metadata_problem(path)
+            if reason is not None:
+                codes[-1], details[len(names)] = 5.0, reason
+        agreed = self.control.max(codes)
+        problems = [mf.Problem(names[i] if i < len(names) else ".metadata", details.get(i, _REASONS[int(c)]))
+                    for i, c in enumerate(agreed) if c]
+        return manifest, problems
+
+    def _load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Load model + optimizer in place; return the trainer state (step, scheduler, ...)."""
         state = _app_state(model, optimizer, for_load=True)
-        _dcp(dcp.load, state, path)
+        _dcp(dcp.load, state, path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         set_model_state_dict(model, state["model"])
         if is_zero1(optimizer):
             _load_zero1_state(model, optimizer, state["optim"])
         else:
             set_optimizer_state_dict(model, optimizer, state["optim"], options=FLAT_OPTIM)
-        rng_file = path / "rng" / f"rank_{_rank()}.pt"
+        rng_file = path / "rng" / f"rank_{self.rank}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=True))
-        return json.loads((path / "trainer_state.json").read_text())
+        return json.loads((path / TRAINER_STATE).read_text())
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -174,13 +381,15 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def gather_pipeline_state(model: nn.Module, shapes: dict[str, torch.Size], owner: dict[str, int],
-                          pp_group: "dist.ProcessGroup", pp_rank: int, in_rank0_pipeline: bool) -> dict[str, torch.Tensor]:
+                          pp_group, pp_rank: int, in_rank0_pipeline: bool) -> dict[str, torch.Tensor]:
     """full_model_state for pipeline layouts: each stage's unsharded weights, sent to the first pipeline
     rank of the pipeline that holds global rank 0 (collective over every rank; that rank gets them).
 
     Tensors go point-to-point in a fixed order (names sorted, pipeline rank by rank), receive buffers
     shaped from the whole model's names (`shapes`, `owner`: name -> pipeline rank), so nothing but
     tensors crosses processes (no pickled objects)."""
+    import torch.distributed as dist
+
     local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     if not in_rank0_pipeline:
         return {}
@@ -198,4 +407,37 @@ def gather_pipeline_state(model: nn.Module, shapes: dict[str, torch.Size], owner
                 buf = torch.empty(shapes[name], dtype=torch.float32, device=device)
                 dist.recv(buf, group=pp_group, group_src=r)
                 out[name] = buf.cpu()
+    return out
+
+
+def verify_directory(root: Path) -> list[tuple[Path, str, list[mf.Problem]]]:
+    """(path, status, problems) for every checkpoint under `root` (a run directory, a checkpoints
+    directory or one checkpoint). Status: OK, DAMAGED, UNVERIFIED (no manifest: written before
+    manifests), INCOMPLETE (a save that did not finish), SET ASIDE (found damaged earlier)."""
+    if (root / mf.MANIFEST).is_file() or (root / mf.LEGACY_MARKER).is_file():
+        targets = [root]
+    else:
+        base = root if any(root.glob("step_*")) else root / "checkpoints"
+        targets = sorted((p for p in base.glob("step_*") if p.is_dir()), key=lambda p: (p.name.split(".")[0], p.name))
+    out = []
+    for path in targets:
+        suffix = path.name.partition(".")[2]
+        if suffix.startswith("corrupt"):
+            out.append((path, "SET ASIDE (found damaged earlier; never loaded)", []))
+        elif suffix:
+            out.append((path, "INCOMPLETE (a save that did not finish; never loaded, removed by the next save)", []))
+        elif (path / mf.MANIFEST).is_file():
+            try:
+                manifest = mf.read_manifest(path)
+                problems = mf.verify_files(path, manifest)
+                reason = metadata_problem(path) if ".metadata" in manifest["files"] else None
+                if reason is not None:
+                    problems.append(mf.Problem(".metadata", reason))
+            except ValueError as e:
+                problems = [e.args[0]]
+            out.append((path, "DAMAGED" if problems else "OK", problems))
+        elif (path / mf.LEGACY_MARKER).is_file():
+            out.append((path, "UNVERIFIED (no manifest: written before manifests)", []))
+        else:
+            out.append((path, "INCOMPLETE (no manifest; never loaded)", []))
     return out

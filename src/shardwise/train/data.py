@@ -32,7 +32,7 @@ from shardwise.errors import ConfigError
 EOD_TOKEN = "<|endoftext|>"
 # End-of-document tokens recognised in a user's tokenizer.json, in order of preference.
 _EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
-_DATA_SUFFIXES = frozenset({".txt", ".md", ".py", ".jsonl", ".json", ".parquet"})
+_DATA_SUFFIXES = frozenset({".txt", ".md", ".py", ".jsonl", ".ndjson", ".json", ".parquet"})
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 # BPE is trained on the first ~8 MB of text: enough for a few-thousand-token vocabulary to settle, and
 # it keeps training under ~20 s on 2 cores. The whole corpus is still tokenized.
@@ -40,7 +40,9 @@ _BPE_TRAIN_CHARS = 8_000_000
 # Documents per encode call: bounds the memory held by Encoding objects on large corpora.
 _ENCODE_CHUNK_CHARS = 2_000_000
 # Bump when the way documents become tokens changes, so old caches are not reused.
-_FORMAT_VERSION = "shardwise-data-v1"
+_FORMAT_VERSION = "shardwise-data-v2"  # v2: files read by content (JSON lines in .json)
+_PARQUET_MAGIC = b"PAR1"
+_SNIFF_BYTES = 1 << 16
 
 
 # ---------------------------------------------------------------- corpus discovery and reading
@@ -124,16 +126,60 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
                 yield str(text)
 
 
+def _json_array_documents(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        records = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise ConfigError("data.path", f"{path} is not valid JSON ({e.msg} at line {e.lineno})",
+                          "a .json corpus is a JSON array of records or JSON lines") from None
+    for i, record in enumerate(records):
+        if isinstance(record, str):
+            yield record
+        elif isinstance(record, dict) and isinstance(record.get(text_key), str):
+            yield record[text_key]
+        else:
+            raise ConfigError("data.text_key", f"{path}: item {i} is neither a string nor an object with a text field "
+                              f"{text_key!r}", "set data.text_key to the field that holds the text")
+
+
+def file_kind(path: Path) -> str:
+    """How to read a corpus file, by its content as well as its name: "parquet" (by its magic bytes),
+    "jsonl" (.jsonl, or a .json whose first line is an object), "json" (a .json array) or "text".
+    A file that is not text (NUL bytes, or mostly non-text, in its first 64 KiB) is refused."""
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    suffix = path.suffix.lower()
+    if head.startswith(_PARQUET_MAGIC):
+        return "parquet"
+    if suffix == ".parquet":
+        raise ConfigError("data.path", f"{path} is named .parquet but is not a Parquet file (no PAR1 magic)",
+                          "convert it, or give it the extension of what it holds")
+    # Binary, as git and grep judge it: NUL bytes; or mostly undecodable / control characters. A few
+    # stray bytes in real text (a Latin-1 character) are read with replacement characters instead.
+    if b"\0" in head:
+        raise ConfigError("data.path", f"{path} is not text (it contains NUL bytes: a binary file?)",
+                          "train on text, JSON lines or Parquet files; remove binaries from data.path")
+    text = head.decode("utf-8", errors="replace")
+    odd = sum(ch == "\ufffd" or (ord(ch) < 32 and ch not in "\t\n\r\f\v\x1b") for ch in text)
+    if text and odd > 0.3 * len(text):
+        raise ConfigError("data.path", f"{path} is not text ({odd} of its first {len(text)} characters are not "
+                          "UTF-8 text)", "re-encode it as UTF-8, or remove it from data.path")
+    if suffix in (".json", ".jsonl", ".ndjson"):
+        first = head.lstrip()[:1]
+        if suffix == ".json" and first == b"[":
+            return "json"
+        if suffix != ".json" or first == b"{":
+            return "jsonl"
+    return "text"
+
+
 def iter_documents(files: list[Path], text_key: str) -> Iterator[str]:
     """Every non-empty document of the corpus, in file order (empty ones would only add separators)."""
+    readers = {"jsonl": _jsonl_documents, "json": _json_array_documents, "parquet": _parquet_documents}
     for path in files:
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            docs: Iterator[str] = _jsonl_documents(path, text_key)
-        elif suffix == ".parquet":
-            docs = _parquet_documents(path, text_key)
-        else:
-            docs = iter([path.read_text(encoding="utf-8", errors="replace")])
+        kind = file_kind(path)
+        docs = readers[kind](path, text_key) if kind in readers else \
+            iter([path.read_text(encoding="utf-8", errors="replace")])
         yield from (d for d in docs if d)
 
 

@@ -300,6 +300,31 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"{type(o).__name__} is not JSON serializable")
 
 
+def strict_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with every non-finite number replaced by null, and the names of those top-level
+    keys in "nonfinite": JSON has no NaN or Infinity, and metrics.jsonl must stay readable by any
+    JSON parser (a diverging step's loss is NaN)."""
+    bad: list[str] = []
+
+    def clean(value: Any, key: str | None) -> Any:
+        if hasattr(value, "item") and not isinstance(value, (list, dict)):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            if key is not None:
+                bad.append(key)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, None) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, None) for v in value]
+        return value
+
+    out = {k: clean(v, k) for k, v in record.items()}
+    if bad:
+        out["nonfinite"] = bad
+    return out
+
+
 class MetricsLogger:
     """Rank 0's metrics.jsonl, TensorBoard scalars, progress bar and loss-curve plot.
 
@@ -326,7 +351,18 @@ class MetricsLogger:
         if not is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        path = self.run_dir / "metrics.jsonl"
+        if start_step == 0 and path.is_file() and path.stat().st_size:
+            _set_aside(path)  # a run starting over keeps the earlier run's records, apart
+        if path.is_file() and path.stat().st_size:
+            with open(path, "rb") as f:
+                f.seek(-1, 2)
+                torn = f.read(1) != b"\n"  # a process killed mid-write: never glue a record onto that line
+        else:
+            torn = False
+        self._file = open(path, "a", encoding="utf-8")
+        if torn:
+            self._file.write("\n")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -349,7 +385,7 @@ class MetricsLogger:
         write TensorBoard scalars."""
         if self._closed or self._file is None:
             return
-        self._file.write(json.dumps({"step": step, **metrics}, default=_json_default) + "\n")
+        self._file.write(json.dumps(strict_record({"step": step, **metrics}), allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
             for name, value in metrics.items():
@@ -402,6 +438,14 @@ class MetricsLogger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _set_aside(path: Path) -> None:
+    """metrics.jsonl -> metrics.1.jsonl (or the next free number)."""
+    n = 1
+    while (path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(path.with_name(f"{path.stem}.{n}{path.suffix}"))
 
 
 def read_metrics(metrics_jsonl: Path) -> list[dict[str, Any]]:

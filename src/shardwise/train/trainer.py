@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.config import Config
+from shardwise.errors import Diverged, Interrupted
 from shardwise.models import build_model
-from shardwise.parallel.comm import CommCounter, axis_names, describe_comm
+from shardwise.parallel.comm import CONTROL_AXIS, CommCounter, axis_names, describe_comm
 from shardwise.parallel.context import zigzag_index
 from shardwise.parallel.data import (
     gradient_group,
@@ -38,7 +39,11 @@ from shardwise.parallel.tensor import local_value
 from shardwise.parallel.precision import DynamicLossScaler, autocast
 from shardwise.plan.hardware import device_peak_flops
 from shardwise.preflight import check, check_batch
+from shardwise.train import manifest as mf
 from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state
+from shardwise.train.control import Control
+from shardwise.train.health import StepGuard, Verdict
+from shardwise.train.signals import StopRequest
 from shardwise.train.pipeline_chart import CHART_FILE, describe, gather_timeline, summarize, write_timeline
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
 from shardwise.train import moe_stats
@@ -60,7 +65,8 @@ class StepResult:
     grad_norm: float
     lr: float
     seconds: float
-    skipped: bool
+    skipped: bool      # non-finite loss or gradient norm on some rank: no optimizer step anywhere
+    stop_code: int = 0  # 130 / 143 when some rank was asked to stop (train/signals.py)
 
 
 def default_device() -> torch.device:
@@ -73,10 +79,14 @@ def default_device() -> torch.device:
 
 class Trainer:
     def __init__(self, cfg: Config, log: Callable[[str], None] | None = print, single_process: bool = False,
-                 data: PreparedData | None = None):
+                 data: PreparedData | None = None, stop: StopRequest | None = None, run_id: str = "",
+                 restarted: bool = False):
         """`log=None` silences the trainer's messages (parity, tests); `single_process=True` ignores an
         initialized process group (the in-process reference); `data` is the corpus a caller already
-        prepared for this config (else it is prepared, or loaded from the cache, here)."""
+        prepared for this config (else it is prepared, or loaded from the cache, here). `stop` is a
+        stop request the caller installed (else train() installs one); `run_id` names the job in the
+        checkpoints it writes, and `restarted` (an automatic restart of that job) resumes from them
+        even with checkpoint.resume=false."""
         self.cfg = cfg
         distributed = dist.is_initialized() and not single_process
         self.rank = dist.get_rank() if distributed else 0
@@ -96,6 +106,8 @@ class Trainer:
         self.log = (lambda _msg: None) if self.quiet else log
 
         self.data = data or prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
+        self.fingerprint = mf.fingerprint(cfg, len(self.data.tokens), mf.file_digest(self.data.tokenizer_path)[1])
+        self.run_id, self.restarted = run_id, restarted
         t = cfg.train
         self.batches = TokenBatches(self.data.tokens, t.seq_len, t.global_batch, t.seed)
 
@@ -115,6 +127,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.world_group = dist.group.WORLD if distributed else None
+        self.control = Control(distributed, cfg.run.collective_timeout_s)
+        self.stop = stop
+        self.guard = StepGuard(self.control, t.max_skipped_steps, stop)
         self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len // self.dims.cp
         self.step = 0
         self.record_pipeline = False
@@ -122,11 +137,14 @@ class Trainer:
         self.last_timeline: dict | None = None
         self.activation_bytes = 0
         self.group_axes = axis_names(self.mesh) if distributed else {}
+        if self.control.group_name is not None:
+            self.group_axes[self.control.group_name] = CONTROL_AXIS
         self.moe_layers = moe_stats.moe_layers(self.inner)
         self.comm_bytes: dict[str, dict[str, int]] | None = None
         self.last_memory: dict[str, list[int]] = {}
-        self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep)
-        if cfg.checkpoint.resume:
+        self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep,
+                                             self.control, self.log)
+        if cfg.checkpoint.resume or restarted:
             self._maybe_resume()
 
     def _build_pipeline(self) -> torch.nn.Module:
@@ -186,7 +204,7 @@ class Trainer:
         start = time.perf_counter()
         counting = self.comm_bytes is None
         with CommCounter(self.group_axes) if counting else contextlib.nullcontext() as counter:
-            loss_sum, grad_norm, lr, found_inf = self._forward_backward_update()
+            loss_sum, grad_norm, lr, verdict = self._forward_backward_update()
         if counting:
             self.comm_bytes = counter.totals()
         if measure_memory:
@@ -199,22 +217,24 @@ class Trainer:
             loss_sum /= self.dims.dp * self.dims.cp
         self.step += 1
         loss_value, norm_value = torch.stack([loss_sum, grad_norm.float().to(loss_sum.device)]).tolist()  # one host sync
-        return StepResult(loss_value, norm_value, lr, time.perf_counter() - start, found_inf)
+        return StepResult(loss_value, norm_value, lr, time.perf_counter() - start, verdict.skip, verdict.stop_code)
 
-    def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+    def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, Verdict]:
         t = self.cfg.train
         micro = self.batches.local_micro_batches(self.step, self.batch_rank, self.dims.dp, t.micro_batch)
         moe_stats.reset(self.moe_layers)
         moe_stats.set_aux_grad_scale(self.moe_layers, self.scaler.scale / self.accumulation)
         loss_sum = self._pipeline_forward_backward(micro) if self.pipeline is not None else self._accumulate(micro)
-        found_inf = self.scaler.unscale_((p.grad for p in self.params if p.grad is not None), self.world_group)
+        overflow = self.scaler.unscale_(p.grad for p in self.params if p.grad is not None)
         grad_norm = clip_grad_norm(self.params, t.grad_clip, self.mesh["pp"].get_group() if self.pipeline else None)
         lr = self.scheduler.get_last_lr()[0]
-        if not found_inf:
+        # Every rank agrees whether this step is finite (and whether to stop): train/health.py.
+        verdict = self.guard.verdict(loss_sum, grad_norm, overflow)
+        if not verdict.skip:
             self.optimizer.step()
-        self.scaler.update(found_inf)
+        self.scaler.update(verdict.skip)
         self.scheduler.step()
-        return loss_sum, grad_norm, lr, found_inf
+        return loss_sum, grad_norm, lr, verdict
 
     def _accumulate(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every micro-batch in turn (gradient accumulation); the loss sum."""
@@ -272,6 +292,20 @@ class Trainer:
 
     # ---- the loop ----
     def train(self) -> list[float]:
+        """Run the remaining steps; returns their losses. Raises Diverged (a streak of non-finite steps,
+        or non-finite weights at a checkpoint) or Interrupted (a stop signal: after the step and a
+        checkpoint); every rank raises the same, and `report` is set on the one that should print it."""
+        own = StopRequest() if self.stop is None else None
+        if own is not None:  # a caller's request (the worker's, installed at start-up) wins
+            self.guard.stop = own.install()
+        try:
+            return self._loop()
+        finally:
+            if own is not None:
+                own.restore()
+                self.guard.stop = None
+
+    def _loop(self) -> list[float]:
         t = self.cfg.train
         writer = self.rank == 0
         if writer:
@@ -285,7 +319,6 @@ class Trainer:
                           f"{self.dims.describe()} x{self.dims.world_size}, zero={self.cfg.parallel.zero}, accumulation "
                           f"{self.accumulation}, peak {peak / 1e9:.1f} GFLOP/s ({peak_label})")
         losses: list[float] = []
-        tokens_per_step = t.global_batch * t.seq_len
         ckpt_every = self.cfg.checkpoint.every
         try:
             while self.step < t.steps:
@@ -297,29 +330,18 @@ class Trainer:
                 if first and not self.quiet and self.comm_bytes:
                     metrics.print(f"communication per step on rank 0 (payload bytes): {describe_comm(self.comm_bytes)}")
                 losses.append(r.loss)
-                tps = tokens_per_step / r.seconds
-                metrics.progress(self.step, r.loss, tps)
-                if logging_step:
-                    per_device = tokens_per_s_per_device(tokens_per_step // self.dims.dp, r.seconds, self.dims.non_dp)
-                    record = {"loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
-                              "tokens_per_s_per_device": per_device, "step_time_s": r.seconds,
-                              "mfu": mfu(self.flops_per_token, per_device, peak), "skipped": int(r.skipped),
-                              "loss_scale": self.scaler.scale}
-                    record.update({f"mem_{k}_bytes": v[self.rank] for k, v in self.last_memory.items()})
-                    record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in self.comm_bytes.items()})
-                    record["comm_bytes_per_step"] = self.comm_bytes
-                    record["memory_per_rank_bytes"] = self.last_memory
-                    if self.moe_layers or self.cfg.model.moe.num_experts:
-                        record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.world_group))
-                        if not self.quiet:
-                            metrics.print(f"step {self.step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
-                                          f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
-                                          f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
-                    if timeline is not None:
-                        record["pp_bubble_measured"] = timeline["bubble_measured"]
-                        record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
-                        self.last_timeline = timeline
-                    metrics.log(self.step, record)
+                metrics.progress(self.step, r.loss, t.global_batch * t.seq_len / r.seconds)
+                diverged = self.guard.record(self.step, r.skipped)
+                if r.skipped and not self.quiet:
+                    metrics.print(f"step {self.step}: loss {r.loss:g}, grad norm {r.grad_norm:g}: not finite, step skipped "
+                                  f"on every rank ({self.guard.in_a_row} in a row; the run stops at "
+                                  f"train.max_skipped_steps={t.max_skipped_steps})")
+                if logging_step or r.skipped:  # every rank: the MoE statistics are a collective
+                    metrics.log(self.step, self._record(r, timeline, peak, metrics))
+                if diverged:
+                    raise Diverged(self._divergence_message(r), report=self.rank == 0)
+                if r.stop_code:
+                    self._stop(r.stop_code)
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
                     self.save_checkpoint()
             if writer and self.last_timeline is not None:
@@ -333,6 +355,53 @@ class Trainer:
         finally:
             metrics.close()
         return losses
+
+    def _record(self, r: StepResult, timeline: dict | None, peak: float, metrics: MetricsLogger) -> dict:
+        """The metrics.jsonl record of a step (collective under MoE)."""
+        t = self.cfg.train
+        tokens_per_step = t.global_batch * t.seq_len
+        per_device = tokens_per_s_per_device(tokens_per_step // self.dims.dp, r.seconds, self.dims.non_dp)
+        record = {"loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tokens_per_step / r.seconds,
+                  "tokens_per_s_per_device": per_device, "step_time_s": r.seconds,
+                  "mfu": mfu(self.flops_per_token, per_device, peak), "skipped": int(r.skipped),
+                  "skipped_steps": self.guard.skipped_total, "loss_scale": self.scaler.scale}
+        record.update({f"mem_{k}_bytes": v[self.rank] for k, v in self.last_memory.items()})
+        record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in self.comm_bytes.items()})
+        record["comm_bytes_per_step"] = self.comm_bytes
+        record["memory_per_rank_bytes"] = self.last_memory
+        if self.moe_layers or self.cfg.model.moe.num_experts:
+            record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.world_group))
+            if not self.quiet:
+                metrics.print(f"step {self.step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
+                              f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
+                              f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
+        if timeline is not None:
+            record["pp_bubble_measured"] = timeline["bubble_measured"]
+            record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
+            self.last_timeline = timeline
+        return record
+
+    def _newest_good_checkpoint(self) -> Path | None:
+        good = [p for p in mf.complete_checkpoints(self.checkpoints.directory) if mf.is_good(p)]
+        return good[-1] if good else None
+
+    def _divergence_message(self, r: StepResult) -> str:
+        g, t = self.guard, self.cfg.train
+        scale = f", fp16 loss scale {self.scaler.scale:g}" if self.scaler.enabled else ""
+        return (f"training diverged: {g.in_a_row} steps in a row had a non-finite loss or gradient norm (steps "
+                f"{g.streak_start}-{self.step}, last loss {r.loss:g}, grad norm {r.grad_norm:g}{scale}; "
+                f"train.max_skipped_steps={g.max_skipped_steps}); the weights are those after step {g.streak_start - 1}, "
+                f"newest good checkpoint: {self._newest_good_checkpoint() or 'none'}. Lower train.lr ({t.lr:g}) or raise "
+                "train.warmup_steps, then rerun to resume from it (--checkpoint.resume=false starts over)")
+
+    def _stop(self, code: int) -> None:
+        """A stop signal reached some rank: checkpoint this step (when checkpoints are on) and raise."""
+        path = self.save_checkpoint() if self.checkpoints_enabled() else None
+        stop = self.guard.stop
+        name = stop.name if stop is not None and stop.signum is not None else "a stop signal on another rank"
+        saved = f"checkpoint {path} written" if path else "checkpoints are off (checkpoint.every=0, final=false)"
+        raise Interrupted(f"interrupted by {name} after step {self.step}: {saved}; rerun the same command to resume",
+                          code, report=self.rank == 0)
 
     def memory(self) -> dict[str, int]:
         """This rank's bytes by category: local shards of params, grads, optimizer state; buffers;
@@ -368,26 +437,46 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "data": self.batches.state_dict(), "layout": self.dims.describe(), "world_size": self.dims.world_size}
+                "data": self.batches.state_dict(), "guard": self.guard.state_dict(), "layout": self.dims.describe(),
+                "world_size": self.dims.world_size}
 
     def save_checkpoint(self) -> Path:
+        """Checkpoint this step (collective). Refuses non-finite weights: that run has diverged."""
+        if not self.guard.weights_finite(self.params):
+            raise Diverged(f"training diverged: the weights after step {self.step} are not finite (train.lr "
+                           f"{self.cfg.train.lr:g}), so no checkpoint was written; newest good checkpoint: "
+                           f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr, then rerun", report=self.rank == 0)
+        manifest = {"good": self.guard.in_a_row == 0, "run_id": self.run_id, "config": self.fingerprint,
+                    "layout": self.dims.describe(), "world_size": self.dims.world_size}
         path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
-                                     {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml"})
+                                     {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml"},
+                                     manifest)
         self.log(f"checkpoint: saved step {self.step} to {path}")
         return path
 
+    def _accept_checkpoint(self, path: Path, manifest: dict) -> bool:
+        """Whether to resume from this (intact) checkpoint. A job started with checkpoint.resume=false
+        and restarted after a failure resumes only from checkpoints it wrote itself; one written for
+        another model, data or batch is refused with the differences (ConfigError on every rank)."""
+        if not self.cfg.checkpoint.resume and manifest.get("run_id") != self.run_id:
+            return False
+        if manifest.get("config") is not None:
+            mf.refuse_changes(path, manifest["config"], self.fingerprint)
+        return True
+
     def _maybe_resume(self) -> None:
-        path = self.checkpoints.latest()
-        if path is None:
+        found = self.checkpoints.load_newest(self.model, self.optimizer, self._accept_checkpoint)
+        if found is None:
             return
-        state = self.checkpoints.load(path, self.model, self.optimizer)
+        path, state = found
         self.batches.check_state(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         self.scaler.load_state_dict(state["scaler"])
+        self.guard.load_state_dict(state.get("guard", {}))
         self.step = state["step"]
-        self.log(f"checkpoint: resumed from {path} at step {self.step}")
+        self.log(f"checkpoint: {'restarted and ' if self.restarted else ''}resumed from {path} at step {self.step}")
 
     def save_full_model(self, path: Path) -> None:
         state = self._gather_pipeline_model() if self.pipeline is not None else full_model_state(self.model)

@@ -1,0 +1,229 @@
+"""The run directory before and during a job: usable, locked to one job, resumable, restart-aware.
+
+Checked before anything is spawned (exit 2 with the field named): run.dir, checkpoint.dir and
+data.cache_dir can be created and written; no other live job holds the run directory (a lock file,
+flock'ed by the job for its lifetime: the kernel releases it when the process dies, so a stale lock
+is simply taken over, with a message); the newest checkpoint was written for this model, data and
+batch (train/manifest.py's fingerprint), and is not already at train.steps.
+
+<dir>/.shardwise/ holds the lock and, when a failure no restart can fix ended a job (errors.py
+NOT_RESTARTABLE), that job's exit code: workers the elastic agent restarts anyway read it and end at
+once instead of failing the same way again.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shardwise.errors import NOT_RESTARTABLE, ConfigError
+from shardwise.train import manifest as mf
+
+STATE_DIR = ".shardwise"
+__all__ = ["NOT_RESTARTABLE", "DirectoryLock", "check_cache_dir", "check_run_dirs", "lock_dirs", "lock_unless_parent_holds",
+           "resume_preflight", "record_unrestartable_failure", "unrestartable_failure"]
+
+
+def checkpoint_dir(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+
+
+def _writable_dir(path: Path, field: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise ConfigError(field, f"{path} exists and is not a directory", f"point {field} at a directory (or a new path)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(field, f"cannot create {path}: {e.strerror or e}", f"point {field} at a writable location") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".shardwise-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(field, f"{path} is not writable: {e.strerror or e}", f"point {field} at a writable location") from None
+
+
+def check_cache_dir(cfg) -> None:
+    """data.cache_dir exists (or is created) and accepts a file: the corpus is prepared there first."""
+    _writable_dir(Path(os.path.expanduser(cfg.data.cache_dir)), "data.cache_dir")
+
+
+def check_run_dirs(cfg) -> None:
+    """run.dir and the checkpoint directory exist (or are created) and accept a file. Called after
+    every other check, so a refused config creates no run directory."""
+    _writable_dir(Path(cfg.run.dir), "run.dir")
+    if cfg.checkpoint.every > 0 or cfg.checkpoint.final:
+        _writable_dir(checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else "run.dir")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DirectoryLock:
+    """An exclusive flock on <dir>/.shardwise/lock, with the holder's pid, host and command inside."""
+
+    def __init__(self, directory: Path, field: str):
+        self.directory, self.field = directory, field
+        self.path = directory / STATE_DIR / "lock"
+        self.fd: int | None = None
+
+    def _holder(self, fd: int) -> dict:
+        try:
+            return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self, allow_parent: bool = False) -> str | None:
+        """Take the lock; returns a note when a stale one was taken over. Raises ConfigError when a
+        live job holds it, unless (allow_parent) that job is this process's parent, the launcher."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = self._holder(fd)
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            if allow_parent and holder.get("pid") == os.getppid():
+                return None
+            who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+            since = f", since {holder['started']}" if holder.get("started") else ""
+            raise ConfigError(self.field, f"run directory {self.directory} is in use by {who} ({holder.get('command', '?')}{since})",
+                              f"wait for that job to end (or stop it), or choose another --{self.field}") from None
+        previous = self._holder(fd)
+        note = None
+        if previous.get("pid"):
+            state = "is no longer running" if not _alive(previous["pid"]) or previous.get("host") != socket.gethostname() \
+                else "no longer holds it"
+            note = f"run directory {self.directory}: took over the lock of pid {previous['pid']}, which {state}"
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": " ".join(sys.argv)[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return note
+
+    def release(self) -> None:
+        """Empty the lock file (a clean end leaves nothing to take over) and unlock."""
+        if self.fd is None:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:
+            pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _lock_targets(cfg) -> list[tuple[Path, str]]:
+    run = Path(cfg.run.dir)
+    out = [(run, "run.dir")]
+    ckpt = checkpoint_dir(cfg)
+    if cfg.checkpoint.dir and run.resolve() not in (ckpt.resolve(), *ckpt.resolve().parents):
+        out.append((ckpt, "checkpoint.dir"))
+    return out
+
+
+def lock_dirs(cfg, log=print) -> list[DirectoryLock]:
+    """Lock the run directory (and a checkpoint.dir outside it) for this job; raises ConfigError."""
+    locks = []
+    try:
+        for directory, field in _lock_targets(cfg):
+            lock = DirectoryLock(directory, field)
+            note = lock.acquire()
+            locks.append(lock)
+            if note:
+                log(note)
+    except ConfigError:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+class _Locks:
+    def __init__(self, locks: list[DirectoryLock]):
+        self.locks = locks
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+
+
+def lock_unless_parent_holds(cfg) -> _Locks:
+    """For a worker (global rank 0): lock the run's directories unless its launcher already did."""
+    locks = []
+    for directory, field in _lock_targets(cfg):
+        lock = DirectoryLock(directory, field)
+        try:
+            note = lock.acquire(allow_parent=True)
+        except ConfigError:
+            _Locks(locks).release()
+            raise
+        if lock.fd is not None:
+            locks.append(lock)
+        if note:
+            print(note, flush=True)
+    return _Locks(locks)
+
+
+def resume_preflight(cfg, num_tokens: int, tokenizer_sha256: str) -> str | None:
+    """Before spawning: refuse a checkpoint written for another model / data / batch (ConfigError
+    with the differing keys), and return a note when the newest checkpoint already reached
+    train.steps (there is nothing to train)."""
+    if not cfg.checkpoint.resume:
+        return None
+    found = mf.complete_checkpoints(checkpoint_dir(cfg))
+    if not found:
+        return None
+    try:
+        manifest = mf.read_manifest(found[-1])
+    except ValueError:
+        return None  # damaged or from before manifests: the trainer verifies it and falls back
+    saved = manifest.get("config")
+    if saved is not None:
+        mf.refuse_changes(found[-1], saved, mf.fingerprint(cfg, num_tokens, tokenizer_sha256))
+    if manifest.get("step", 0) >= cfg.train.steps:
+        return (f"{found[-1]} is at step {manifest['step']} and train.steps is {cfg.train.steps}: nothing to train "
+                "(raise --train.steps to continue it, or choose another --run.dir)")
+    return None
+
+
+def _failure_file(run_dir: Path) -> Path:
+    return run_dir / STATE_DIR / "failure.json"
+
+
+def record_unrestartable_failure(run_dir: Path, run_id: str, exit_code: int) -> None:
+    if not run_id or exit_code not in NOT_RESTARTABLE:
+        return
+    try:
+        path = _failure_file(run_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"run_id": run_id, "exit_code": exit_code}))
+    except OSError:
+        pass  # then a restart fails the same way once more
+
+
+def unrestartable_failure(run_dir: Path, run_id: str) -> int | None:
+    """The exit code of this job's earlier unrestartable failure, if any."""
+    try:
+        record = json.loads(_failure_file(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return int(record["exit_code"]) if run_id and record.get("run_id") == run_id else None

@@ -1,0 +1,289 @@
+"""Run safety as a user meets it: `shardwise train` in real subprocesses, faults provoked for real
+(signals to the launcher and the workers, a stopped rank, killed processes, full and read-only disks,
+damaged checkpoints). Each failure must end in one line, a distinct exit code, no traceback, no process
+left behind, and no lost checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ZERO3 = ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2"]
+
+
+@pytest.fixture()
+def common(base_overrides) -> list[str]:
+    skip = {"train.steps", "checkpoint.final", "checkpoint.resume", "train.micro_batch"}
+    return [f"--{k}={v}" for k, v in base_overrides if k not in skip] + ["--train.micro_batch=4"]
+
+
+def _train(common, run: Path, *extra: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    cwd = next(d for d in run.parents if d.is_dir())
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", *extra],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _start(common, run: Path, *extra: str) -> subprocess.Popen:
+    """A job in the background; its stdout and stderr go to files (a pipe nobody reads can fill up)."""
+    run.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", *extra],
+                            stdout=open(run.parent / f"{run.name}.out", "w"),
+                            stderr=open(run.parent / f"{run.name}.err", "w"), cwd=run.parent)
+    proc.err_path = run.parent / f"{run.name}.err"
+    return proc
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+    """Wait for a background job; its stderr."""
+    proc.wait(timeout=timeout)
+    return proc.err_path.read_text()
+
+
+def _errors(stderr: str) -> list[str]:
+    """Lines the user is told (everything but the C++ transport chatter gloo prints on its own)."""
+    return [line for line in stderr.splitlines() if line.strip() and "debug_logger.cc" not in line
+            and "ProcessGroupGloo.cpp" not in line]
+
+
+def _steps(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]
+    return out
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if max(_steps(run), default=0) >= step:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {step}")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_divergence_exits_3_with_one_line_and_strict_metrics(common, tmp_path, precision):
+    """lr=1e6: the loss or gradient norm stops being finite within a few steps. Before, fp32 ran on
+    with NaN losses and exit 0, and fp16 backed its loss scale off forever, also exit 0."""
+    run = tmp_path / "diverge"
+    p = _train(common, run, "--train.lr=1e6", "--train.steps=30", "--checkpoint.every=2", "--checkpoint.keep=1",
+               "--train.log_every=1", f"--train.precision={precision}", "--model.n_layers=1")
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr
+    errors = _errors(p.stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: training diverged: 5 steps in a row"), errors
+    records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))
+               for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records[-5:]] == [1] * 5
+    assert all(r["nonfinite"] for r in records if r["skipped"] and precision == "fp32")
+    assert records[-1]["skipped_steps"] >= 5
+    # Whatever was checkpointed holds finite weights only.
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    for step in (run / "checkpoints").glob("step_*"):
+        dcp_to_torch_save(step, tmp_path / "weights.pt")
+        weights = torch.load(tmp_path / "weights.pt", weights_only=False)["model"]
+        assert all(torch.isfinite(w).all() for w in weights.values()), f"{step.name} holds non-finite weights"
+
+
+def test_divergence_is_not_restarted(common, tmp_path):
+    """run.max_restarts restarts crashes, not a deterministic divergence: the restarted workers read the
+    job's recorded failure and end at once, with the same code and no second message."""
+    run = tmp_path / "diverge2"
+    p = _train(common, run, "--train.lr=1e6", "--train.steps=30", *ZERO3, "--run.max_restarts=2")
+    assert p.returncode == 3, p.stderr[-3000:]
+    errors = _errors(p.stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: training diverged:"), errors
+    assert p.stdout.count("not training again: this job failed with exit code 3") == 2  # ended at once, twice
+    assert "the worker group was restarted" not in p.stdout
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_resumes_bitwise(common, tmp_path):
+    args = [*ZERO3, "--train.steps=40", "--train.log_every=1", "--checkpoint.every=0"]
+    reference = _train(common, tmp_path / "reference", *args)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = tmp_path / "stopped"
+    proc = _start(common, run, *args)
+    _wait_for_step(run, 10, proc)
+    proc.send_signal(signal.SIGTERM)
+    err = _finish(proc)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    lines = _errors(err)
+    assert len(lines) == 1 and lines[0].startswith("interrupted by SIGTERM after step "), lines
+    stopped_at = int(lines[0].split("after step ")[1].split(":")[0])
+    assert (run / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").is_file()
+    resumed = _train(common, run, *args)
+    assert resumed.returncode == 0 and f"at step {stopped_at}" in resumed.stdout, resumed.stderr[-3000:]
+    assert _steps(run) == _steps(tmp_path / "reference")
+
+
+@pytest.mark.parametrize("sig,code,target", [(signal.SIGINT, 130, "launcher"), (signal.SIGUSR1, 143, "worker")])
+def test_other_stop_signals(common, tmp_path, sig, code, target):
+    run = tmp_path / "run"
+    proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1")
+    _wait_for_step(run, 5, proc)
+    os.kill(proc.pid if target == "launcher" else _children(proc.pid)[-1], sig)
+    err = _finish(proc)
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err and len(_errors(err)) == 1, err
+    assert list((run / "checkpoints").glob("step_*/manifest.json"))
+
+
+def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, tmp_path):
+    run = tmp_path / "run"
+    proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1")
+    _wait_for_step(run, 3, proc)
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(w) for w in workers), "workers outlived their launcher"
+    again = _train(common, run, "--train.steps=2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "took over the lock" in again.stdout + again.stderr
+
+
+def test_a_second_job_on_the_same_run_directory_is_refused(common, tmp_path):
+    run = tmp_path / "run"
+    first = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1")
+    try:
+        _wait_for_step(run, 2, first)
+        second = _train(common, run, "--train.steps=3")
+        assert second.returncode == 2
+        assert second.stderr.startswith(f"error: run.dir: run directory {run} is in use by pid {first.pid}"), second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _finish(first)
+
+
+def test_a_stopped_rank_is_diagnosed_and_the_job_ends(common, tmp_path):
+    timeout_s = 10
+    run = tmp_path / "run"
+    proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1",
+                  f"--run.collective_timeout_s={timeout_s}")
+    _wait_for_step(run, 5, proc)
+    workers = _children(proc.pid)
+    os.kill(workers[-1], signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        err = _finish(proc, timeout_s + 60)
+    finally:
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 5, err[-3000:]
+    assert elapsed <= timeout_s + 30, f"the job took {elapsed:.0f} s to end"
+    assert "Traceback" not in err
+    lines = _errors(err)
+    assert lines[0].startswith("error: stalled: at step ") and "rank(s) 1 did not respond" in lines[0], lines
+    assert "longer than run.collective_timeout_s in " in lines[0] and "on dp_shard" in lines[0], lines
+    dump = (run / "stall" / "rank_0.txt").read_text()
+    assert "where it waited:" in dump and "torch flight recorder" in dump and "#" in dump
+    assert not any(_alive(w) for w in workers), "a process was left behind"
+
+
+def test_bad_directories_are_refused_before_spawning(common, tmp_path, read_only_dir):
+    (tmp_path / "a_file").write_text("x")
+    cases = [(tmp_path / "a_file", [], "run.dir", "exists and is not a directory"),
+             (tmp_path / "a_file" / "run", [], "run.dir", "cannot create"),
+             (read_only_dir / "run", [], "run.dir", ""),
+             (tmp_path / "ok", [f"--checkpoint.dir={read_only_dir}"], "checkpoint.dir", "not writable")]
+    for run, extra, field, phrase in cases:
+        p = _train(common, run, "--train.steps=2", *ZERO3, *extra)
+        assert p.returncode == 2 and p.stderr.startswith(f"error: {field}: ") and phrase in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr and "model:" not in p.stdout  # nothing was spawned
+
+
+def test_a_full_disk_exits_4_and_keeps_the_older_checkpoint(common, tmp_path, small_disk):
+    ckpt = small_disk / "checkpoints"
+    p = _train(common, tmp_path / "run", *ZERO3, "--train.steps=8", "--checkpoint.every=2", "--checkpoint.keep=5",
+               f"--checkpoint.dir={ckpt}")
+    assert p.returncode == 4, p.stderr[-3000:]
+    lines = _errors(p.stderr)
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "step_00000002 is intact" in lines[0], lines
+    assert sorted(x.name for x in ckpt.glob("step_*")) == ["step_00000002"]
+    verify = subprocess.run([sys.executable, "-m", "shardwise.cli", "checkpoint", "verify", str(ckpt)],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0 and "step_00000002: OK" in verify.stdout
+
+
+def test_resume_refuses_another_model_and_says_when_a_run_is_finished(common, tmp_path):
+    run = tmp_path / "run"
+    assert _train(common, run, "--train.steps=4", "--checkpoint.final=true").returncode == 0
+    config = (run / "config.toml").read_text()
+    changed = _train(common, run, "--train.steps=8", "--model.dim=128", "--train.global_batch=16")
+    assert changed.returncode == 2 and changed.stderr.startswith("error: checkpoint.resume: "), changed.stderr
+    assert "model.dim: 64 -> 128" in changed.stderr and "train.global_batch: 8 -> 16" in changed.stderr
+    assert "--checkpoint.resume=false" in changed.stderr and "Traceback" not in changed.stderr
+    done = _train(common, run, "--train.steps=4", "--checkpoint.final=true")
+    assert done.returncode == 0 and "nothing to train" in done.stdout, done.stdout
+    assert (run / "config.toml").read_text() == config, "a refused or finished rerun rewrote config.toml"
+
+
+def test_damaged_and_crafted_checkpoints_are_set_aside(common, tmp_path):
+    run = tmp_path / "run"
+    assert _train(common, run, *ZERO3, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.final=true").returncode == 0
+    newest = run / "checkpoints" / "step_00000004"
+    marker = tmp_path / "code-ran"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (newest / ".metadata").write_bytes(pickle.dumps(RunsCode()))
+    verify = subprocess.run([sys.executable, "-m", "shardwise.cli", "checkpoint", "verify", str(run)],
+                            capture_output=True, text=True)
+    assert verify.returncode == 1 and "step_00000004: DAMAGED" in verify.stdout and ".metadata" in verify.stdout
+    resumed = _train(common, run, *ZERO3, "--train.steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_00000004 is damaged" in resumed.stdout and "resumed from" in resumed.stdout
+    assert "at step 2" in resumed.stdout and (run / "checkpoints" / "step_00000004.corrupt").is_dir()
+    assert not marker.exists(), "a crafted .metadata ran code"
+
+
+def test_corpus_files_are_read_by_content(common, tmp_path):
+    records = tmp_path / "records.json"
+    records.write_text("".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(200)))
+    ok = _train([c for c in common if not c.startswith("--data.path")], tmp_path / "json", f"--data.path={records}",
+                "--train.steps=2")
+    assert ok.returncode == 0 and ", 200 docs," in ok.stdout, ok.stdout + ok.stderr
+    blob = tmp_path / "blob.txt"
+    blob.write_bytes(bytes(range(256)) * 400)
+    bad = _train([c for c in common if not c.startswith("--data.path")], tmp_path / "bin", f"--data.path={blob}",
+                 "--train.steps=2")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: data.path: ") and "is not text" in bad.stderr

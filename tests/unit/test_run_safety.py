@@ -1,0 +1,284 @@
+"""Run safety without a process group: manifests, safe unpickling, strict metrics, corpus sniffing,
+stop signals, the run-directory lock and checks, and the launcher's choice of a root cause."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardwise.config import build_config
+from shardwise.errors import ConfigError
+from shardwise.launch import rundir
+from shardwise.launch.local import report_failure
+from shardwise.train import manifest as mf
+from shardwise.train.checkpoint import SafeLoadPlanner, metadata_problem, read_metadata, verify_directory
+from shardwise.train.control import Control
+from shardwise.train.data import file_kind, iter_documents
+from shardwise.train.health import StepGuard
+from shardwise.train.metrics import MetricsLogger, strict_record
+from shardwise.train.signals import StopRequest
+
+
+class _RunsCode:
+    """Unpickling this runs `touch <path>`: what a crafted checkpoint file would do."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _checkpoint_like(tmp_path: Path) -> Path:
+    step = tmp_path / "step_00000004"
+    (step / "rng").mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(os.urandom(4096))
+    (step / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    (step / "rng" / "rank_0.pt").write_bytes(b"rng")
+    files = {rel: dict(zip(("size", "sha256"), mf.file_digest(step / rel))) for rel in mf.listed_files(step)}
+    mf.write_manifest(step, {"format": mf.FORMAT, "step": 4, "good": True, "files": files})
+    return step
+
+
+def test_manifest_detects_truncated_deleted_flipped_and_emptied_files(tmp_path):
+    step = _checkpoint_like(tmp_path)
+    manifest = mf.read_manifest(step)
+    assert sorted(manifest["files"]) == ["__0_0.distcp", "rng/rank_0.pt", "trainer_state.json"]
+    assert mf.verify_files(step, manifest) == []
+    shard = step / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100:164] = bytes(b ^ 0xFF for b in data[100:164])  # 64 flipped bytes, same size
+    shard.write_bytes(bytes(data))
+    (step / "trainer_state.json").write_text("")
+    (step / "rng" / "rank_0.pt").unlink()
+    problems = {p.file: p.reason for p in mf.verify_files(step, manifest)}
+    assert problems["__0_0.distcp"].startswith("checksum mismatch")
+    assert problems["trainer_state.json"].startswith("size 0 bytes")
+    assert problems["rng/rank_0.pt"] == "missing"
+    (step / mf.MANIFEST).write_text("{not json")
+    with pytest.raises(ValueError) as e:
+        mf.read_manifest(step)
+    assert e.value.args[0].file == mf.MANIFEST
+
+
+def test_verify_directory_reports_each_checkpoint(tmp_path):
+    good = _checkpoint_like(tmp_path / "checkpoints")
+    bad = shutil.copytree(good, tmp_path / "checkpoints" / "step_00000008")
+    (bad / "__0_0.distcp").write_bytes(b"short")
+    (tmp_path / "checkpoints" / "step_00000012.tmp").mkdir()
+    results = {p.name: (status, problems) for p, status, problems in verify_directory(tmp_path)}
+    assert results["step_00000004"] == ("OK", [])
+    assert results["step_00000008"][0] == "DAMAGED" and results["step_00000008"][1][0].file == "__0_0.distcp"
+    assert results["step_00000012.tmp"][0].startswith("INCOMPLETE")
+
+
+def test_set_aside_never_overwrites(tmp_path):
+    first = _checkpoint_like(tmp_path)
+    assert mf.set_aside(first).name == "step_00000004.corrupt"
+    second = _checkpoint_like(tmp_path)
+    assert mf.set_aside(second).name == "step_00000004.corrupt.1"
+    assert mf.complete_checkpoints(tmp_path) == []
+
+
+def test_fingerprint_lists_what_changed(corpus_file):
+    base = build_config(None, [("model.preset", "tiny")])
+    wider = build_config(None, [("model.preset", "tiny"), ("model.dim", "128"), ("train.global_batch", "32")])
+    relaid = build_config(None, [("model.preset", "tiny"), ("parallel.tp", "2"), ("train.lr", "1e-4"),
+                                 ("train.micro_batch", "1")])
+    saved = mf.fingerprint(base, 1000, "abc")
+    assert mf.fingerprint_differences(saved, mf.fingerprint(relaid, 1000, "abc")) == []  # layouts reshard
+    assert mf.fingerprint_differences(saved, mf.fingerprint(wider, 1000, "abc")) == [
+        "model.dim: 64 -> 128", "train.global_batch: 16 -> 32"]
+    assert mf.fingerprint_differences(saved, mf.fingerprint(base, 999, "abd")) == [
+        "data.tokenizer_sha256: abc -> abd", "data.tokens: 1000 -> 999"]
+    with pytest.raises(ConfigError) as e:
+        mf.refuse_changes(Path("step_1"), saved, mf.fingerprint(wider, 1000, "abc"))
+    assert e.value.field == "checkpoint.resume" and "model.dim: 64 -> 128" in e.value.problem and "resume=false" in e.value.fix
+
+
+def test_dcp_metadata_reads_safely_and_crafted_pickles_run_nothing(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    real = tmp_path / "real"
+    dcp.save({"w": torch.ones(3, 2, dtype=torch.bfloat16), "lr": 0.1}, checkpoint_id=str(real))
+    metadata = read_metadata(real / ".metadata")
+    assert metadata.state_dict_metadata["w"].size == torch.Size([3, 2])
+    marker = tmp_path / "code-ran"
+    crafted = tmp_path / "crafted"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    reason = metadata_problem(crafted)
+    assert reason is not None and "system" in reason
+    with pytest.raises(pickle.UnpicklingError):
+        SafeLoadPlanner().load_bytes(None, io.BytesIO(pickle.dumps(_RunsCode(marker))))
+    assert not marker.exists(), "unpickling a crafted checkpoint ran code"
+
+
+def test_metrics_records_are_strict_json():
+    record = strict_record({"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1,
+                            "nested": {"a": float("-inf"), "b": [1.0, float("nan")]}, "t": torch.tensor(2.5)})
+    assert record["loss"] is None and record["grad_norm"] is None and record["nonfinite"] == ["loss", "grad_norm"]
+    assert record["nested"] == {"a": None, "b": [1.0, None]} and record["t"] == 2.5
+    json.loads(json.dumps(record, allow_nan=False), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+
+
+def test_metrics_logger_sets_an_earlier_run_aside_and_never_glues_to_a_torn_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    MetricsLogger(tmp_path, 5, 0, True, False, False).close()  # a run starting over at step 0
+    assert (tmp_path / "metrics.1.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')  # killed mid-write
+    logger = MetricsLogger(tmp_path, 5, 1, True, False, False)  # a resumed run appends
+    logger.log(2, {"loss": float("nan")})
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1]) == {"step": 2, "loss": None, "nonfinite": ["loss"]}
+
+
+def test_corpus_files_are_recognised_by_content(tmp_path):
+    records = tmp_path / "records.json"
+    records.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps([{"text": "a"}, "b"]))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["p"]}), tmp_path / "table.data")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9 au lait, a few stray bytes in real text\n".encode("latin-1"))
+    assert [file_kind(p) for p in (records, array, tmp_path / "table.data", latin)] == ["jsonl", "json", "parquet", "text"]
+    assert list(iter_documents([records, array], "text")) == ["doc 0", "doc 1", "doc 2", "a", "b"]
+    for name, content in (("blob.txt", bytes(range(256)) * 40), ("noise.txt", bytes(range(128, 256)) * 40)):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ConfigError) as e:
+            file_kind(tmp_path / name)
+        assert e.value.field == "data.path" and "is not text" in e.value.problem
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGUSR1, 143)])
+def test_stop_signals_become_a_request(signum, code):
+    before = signal.getsignal(signum)
+    with StopRequest() as stop:
+        assert stop.exit_code == 0
+        os.kill(os.getpid(), signum)
+        time.sleep(0.05)
+        assert stop.exit_code == code and stop.name == signal.Signals(signum).name
+    assert signal.getsignal(signum) is before
+
+
+def test_step_guard_skips_counts_and_stops_at_the_limit():
+    guard = StepGuard(Control(False, 60), max_skipped_steps=3, stop=None)
+    finite = torch.tensor(2.0)
+    assert guard.verdict(finite, torch.tensor(1.0), False).skip is False
+    assert guard.verdict(torch.tensor(float("nan")), finite, False).skip is True
+    assert guard.verdict(finite, torch.tensor(float("inf")), False).skip is True
+    assert guard.verdict(finite, finite, True).skip is True  # fp16 overflow in a gradient shard
+    assert [guard.record(s, skipped) for s, skipped in ((1, True), (2, False), (3, True), (4, True), (5, True))] == \
+        [False, False, False, False, True]
+    assert guard.skipped_total == 4 and guard.streak_start == 3
+    assert guard.weights_finite([torch.ones(2)]) and not guard.weights_finite([torch.tensor([1.0, math.inf])])
+
+
+_HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from shardwise.launch.rundir import DirectoryLock
+lock = DirectoryLock(Path(sys.argv[1]), "run.dir")
+lock.acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+_CHILD_LOCK = """
+import sys
+from pathlib import Path
+from shardwise.launch.rundir import DirectoryLock
+lock = DirectoryLock(Path(sys.argv[1]), "run.dir")
+print("parent holds it" if lock.acquire(allow_parent=True) is None and lock.fd is None else "took it")
+"""
+
+
+def test_one_job_per_run_directory(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError) as e:
+            rundir.DirectoryLock(tmp_path, "run.dir").acquire()
+        assert f"in use by pid {holder.pid}" in e.value.problem and e.value.field == "run.dir"
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without releasing: the kernel freed the lock, its record is stale.
+    lock = rundir.DirectoryLock(tmp_path, "run.dir")
+    note = lock.acquire()
+    assert note is not None and f"pid {holder.pid}" in note and "no longer running" in note
+    # A worker whose launcher (its parent) holds the lock does not take it again.
+    child = subprocess.run([sys.executable, "-c", _CHILD_LOCK, str(tmp_path)], capture_output=True, text=True)
+    assert child.stdout.strip() == "parent holds it", child.stderr
+    lock.release()
+    assert rundir.DirectoryLock(tmp_path, "run.dir").acquire() is None  # a clean release leaves no stale record
+
+
+def _cfg(tmp_path, **keys):
+    return build_config(None, [(k.replace("__", "."), str(v)) for k, v in keys.items()])
+
+
+def test_run_directories_are_checked_before_spawning(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for run_dir, phrase in ((tmp_path / "file", "exists and is not a directory"),
+                            (tmp_path / "file" / "run", "cannot create")):
+        with pytest.raises(ConfigError) as e:
+            rundir.check_run_dirs(_cfg(tmp_path, run__dir=run_dir))
+        assert e.value.field == "run.dir" and phrase in e.value.problem
+    with pytest.raises(ConfigError) as e:
+        rundir.check_run_dirs(_cfg(tmp_path, run__dir=tmp_path / "ok", checkpoint__dir=tmp_path / "file"))
+    assert e.value.field == "checkpoint.dir"
+
+
+def test_read_only_directories_are_refused(tmp_path, read_only_dir):
+    with pytest.raises(ConfigError) as e:
+        rundir.check_run_dirs(_cfg(tmp_path, run__dir=read_only_dir / "run"))
+    assert e.value.field == "run.dir"
+    with pytest.raises(ConfigError) as e:
+        rundir.check_run_dirs(_cfg(tmp_path, run__dir=tmp_path / "run", checkpoint__dir=read_only_dir))
+    assert e.value.field == "checkpoint.dir" and "not writable" in e.value.problem
+
+
+def test_unrestartable_failures_are_remembered_per_job(tmp_path):
+    rundir.record_unrestartable_failure(tmp_path, "job-1", 3)
+    rundir.record_unrestartable_failure(tmp_path, "job-1", 1)  # restartable: not recorded
+    assert rundir.unrestartable_failure(tmp_path, "job-1") == 3
+    assert rundir.unrestartable_failure(tmp_path, "job-2") is None
+
+
+def _failure(exitcode, message="", timestamp=0, pid=100):
+    return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp, pid=pid)
+
+
+def test_launcher_names_the_root_cause(capsys, tmp_path):
+    # Workers that printed their own line: the most specific code, nothing more printed.
+    assert report_failure({0: _failure(3), 1: _failure(1, "Connection closed by peer")}) == 3
+    assert report_failure({0: _failure(143), 1: _failure(4)}) == 4
+    assert capsys.readouterr().err == ""
+    # A killed rank is the cause, not the survivor that lost its peer (or was stopped by the agent).
+    assert report_failure({0: _failure(1, "RuntimeError: Connection closed by peer", 5), 1: _failure(-9, "", 6, 42),
+                           2: _failure(-15, "", 7)}) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: rank 1 (pid 42) was killed by SIGKILL; 2 other rank(s) stopped with it"]
+    (tmp_path / "errors").mkdir()
+    (tmp_path / "errors" / "rank_1.txt").write_text("Traceback ...")
+    assert report_failure({0: _failure(1, "RuntimeError: connection reset by peer", 1),
+                           1: _failure(1, "ValueError: bad shape", 2, 7)}, tmp_path) == 1
+    err = capsys.readouterr().err
+    assert "rank 1 (pid 7) failed: ValueError: bad shape" in err and "errors/rank_1.txt" in err
