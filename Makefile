@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench soak clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+
+# Automatic restart under fire: SIGKILL a random worker 20 times (also mid-checkpoint); prints "N/20 identical".
+soak: $(STAMP)
+	$(BIN)/python benchmarks/kill_soak.py --trials 20
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
