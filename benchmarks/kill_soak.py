@@ -65,6 +65,7 @@ def same_weights(a: dict, b: dict) -> bool:
 
 
 def workers(launcher: int) -> list[int]:
+    """The direct children of the launcher process: its workers (Linux /proc)."""
     out = []
     for task in Path(f"/proc/{launcher}/task").glob("*"):
         try:

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kill_soak import workers as children  # noqa: E402  (the launcher's direct children, from /proc)
 CORPUS_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "json/decoder.py")
 
 
@@ -78,17 +80,6 @@ def outcome(log: Path) -> dict:
     out, err = log.read_text(), Path(f"{log}.err").read_text()
     return {"tracebacks": (out + err).count("Traceback (most recent call last)"),
             "stderr_lines": len([line for line in err.splitlines() if line.strip()]), "stderr": err}
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of `pid` (Linux /proc)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
 
 
 def alive(pid: int) -> bool:

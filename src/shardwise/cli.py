@@ -36,7 +36,7 @@ exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled coll
 
 
 def _train(argv: list[str]) -> int:
-    from shardwise.launch import rundir
+    from shardwise.train import rundir
     from shardwise.launch.local import check_nproc, torchrun
     from shardwise.preflight import check
     from shardwise.train.data import prepare_data

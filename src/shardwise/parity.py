@@ -19,6 +19,7 @@ import json
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import NoReturn
 from pathlib import Path
 
 from shardwise.config import Config, build_config, load_toml, parse_overrides
@@ -202,10 +203,10 @@ def report(out: Path, cases: list[tuple[Case, Config]], failed_launch: set[str])
     return 0 if all_ok else 1
 
 
-def worker_main(argv: list[str]) -> int:
+def worker_main(argv: list[str]) -> NoReturn:
     """`python -m shardwise.parity --worker SPEC.json` under torchrun."""
     from shardwise.config import load_config
-    from shardwise.train.__main__ import init_distributed
+    from shardwise.train.__main__ import finish_distributed, init_distributed, leave
     from shardwise.train.signals import exit_with_parent
 
     parser = argparse.ArgumentParser()
@@ -214,13 +215,9 @@ def worker_main(argv: list[str]) -> int:
     configs = [load_config(p) for p in json.loads(Path(args.worker).read_text())]
     exit_with_parent()
     init_distributed(configs[0].run.collective_timeout_s)
-    import torch.distributed as dist
-
-    try:
-        run_cases_in_group(configs)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    run_cases_in_group(configs)
+    finish_distributed()
+    leave(0)  # a failure above propagates: torchrun reports it, and parity marks the launch as failed
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 
 from shardwise.config import build_config
 from shardwise.errors import ConfigError
-from shardwise.launch import rundir
+from shardwise.train import rundir
 from shardwise.launch.local import report_failure
 from shardwise.train import manifest as mf
 from shardwise.train.checkpoint import SafeLoadPlanner, metadata_problem, read_metadata, verify_directory
@@ -193,7 +193,7 @@ def test_step_guard_skips_counts_and_stops_at_the_limit():
 _HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from shardwise.launch.rundir import DirectoryLock
+from shardwise.train.rundir import DirectoryLock
 lock = DirectoryLock(Path(sys.argv[1]), "run.dir")
 lock.acquire()
 print("locked", flush=True)
@@ -203,7 +203,7 @@ time.sleep(60)
 _CHILD_LOCK = """
 import sys
 from pathlib import Path
-from shardwise.launch.rundir import DirectoryLock
+from shardwise.train.rundir import DirectoryLock
 lock = DirectoryLock(Path(sys.argv[1]), "run.dir")
 print("parent holds it" if lock.acquire(allow_parent=True) is None and lock.fd is None else "took it")
 """

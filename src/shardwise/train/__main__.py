@@ -19,6 +19,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 from shardwise.train.signals import StopRequest, exit_with_parent
 
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         _say(e.render())
         return 2
-    from shardwise.launch import rundir
+    from shardwise.train import rundir
 
     run_dir = Path(cfg.run.dir)
     run_id, attempt = os.environ.get(RUN_ID, ""), int(os.environ.get(RESTART_COUNT, "0"))
@@ -103,18 +104,37 @@ def main(argv: list[str] | None = None) -> int:
             return earlier
     distributed = init_distributed(cfg.run.collective_timeout_s)
     code = _run(cfg, run_dir, stop, run_id, attempt, distributed)
-    if code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if code or distributed:
+        leave(code)
     return code
+
+
+def finish_distributed() -> None:
+    """The end of a successful distributed run: every rank is done before any tears down (a barrier:
+    no rank closes its gloo sockets while a peer still runs collectives or rank-0-only work such as
+    the loss-curve plot), then the default group is destroyed."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """End a worker process without interpreter teardown. destroy_process_group() does not destroy
+    gloo backends that DeviceMesh and FSDP2 still reference, so their C++ threads are alive at exit;
+    tearing them down during interpreter finalization is where a joinable std::thread would call
+    std::terminate ("terminate called without an active exception", SIGABRT, exit code -6 for a run
+    that finished). Everything the run writes is closed by now; flush the console and leave."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distributed: bool) -> int:
     import torch.distributed as dist
 
     from shardwise.errors import EXIT_STALLED, ConfigError, Interrupted, RunFailure, storage_failure
-    from shardwise.launch import rundir
+    from shardwise.train import rundir
     from shardwise.train.data import prepare_data
     from shardwise.train.trainer import Trainer
     from shardwise.train.watchdog import StallWatchdog, is_timeout
@@ -175,7 +195,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     if watchdog is not None:
         watchdog.close()
     if distributed:
-        dist.destroy_process_group()
+        finish_distributed()
     return 0
 
 

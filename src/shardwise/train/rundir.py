@@ -1,4 +1,5 @@
 """The run directory before and during a job: usable, locked to one job, resumable, restart-aware.
+Used by the launcher (cli.py, before spawning) and by the workers (train/__main__.py).
 
 Checked before anything is spawned (exit 2 with the field named): run.dir, checkpoint.dir and
 data.cache_dir can be created and written; no other live job holds the run directory (a lock file,
