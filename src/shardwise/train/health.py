@@ -9,8 +9,9 @@ diverged and stops with exit code 3 (Megatron-LM and DeepSpeed likewise skip ove
 streak means the run will not recover by itself).
 
 The same collective carries the stop request (a signal on any rank), so one small all-reduce per step
-decides both. Its result is needed on the host before the optimizer step: one host sync, where the
-step's logged values are read anyway.
+decides both. The host needs its result before it launches the optimizer step: on CUDA that is one
+host sync per step besides the one that reads the logged values (Megatron-LM's overflow check waits
+the same way; a fused optimizer taking a device-side skip flag would avoid it).
 """
 from __future__ import annotations
 
