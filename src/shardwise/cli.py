@@ -164,7 +164,8 @@ def _plan(argv: list[str]) -> int:
     import json
 
     from shardwise.plan.cost import evaluate
-    from shardwise.plan.layout import Layout, Problem, check_layout
+    from shardwise.spec.layout import Layout
+    from shardwise.plan.layout import Problem, check_layout
     from shardwise.plan.report import evaluate_text, plot, search_json, search_text
     from shardwise.plan.search import search
 

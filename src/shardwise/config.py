@@ -52,7 +52,7 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = opt("tiny", "Named model shape from shardwise.models.presets; explicit model.* keys override it.")
+    preset: str = opt("tiny", "Named model shape from shardwise.spec.presets; explicit model.* keys override it.")
     arch: str | None = opt(None, '"llama" (RMSNorm, RoPE, GQA, SwiGLU) or "gpt" (LayerNorm, learned positions, GELU MLP).')
     dim: int | None = opt(None, "Hidden size h.")
     n_layers: int | None = opt(None, "Number of transformer blocks L.")
@@ -153,7 +153,7 @@ class RunConfig:
 class ClusterConfig:
     """Only `shardwise plan` reads this section; training ignores it."""
 
-    gpu: str = opt("h100-sxm-80gb", "Accelerator to plan for: a name from shardwise.plan.hardware.DEVICES.")
+    gpu: str = opt("h100-sxm-80gb", "Accelerator to plan for: a name from shardwise.spec.hardware.DEVICES.")
     num_gpus: int = opt(0, "Accelerators in the job (the planner's world size); 0 = the product of the parallel.* axes.")
     gpus_per_node: int = opt(8, "Accelerators per node, joined by the intra-node fabric (NVLink / Infinity Fabric).")
     intra_node_gbps: float = opt(0.0, "Per-GPU unidirectional intra-node bandwidth in GB/s; 0 = the device's default.")
@@ -337,7 +337,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def resolve_model(model: ModelConfig) -> None:
     """Fill every unset model field from the preset (explicit keys win)."""
-    from shardwise.models.presets import PRESETS
+    from shardwise.spec.presets import PRESETS
 
     if model.preset not in PRESETS:
         raise ConfigError("model.preset", f"unknown preset {model.preset!r}", _nearest(model.preset, sorted(PRESETS)))

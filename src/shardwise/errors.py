@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import signal
+from dataclasses import dataclass
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -50,6 +51,22 @@ class ConfigError(ValueError):
         if self.fix:
             text += f"\n  fix: {self.fix}"
         return text
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A broken rule: `reason` is the short key the planner's search counts, (field, problem, fix)
+    the ConfigError pre-flight raises (spec/rules.py). `trainer_only`: a rule of what the trainer implements today,
+    not of what can run at all; the planner evaluates such layouts but reports them untrainable."""
+
+    reason: str
+    field: str
+    problem: str
+    fix: str
+    trainer_only: bool = False
+
+    def error(self) -> ConfigError:
+        return ConfigError(self.field, self.problem, self.fix)
 
 
 class RunFailure(Exception):

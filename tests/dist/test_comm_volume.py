@@ -1,6 +1,6 @@
 """The communication counter against the analytic volume of each layout (DESIGN §5).
 
-Payload bytes per step and rank (see shardwise.parallel.comm for the convention). For TP with a
+Payload bytes per step and rank (see shardwise.parallel.comm_counter for the convention). For TP with a
 micro-batch of b sequences of s tokens, hidden h, L blocks, fp32 activations, let A = b·s·h·4:
 
   without SP (Megatron f/g, Shoeybi et al. 2019 §3): forward all-reduces the output of each block's
@@ -255,7 +255,7 @@ EP_NAMES = [n for w, cases in MOE_CASES.items() for n, ov in cases.items() if ov
 
 @pytest.mark.parametrize("name", EP_NAMES)
 def test_expert_parallel_all_to_all_matches_planner(moe_counted, base_overrides, name):
-    from shardwise.parallel.dims import ParallelDims
+    from shardwise.spec.dims import ParallelDims
     from shardwise.plan.comm import predict_comm_bytes
 
     world = next(w for w, cases in MOE_CASES.items() if name in cases)
@@ -282,7 +282,7 @@ def test_expert_parallel_all_to_all_matches_planner(moe_counted, base_overrides,
 def _moe_axis_table(cfg, world: int, counted_ranks: list[dict]) -> list[tuple]:
     """(rank, axis, kind, counted, predicted) for every axis and kind either side has, but the ep
     all_to_all (routing-dependent per rank: test above)."""
-    from shardwise.parallel.dims import ParallelDims
+    from shardwise.spec.dims import ParallelDims
     from shardwise.plan.comm import predict_comm_bytes
 
     dims = ParallelDims.from_config(cfg.parallel, world)
@@ -324,7 +324,7 @@ def test_moe_tensor_parallel_traffic_matches_planner(moe_counted, base_overrides
     """A MoE block under TP is one region like the dense MLP (all-gather / reduce-scatter, or all-reduce
     without SP, at its entry and exit), plus the router's Partial gradient all-reduced over tp: the
     trainer's tp bytes per kind equal the planner's."""
-    from shardwise.parallel.dims import ParallelDims
+    from shardwise.spec.dims import ParallelDims
     from shardwise.plan.comm import predict_comm_bytes
 
     overrides = MOE_CASES[2][name]

@@ -151,7 +151,7 @@ def _measure(base, name: str, overrides: dict, world: int, run_dir: str) -> dict
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from shardwise.parallel.checkpointing import _SAVE_OPS
+    from shardwise.parallel.activation_checkpoint import _SAVE_OPS
     from shardwise.train.metrics import _storage_key
     from shardwise.train.trainer import Trainer
 
@@ -237,7 +237,8 @@ def _positions(name: str) -> list[tuple[str, int, list[int]]]:
 
 def _predicted(base_overrides, name: str, pp_rank: int = 0) -> dict[str, float]:
     """The planner's bytes: the most loaded rank (no PP), or pipeline rank `pp_rank`."""
-    from shardwise.plan.layout import Layout, Problem
+    from shardwise.spec.layout import Layout
+    from shardwise.plan.layout import Problem
     from shardwise.plan.memory import memory, pipeline_rank, rank_memory
 
     world = _world(name)

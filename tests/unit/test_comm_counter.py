@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.parallel.comm import CommCounter, describe_comm
+from shardwise.parallel.comm_counter import CommCounter, describe_comm
 from shardwise.plan.comm import wire_bytes
 
 

@@ -5,7 +5,8 @@ import pytest
 
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
-from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.mesh import build_meshes
+from shardwise.spec.dims import ParallelDims
 
 
 def dims(world: int, **kw) -> ParallelDims:
@@ -41,4 +42,4 @@ def test_enabled_axes_and_describe():
     d = dims(4, dp_replicate=2, dp_shard=2)
     assert d.enabled_axes() == ["dp_replicate", "dp_shard"]
     assert d.describe() == "dp_replicate=2,dp_shard=2"
-    assert dims(1).enabled_axes() == [] and dims(1).build_mesh("cpu") is None
+    assert dims(1).enabled_axes() == [] and build_meshes(dims(1), "cpu") is None

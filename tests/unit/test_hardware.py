@@ -1,4 +1,4 @@
-"""plan/hardware.py: datasheet table, name look-ups, CUDA name mapping, the CPU matmul probe."""
+"""spec/hardware.py: datasheet table, name look-ups, CUDA name mapping, the CPU matmul probe."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from shardwise.errors import ConfigError
-from shardwise.plan.hardware import (
+from shardwise.spec.hardware import (
     DEVICES,
     device_peak_flops,
     lookup,

@@ -7,7 +7,7 @@ from torch import nn
 
 from shardwise.config import build_config
 from shardwise.models import ARCHS, build_model
-from shardwise.models.presets import PRESETS
+from shardwise.spec.presets import PRESETS
 
 
 def _model_cfg(preset: str, **over):

@@ -16,7 +16,7 @@ from shardwise.config import build_config, describe
 from shardwise.errors import ConfigError
 from shardwise.models import build_model
 from shardwise.models.moe import MoE
-from shardwise.plan.shapes import ModelShape
+from shardwise.spec.shapes import ModelShape
 
 
 def _moe(num_experts=4, top_k=2, cf=0.0, aux=0.01, z=0.0, shared=0, arch_preset="tiny-moe", seed=0) -> MoE:

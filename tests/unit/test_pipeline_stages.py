@@ -8,7 +8,7 @@ import pytest
 from shardwise.cli import main
 from shardwise.config import build_config
 from shardwise.models.llama import Llama
-from shardwise.parallel.stages import (
+from shardwise.spec.stages import (
     balanced_split,
     even_split,
     layers_per_stage,

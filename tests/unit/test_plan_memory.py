@@ -1,11 +1,12 @@
-"""plan/shapes.py, plan/activations.py, plan/memory.py against hand calculations and the real modules."""
+"""spec/shapes.py, plan/activations.py, plan/memory.py against hand calculations and the real modules."""
 from __future__ import annotations
 
 import pytest
 
 from shardwise.config import load_config
 from shardwise.plan import activations as A
-from shardwise.plan.layout import Layout, Problem
+from shardwise.spec.layout import Layout
+from shardwise.plan.layout import Problem
 from shardwise.plan.memory import (
     _zero1_most_loaded,
     head_inflight_microbatches,
@@ -15,7 +16,7 @@ from shardwise.plan.memory import (
     pipeline_rank,
     pipeline_ranks,
 )
-from shardwise.plan.shapes import ModelShape, MoESpec
+from shardwise.spec.shapes import ModelShape, MoESpec
 
 GB = 1e9
 

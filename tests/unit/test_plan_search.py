@@ -10,9 +10,10 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.plan.cost import evaluate
-from shardwise.plan.layout import Layout, Problem, check_layout
+from shardwise.spec.layout import Layout
+from shardwise.plan.layout import Problem, check_layout
 from shardwise.plan.search import _dp_splits, _schedules, divisors, search, why_lost
-from shardwise.plan.shapes import ModelShape, MoESpec
+from shardwise.spec.shapes import ModelShape, MoESpec
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -100,13 +101,15 @@ def test_mixtral_moe_uses_expert_parallelism():
 
 
 def test_the_planner_imports_and_runs_without_torch(tmp_path):
-    """`shardwise plan` is pure Python: with torch made unimportable, config loading, evaluate and
-    search still work."""
+    """`shardwise plan` is pure Python: with torch made unimportable, config loading, the spec floor,
+    pre-flight, evaluate and search still work."""
     script = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         from shardwise.config import load_config
-        from shardwise.plan import activations, comm, constants, cost, hardware, layout, memory, report, search, shapes
+        from shardwise.plan import activations, comm, constants, cost, layout, memory, report, search
+        from shardwise.spec import dims, hardware, presets, rules, shapes, sharding, stages
+        from shardwise import preflight
         from shardwise.cli import main
         cfg = load_config(overrides=["--model.preset=llama3-70b", "--cluster.num_gpus=64", "--train.precision=bf16",
                                      "--train.seq_len=4096", "--train.global_batch=64"])
@@ -122,12 +125,22 @@ def test_the_planner_imports_and_runs_without_torch(tmp_path):
     assert "ok " in out.stdout
 
 
-def test_schedule_rules_agree_with_the_trainers_preflight():
-    """The planner's pipeline rules (check_layout) and the trainer's (parallel/stages.py check_pipeline,
-    run by `shardwise train` before spawning) accept the same (schedule, pp, virtual stages,
-    micro-batches) on a 16-block model, so the search never proposes a layout the trainer refuses."""
+def trainer_accepts(cfg, world: int) -> bool:
     from shardwise.errors import ConfigError
-    from shardwise.parallel.stages import check_pipeline
+    from shardwise.preflight import check
+
+    try:
+        check(cfg, world)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_schedule_rules_agree_with_the_trainers_preflight():
+    """The planner (check_layout) and the trainer's pre-flight (preflight.check, run by `shardwise
+    train` before spawning) accept the same (schedule, pp, virtual stages, micro-batches) on a
+    16-block model, so the search never proposes a layout the trainer refuses: both apply
+    spec/rules.py, and this holds their two entry points to it."""
 
     base = ["--model.n_layers=16", "--model.vocab_size=512", "--train.seq_len=32", "--train.global_batch=48"]
     checked = 0
@@ -140,11 +153,7 @@ def test_schedule_rules_agree_with_the_trainers_preflight():
                                                         f"--cluster.num_gpus={pp}"])
                     p = Problem.from_config(cfg)
                     planner_ok = check_layout(p, Layout.from_config(cfg, pp)) is None
-                    try:
-                        check_pipeline(cfg.parallel, cfg.model, 48 // mb)
-                        trainer_ok = True
-                    except ConfigError:
-                        trainer_ok = False
+                    trainer_ok = trainer_accepts(cfg, pp)
                     assert planner_ok == trainer_ok, (schedule, pp, v, mb, planner_ok, trainer_ok)
                     checked += trainer_ok
     assert checked > 100
@@ -165,10 +174,8 @@ def test_search_enumerates_zbv_and_keeps_zero_bubble_looped():
 
 
 def test_context_parallel_rules_agree_with_the_trainers_preflight():
-    """The planner's CP rules (check_layout) and the trainer's pre-flight (check_tensor_parallel +
-    check_context_parallel) accept the same (cp, cp_mode, tp, SP, seq_len) on the tiny preset."""
-    from shardwise.errors import ConfigError
-    from shardwise.preflight import check_context_parallel, check_tensor_parallel
+    """The planner's CP rules (check_layout) and the trainer's pre-flight accept the same (cp,
+    cp_mode, tp, SP, seq_len) on the tiny preset."""
 
     checked = 0
     for cp in (2, 3, 4):
@@ -181,12 +188,7 @@ def test_context_parallel_rules_agree_with_the_trainers_preflight():
                                                      f"--parallel.cp_mode={mode}", f"--parallel.sequence_parallel={sp}",
                                                      f"--cluster.num_gpus={cp * tp}", f"--cluster.gpus_per_node={cp * tp}"])
                         planner_ok = check_layout(Problem.from_config(cfg), Layout.from_config(cfg, cp * tp)) is None
-                        try:
-                            check_tensor_parallel(cfg.model, tp, seq, cfg.parallel.sequence_parallel)
-                            check_context_parallel(cfg.model, cp, tp, seq, mode, cfg.parallel.sequence_parallel)
-                            trainer_ok = True
-                        except ConfigError:
-                            trainer_ok = False
+                        trainer_ok = trainer_accepts(cfg, cp * tp)
                         assert planner_ok == trainer_ok, (cp, tp, mode, sp, seq, planner_ok, trainer_ok)
                         checked += trainer_ok
     assert checked > 20
@@ -197,15 +199,14 @@ def test_expert_ffn_tp_rule_agrees_with_the_trainers_preflight():
     refuse the same configs with the same field."""
     from shardwise.config import build_config
     from shardwise.errors import ConfigError
-    from shardwise.parallel.dims import ParallelDims
-    from shardwise.plan.shapes import ModelShape
-    from shardwise.preflight import check_expert_parallel
+    from shardwise.preflight import check
+    from shardwise.spec.shapes import ModelShape
 
     for ffn, tp in ((192, 2), (191, 2), (66, 4), (64, 4)):
         cfg = build_config(None, [("model.preset", "tiny-moe"), ("model.moe.expert_ffn_dim", str(ffn)),
                                   ("parallel.tp", str(tp))])
         try:
-            check_expert_parallel(cfg, ParallelDims.from_config(cfg.parallel, tp))
+            check(cfg, tp)
             trainer = None
         except ConfigError as e:
             trainer = e.field

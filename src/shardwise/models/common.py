@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.plan.hardware import lookup
+from shardwise.spec.hardware import lookup
 
 INIT_STD = 0.02  # GPT-2 / Megatron default initializer range.
 # FLOPs a GPU can do in the time it moves one byte of HBM (its roofline ridge point), from the
@@ -28,7 +28,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
-    """Block `index` (0-based) is MoE when (index + 1) % every_k_layers == 0 (plan/shapes.py MoESpec)."""
+    """Block `index` (0-based) is MoE when (index + 1) % every_k_layers == 0 (spec/shapes.py MoESpec)."""
     return bool(cfg.moe.num_experts) and (index + 1) % cfg.moe.every_k_layers == 0
 
 

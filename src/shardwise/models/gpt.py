@@ -6,22 +6,12 @@ so sharding the head and the embedding never aliases one parameter across two la
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
 from shardwise.models.common import Attention, Transformer, is_moe_layer, moe_counts
+from shardwise.models.feed_forward import GELUMLP
 from shardwise.models.moe import MoE
-
-
-class GELUMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc = nn.Linear(dim, hidden)
-        self.proj = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class GPTBlock(nn.Module):

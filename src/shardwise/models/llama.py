@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
 from shardwise.models.common import Attention, RotaryEmbedding, Transformer, is_moe_layer, moe_counts
+from shardwise.models.feed_forward import SwiGLU
 from shardwise.models.moe import MoE
 
 
@@ -21,19 +21,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x) (Shazeer 2020, arXiv 2002.05202)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class LlamaBlock(nn.Module):

@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
+from shardwise.models.feed_forward import GELUMLP, SwiGLU
 
 
 class GroupedExperts(nn.Module):
-    """E experts as stacked (E, out, in) weights, named as the planner expects (plan/shapes.py):
+    """E experts as stacked (E, out, in) weights, named as the planner expects (spec/shapes.py):
     llama w1, w3 (E, f, h) and w2 (E, h, f) (SwiGLU); gpt fc (E, f, h) and proj (E, h, f) (GELU).
     No biases (torchtitan GroupedExperts)."""
 
@@ -146,10 +147,8 @@ class MoE(nn.Module):
         if m.num_shared_experts:
             # DeepSeekMoE merges its shared experts into one MLP of n_shared x expert ffn (same FLOPs).
             if cfg.arch == "llama":
-                from shardwise.models.llama import SwiGLU
                 self.shared_experts = SwiGLU(cfg.dim, m.num_shared_experts * hidden)
             else:
-                from shardwise.models.gpt import GELUMLP
                 self.shared_experts = GELUMLP(cfg.dim, m.num_shared_experts * hidden)
         # Set by the trainer every step: loss scale / micro-batches per step (see _AttachAuxLoss).
         self.aux_grad_scale = 1.0

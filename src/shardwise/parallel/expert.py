@@ -31,32 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.models.moe import GroupedExperts, MoE
-from shardwise.parallel.dims import ParallelDims
+from shardwise.spec.dims import ParallelDims
 from shardwise.parallel.tensor import local_value
-
-EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep", "tp")
-
-
-def expert_axis_sizes(dims: ParallelDims) -> dict[str, int]:
-    efsdp = dims.dp_shard * dims.cp // dims.ep
-    return {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "efsdp": efsdp, "ep": dims.ep, "tp": dims.tp}
-
-
-def build_expert_mesh(dims: ParallelDims, device_type: str):
-    """The (.., efsdp, ep, ..) DeviceMesh, or None without expert parallelism."""
-    if dims.ep == 1:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    sizes = expert_axis_sizes(dims)
-    names = tuple(a for a in EXPERT_AXES if sizes[a] > 1 or a == "ep")
-    # A backend for every axis makes DeviceMesh create a group of its own even when an axis spans the
-    # whole world (it would otherwise reuse the default group, which the root mesh's axis may already
-    # use): the communication counter names groups by axis, so "ep" must not share one with dp_shard.
-    backend = dist.get_backend()
-    return init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names,
-                            backend_override={a: backend for a in names})
-
 
 def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
@@ -122,7 +98,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, dims: ParallelDims, fsd
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     ep_mesh = expert_mesh["ep"]
-    efsdp = expert_axis_sizes(dims)["efsdp"]
+    efsdp = dims.shard_group // dims.ep
     data_ranks = dims.dp_shard * dims.cp  # dp_replicate > 1 is refused with ep (preflight)
     for moe in moe_modules(model):
         experts = moe.experts
@@ -154,7 +130,7 @@ def shard_experts(model: nn.Module, expert_mesh, dims: ParallelDims, reshard: bo
 
     if expert_mesh is None:
         return set()
-    efsdp = expert_axis_sizes(dims)["efsdp"]
+    efsdp = dims.shard_group // dims.ep
     if efsdp == 1:
         return expert_parameters(model)
     for moe in moe_modules(model):

@@ -30,12 +30,12 @@ from torch import nn
 
 from shardwise.config import Config
 from shardwise.models.common import Transformer
-from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.activation_checkpoint import apply_activation_checkpointing
 from shardwise.parallel.context import apply_context_parallel
-from shardwise.parallel.data import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
-from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
+from shardwise.spec.dims import ParallelDims
 from shardwise.parallel.expert import apply_expert_parallel, moe_modules
-from shardwise.parallel.stages import layers_per_stage, stage_ids, stage_layers
+from shardwise.spec.stages import layers_per_stage, stage_ids, stage_layers
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 
 # Module-name segments that wrappers insert; parameter identities (init seeds, checkpoint keys)

@@ -29,7 +29,7 @@ from torch.distributed.pipelining import (
 )
 
 from shardwise.parallel.precision import autocast
-from shardwise.parallel.stages import SINGLE_STAGE
+from shardwise.spec.stages import SINGLE_STAGE
 
 # schedule name -> torch class
 SCHEDULES = {

@@ -8,7 +8,7 @@ Why our own: torch's ZeroRedundancyOptimizer broadcasts the parameters themselve
 no sharding rule for c10d.broadcast_, so it fails as soon as TP (or FSDP2's replicate, which the
 pipeline and TP layouts use for their data-parallel gradient reduction) makes the parameters
 DTensors. This one partitions the same way (whole tensors, largest first to the least-loaded rank,
-per param group in order: plan/memory.zero1_owners, the planner's own model) and broadcasts the *local*
+per param group in order: spec/sharding.py zero1_owners, which the planner prices too) and broadcasts the *local*
 tensor of each DTensor over the dp_shard process group: a TP rank's dp group exchanges its own TP
 shard, so the tensor-parallel layout is untouched.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.plan.memory import zero1_owners
+from shardwise.spec.sharding import zero1_owners
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

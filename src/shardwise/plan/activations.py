@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwise.plan.shapes import ModelShape
+from shardwise.spec.shapes import ModelShape
 
 REGIMES = ("fp32", "autocast", "lowp")
 
@@ -114,7 +114,7 @@ def _local_block_matmul(shape: ModelShape, tp: int, moe_layer: bool) -> float:
 
 @lru_cache(maxsize=1 << 14)
 def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool = False) -> BlockActivations:
-    """recompute="selective", policy "op" (parallel/checkpointing.py): the block input is kept by the
+    """recompute="selective", policy "op" (parallel/activation_checkpoint.py): the block input is kept by the
     checkpoint and the outputs of matmuls and SDPA are saved; everything else is recomputed.
     llama: wq, wk, wv, wo, w1, w3, w2 outputs + SDPA (out, LSE); gpt: wq, wk, wv, wo, fc, proj + SDPA.
     Row-parallel outputs (wo, w2/proj) are full-size partial sums under TP, and their reductions

@@ -9,7 +9,7 @@ payload into what a rank actually sends with the ring algorithms (Thakur et al. 
 collective communication operations in MPICH"; Patarasuk & Yuan 2009 for the bandwidth-optimal ring
 all-reduce 2(n-1)/n S).
 
-What this codebase issues (parallel/data.py, train/trainer.py, train/optim.py):
+What this codebase issues (parallel/data_parallel.py, train/trainer.py, train/optim.py):
   DDP (zero 0, and zero 1's gradient sync): one all_reduce of every fp32 gradient over the batch group
     per optimizer step (no_sync on the other micro-batches), in 25 MiB buckets — or, for TP / PP layouts,
     FSDP2's `replicate` (the same bytes, per block unit);
@@ -51,7 +51,8 @@ from typing import Any, NamedTuple
 
 from shardwise.plan import constants as C
 from shardwise.plan.activations import regime
-from shardwise.plan.layout import Cluster, Layout, Problem, axis_placement
+from shardwise.spec.layout import Layout
+from shardwise.plan.layout import Cluster, Problem, axis_placement
 from shardwise.plan.memory import RankModel, _fsdp_shard_numel, _numel, local_shape, owned_chunks, pipeline_rank
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
@@ -338,7 +339,7 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     all_reduce (SP: forward all_gather + backward reduce_scatter); loss parallel 3 all_reduce of one
     fp32 per token. Full recompute replays the all_gathers and one of the two reductions per block
     (torch.utils.checkpoint stops before the last one, which feeds only the residual add);
-    selective "op" saves the reductions' outputs (parallel/checkpointing.py) and replays the SP
+    selective "op" saves the reductions' outputs (parallel/activation_checkpoint.py) and replays the SP
     all_gathers only. Replicated weights used on sharded activations get Partial gradients that
     are all-reduced once per gradient sync: the SP norms, every KV projection when n_kv < tp, and
     the router of every MoE block (with or without SP).
@@ -396,7 +397,7 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
 
 def counted_axis(axis: str, lay: Layout) -> str:
     """The name the trainer's counter gives the group of `axis`: a flattened CP view with one
-    non-trivial member axis is that axis's own process group (parallel/dims.py build_mesh), and with
+    non-trivial member axis is that axis's own process group (parallel/mesh.py build_meshes), and with
     dp_replicate = 1 the gradient view dp_cp is the sharding view dp_shard_cp."""
     if axis == "dp_cp" and lay.dp_replicate == 1:
         axis = "dp_shard_cp"

@@ -79,7 +79,7 @@ BUS_FRACTION_INTER = 0.85
 LATENCY_INTRA_S = 2e-6
 LATENCY_INTER_S = 6e-6
 # Point-to-point (pipeline send/recv): one hop.
-# DDP bucket size in this codebase (parallel/data.py: bucket_cap_mb=25; torch counts MiB).
+# DDP bucket size in this codebase (parallel/data_parallel.py: bucket_cap_mb=25; torch counts MiB).
 DDP_BUCKET_BYTES = 25 * 2**20
 # Fraction of a tensor-parallel collective hidden behind compute. torch's TP (DTensor) runs its
 # collectives on the compute stream unless async-TP / micro-pipelining is enabled, which this codebase

@@ -38,7 +38,8 @@ from functools import lru_cache
 from shardwise.plan import activations as A
 from shardwise.plan import constants as C
 from shardwise.plan.comm import Collective, data_and_model_collectives, placements, pp_boundary_bytes, time_of
-from shardwise.plan.layout import Layout, Problem
+from shardwise.spec.layout import Layout
+from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, RankModel, core_layout, memory, model_state_bytes, pipeline_ranks
 
 AXES = ("dp", "tp", "pp", "cp", "ep")

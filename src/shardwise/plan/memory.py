@@ -9,7 +9,7 @@ This trainer keeps fp32 master parameters *as the parameters* in every precision
 autocast / FSDP2 MixedPrecisionPolicy cast them for compute), fp32 gradients (DDP buckets are fp32;
 FSDP2 reduce_dtype fp32) and AdamW's exp_avg / exp_avg_sq in fp32 plus a 4-byte `step` per parameter
 tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="shardwise"`, the same
-16 bytes/param, split differently. Its ZeRO levels (parallel/data.py):
+16 bytes/param, split differently. Its ZeRO levels (parallel/data_parallel.py):
   0  DDP: everything replicated; gradients are views of the DDP buckets (gradient_as_bucket_view).
   1  gradients all-reduced as with zero 0 (DDP; FSDP2 `replicate` for TP / PP layouts) + ZeroOneOptimizer
      (parallel/zero1.py) over dp_shard: whole tensors are assigned to ranks greedily by their LOCAL
@@ -39,8 +39,11 @@ from functools import lru_cache
 
 from shardwise.plan import activations as A
 from shardwise.plan import constants as C
-from shardwise.plan.layout import V_SHAPED, Layout, Problem
-from shardwise.plan.shapes import ModelShape, ParamSpec
+from shardwise.spec.layout import Layout
+from shardwise.plan.layout import Problem
+from shardwise.spec.shapes import ModelShape, ParamSpec
+from shardwise.spec.sharding import zero1_owners
+from shardwise.spec.stages import V_SHAPED
 
 GIB = 2**30
 
@@ -91,7 +94,7 @@ class RankModel:
 def owned_chunks(schedule: str, pp: int, chunks: int, r: int) -> list[int]:
     """The stages (chunks) pipeline rank r runs: r, r + pp, ... (looped / interleaved, Narayanan et al.
     2021 §2.2), or r and 2pp-1-r for the V-shaped schedules (zbv, dualpipev), which put the embedding
-    and the head both on rank 0 — parallel/stages.py stage_ids."""
+    and the head both on rank 0 — spec/stages.py stage_ids."""
     if schedule in V_SHAPED and chunks == 2:
         return [r, 2 * pp - 1 - r]
     return list(range(r, pp * chunks, pp))
@@ -100,7 +103,7 @@ def owned_chunks(schedule: str, pp: int, chunks: int, r: int) -> list[int]:
 @lru_cache(maxsize=4096)
 def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int) -> RankModel:
     """What pipeline rank r holds. Layers are cut into pp x chunks contiguous chunks (uneven counts:
-    the first chunks get one more, parallel/stages.py even_split)."""
+    the first chunks get one more, spec/stages.py even_split)."""
     n = pp * chunks
     base, extra = divmod(shape.n_layers, n)
     bounds, start = [], 0
@@ -216,24 +219,6 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
     if zero == 1 and shard > 1:
         opt = _zero1_most_loaded(tuple(sizes_decay), tuple(sizes_other), shard)
     return StateBytes(4 * local, 4 * local, opt, tensors, local, local, block_numel, root_numel)
-
-
-def zero1_owners(groups: tuple[tuple[int, ...], ...] | list[list[int]], n: int) -> list[int]:
-    """ZeroRedundancyOptimizer's greedy partition, which parallel/zero1.py runs for the trainer: each
-    tensor (by element count, largest first, stable) to the least-loaded rank, ties to the lowest
-    rank, per param group with loads carried over. Returns the owner of every tensor, groups
-    flattened in order."""
-    loads = [(0, r) for r in range(n)]
-    heapq.heapify(loads)
-    owners: list[int] = []
-    for group in groups:
-        owner = [0] * len(group)
-        for i in sorted(range(len(group)), key=lambda i: -group[i]):
-            elems, r = heapq.heappop(loads)
-            owner[i] = r
-            heapq.heappush(loads, (elems + group[i], r))
-        owners += owner
-    return owners
 
 
 @lru_cache(maxsize=4096)

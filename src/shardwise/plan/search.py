@@ -20,7 +20,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.plan.cost import Estimate, compute_lower_bound, evaluate, step_seconds
-from shardwise.plan.layout import Layout, Problem, check_layout, pipeline_microbatch_rule
+from shardwise.spec.layout import Layout
+from shardwise.plan.layout import Problem, check_layout
+from shardwise.spec.rules import microbatch_rule
 from shardwise.plan.memory import capacity_bytes, peak_bytes, states_lower_bound
 
 RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
@@ -186,7 +188,7 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
         for rc, policy in RECOMPUTE_MODES:
             core = Layout(micro_batch=mb, recompute=rc, recompute_policy=policy, **struct)
             for schedule, v in schedules:
-                bad = pipeline_microbatch_rule(schedule, pp, m)
+                bad = microbatch_rule(schedule, pp, m)
                 if bad is not None:
                     pruned[bad.reason] += 1
                     continue

@@ -3,7 +3,7 @@
 Whether to skip a step, whether to stop, whether a checkpoint write failed somewhere, which files a
 checkpoint holds and their checksums: each is one tiny collective on a process group of its own (gloo,
 so the flags live on the CPU also on NCCL runs). A group of its own keeps this traffic out of the
-per-axis communication counter (parallel/comm.py names it "control" and skips it), so the counted
+per-axis communication counter (parallel/comm_counter.py names it "control" and skips it), so the counted
 bytes stay the planner's training traffic. On one process every method is the identity.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardwise.parallel.comm import CONTROL_AXIS
+from shardwise.parallel.comm_counter import CONTROL_AXIS
 
 
 class Control:

@@ -35,7 +35,7 @@ def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak_flops: floa
     """DESIGN §5: MFU = flops_per_token x tokens/s per device / peak FLOP/s of the device.
 
     Model FLOPs utilization as defined by Chowdhery et al. 2022 (PaLM, arXiv 2204.02311, App. B):
-    model FLOPs only, so recomputation does not raise it. `peak_flops` comes from plan/hardware.py.
+    model FLOPs only, so recomputation does not raise it. `peak_flops` comes from spec/hardware.py.
     """
     if peak_flops <= 0:
         raise ValueError(f"peak_flops must be positive, got {peak_flops}")

@@ -21,9 +21,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardwise.config import Config
 from shardwise.errors import Diverged, Interrupted
 from shardwise.models import build_model
-from shardwise.parallel.comm import CONTROL_AXIS, CommCounter, axis_names, describe_comm
+from shardwise.parallel.mesh import build_meshes
+from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names, describe_comm
 from shardwise.parallel.context import zigzag_index
-from shardwise.parallel.data import (
+from shardwise.parallel.data_parallel import (
     gradient_group,
     gradient_sync_each_microbatch,
     unwrap,
@@ -34,10 +35,10 @@ from shardwise.parallel.data import (
 )
 from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
 from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
-from shardwise.parallel.stages import stage_of_parameter, stage_rank
+from shardwise.spec.stages import stage_of_parameter, stage_rank
 from shardwise.parallel.tensor import local_value
 from shardwise.parallel.precision import DynamicLossScaler, autocast
-from shardwise.plan.hardware import device_peak_flops
+from shardwise.spec.hardware import device_peak_flops
 from shardwise.preflight import check, check_batch
 from shardwise.train import manifest as mf
 from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state
@@ -94,7 +95,7 @@ class Trainer:
         self.device = default_device()
         self.dims = check(cfg, world_size)
         self.accumulation = check_batch(cfg, self.dims)
-        self.mesh = self.dims.build_mesh(self.device.type)
+        self.mesh = build_meshes(self.dims, self.device.type)
         # The logged loss is averaged over every rank with its own tokens: dp, and cp's sequence shards.
         self.loss_group = gradient_group(self.mesh)
         # Context parallel: this rank's tokens of every sequence (the load-balanced zigzag split).

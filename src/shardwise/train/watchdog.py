@@ -89,7 +89,7 @@ class StallWatchdog:
         self.rank, self.world_size = rank, world_size
         self.prefix = f"shardwise/stall/{prefix}/"
         # The worker points these at its trainer once there is one: the step, and the mesh axis of
-        # each process group (parallel/comm.py axis_names).
+        # each process group (parallel/comm_counter.py axis_names).
         self.step = lambda: None
         self.axes: callable = lambda: {}
         # Clients of our own (a client serialises its calls): one for this thread, one for the

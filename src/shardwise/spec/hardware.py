@@ -166,7 +166,7 @@ def device_peak_flops(device_type: str, dtype: str, cuda_name: str | None = None
         if entry is not None:
             return DEVICES[entry].peak_flops(key), f"{entry} datasheet dense {key} peak ({name})"
         flops = _measure_matmul_flops(key, "cuda", 0)
-        return flops, f"{name} (measured {key} matmul probe; not in plan/hardware.py)"
+        return flops, f"{name} (measured {key} matmul probe; not in spec/hardware.py)"
     if device_type == "cpu":
         import torch
 

@@ -72,7 +72,7 @@ def axis_names(mesh) -> dict[str, str]:
         if batch is not None and batch.mesh_dim_names[0] not in root.mesh_dim_names:
             names[batch.get_group().group_name] = "dp"
         # Context parallel's flattened views, under the planner's names (plan/comm.py batch_axis,
-        # shard_axis); a view that is one axis (dims.build_mesh) keeps that axis's name.
+        # shard_axis); a view that is one axis (parallel/mesh.py build_meshes) keeps that axis's name.
         for view in (getattr(mesh, "dp_cp", None), getattr(mesh, "dp_shard_cp", None)):
             if view is not None:
                 names.setdefault(view.get_group().group_name, view.mesh_dim_names[0])

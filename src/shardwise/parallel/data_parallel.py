@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ParallelConfig
-from shardwise.parallel.dims import ParallelDims
+from shardwise.spec.dims import ParallelDims
 from shardwise.parallel.precision import fsdp_mp_policy
 
 

@@ -1,0 +1,121 @@
+"""One candidate layout, as the planner searches it and the trainer runs it: the sizes of the mesh axes
+plus every parallel.* / train.* choice that changes memory, time or the rules (spec/rules.py).
+
+`Layout.from_config` reads the same keys as training; the facts it derives (data-parallel wrapper,
+shard group, 16-bit parameter copies) come from spec/dims.py, the functions ParallelDims uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from shardwise.spec.dims import data_parallel_wrapper, lowp_params, resolve_dp_shard
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_POLICIES = ("op", "layer")
+PP_SPLITS = ("even", "balanced")
+CP_MODES = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    recompute_policy: str = "op"
+    recompute_every: int = 2
+    offload: bool = False
+    sequence_parallel: bool = True
+    cp_mode: str = "ring"  # "ring" (pass-KV ring attention) or "ulysses" (all-to-all heads)
+
+    @classmethod
+    def from_config(cls, cfg: Any, num_gpus: int) -> "Layout":
+        """The layout a config asks for on `num_gpus` (dp_shard = -1 takes the rest, as ParallelDims)."""
+        p, t = cfg.parallel, cfg.train
+        dp_shard = resolve_dp_shard(p, num_gpus, "num_gpus")
+        return cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, p.zero, t.micro_batch, p.pp_schedule,
+                   p.pp_virtual_stages, t.recompute, t.recompute_policy, t.recompute_every, p.offload,
+                   bool(getattr(p, "sequence_parallel", True)), str(getattr(p, "cp_mode", "ring")))
+
+    # ---- derived ----
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is on when asked for and there is a TP axis to shard over."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that shard model states: dp_shard x cp (spec/dims.py ParallelDims.shard_group)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def wrapper(self) -> str:
+        """"fsdp", "ddp", "replicate" or "none": spec/dims.py data_parallel_wrapper, as the trainer."""
+        return data_parallel_wrapper(self.dp, self.cp, self.tp, self.pp, self.shard_group, self.zero)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.wrapper == "fsdp"
+
+    @property
+    def replicate(self) -> bool:
+        return self.wrapper == "replicate"
+
+    @property
+    def lowp_params(self) -> bool:
+        return lowp_params(self.wrapper)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.virtual_stages if self.pp > 1 else 1
+
+    def accumulation(self, problem: Problem) -> int:
+        """Micro-batches per optimizer step per data-parallel rank (= pipeline micro-batches)."""
+        return problem.global_batch // (self.micro_batch * self.dp)
+
+    def with_(self, **kw: Any) -> "Layout":
+        return replace(self, **kw)
+
+    def describe(self) -> str:
+        axes = [f"{a}{getattr(self, a)}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if getattr(self, a) > 1]
+        text = "x".join(axes) or "single"
+        extra = [f"z{self.zero}", f"mb{self.micro_batch}"]
+        if self.pp > 1:
+            extra.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.recompute != "none":
+            extra.append("rc-" + ("layer" if self.recompute == "selective" and self.recompute_policy == "layer" else
+                                  "op" if self.recompute == "selective" else "full"))
+        if self.offload:
+            extra.append("offload")
+        if self.tp > 1 and not self.sequence_parallel:
+            extra.append("no-sp")
+        return f"{text} {' '.join(extra)}"
+
+    def config_values(self, problem: Problem) -> dict[str, dict[str, Any]]:
+        """The parallel.* / train.* keys that make `shardwise train` run this layout."""
+        return {
+            "parallel": {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero, "tp": self.tp,
+                         "pp": self.pp, "cp": self.cp, "ep": self.ep, "pp_schedule": self.schedule,
+                         "pp_virtual_stages": self.virtual_stages, "offload": self.offload,
+                         "sequence_parallel": self.sequence_parallel},
+            "train": {"micro_batch": self.micro_batch, "global_batch": problem.global_batch, "seq_len": problem.seq_len,
+                      "recompute": self.recompute, "recompute_policy": self.recompute_policy,
+                      "recompute_every": self.recompute_every, "precision": problem.precision},
+        }

@@ -1,0 +1,297 @@
+"""Every rule a model shape or a layout must obey, written once.
+
+Each function yields `Violation`s (spec/layout.py) in a fixed order, cheapest first. Pre-flight
+(preflight.py) raises the first one as a ConfigError before anything is spawned; the planner
+(plan/layout.py check_layout) prunes with the first one and counts its `reason`. A rule marked
+`trainer_only` describes what the trainer implements today rather than what could run at all: the
+planner still evaluates such layouts and says "trainable: no, because ..." (docs/architecture.md,
+"Rules").
+
+Inputs are duck-typed: `m` is anything with the model's shape fields (ModelConfig or ModelShape),
+`lay` a spec/layout.py Layout, `dims` anything with the axis sizes (ParallelDims or Layout).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from shardwise.errors import Violation
+from shardwise.spec.dims import ep_fold_rule, world_rules  # noqa: F401  (the world's rules live with the dims)
+from shardwise.spec.layout import CP_MODES, RECOMPUTE, Layout
+from shardwise.spec.shapes import ARCH_NAMES
+from shardwise.spec.stages import SCHEDULES, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED
+
+Rules = Iterator[Violation]
+
+
+def choice(field: str, value: str, choices: tuple[str, ...], reason: str | None = None) -> Violation | None:
+    if value in choices:
+        return None
+    return Violation(reason or field.rsplit(".", 1)[-1], field, f"{value!r} is not one of {', '.join(choices)}",
+                     f"set {field} to one of: {', '.join(choices)}")
+
+
+def at_least(field: str, value: float, minimum: float = 1) -> Violation | None:
+    if value >= minimum:
+        return None
+    return Violation(field.rsplit(".", 1)[-1], field, f"must be >= {minimum}, got {value}", f"set {field} to at least {minimum}")
+
+
+def _some(*candidates: Violation | None) -> Rules:
+    yield from (v for v in candidates if v is not None)
+
+
+# ---- the model ---------------------------------------------------------------------------------------
+def model_rules(m: Any) -> Rules:
+    """The shape rules every consumer of a model shape needs."""
+    yield from _some(choice("model.arch", m.arch, ARCH_NAMES))
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        yield from _some(at_least(f"model.{name}", getattr(m, name)))
+    if m.dim % m.n_heads:
+        yield Violation("heads", "model.n_heads", f"dim({m.dim}) is not divisible by n_heads({m.n_heads})",
+                        "choose n_heads among the divisors of model.dim")
+    if m.n_heads % m.n_kv_heads:
+        yield Violation("kv heads", "model.n_kv_heads", f"n_heads({m.n_heads}) is not divisible by n_kv_heads({m.n_kv_heads})",
+                        "grouped-query attention needs n_kv_heads to divide n_heads")
+
+
+def moe_rules(moe: Any, n_layers: int) -> Rules:
+    """model.moe.* on its own (`moe` with num_experts = 0 or None is a dense model)."""
+    if moe is None or not moe.num_experts:
+        return
+    yield from _some(at_least("model.moe.num_experts", moe.num_experts))
+    if not 1 <= moe.top_k <= moe.num_experts:
+        yield Violation("top_k", "model.moe.top_k", f"top_k({moe.top_k}) must be within 1..num_experts({moe.num_experts})",
+                        "choose 1 <= top_k <= num_experts")
+    yield from _some(at_least("model.moe.every_k_layers", moe.every_k_layers))
+    if moe.every_k_layers > n_layers:
+        yield Violation("every_k_layers", "model.moe.every_k_layers", f"every_k_layers({moe.every_k_layers}) > "
+                        f"n_layers({n_layers}): no block would be MoE", f"choose every_k_layers <= {n_layers}")
+    for name in ("capacity_factor", "expert_ffn_dim", "num_shared_experts", "aux_loss_coef", "z_loss_coef"):
+        if hasattr(moe, name):
+            yield from _some(at_least(f"model.moe.{name}", getattr(moe, name), 0))
+
+
+def trainable_model_rules(m: Any, seq_len: int) -> Rules:
+    """What the model code needs beyond the shape: RoPE's pairs, the position table."""
+    if m.arch == "llama" and (m.dim // m.n_heads) % 2:
+        yield Violation("rope", "model.n_heads", f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs of dims",
+                        "choose n_heads so that dim / n_heads is even")
+    if seq_len > m.max_seq_len:
+        yield Violation("seq_len", "train.seq_len", f"{seq_len} exceeds model.max_seq_len({m.max_seq_len})",
+                        f"lower train.seq_len or raise model.max_seq_len to >= {seq_len}")
+
+
+# ---- one layout --------------------------------------------------------------------------------------
+def layout_rules(s: Any, lay: Layout, seq_len: int, global_batch: int, node_size: int = 0,
+                 even_pp: bool = False) -> Rules:
+    """Every rule of one layout of model shape `s` (spec/shapes.py ModelShape), in the order the
+    planner counts them. The world size is checked by world_rules. Two constraints are the planner's
+    choices rather than rules (the trainer runs either): `node_size` > 0 keeps tp inside a node of that
+    many devices, `even_pp` asks for an even pipeline split."""
+    yield from data_parallel_rules(lay)
+    yield from tensor_parallel_rules(s, lay, seq_len, node_size)
+    yield from pipeline_rules(s, lay, even_pp)
+    yield from context_parallel_rules(s, lay, seq_len)
+    yield from expert_parallel_rules(s, lay)
+    if lay.micro_batch < 1 or global_batch % (lay.micro_batch * lay.dp):
+        yield Violation("batch", "train.global_batch",
+                        f"global_batch({global_batch}) is not divisible by micro_batch({lay.micro_batch}) x "
+                        f"data-parallel size({lay.dp}) = {lay.micro_batch * lay.dp}",
+                        f"use a global_batch that is a multiple of {lay.micro_batch * lay.dp}, or change train.micro_batch")
+        return  # the micro-batch count below is meaningless
+    yield from _some(microbatch_rule(lay.schedule, lay.pp, global_batch // (lay.micro_batch * lay.dp)))
+    if lay.pp > 1:
+        yield from _some(split_backward_rule(lay.schedule, lay.zero, lay.recompute, lay.recompute_policy))
+    yield from _some(choice("train.recompute", lay.recompute, RECOMPUTE, "recompute"))
+
+
+def data_parallel_rules(lay: Layout) -> Rules:
+    if lay.zero not in (0, 1, 2, 3):
+        yield Violation("zero", "parallel.zero", f"must be 0, 1, 2 or 3, got {lay.zero}",
+                        "0: DDP, 1: shard optimizer state, 2: + gradients, 3: + parameters (FSDP)")
+    if lay.zero == 0 and lay.dp_shard > 1:
+        yield Violation("zero", "parallel.zero", f"zero=0 shards nothing, but dp_shard={lay.dp_shard}",
+                        f"set parallel.zero to 1, 2 or 3 to shard over dp_shard, or move the {lay.dp_shard} "
+                        "ranks to parallel.dp_replicate for plain DDP")
+    if lay.zero > 0 and lay.shard_group == 1:
+        yield Violation("zero", "parallel.zero", f"zero={lay.zero} shards over dp_shard x cp, which is 1",
+                        "set parallel.dp_shard > 1 (e.g. -1 for all ranks) or parallel.zero=0")
+    if lay.offload and lay.zero < 2:
+        yield Violation("offload", "parallel.offload", f"CPU offload needs FSDP (zero >= 2), got zero={lay.zero}",
+                        "set parallel.zero=2 or 3, or parallel.offload=false")
+
+
+def tensor_parallel_rules(s: Any, lay: Layout, seq_len: int, node_size: int = 0) -> Rules:
+    """Heads, KV heads and every ffn dim must split evenly over tp (parallel/tensor.py)."""
+    tp = lay.tp
+    if tp == 1:
+        return
+    if tp > s.n_heads:
+        yield Violation("heads % tp", "parallel.tp", f"tp={tp} is larger than model.n_heads={s.n_heads}: a rank would own no head",
+                        f"choose tp <= {s.n_heads} that divides n_heads")
+    elif s.n_heads % tp:
+        yield Violation("heads % tp", "parallel.tp", f"model.n_heads={s.n_heads} is not divisible by tp={tp}",
+                        f"choose tp among the divisors of {s.n_heads}")
+    if s.n_kv_heads % tp and tp % s.n_kv_heads:
+        yield Violation("kv heads vs tp", "parallel.tp", f"model.n_kv_heads={s.n_kv_heads} and tp={tp}: neither divides "
+                        "the other, so key/value heads can be neither split nor replicated evenly",
+                        f"choose tp that divides n_kv_heads={s.n_kv_heads} or a multiple of it")
+    if s.ffn_dim % tp:
+        yield Violation("ffn % tp", "parallel.tp", f"model.ffn_dim={s.ffn_dim} is not divisible by tp={tp}",
+                        f"choose tp among the divisors of {s.ffn_dim}, or change model.ffn_dim")
+    if s.moe is not None and s.expert_ffn % tp:
+        # Expert tensor parallelism (parallel/tensor.py MoERegion): every expert (and the merged
+        # shared experts) is split on its ffn dim over tp, as the dense MLP.
+        field = "model.moe.expert_ffn_dim" if s.moe.expert_ffn_dim else "model.ffn_dim"
+        yield Violation("expert ffn % tp", field, f"tensor parallelism splits every expert's ffn dim over tp={tp}, but "
+                        f"the expert ffn dim {s.expert_ffn} is not divisible by it",
+                        f"choose {field} divisible by {tp}, or another parallel.tp")
+    if lay.sp and seq_len % tp:
+        yield Violation("seq % tp", "train.seq_len", f"sequence parallelism splits the sequence over tp={tp} ranks, "
+                        f"but seq_len={seq_len} is not divisible by it",
+                        f"choose seq_len divisible by {tp}, or set parallel.sequence_parallel=false")
+    if node_size and tp > node_size:
+        yield Violation("tp > gpus_per_node", "parallel.tp", f"tp({tp}) spans nodes of {node_size} GPUs",
+                        "keep tp <= cluster.gpus_per_node (or pass --allow-cross-node-tp)")
+
+
+def pipeline_rules(s: Any, lay: Layout, even_pp: bool = False) -> Rules:
+    """The schedule, its stages per rank and the blocks to cut (micro-batches: microbatch_rule)."""
+    yield from _some(choice("parallel.pp_schedule", lay.schedule, SCHEDULES, "schedule"))
+    v = lay.chunks_per_rank
+    if lay.pp > 1:
+        yield from _some(virtual_stage_rule(lay.schedule, v))
+    if lay.pp * v > s.n_layers:
+        yield Violation("layers % (pp*v)", "parallel.pp", f"pp({lay.pp}) x pp_virtual_stages({v}) = {lay.pp * v} stages, "
+                        f"but the model has only {s.n_layers} blocks", "use fewer stages or a deeper model")
+    if even_pp and s.n_layers % (lay.pp * v):
+        yield Violation("layers % (pp*v)", "parallel.pp", f"n_layers({s.n_layers}) is not divisible by pp({lay.pp}) x "
+                        f"virtual stages({v})", "choose pp * pp_virtual_stages dividing model.n_layers")
+
+
+def context_parallel_rules(s: Any, lay: Layout, seq_len: int) -> Rules:
+    """The splits context parallelism needs (parallel/context.py): 2·cp equal chunks per sequence
+    (the load-balanced causal split), SP's further split of each cp shard, and for Ulysses whole
+    heads per cp rank."""
+    yield from _some(choice("parallel.cp_mode", lay.cp_mode, CP_MODES, "cp_mode"))
+    cp, tp = lay.cp, lay.tp
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
+        yield Violation("seq % 2cp", "train.seq_len", f"context parallelism cuts each sequence into 2 x cp = {2 * cp} equal "
+                        f"chunks (load-balanced causal split), but seq_len={seq_len} is not divisible by {2 * cp}",
+                        f"choose seq_len divisible by {2 * cp}, or another parallel.cp")
+    if lay.sp and (seq_len // cp) % tp:
+        yield Violation("seq/cp % tp", "train.seq_len", f"sequence parallelism splits each cp shard of seq_len/cp = "
+                        f"{seq_len // cp} tokens over tp={tp} ranks, which does not divide it",
+                        f"choose seq_len divisible by cp x tp = {cp * tp}, or set parallel.sequence_parallel=false")
+    heads = s.n_heads // tp
+    if lay.cp_mode == "ulysses" and heads % cp:
+        yield Violation("heads/tp % cp", "parallel.cp", f"Ulysses gives each cp rank n_heads / tp / cp heads, but "
+                        f"n_heads / tp = {heads} is not divisible by cp={cp}",
+                        f"choose cp dividing {heads}, or set parallel.cp_mode=ring (any head count)")
+
+
+def expert_parallel_rules(s: Any, lay: Layout) -> Rules:
+    if lay.ep == 1:
+        return
+    if s.moe is None:
+        yield Violation("ep", "parallel.ep", f"ep={lay.ep} splits experts, but the model has none (model.moe.num_experts=0)",
+                        "set model.moe.num_experts (e.g. --model.preset=tiny-moe) or parallel.ep=1")
+        return
+    if s.moe.num_experts % lay.ep:
+        yield Violation("ep", "parallel.ep", f"num_experts({s.moe.num_experts}) is not divisible by ep({lay.ep})",
+                        "choose ep among the divisors of model.moe.num_experts")
+    yield from _some(ep_fold_rule(lay))
+    if lay.zero not in (2, 3):
+        # DDP / ZeRO-1 reduce a whole model's gradients over the batch group; the experts differ per
+        # ep rank and must not be all-reduced with each other. FSDP's units let them be left out.
+        yield Violation("ep needs fsdp", "parallel.zero", f"expert parallelism needs FSDP (zero 2 or 3), got zero={lay.zero}",
+                        "set parallel.zero=2 or 3 (with dp_shard = ep x efsdp)", trainer_only=True)
+    if lay.dp_replicate > 1:
+        yield Violation("ep with dp_replicate", "parallel.dp_replicate", f"dp_replicate={lay.dp_replicate} with ep={lay.ep} "
+                        "is not implemented (the expert gradients would need an all-reduce across replicas outside FSDP)",
+                        "put the data-parallel ranks in parallel.dp_shard instead", trainer_only=True)
+    if lay.offload:
+        yield Violation("ep with offload", "parallel.offload", "CPU offload with expert parallelism is not implemented "
+                        "(the experts are outside the offloaded FSDP units when efsdp = 1)", "set parallel.offload=false",
+                        trainer_only=True)
+
+
+# ---- pipeline schedules (torch.distributed.pipelining's own requirements) ---------------------------
+def virtual_stage_rule(schedule: str, v: int) -> Violation | None:
+    """`schedule` cannot run `v` stages per pipeline rank."""
+    if schedule in SINGLE_STAGE and v != 1:
+        return Violation("schedule", "parallel.pp_virtual_stages", f"{schedule} runs one stage per rank, got "
+                         f"pp_virtual_stages={v}", "set parallel.pp_virtual_stages=1, or use interleaved_1f1b / zero_bubble")
+    if schedule == "interleaved_1f1b" and v < 2:
+        return Violation("schedule", "parallel.pp_virtual_stages", "interleaved_1f1b needs pp_virtual_stages >= 2",
+                         "set parallel.pp_virtual_stages=2 (or use 1f1b)")
+    if schedule in V_SHAPED and v != 2:
+        return Violation("schedule", "parallel.pp_virtual_stages", f"{schedule} runs two (V-shaped) stages per rank, got {v}",
+                         "set parallel.pp_virtual_stages=2")
+    return None
+
+
+def microbatch_rule(schedule: str, pp: int, m: int) -> Violation | None:
+    """The schedules' own requirements on the micro-batches per step, checked before spawning rather
+    than discovered as an exception (or a hang) on every rank."""
+    if pp == 1:
+        return None
+    if schedule != "gpipe" and m < pp:
+        return Violation("microbatches < pp", "train.micro_batch", f"{schedule} needs at least pp({pp}) micro-batches "
+                         f"per step, got {m}", "lower train.micro_batch or raise train.global_batch")
+    if schedule == "dualpipev" and m < 2 * pp:
+        return Violation("microbatches < 2pp", "train.micro_batch", f"dualpipev needs at least 2 x pp = {2 * pp} "
+                         f"micro-batches, got {m}", "lower train.micro_batch or raise train.global_batch")
+    rounds = max(1, m // pp)
+    if schedule in ("interleaved_1f1b", "zero_bubble") and m % rounds:
+        return Violation("microbatches % rounds", "train.micro_batch", f"{schedule} runs micro-batches in rounds of "
+                         f"pp({pp}); {m} micro-batches is not a multiple of its {rounds} rounds",
+                         f"use a multiple of pp({pp}) micro-batches per step")
+    return None
+
+
+def split_backward_rule(schedule: str, zero: int, recompute: str, recompute_policy: str) -> Violation | None:
+    """A split-backward schedule meets a feature that breaks it (torch 2.13, found by the parity
+    tests): with ZeRO-3 the weight-gradient pass misses parameters FSDP2 resharded after forward (some
+    blocks get no gradient at all); per-op selective recompute allows one backward through a
+    checkpointed region and the split runs two."""
+    if schedule not in SPLIT_BACKWARD:
+        return None
+    if zero == 3:
+        return Violation("split backward", "parallel.zero", f"{schedule} computes weight gradients in a separate pass, which "
+                         "misses parameters ZeRO-3 reshards after forward (wrong gradients)", "use parallel.zero=2 (under a "
+                         "pipeline schedule it holds the same memory as ZeRO-3) or zero=1, or the 1f1b / interleaved_1f1b schedule")
+    if recompute == "selective" and recompute_policy == "op":
+        return Violation("split backward", "train.recompute_policy", f"{schedule} runs backward twice through each block "
+                         "(input, then weight gradients); per-op selective recompute allows only one",
+                         'use train.recompute="full" or train.recompute_policy="layer", or the 1f1b / interleaved_1f1b schedule')
+    return None
+
+
+def pipeline_split_rules(p: Any, n_layers: int) -> Rules:
+    """How the trainer is told to cut the blocks (parallel.pp_layers_per_stage, pp_split,
+    pp_stage_speeds: spec/stages.py layers_per_stage). The planner cuts evenly."""
+    if p.pp == 1:
+        return
+    n_stages = p.pp * p.pp_virtual_stages
+    if p.pp_layers_per_stage:
+        counts = p.pp_layers_per_stage
+        if p.pp_split == "balanced":
+            yield Violation("pp split", "parallel.pp_layers_per_stage", "an explicit split and pp_split=balanced were both given",
+                            "drop one of them")
+        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
+            from shardwise.spec.stages import even_split
+
+            yield Violation("pp split", "parallel.pp_layers_per_stage",
+                            f"{list(counts)} must give each of pp x pp_virtual_stages = {n_stages} stages at least one "
+                            f"block and sum to model.n_layers = {n_layers}",
+                            f"e.g. {even_split(n_layers, n_stages)}" if n_layers >= n_stages else "use fewer stages")
+    if p.pp_stage_speeds:
+        if p.pp_split != "balanced":
+            yield Violation("pp split", "parallel.pp_stage_speeds", "stage speeds are used by the cost-balanced split only",
+                            'set parallel.pp_split="balanced" or drop pp_stage_speeds')
+        if len(p.pp_stage_speeds) != p.pp or min(p.pp_stage_speeds) <= 0:
+            yield Violation("pp split", "parallel.pp_stage_speeds", f"{list(p.pp_stage_speeds)} must give one positive "
+                            f"relative speed per pipeline rank ({p.pp})", f"e.g. {[1.0] * p.pp}")

@@ -1,0 +1,103 @@
+"""Pipeline stages without torch: which blocks each stage runs and which rank runs it, and the
+schedule names (the rules a pipeline layout must obey are in spec/rules.py).
+
+Stages. The model's L blocks are cut into S = pp x v contiguous stages (v = virtual stages per rank),
+the embedding on stage 0 and final norm + head on stage S-1. Three ways to cut:
+  even      — L/S blocks per stage, the first L mod S stages one more;
+  explicit  — parallel.pp_layers_per_stage = [n_0, ..., n_{S-1}];
+  balanced  — contiguous chunks minimizing the slowest stage's time, where a stage's time is the cost
+              of its blocks (+ embedding / head, from Transformer.pipeline_costs) divided by the speed
+              of the rank it runs on (parallel.pp_stage_speeds, for heterogeneous clusters).
+Placement: rank r holds stages r, r + pp, ... (looped, Narayanan et al. 2021 §2.2), or r and
+2pp-1-r for the V-shaped schedules (ZBV, DualPipeV: Qi et al. 2024, arXiv 2401.10241; DeepSeek-V3,
+arXiv 2412.19437 §3.2.1), which put the embedding and the head on the same rank.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# Schedules whose two stages per rank are placed in a V (r and 2pp-1-r); the others loop (r, r + pp, ...).
+V_SHAPED = ("zbv", "dualpipev")
+SINGLE_STAGE = ("gpipe", "1f1b")
+# Schedules that split backward into an input-gradient and a later weight-gradient pass.
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
+
+
+def stage_ids(schedule: str, pp: int, v: int, pp_rank: int) -> list[int]:
+    """The stages rank `pp_rank` of the pipeline axis runs, in execution order."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(v)]
+
+
+def stage_rank(schedule: str, pp: int, v: int, stage: int) -> int:
+    return next(r for r in range(pp) if stage in stage_ids(schedule, pp, v, r))
+
+
+def even_split(n_layers: int, n_stages: int) -> list[int]:
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
+def balanced_split(costs: dict[str, float], n_layers: int, speeds: list[float]) -> list[int]:
+    """Blocks per stage minimizing max over stages of (stage cost / its rank's speed), every stage at
+    least one block: the linear-partition dynamic programme, O(S L^2), exact."""
+    n_stages = len(speeds)
+
+    def cost(stage: int, first: int, end: int) -> float:
+        c = (end - first) * costs["block"]
+        c += costs["embedding"] if stage == 0 else 0.0
+        c += costs["head"] if stage == n_stages - 1 else 0.0
+        return c / speeds[stage]
+
+    inf = float("inf")
+    # best[s][l]: the smallest max-time of stages 0..s-1 covering blocks 0..l-1
+    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for end in range(s, n_layers - (n_stages - s) + 1):
+            for first in range(s - 1, end):
+                value = max(best[s - 1][first], cost(s - 1, first, end))
+                if value < best[s][end]:
+                    best[s][end], cut[s][end] = value, first
+    counts, end = [], n_layers
+    for s in range(n_stages, 0, -1):
+        first = cut[s][end]
+        counts.append(end - first)
+        end = first
+    return counts[::-1]
+
+
+def layers_per_stage(p: Any, model: Any, seq_len: int, costs: dict[str, float]) -> list[int]:
+    """Blocks per stage (stage order) for the configured split; preflight has validated the inputs."""
+    v = p.pp_virtual_stages
+    n_stages = p.pp * v
+    if p.pp_layers_per_stage:
+        return list(p.pp_layers_per_stage)
+    if p.pp_split == "balanced":
+        rank_speeds = p.pp_stage_speeds or [1.0] * p.pp
+        speeds = [rank_speeds[stage_rank(p.pp_schedule, p.pp, v, s)] for s in range(n_stages)]
+        return balanced_split(costs, model.n_layers, speeds)
+    return even_split(model.n_layers, n_stages)
+
+
+def stage_layers(counts: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def stage_of_parameter(name: str, layers: list[list[int]]) -> int:
+    """The stage holding whole-model parameter `name`: blocks by index, the head (norm, output) on
+    the last stage, embeddings on the first."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        block = int(parts[1])
+        return next(s for s, ids in enumerate(layers) if block in ids)
+    if parts[0] in ("norm", "output"):
+        return len(layers) - 1
+    return 0
