@@ -30,6 +30,7 @@ from torch import nn
 
 from shardwise.config import ModelConfig
 from shardwise.models.feed_forward import GELUMLP, SwiGLU
+from shardwise.tensors import local_shard
 
 
 class GroupedExperts(nn.Module):
@@ -74,12 +75,9 @@ class GroupedExperts(nn.Module):
         """`x`: token copies sorted by expert; `counts`: (E,) copies per expert. Under tensor
         parallelism the weights are DTensors split on the ffn dim: this rank's slices compute a
         partial output (parallel/tensor.py MoERegion sums it over tp)."""
-        return self.compute(x, counts.tolist(), [_local(w).to(x.dtype) for w in self.weights()])
+        return self.compute(x, counts.tolist(), [local_shard(w).to(x.dtype) for w in self.weights()])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its gradient keeps the DTensor's own placements), else `t`."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _GroupSum(torch.autograd.Function):

@@ -32,7 +32,7 @@ from torch import nn
 
 from shardwise.models.moe import GroupedExperts, MoE
 from shardwise.spec.dims import ParallelDims
-from shardwise.parallel.tensor import local_value
+from shardwise.tensors import local_shard
 
 def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
@@ -81,7 +81,7 @@ class ExpertParallelExperts(GroupedExperts):
         by_expert = torch.cat([segments[r * local_e + e] for e in range(local_e) for r in range(ep)])
         weights = []
         for w in self.weights():
-            local = local_value(w)
+            local = local_shard(w)
             if self.grad_scale != 1.0:
                 local = _ScaleGrad.apply(local, self.grad_scale)
             weights.append(local.to(x.dtype))

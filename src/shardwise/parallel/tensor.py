@@ -48,9 +48,6 @@ COLWISE_REPLICATED_KV, NORM, REGION_INPUT, POSITION_EMBEDDING = (
 MOE_REGION = "moe_region"
 
 
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (the value itself when replicated), else `t`."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def tp_plan(model: ModelConfig, tp: int) -> dict[str, str]:

@@ -18,11 +18,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.spec.sharding import zero1_owners
+from shardwise.tensors import local_shard
 
 
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The storage this rank holds for `param` (the local shard of a DTensor)."""
-    return param._local_tensor if hasattr(param, "_local_tensor") else param.data
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
@@ -35,7 +33,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         params = [p for g in self.param_groups for p in g["params"]]
-        owners = zero1_owners([[local_tensor(p).numel() for p in g["params"]] for g in self.param_groups], self.size)
+        owners = zero1_owners([[local_shard(p).data.numel() for p in g["params"]] for g in self.param_groups], self.size)
         self.owner = {id(p): r for p, r in zip(params, owners)}
         # Per owner, its parameters' local tensors in a fixed order: one flat broadcast per owner.
         self.owned_by = [[p for p in params if self.owner[id(p)] == r] for r in range(self.size)]
@@ -60,7 +58,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         for r, params in enumerate(self.owned_by):
             if not params:
                 continue
-            locals_ = [local_tensor(p) for p in params]
+            locals_ = [local_shard(p).data for p in params]
             flat = torch.cat([t.reshape(-1) for t in locals_]) if r == self.rank else \
                 torch.empty(sum(t.numel() for t in locals_), dtype=locals_[0].dtype, device=locals_[0].device)
             dist.broadcast(flat, group=self.group, group_src=r)

@@ -22,6 +22,7 @@ import torch
 
 from shardwise.train.control import Control
 from shardwise.train.signals import StopRequest
+from shardwise.tensors import local_shard
 
 
 @dataclass
@@ -30,8 +31,6 @@ class Verdict:
     stop_code: int    # 0, or 130 / 143: a rank was asked to stop
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class StepGuard:
@@ -64,7 +63,7 @@ class StepGuard:
     def weights_finite(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether every rank's parameter shards are finite (an update can overflow them even from a
         finite gradient, e.g. weight decay with a huge learning rate)."""
-        flags = [torch.isfinite(_local(p.detach())).all() for p in params]
+        flags = [torch.isfinite(local_shard(p.detach())).all() for p in params]
         local_ok = bool(torch.stack(flags).all()) if flags else True
         return self.control.max([float(not local_ok)])[0] == 0
 

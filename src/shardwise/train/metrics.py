@@ -5,6 +5,7 @@ the planner. Memory is counted from the tensors a rank actually holds: DESIGN §
 not show sharding, so DTensors are counted by their local shard and every storage only once.
 """
 from __future__ import annotations
+from shardwise.tensors import local_shard
 
 import json
 import math
@@ -43,20 +44,13 @@ def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak_flops: floa
 
 
 # ---- memory by category ----
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what this rank stores); any other tensor unchanged."""
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local):
-        with torch.no_grad():
-            return to_local()
-    return t
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Hashable | None, int]:
     """(key, bytes) of the storage behind `t`. Views of one storage share a key, so it is counted
     once, in full: a view keeps its whole storage alive. Key None means "cannot dedupe" (meta or
     storage-less tensors), which then count by their own size."""
-    t = _local(t)
+    t = local_shard(t)
     try:
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()

@@ -36,7 +36,7 @@ from shardwise.parallel.data_parallel import (
 from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
 from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
 from shardwise.spec.stages import stage_of_parameter, stage_rank
-from shardwise.parallel.tensor import local_value
+from shardwise.tensors import local_shard
 from shardwise.parallel.precision import DynamicLossScaler, autocast
 from shardwise.spec.hardware import device_peak_flops
 from shardwise.preflight import check, check_batch
@@ -252,7 +252,7 @@ class Trainer:
                     loss = self._loss(inputs, targets)
                 self.scaler.scale_loss(loss).backward()
             # With loss parallel the loss is a replicated DTensor: every tp rank holds the value.
-            loss_sum += local_value(loss.detach())
+            loss_sum += local_shard(loss.detach())
         return loss_sum
 
     def _pipeline_forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
@@ -278,7 +278,7 @@ class Trainer:
             self.pipeline_timeline = (start, time.perf_counter(), actions)
         total = torch.zeros((), device=self.device)
         for loss in losses:
-            total += local_value(loss.detach()) / self.scaler.scale
+            total += local_shard(loss.detach()) / self.scaler.scale
         return total
 
     def _pipeline_timeline(self) -> dict | None:
