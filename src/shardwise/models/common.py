@@ -13,13 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.spec.hardware import lookup
+from shardwise.spec.shapes import ModelShape
 
 INIT_STD = 0.02  # GPT-2 / Megatron default initializer range.
-# FLOPs a GPU can do in the time it moves one byte of HBM (its roofline ridge point), from the
-# planner's device table: H100 SXM dense bf16 over HBM bandwidth, ~295. Prices memory-bound work in FLOPs.
-_RIDGE = lookup("h100-sxm-80gb")
-MEMORY_BOUND_FLOPS_PER_BYTE = _RIDGE.peak_flops("bf16") / (_RIDGE.memory_bandwidth_gbps * 1e9)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -29,26 +25,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
     """Block `index` (0-based) is MoE when (index + 1) % every_k_layers == 0 (spec/shapes.py MoESpec)."""
-    return bool(cfg.moe.num_experts) and (index + 1) % cfg.moe.every_k_layers == 0
-
-
-def moe_counts(cfg: ModelConfig, matrices: int, shared_bias: int) -> dict[str, int]:
-    """One MoE feed-forward block in closed form: {'params', 'active_matmul', 'n_moe_layers'}.
-    `matrices`: weight matrices per expert MLP (3 SwiGLU, 2 GELU); `shared_bias`: 1 when the shared
-    MLP has biases (gpt: fc and proj biases). Active = router + top_k experts + shared experts: what
-    one token multiplies with (FLOPs count only the experts a token visits)."""
-    m = cfg.moe
-    if not m.num_experts:
-        return {"params": 0, "active_matmul": 0, "n_moe_layers": 0}
-    h, f = cfg.dim, m.expert_ffn_dim or cfg.ffn_dim
-    expert = matrices * h * f
-    shared_f = m.num_shared_experts * f
-    shared = matrices * h * shared_f
-    shared_b = shared_bias * (shared_f + h) if shared_f else 0
-    router = m.num_experts * h
-    n_moe = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
-    return {"params": router + m.num_experts * expert + shared + shared_b,
-            "active_matmul": router + m.top_k * expert + shared, "n_moe_layers": n_moe}
+    return ModelShape.from_config(cfg).is_moe_layer(index)
 
 
 class Attention(nn.Module):
@@ -153,47 +130,23 @@ class Transformer(nn.Module):
 
     def embedding_modules(self) -> tuple[str, ...]:
         """Attribute names of the input embeddings (all live on the first pipeline stage)."""
-        return ("tok_embeddings",)
+        return tuple(name for name, _ in ModelShape.from_config(self.cfg).architecture.embeddings)
 
-    # ---- closed-form counts (no module needed) ----
-    @classmethod
-    def param_counts(cls, cfg: ModelConfig) -> dict[str, int]:
-        """{'embedding', 'per_layer', 'final_norm', 'head', 'matmul'}; matmul = weights used in GEMMs."""
-        raise NotImplementedError
-
+    # ---- closed-form counts (no module needed): spec/shapes.py, which the planner reads too ----
     @classmethod
     def count_params(cls, cfg: ModelConfig) -> int:
-        c = cls.param_counts(cfg)
-        n_moe = c.get("n_moe_layers", 0)
-        return (c["embedding"] + (cfg.n_layers - n_moe) * c["per_layer"] + n_moe * c.get("per_moe_layer", 0)
-                + c["final_norm"] + c["head"])
+        return ModelShape.from_config(cfg).num_params
 
     @classmethod
     def count_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
-        """Training FLOPs per token: forward + backward = 3 x forward.
-
-        Forward = 2 FLOPs per multiply-add of every GEMM weight (2 x matmul params, output head
-        included, embedding lookups excluded) + attention scores QK^T and AV, 2 x 2 x seq x dim per
-        token per layer. Total 6N + 12 L s h: PaLM, Chowdhery et al. 2022, arXiv 2204.02311, App. B.
-        Like PaLM and Megatron, the causal mask is not discounted, so MFU is comparable with theirs.
-        """
-        return 6 * cls.param_counts(cfg)["matmul"] + 12 * cfg.n_layers * seq_len * cfg.dim
+        """Training FLOPs per token, 6N + 12 L s h (PaLM, Chowdhery et al. 2022, arXiv 2204.02311,
+        App. B; the causal mask is not discounted, as in PaLM and Megatron)."""
+        return ModelShape.from_config(cfg).flops_per_token(seq_len)
 
     @classmethod
     def pipeline_costs(cls, cfg: ModelConfig, seq_len: int) -> dict[str, float]:
-        """Training cost per token of the parts a pipeline split places, in FLOP-equivalents:
-        {'embedding', 'block', 'head'}. GEMMs and attention count their FLOPs (as
-        count_flops_per_token); the memory-bound parts — the embedding gather and its scatter-add
-        gradient, the cross-entropy over V logits — count the bytes they move times the ridge point
-        of a GPU (MEMORY_BOUND_FLOPS_PER_BYTE), so the first and last stage are not treated as free."""
-        c = cls.param_counts(cfg)
-        block = 6 * (c["matmul"] - c["head"]) / cfg.n_layers + 12 * seq_len * cfg.dim
-        # Embedding: read + write an h-vector forward, read the gradient + read-modify-write the
-        # table row backward (fp32): ~5 x 4h bytes per token.
-        embedding = 5 * 4 * cfg.dim * MEMORY_BOUND_FLOPS_PER_BYTE
-        # Head: the GEMM (6Vh) plus softmax/cross-entropy forward and backward, ~4 passes over V fp32 logits.
-        head = 6 * c["head"] + 4 * 4 * cfg.vocab_size * MEMORY_BOUND_FLOPS_PER_BYTE
-        return {"embedding": float(embedding), "block": float(block), "head": float(head)}
+        """Cost per token of the embedding, one block and the head (spec/shapes.py pipeline_costs)."""
+        return ModelShape.from_config(cfg).pipeline_costs(seq_len)
 
     def num_params(self) -> int:
         return self.count_params(self.cfg)
@@ -204,7 +157,7 @@ class Transformer(nn.Module):
     # ---- layout-independent initialization ----
     def residual_projections(self) -> tuple[str, ...]:
         """Leaf names of the projections that write into the residual stream."""
-        raise NotImplementedError
+        return ModelShape.from_config(self.cfg).architecture.residual
 
     def init_value(self, fqn: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The *global* initial value of parameter `fqn`, drawn from a generator seeded by (seed, fqn).

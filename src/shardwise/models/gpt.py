@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.models.common import Attention, Transformer, is_moe_layer, moe_counts
+from shardwise.models.common import Attention, Transformer, is_moe_layer
 from shardwise.models.feed_forward import GELUMLP
 from shardwise.models.moe import MoE
 
@@ -41,24 +41,3 @@ class GPT(Transformer):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-
-    def residual_projections(self) -> tuple[str, ...]:
-        return ("wo", "proj")
-
-    def embedding_modules(self) -> tuple[str, ...]:
-        return ("tok_embeddings", "pos_embeddings")
-
-    @classmethod
-    def param_counts(cls, cfg: ModelConfig) -> dict[str, int]:
-        h, f, v = cfg.dim, cfg.ffn_dim, cfg.vocab_size
-        kv = cfg.n_kv_heads * (h // cfg.n_heads)
-        attn_w = 2 * h * h + 2 * h * kv
-        attn_b = 2 * h + 2 * kv
-        mlp_w = 2 * h * f
-        mlp_b = f + h
-        per_layer = attn_w + attn_b + mlp_w + mlp_b + 4 * h   # + two LayerNorms (gain, bias)
-        moe = moe_counts(cfg, matrices=2, shared_bias=1)
-        n_moe = moe["n_moe_layers"]
-        return {"embedding": v * h + cfg.max_seq_len * h, "per_layer": per_layer, "final_norm": 2 * h,
-                "head": v * h, "per_moe_layer": attn_w + attn_b + moe["params"] + 4 * h, "n_moe_layers": n_moe,
-                "matmul": (cfg.n_layers - n_moe) * (attn_w + mlp_w) + n_moe * (attn_w + moe["active_matmul"]) + v * h}

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.models.common import Attention, RotaryEmbedding, Transformer, is_moe_layer, moe_counts
+from shardwise.models.common import Attention, RotaryEmbedding, Transformer, is_moe_layer
 from shardwise.models.feed_forward import SwiGLU
 from shardwise.models.moe import MoE
 
@@ -51,19 +51,3 @@ class Llama(Transformer):
 
     def block_kwargs(self) -> dict:
         return {"rope": self.rope}
-
-    def residual_projections(self) -> tuple[str, ...]:
-        return ("wo", "w2")
-
-    @classmethod
-    def param_counts(cls, cfg: ModelConfig) -> dict[str, int]:
-        h, f, v = cfg.dim, cfg.ffn_dim, cfg.vocab_size
-        kv = cfg.n_kv_heads * (h // cfg.n_heads)
-        attn = h * h + 2 * h * kv + h * h          # wq, wk, wv, wo
-        mlp = 3 * h * f                            # w1, w3, w2
-        per_layer = attn + mlp + 2 * h             # + two RMSNorm gains
-        moe = moe_counts(cfg, matrices=3, shared_bias=0)
-        n_moe = moe["n_moe_layers"]
-        return {"embedding": v * h, "per_layer": per_layer, "final_norm": h, "head": v * h,
-                "per_moe_layer": attn + moe["params"] + 2 * h, "n_moe_layers": n_moe,
-                "matmul": (cfg.n_layers - n_moe) * (attn + mlp) + n_moe * (attn + moe["active_matmul"]) + v * h}

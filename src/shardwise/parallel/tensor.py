@@ -1,8 +1,8 @@
 """Tensor parallelism (Megatron-style 1-D TP, Shoeybi et al. 2019, arXiv 1909.08053) with sequence
 parallelism (Korthikanti et al. 2022, arXiv 2205.05198 §4.2) and loss parallelism, on DTensor.
 
-The plan is data: `tp_plan(cfg)` maps module names (a `*` stands for every block index) to style
-names, so it can be printed and tested without a process group;
+The plan is data: `tp_plan(cfg)` maps module names (a `*` stands for every block index) to split
+kinds (spec/shapes.py), so it can be printed and tested without a process group;
 `apply_tensor_parallel` turns it into DTensor `ParallelStyle`s and calls `parallelize_module`.
 
 Layout per block (h = hidden, s = sequence, tp = TP size):
@@ -39,45 +39,25 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardwise.config import ModelConfig
-from shardwise.errors import ConfigError
-
-# Style names used in plans; `_styles` maps them to DTensor ParallelStyles.
-COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD = "colwise", "rowwise", "vocab_embedding", "vocab_head"
-COLWISE_REPLICATED_KV, NORM, REGION_INPUT, POSITION_EMBEDDING = (
-    "colwise_replicated_kv", "norm", "region_input", "position_embedding")
-MOE_REGION = "moe_region"
-
+from shardwise.spec.shapes import (
+    COLWISE,
+    COLWISE_REPLICATED_KV,
+    MOE_REGION,
+    NORM,
+    POSITION_EMBEDDING,
+    REGION_INPUT,
+    ROWWISE,
+    VOCAB_EMBEDDING,
+    VOCAB_HEAD,
+    ModelShape,
+)
 
 
 
 def tp_plan(model: ModelConfig, tp: int) -> dict[str, str]:
-    """{module fqn pattern: style name} for `model` (before any wrapper is applied)."""
-    kv = COLWISE_REPLICATED_KV if model.n_kv_heads < tp else COLWISE
-    attention = {"attention_norm": NORM, "attention": REGION_INPUT, "attention.wq": COLWISE, "attention.wk": kv,
-                 "attention.wv": kv, "attention.wo": ROWWISE}
-    if model.arch == "llama":
-        ffn, norm, mlp = "feed_forward", "ffn_norm", {"w1": COLWISE, "w3": COLWISE, "w2": ROWWISE}
-        top = {"tok_embeddings": VOCAB_EMBEDDING}
-    elif model.arch == "gpt":
-        ffn, norm, mlp = "mlp", "mlp_norm", {"fc": COLWISE, "proj": ROWWISE}
-        top = {"tok_embeddings": VOCAB_EMBEDDING, "pos_embeddings": POSITION_EMBEDDING}
-    else:
-        raise ConfigError("model.arch", f"no tensor-parallel plan for arch {model.arch!r}", "use llama or gpt")
-    dense = {ffn: REGION_INPUT, **{f"{ffn}.{name}": style for name, style in mlp.items()}}
-    plan = dict(top)
-    plan.update({f"layers.*.{name}": style for name, style in {**attention, norm: NORM}.items()})
-    if not model.moe.num_experts:
-        plan.update({f"layers.*.{name}": style for name, style in dense.items()})
-    else:
-        # MoE blocks (every k-th) differ from dense ones: one entry per block index. A pipeline
-        # stage drops the entries of blocks it does not hold (apply_tensor_parallel).
-        from shardwise.models.common import is_moe_layer
-
-        for i in range(model.n_layers):
-            block = {ffn: MOE_REGION} if is_moe_layer(model, i) else dense
-            plan.update({f"layers.{i}.{name}": style for name, style in block.items()})
-    plan.update({"norm": NORM, "output": VOCAB_HEAD})
-    return plan
+    """{module fqn pattern: kind} for `model` (before any wrapper is applied): spec/shapes.py's one
+    description of the architecture, from which the planner sizes the same split."""
+    return ModelShape.from_config(model).tp_modules(tp)
 
 
 def expand_plan(plan: dict[str, str], module: nn.Module) -> dict[str, str]:

@@ -4,7 +4,9 @@
 matters: ZeRO-1 (parallel/zero1.py) partitions greedily in that order, and FSDP2 pads per parameter), for
 the two architectures in `shardwise.models` (llama: RMSNorm, RoPE, GQA, SwiGLU, no biases; gpt:
 LayerNorm, learned positions, GELU 4h MLP, biases, untied head). tests/unit/test_plan_memory.py checks
-them against the real modules built on the meta device and against `Transformer.param_counts`.
+them against the real modules built on the meta device. This is the one description of each
+architecture: the models' closed-form counts (models/common.py), the planner's inventory and the
+trainer's tensor-parallel plan (`tp_modules`, parallel/tensor.py) all derive from it.
 
 Mixture of experts (models/moe.py, config `[model.moe]`: num_experts, top_k, every_k_layers,
 capacity_factor, expert_ffn_dim, num_shared_experts) replaces the MLP of every k-th block by
@@ -20,8 +22,51 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
+from shardwise.spec.hardware import lookup
 
-ARCH_NAMES = ("llama", "gpt")  # models/__init__.py ARCHS builds each
+# FLOPs a GPU can do in the time it moves one byte of HBM (its roofline ridge point), from the
+# device table: H100 SXM dense bf16 over HBM bandwidth, ~295. Prices memory-bound work in FLOPs.
+_RIDGE = lookup("h100-sxm-80gb")
+MEMORY_BOUND_FLOPS_PER_BYTE = _RIDGE.peak_flops("bf16") / (_RIDGE.memory_bandwidth_gbps * 1e9)
+
+
+# How tensor parallelism splits each module (parallel/tensor.py maps a kind to a DTensor ParallelStyle;
+# Megatron-LM's 1-D TP, Shoeybi et al. 2019, arXiv 1909.08053): column-wise splits the output dim,
+# row-wise the input dim; a region's input is all-gathered (SP) or replicated; norms run on the
+# sequence shard (SP); vocab-parallel embedding and head split the vocabulary; an MoE region holds
+# the router (replicated) and experts split on their ffn dim.
+COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD = "colwise", "rowwise", "vocab_embedding", "vocab_head"
+COLWISE_REPLICATED_KV, NORM, REGION_INPUT, POSITION_EMBEDDING = (
+    "colwise_replicated_kv", "norm", "region_input", "position_embedding")
+MOE_REGION = "moe_region"
+# The planner's coarser per-parameter kind of each module kind (ParamSpec.tp).
+_PARAM_KIND = {COLWISE: "col", COLWISE_REPLICATED_KV: "col", ROWWISE: "row", VOCAB_EMBEDDING: "vocab",
+               VOCAB_HEAD: "vocab"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture's module tree, in registration order (= `model.parameters()` order): the
+    single description models/ must build, the planner sizes and parallel/tensor.py splits."""
+
+    ffn: str                                   # the block's feed-forward module
+    ffn_norm: str                              # the norm before it
+    mlp: tuple[tuple[str, str], ...]           # (linear, TP kind) of the dense MLP, in order
+    embeddings: tuple[tuple[str, str], ...]    # (module, TP kind) of the input embeddings
+    bias: bool                                 # linears and norms carry biases
+    residual: tuple[str, ...]                  # projections writing into the residual stream (init)
+
+
+ARCHITECTURES = {
+    # LLaMA (Touvron et al. 2023): RMSNorm, RoPE, GQA, SwiGLU w2(silu(w1 x) * w3 x), no biases.
+    "llama": Architecture("feed_forward", "ffn_norm", (("w1", COLWISE), ("w3", COLWISE), ("w2", ROWWISE)),
+                          (("tok_embeddings", VOCAB_EMBEDDING),), False, ("wo", "w2")),
+    # GPT-3 / Megatron: LayerNorm, learned positions, GELU MLP, biases, untied head.
+    "gpt": Architecture("mlp", "mlp_norm", (("fc", COLWISE), ("proj", ROWWISE)),
+                        (("tok_embeddings", VOCAB_EMBEDDING), ("pos_embeddings", POSITION_EMBEDDING)), True,
+                        ("wo", "proj")),
+}
+ARCH_NAMES = tuple(ARCHITECTURES)  # models/__init__.py ARCHS builds each
 
 
 @dataclass(frozen=True)
@@ -113,11 +158,6 @@ class ModelShape:
     def expert_ffn(self) -> int:
         return (self.moe.expert_ffn_dim or self.ffn_dim) if self.moe else self.ffn_dim
 
-    @property
-    def mlp_matrices(self) -> int:
-        """Weight matrices in one MLP: SwiGLU w1, w3, w2 (llama) or fc, proj (gpt)."""
-        return 3 if self.arch == "llama" else 2
-
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(index)
 
@@ -126,19 +166,18 @@ class ModelShape:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     # ---- parameter inventory (model.parameters() order) ----
+    @property
+    def architecture(self) -> Architecture:
+        return ARCHITECTURES[self.arch]
+
     def embedding_params(self) -> list[ParamSpec]:
-        out = [ParamSpec("tok_embeddings.weight", (self.vocab_size, self.dim), "vocab")]
-        if self.arch == "gpt":
-            out.append(ParamSpec("pos_embeddings.weight", (self.max_seq_len, self.dim), ""))
-        return out
+        rows = {"tok_embeddings": self.vocab_size, "pos_embeddings": self.max_seq_len}
+        return [ParamSpec(f"{name}.weight", (rows[name], self.dim), _PARAM_KIND.get(kind, ""))
+                for name, kind in self.architecture.embeddings]
 
     def head_params(self) -> list[ParamSpec]:
         """Final norm and output head (the root FSDP unit's tail)."""
-        h = self.dim
-        norm = [ParamSpec("norm.weight", (h,), "", False)]
-        if self.arch == "gpt":
-            norm.append(ParamSpec("norm.bias", (h,), "", False))
-        return norm + [ParamSpec("output.weight", (self.vocab_size, h), "vocab")]
+        return self._norm("norm.") + [ParamSpec("output.weight", (self.vocab_size, self.dim), _PARAM_KIND[VOCAB_HEAD])]
 
     def layer_params(self, index: int) -> list[ParamSpec]:
         return self.block_params(self.is_moe_layer(index), f"layers.{index}.")
@@ -148,49 +187,68 @@ class ModelShape:
         planner asks for the same block many times)."""
         return _block_specs(self, moe, p)
 
+    def _norm(self, p: str) -> list[ParamSpec]:
+        h = self.dim
+        return [ParamSpec(p + "weight", (h,), "", False)] + ([ParamSpec(p + "bias", (h,), "", False)] if self.architecture.bias else [])
+
+    def _linear(self, p: str, out: int, inp: int, kind: str) -> list[ParamSpec]:
+        """A linear's weight (out, in) and bias: a column-parallel bias is split with the output, a
+        row-parallel one is replicated (added once, after the reduction)."""
+        tp = _PARAM_KIND.get(kind, "")
+        out_specs = [ParamSpec(p + "weight", (out, inp), tp)]
+        if self.architecture.bias:
+            out_specs.append(ParamSpec(p + "bias", (out,), tp if tp == "col" else "", False))
+        return out_specs
+
+    def _mlp(self, p: str, hidden: int) -> list[ParamSpec]:
+        out = []
+        for name, kind in self.architecture.mlp:
+            rows, cols = (self.dim, hidden) if kind == ROWWISE else (hidden, self.dim)
+            out += self._linear(f"{p}{name}.", rows, cols, kind)
+        return out
+
     def _build_block(self, moe: bool, p: str) -> list[ParamSpec]:
-        h, kv, f = self.dim, self.kv_dim, self.ffn_dim
-        if self.arch == "llama":
-            out = [ParamSpec(p + "attention_norm.weight", (h,), "", False),
-                   ParamSpec(p + "attention.wq.weight", (h, h), "col"),
-                   ParamSpec(p + "attention.wk.weight", (kv, h), "col"),
-                   ParamSpec(p + "attention.wv.weight", (kv, h), "col"),
-                   ParamSpec(p + "attention.wo.weight", (h, h), "row"),
-                   ParamSpec(p + "ffn_norm.weight", (h,), "", False)]
-            if moe:
-                return out + self._moe_params(p + "feed_forward.")
-            return out + [ParamSpec(p + "feed_forward.w1.weight", (f, h), "col"),
-                          ParamSpec(p + "feed_forward.w3.weight", (f, h), "col"),
-                          ParamSpec(p + "feed_forward.w2.weight", (h, f), "row")]
-        out = [ParamSpec(p + "attention_norm.weight", (h,), "", False), ParamSpec(p + "attention_norm.bias", (h,), "", False)]
-        for name, rows, tp in (("wq", h, "col"), ("wk", kv, "col"), ("wv", kv, "col"), ("wo", h, "row")):
-            out += [ParamSpec(p + f"attention.{name}.weight", (rows, h), tp),
-                    ParamSpec(p + f"attention.{name}.bias", (rows,), "col" if tp == "col" else "", False)]
-        out += [ParamSpec(p + "mlp_norm.weight", (h,), "", False), ParamSpec(p + "mlp_norm.bias", (h,), "", False)]
-        if moe:
-            return out + self._moe_params(p + "mlp.")
-        return out + [ParamSpec(p + "mlp.fc.weight", (f, h), "col"), ParamSpec(p + "mlp.fc.bias", (f,), "col", False),
-                      ParamSpec(p + "mlp.proj.weight", (h, f), "row"), ParamSpec(p + "mlp.proj.bias", (h,), "", False)]
+        h, kv, arch = self.dim, self.kv_dim, self.architecture
+        out = self._norm(p + "attention_norm.")
+        for name, rows, kind in (("wq", h, COLWISE), ("wk", kv, COLWISE), ("wv", kv, COLWISE), ("wo", h, ROWWISE)):
+            out += self._linear(p + f"attention.{name}.", rows, h, kind)
+        out += self._norm(p + arch.ffn_norm + ".")
+        ffn = p + arch.ffn + "."
+        return out + (self._moe_params(ffn) if moe else self._mlp(ffn, self.ffn_dim))
 
     def _moe_params(self, prefix: str) -> list[ParamSpec]:
         """Router + stacked experts (E, out, in); no expert biases (torchtitan GroupedExperts)."""
         assert self.moe is not None
         e, h, f = self.moe.num_experts, self.dim, self.expert_ffn
-        names = ("w1", "w3", "w2") if self.arch == "llama" else ("fc", "proj")
         out = [ParamSpec(prefix + "router.weight", (e, h), "")]
-        for n in names:
-            shape = (e, h, f) if n in ("w2", "proj") else (e, f, h)
-            out.append(ParamSpec(prefix + f"experts.{n}", shape, "expert"))
+        for name, kind in self.architecture.mlp:
+            out.append(ParamSpec(prefix + f"experts.{name}", (e, h, f) if kind == ROWWISE else (e, f, h), "expert"))
         fs = self.moe.num_shared_experts * f
         if fs:  # one always-on MLP (models/moe.py), split by tp like a dense MLP
-            p = prefix + "shared_experts."
-            if self.arch == "llama":
-                out += [ParamSpec(p + "w1.weight", (fs, h), "col"), ParamSpec(p + "w3.weight", (fs, h), "col"),
-                        ParamSpec(p + "w2.weight", (h, fs), "row")]
-            else:
-                out += [ParamSpec(p + "fc.weight", (fs, h), "col"), ParamSpec(p + "fc.bias", (fs,), "col", False),
-                        ParamSpec(p + "proj.weight", (h, fs), "row"), ParamSpec(p + "proj.bias", (h,), "", False)]
+            out += self._mlp(prefix + "shared_experts.", fs)
         return out
+
+    # ---- the tensor-parallel plan (parallel/tensor.py applies it) ----
+    def tp_modules(self, tp: int) -> dict[str, str]:
+        """{module fqn pattern: TP kind}; `*` stands for every block index. KV projections are
+        replicated across the ranks that share a KV head when there are fewer KV heads than ranks."""
+        arch = self.architecture
+        kv = COLWISE_REPLICATED_KV if self.n_kv_heads < tp else COLWISE
+        attention = {"attention_norm": NORM, "attention": REGION_INPUT, "attention.wq": COLWISE, "attention.wk": kv,
+                     "attention.wv": kv, "attention.wo": ROWWISE, arch.ffn_norm: NORM}
+        dense = {arch.ffn: REGION_INPUT, **{f"{arch.ffn}.{name}": kind for name, kind in arch.mlp}}
+        plan = dict(arch.embeddings)
+        plan.update({f"layers.*.{name}": kind for name, kind in attention.items()})
+        if self.moe is None:
+            plan.update({f"layers.*.{name}": kind for name, kind in dense.items()})
+        else:
+            # MoE blocks (every k-th) differ from dense ones: one entry per block index. A pipeline
+            # stage drops the entries of blocks it does not hold (parallel/tensor.py).
+            for i in range(self.n_layers):
+                block = {arch.ffn: MOE_REGION} if self.is_moe_layer(i) else dense
+                plan.update({f"layers.{i}.{name}": kind for name, kind in block.items()})
+        plan.update({"norm": NORM, "output": VOCAB_HEAD})
+        return plan
 
     def params(self) -> list[ParamSpec]:
         out = list(self.embedding_params())
@@ -233,7 +291,7 @@ class ModelShape:
     @cached_property
     def active_matmul_params(self) -> int:
         """Weights every token multiplies with: blocks (top_k experts for MoE) + output head. For a
-        dense model this equals `Transformer.param_counts()["matmul"]`."""
+        dense model these are the weights of every GEMM."""
         n_moe = self.n_moe_layers
         dense = (self.n_layers - n_moe) * self.block_matmul_numel(False, True)
         moe = n_moe * self.block_matmul_numel(True, True) if n_moe else 0
@@ -241,9 +299,25 @@ class ModelShape:
 
     def flops_per_token(self, seq_len: int) -> int:
         """Model FLOPs per trained token, forward + backward: 6 N_active + 12 L s h (PaLM, Chowdhery et al.
-        2022, arXiv 2204.02311, App. B) — the same definition as `Transformer.count_flops_per_token`,
+        2022, arXiv 2204.02311, App. B) — the definition `Transformer.count_flops_per_token` returns,
         so the planner's MFU and the trainer's agree. The causal mask is not discounted."""
         return 6 * self.active_matmul_params + 12 * self.n_layers * seq_len * self.dim
+
+
+    def pipeline_costs(self, seq_len: int) -> dict[str, float]:
+        """Training cost per token of the parts a pipeline split places, in FLOP-equivalents:
+        {'embedding', 'block', 'head'} (spec/stages.py balanced_split). GEMMs and attention count their
+        FLOPs (as flops_per_token); the memory-bound parts — the embedding gather and its scatter-add
+        gradient, the cross-entropy over V logits — count the bytes they move times the ridge point of
+        a GPU (MEMORY_BOUND_FLOPS_PER_BYTE), so the first and last stage are not treated as free."""
+        head_numel = self.vocab_size * self.dim
+        block = 6 * (self.active_matmul_params - head_numel) / self.n_layers + 12 * seq_len * self.dim
+        # Embedding: read + write an h-vector forward, read the gradient + read-modify-write the
+        # table row backward (fp32): ~5 x 4h bytes per token.
+        embedding = 5 * 4 * self.dim * MEMORY_BOUND_FLOPS_PER_BYTE
+        # Head: the GEMM (6Vh) plus softmax/cross-entropy forward and backward, ~4 passes over V fp32 logits.
+        head = 6 * head_numel + 4 * 4 * self.vocab_size * MEMORY_BOUND_FLOPS_PER_BYTE
+        return {"embedding": float(embedding), "block": float(block), "head": float(head)}
 
 
 @lru_cache(maxsize=4096)
