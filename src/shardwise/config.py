@@ -1,6 +1,6 @@
 """Typed configuration tree: dataclasses with a doc string per field, strict TOML, --a.b=c overrides.
 
-Every field documents itself through `metadata["doc"]` (see `opt`), so `shardwise train --help-config`
+Every field documents itself through `metadata["doc"]` (see `opt`), so `shardwise config --keys`
 lists the whole tree and error messages can suggest the nearest valid key.
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ParallelConfig:
                   "cp ranks join data parallelism for gradients and sharding.")
     cp_mode: str = opt("ring", '"ring" (K/V passed around the cp ranks, any head count) or "ulysses" (all-to-all '
                        "of heads: local heads must be divisible by cp).")
-    ep: int = opt(1, "Expert-parallel axis (not implemented yet: must be 1).")
+    ep: int = opt(1, "Expert-parallel axis: experts split over ep ranks folded into dp_shard x cp (needs model.moe.num_experts divisible by ep and zero 2/3).")
     pp_schedule: str = opt("1f1b", 'Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" '
                            '(looped placement, any virtual stages), "zbv" (V-shaped zero bubble, 2 virtual stages), '
                            '"dualpipev" (2 virtual stages).')
@@ -366,7 +366,7 @@ MOE_FALLBACKS = {"num_experts": 0, "top_k": 2, "every_k_layers": 1, "capacity_fa
 
 
 def describe() -> str:
-    """Every key with its default and documentation, for --help-config."""
+    """Every key with its default and documentation, for `shardwise config --keys`."""
     lines = []
 
     def table(name: str, cls: type) -> None:

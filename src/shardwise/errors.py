@@ -26,8 +26,6 @@ EXIT_SIGTERM = 143
 # Interruptions are not restarted either when the launcher itself was signalled (torchrun's agent
 # shuts down), and a worker signalled on its own resumes from the checkpoint it just wrote.
 NOT_RESTARTABLE = frozenset({EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_IO})
-# Codes whose worker already printed the one line the user needs; the launcher adds nothing.
-REPORTED_BY_WORKER = frozenset({EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_IO, EXIT_STALLED, EXIT_SIGINT, EXIT_SIGTERM})
 
 
 def interrupt_exit_code(signum: int) -> int:
@@ -93,12 +91,6 @@ class StorageFailure(RunFailure):
     """A write or read the run depends on failed (disk full, read-only file system, I/O error)."""
 
     exit_code = EXIT_IO
-
-
-class Stalled(RunFailure):
-    """A collective waited longer than run.collective_timeout_s."""
-
-    exit_code = EXIT_STALLED
 
 
 class Interrupted(RunFailure):

@@ -86,8 +86,9 @@ class Layout:
     def chunks_per_rank(self) -> int:
         return self.virtual_stages if self.pp > 1 else 1
 
-    def accumulation(self, problem: Problem) -> int:
-        """Micro-batches per optimizer step per data-parallel rank (= pipeline micro-batches)."""
+    def accumulation(self, problem: Any) -> int:
+        """Micro-batches per optimizer step per data-parallel rank (= pipeline micro-batches); `problem`
+        is anything with global_batch (plan/layout.py Problem)."""
         return problem.global_batch // (self.micro_batch * self.dp)
 
     def with_(self, **kw: Any) -> "Layout":
@@ -108,7 +109,7 @@ class Layout:
             extra.append("no-sp")
         return f"{text} {' '.join(extra)}"
 
-    def config_values(self, problem: Problem) -> dict[str, dict[str, Any]]:
+    def config_values(self, problem: Any) -> dict[str, dict[str, Any]]:
         """The parallel.* / train.* keys that make `shardwise train` run this layout."""
         return {
             "parallel": {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero, "tp": self.tp,

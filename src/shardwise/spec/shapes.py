@@ -266,10 +266,6 @@ class ModelShape:
         return self.count(self.params())
 
     @cached_property
-    def embedding_numel(self) -> int:
-        return self.count(self.embedding_params())
-
-    @cached_property
     def head_numel(self) -> int:
         return self.count(self.head_params())
 
