@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench soak clean
+.PHONY: demo test lint venv bench soak clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# Style and shape: ruff (lint + import order, config in pyproject.toml) and the import graph's floors
+# (tools/import_graph.py: no circles, no upward import; docs/architecture.md §2).
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/python tools/import_graph.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

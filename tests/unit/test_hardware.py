@@ -1,4 +1,5 @@
-"""spec/hardware.py: datasheet table, name look-ups, CUDA name mapping, the CPU matmul probe."""
+"""spec/hardware.py (datasheet table, name look-ups, CUDA name mapping) and train/peak_flops.py (the
+matmul probe)."""
 from __future__ import annotations
 
 import math
@@ -7,14 +8,8 @@ import time
 import pytest
 
 from shardwise.errors import ConfigError
-from shardwise.spec.hardware import (
-    DEVICES,
-    device_peak_flops,
-    lookup,
-    match_cuda_name,
-    measure_cpu_peak_flops,
-    normalize_dtype,
-)
+from shardwise.spec.hardware import DEVICES, lookup, match_cuda_name, normalize_dtype
+from shardwise.train.peak_flops import device_peak_flops, measure_cpu_peak_flops
 
 REQUIRED = ["a100-sxm-40gb", "a100-sxm-80gb", "h100-sxm-80gb", "h100-nvl-94gb", "h200-sxm-141gb", "b200", "mi300x"]
 
