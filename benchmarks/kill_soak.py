@@ -7,10 +7,14 @@ elastic agent restarts the worker group, which resumes from the newest intact ch
 passes when the run exits 0 and its per-step losses (the last record of each step), final loss and
 final parameters are bitwise equal to an uninterrupted run of the same job.
 
-    .venv/bin/python benchmarks/kill_soak.py [--trials 20] [--seed 0] [--steps 24] [--out FILE.json]
+    .venv/bin/python benchmarks/kill_soak.py [--trials 20] [--seed 0] [--steps 24] [--out FILE.json] [--smoke]
 
 Prints a row per trial and "N/T identical"; exit status 1 when any trial is not identical (the soak is
 a check as well as a measurement). `make soak` runs 20 trials, `make test` two.
+
+--smoke checks that the script still runs end to end (tests/dist/test_benchmarks_smoke.py): 1 trial (a
+kill at a random step) of the shortest job the soak accepts (--steps 10), written to
+benchmarks/results/kill_soak.smoke.json unless --out is given.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "json/decoder.py")
 EVERY = 4
+# --smoke: one trial of the shortest job main() accepts (two checkpoints and two steps after them). Its own
+# default output file, so that a smoke run never replaces a real soak's result.
+SMOKE = {"trials": 1, "steps": 2 * EVERY + 2, "out": str(ROOT / "benchmarks" / "results" / "kill_soak.smoke.json")}
 
 
 def job_args(work: Path, run: Path, steps: int) -> list[str]:
@@ -126,7 +133,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kill_soak.json"))
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"does the script still run? 1 trial of {SMOKE['steps']} steps")
     args = parser.parse_args()
+    if args.smoke:  # smoke sizes replace the defaults only: options given explicitly still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     if args.trials < 1 or args.steps < 2 * EVERY + 2:
         print(f"error: need --trials >= 1 and --steps >= {2 * EVERY + 2}", file=sys.stderr)
         return 2
@@ -157,8 +169,11 @@ def main() -> int:
                 print((work / f"trial_{i}.log").read_text()[-3000:], flush=True)
     same = sum(r["identical"] for r in rows)
     print(f"{same}/{len(rows)} identical")
+    result = {"trials": rows, "identical": same, "steps": args.steps, "seed": args.seed}
+    if args.smoke:
+        result["smoke"] = True
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"trials": rows, "identical": same, "steps": args.steps, "seed": args.seed}, indent=1))
+    Path(args.out).write_text(json.dumps(result, indent=1))
     return 0 if same == len(rows) else 1
 
 

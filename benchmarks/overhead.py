@@ -9,7 +9,7 @@ and the throughput ratio shardwise / reference is reported. Target: >= 0.97.
 
     python benchmarks/overhead.py [--preset tiny] [--seq-len 128] [--batch 8] [--micro-batch 8]
         [--precision fp32|bf16] [--rounds 7] [--steps-per-round 20] [--warmup 5] [--threads N]
-        [--out benchmarks/results/overhead.json] [--model.dim=256 ...any config override]
+        [--out benchmarks/results/overhead.json] [--smoke] [--model.dim=256 ...any config override]
 
 Default model: preset "tiny" widened to dim 128, 4 layers, ffn 384 (1.3M parameters, vocab 2048), so a
 step of 8 x 128 tokens takes tens of milliseconds on 2 CPU cores: small enough that per-step framework
@@ -19,11 +19,16 @@ taken as is; model.* overrides (e.g. --model.n_layers=2) apply on top of either.
 This is a measurement, not a test: the exit status is 0 whether or not the target is met (2 for bad
 arguments). Both sides must produce the same first-step loss (relative 1e-5), or they would not be
 doing the same work; that check is printed and recorded.
+
+--smoke checks that the script still runs end to end (tests/dist/test_benchmarks_smoke.py): 1 round of
+1 step per side after 1 warm-up step, 2 x 32 tokens per step in 2 micro-batches, 1 thread, written to
+benchmarks/results/overhead.smoke.json unless --out is given. Its ratio is not a measurement.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -54,6 +59,13 @@ from shardwise.train.trainer import Trainer
 TARGET = 0.97
 LOSS_RTOL = 1e-5
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
+# --smoke: the fewest steps that still go through every part of the script (warm-up and loss check, one
+# timed round, the table, the JSON), and 2 micro-batches so that both sides' accumulation loops run. One
+# thread: a smoke run shares the machine with other tests, and on a loaded 2-core machine 2 intra-op threads
+# made its steps 6-25x slower than 1 thread (300-1300 ms vs 47 ms). Its own default output file, so that a
+# smoke run never replaces a real measurement.
+SMOKE = {"seq_len": 32, "batch": 2, "micro_batch": 1, "rounds": 1, "steps_per_round": 1, "warmup": 1, "threads": 1,
+         "out": DEFAULT_OUT.with_name("overhead.smoke.json")}
 # The default preset is widened so that a step is tens of ms (the bare "tiny" is a few ms on 2 cores,
 # where timer and scheduler noise would dominate).
 TINY_WIDENED = [("model.dim", "128"), ("model.n_layers", "4"), ("model.ffn_dim", "384")]
@@ -79,7 +91,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     p.add_argument("--threads", type=int, default=0, help="torch threads for both sides (default: all available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--smoke", action="store_true",
+                   help="does the script still run? smallest sizes, 1 round of 1 step (not a measurement)")
     args, rest = p.parse_known_args(argv)
+    if args.smoke:  # smoke sizes replace the defaults only: options given explicitly still win
+        p.set_defaults(**SMOKE)
+        args, rest = p.parse_known_args(argv)
     if args.precision == "fp16":
         p.exit(2, "overhead.py: --precision fp16 is not supported: fp16 needs dynamic loss scaling, which the plain "
                   "reference loop does not do, so the two sides would not do the same work. Use fp32 or bf16.\n")
@@ -248,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.rounds} rounds x {args.steps_per_round} steps per side after {args.warmup} warm-up steps")
         for msg in messages:
             console.print(f"[dim]{msg}[/dim]")
+        if args.smoke:
+            console.print("[yellow]smoke run: checks that the benchmark runs; its ratio is not a measurement[/yellow]")
 
         def sw_step() -> float:
             return trainer.train_step().loss
@@ -332,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "overhead",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "config": {
-            "preset": args.preset, "model": {k: v for k, v in vars(m).items()}, "num_params": trainer.num_params,
+            # asdict, not vars(): the model config nests a MoEConfig dataclass, which json cannot encode.
+            "preset": args.preset, "model": dataclasses.asdict(m), "num_params": trainer.num_params,
             "seq_len": t.seq_len, "batch": t.global_batch, "micro_batch": t.micro_batch,
             "accumulation": trainer.accumulation, "precision": t.precision, "rounds": args.rounds,
             "steps_per_round": args.steps_per_round, "warmup": args.warmup, "seed": t.seed,
@@ -364,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "wall_s": wall,
     }
+    if args.smoke:
+        result["smoke"] = True  # so that nobody reads a smoke run's ratio as a measurement
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {args.out}")

@@ -9,7 +9,12 @@ On a machine with fewer cores than pipeline ranks the ranks also wait for a core
 idle time: compare schedules within one run of this script, not with a GPU cluster.
 
     python benchmarks/pipeline_bubble.py [--pp 4] [--microbatches 8] [--schedules gpipe,1f1b,interleaved_1f1b]
-                                         [--out benchmarks/results/pipeline_bubble.json]
+                                         [--out benchmarks/results/pipeline_bubble.json] [--smoke]
+
+--smoke checks that the script still runs end to end (tests/dist/test_benchmarks_smoke.py): one 1f1b run
+at pp=2 with 2 micro-batches for 1 step, on the `tiny` preset with the byte tokenizer (no BPE training,
+caches in the temporary work directory), written to benchmarks/results/pipeline_bubble.smoke.json unless
+--out is given. Its bubble is not a measurement.
 """
 from __future__ import annotations
 
@@ -25,14 +30,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1, "zbv": 2, "dualpipev": 2}
+# The model and data of the measurement: `small`-width llama cut to 8 blocks (so pp=4 x v=2 has a block
+# per stage), seq 128; the corpus and tokenizer are the config's defaults.
+MODEL = ["--model.preset=small", "--model.n_layers=8", "--model.vocab_size=2048", "--train.seq_len=128"]
+# --smoke: the smallest run that still writes a pipeline timeline: 2 stages of the 2-block `tiny` preset, and
+# the byte tokenizer with its caches under the work directory, so that a cold machine trains no BPE tokenizer
+# and nothing is written to the user's cache.
+SMOKE_MODEL = ["--model.preset=tiny", "--train.seq_len=32", "--data.tokenizer=byte"]
+SMOKE = {"pp": 2, "microbatches": 2, "steps": 1, "schedules": "1f1b",
+         "out": str(ROOT / "benchmarks/results/pipeline_bubble.smoke.json")}
 
 
-def run(schedule: str, pp: int, m: int, steps: int, work: Path) -> dict:
+def run(schedule: str, pp: int, m: int, steps: int, work: Path, model: list[str]) -> dict:
     run_dir = work / schedule
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "shardwise.cli", "train", "--nproc", str(pp), "--model.preset=small", "--model.n_layers=8",
-           "--model.vocab_size=2048", f"--parallel.pp={pp}", f"--parallel.pp_schedule={schedule}",
-           f"--parallel.pp_virtual_stages={VIRTUAL[schedule]}", "--train.seq_len=128", f"--train.global_batch={m}",
+    cmd = [sys.executable, "-m", "shardwise.cli", "train", "--nproc", str(pp), *model,
+           f"--parallel.pp={pp}", f"--parallel.pp_schedule={schedule}",
+           f"--parallel.pp_virtual_stages={VIRTUAL[schedule]}", f"--train.global_batch={m}",
            "--train.micro_batch=1", f"--train.steps={steps}", f"--train.log_every={steps}", "--run.progress=false",
            "--run.tensorboard=false", "--checkpoint.final=false", f"--run.dir={run_dir}"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -54,14 +68,20 @@ def main() -> int:
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b")
     ap.add_argument("--keep", default=None, help="directory to keep the runs (charts) in; default: a temporary one")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/pipeline_bubble.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="does the script still run? one tiny 1f1b run of 1 step at pp=2 (not a measurement)")
     args = ap.parse_args()
+    if args.smoke:  # smoke sizes replace the defaults only: options given explicitly still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
     schedules = args.schedules.split(",")
     if any(s not in VIRTUAL for s in schedules):
         print(f"--schedules: choose from {', '.join(VIRTUAL)}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
-        rows = [run(s, args.pp, args.microbatches, args.steps, work) for s in schedules]
+        model = SMOKE_MODEL + [f"--data.cache_dir={work / 'cache'}"] if args.smoke else MODEL
+        rows = [run(s, args.pp, args.microbatches, args.steps, work, model) for s in schedules]
     print(f"pp={args.pp}, m={args.microbatches} micro-batches, {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
     print(f"{'schedule':<18} {'v':>2} {'measured':>9} {'theory':>7} {'span ms':>8}  mean action ms")
     for r in rows:
@@ -69,9 +89,11 @@ def main() -> int:
         actions = " ".join(f"{k} {v:.1f}" for k, v in r["mean_action_ms"].items())
         print(f"{r['schedule']:<18} {r['virtual_stages']:>2} {r['bubble_measured']:>9.1%} {theory:>7} "
               f"{r['span_s'] * 1e3:>8.1f}  {actions}")
+    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(), "cores": os.cpu_count(), "rows": rows}
+    if args.smoke:
+        result["smoke"] = True  # so that nobody reads a smoke run's bubble as a measurement
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(), "cores": os.cpu_count(),
-                                          "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -5,10 +5,15 @@ corrupt files, killed and stopped processes, a full disk — and records the exi
 tracebacks and stderr lines were printed, and what happened to the run's files. It only uses the
 command line, so it can be pointed at an older checkout to compare (`--src OLD_CHECKOUT/src`).
 
-    .venv/bin/python benchmarks/run_safety_probes.py [--src DIR] [--only NAME ...] [--out results.json]
+    .venv/bin/python benchmarks/run_safety_probes.py [--src DIR] [--only NAME ...] [--out results.json] [--smoke]
 
 Probes that need root (a read-only or full tmpfs) are reported as skipped otherwise. Results are
 printed as a table and written to benchmarks/results/run_safety_probes.json.
+
+--smoke checks that the script still runs end to end (tests/dist/test_benchmarks_smoke.py): only the
+probes in SMOKE_PROBES (one `shardwise train` each that pre-flight refuses within seconds, none needing
+root), written to benchmarks/results/run_safety_probes.smoke.json unless --out is given; and, unlike a
+full run, a probe that fails itself ("probe error") makes the exit status 1.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kill_soak import workers as children  # noqa: E402  (the launcher's direct children, from /proc)
+
 CORPUS_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "json/decoder.py")
 
 
@@ -427,6 +433,9 @@ def probe_binary_corpus(p: Probe) -> dict:
 
 
 PROBES = {name[len("probe_"):]: fn for name, fn in globals().items() if name.startswith("probe_")}
+# --smoke: the probes that take one short command each and need no root; together they still go through the
+# Probe set-up (corpus, common arguments), Probe.run and the table and JSON below.
+SMOKE_PROBES = ["run_dir_is_file", "run_dir_under_file", "binary_corpus"]
 
 
 def main() -> int:
@@ -434,7 +443,13 @@ def main() -> int:
     parser.add_argument("--src", default=None, help="src/ directory of the checkout to probe (default: this one)")
     parser.add_argument("--only", nargs="*", default=None, help=f"probes to run: {', '.join(PROBES)}")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "run_safety_probes.json"))
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"does the script still run? only {', '.join(SMOKE_PROBES)}; a probe error is exit 1")
     args = parser.parse_args()
+    if args.smoke:  # smoke defaults replace the defaults only: options given explicitly still win
+        parser.set_defaults(only=SMOKE_PROBES,
+                            out=str(ROOT / "benchmarks" / "results" / "run_safety_probes.smoke.json"))
+        args = parser.parse_args()
     names = args.only or list(PROBES)
     unknown = set(names) - set(PROBES)
     if unknown:
@@ -456,6 +471,12 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")
+    # A full run reports a probe's own failure as a row and goes on; a smoke run exists to notice that the
+    # script no longer works against the current command line, so there it is the exit status.
+    errors = [r["probe"] for r in rows if r.get("exit") == "probe error"]
+    if args.smoke and errors:
+        print(f"smoke: probe error in {', '.join(errors)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,61 @@
+"""Every script in benchmarks/ still runs: its --smoke mode (smallest sizes, one round or trial) as a user
+would start it, from the repository root, must exit 0 and write JSON that parses. The benchmarks are not
+run by anything else, so without this an API change breaks them unseen (overhead.py once printed its
+ratio and then died writing its JSON). The JSON goes to tmp_path through each script's --out, so the
+tree is left as it was."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _smoke(script: str, out: Path) -> object:
+    # sys.executable: the venv's interpreter that runs this suite, so the scripts see the same torch and
+    # the installed shardwise. The timeout only bounds a hang; a smoke run takes seconds to a minute.
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, f"{script} --smoke exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    assert out.is_file(), f"{script} --smoke did not write {out}\n{p.stdout[-2000:]}"
+    return json.loads(out.read_text())
+
+
+def test_overhead_smoke(tmp_path):
+    data = _smoke("overhead.py", tmp_path / "overhead.json")
+    assert data["smoke"] is True and len(data["rounds"]) == 1
+    # The script's exit status is 0 whatever the ratio; the same-work check is what would rot silently.
+    assert data["loss_check"]["ok"], data["loss_check"]
+    assert isinstance(data["config"]["model"]["moe"], dict)  # the nested config dataclass, serialised
+
+
+def test_pipeline_bubble_smoke(tmp_path):
+    data = _smoke("pipeline_bubble.py", tmp_path / "pipeline_bubble.json")
+    assert data["smoke"] is True and [r["schedule"] for r in data["rows"]] == ["1f1b"]
+    assert all(0.0 <= r["bubble_measured"] <= 1.0 for r in data["rows"]), data["rows"]
+
+
+def test_plan_search_speed_smoke(tmp_path):
+    data = _smoke("plan_search_speed.py", tmp_path / "plan_search_speed.json")
+    assert data["smoke"] is True and data["pass"] and len(data["rows"]) == 1
+    assert data["rows"][0]["feasible"] > 0, data["rows"]
+
+
+def test_kill_soak_smoke(tmp_path):
+    data = _smoke("kill_soak.py", tmp_path / "kill_soak.json")
+    assert data["smoke"] is True and data["identical"] == len(data["trials"]) == 1, data["trials"]
+
+
+def test_run_safety_probes_smoke(tmp_path):
+    rows = _smoke("run_safety_probes.py", tmp_path / "run_safety_probes.json")
+    assert isinstance(rows, list) and rows, rows
+    # A full run turns a probe's own exception into a row; in the smoke that would be rot, so none may.
+    assert not [r for r in rows if r.get("exit") == "probe error"], rows
+
+
+def test_every_benchmark_has_a_smoke_test():
+    """A new script in benchmarks/ needs its own smoke test above; this fails until it has one."""
+    smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py"}
+    assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
