@@ -237,9 +237,10 @@ def _positions(name: str) -> list[tuple[str, int, list[int]]]:
 
 def _predicted(base_overrides, name: str, pp_rank: int = 0) -> dict[str, float]:
     """The planner's bytes: the most loaded rank (no PP), or pipeline rank `pp_rank`."""
-    from shardwise.spec.layout import Layout
+    from shardwise.plan.inventory import pipeline_rank
     from shardwise.plan.layout import Problem
-    from shardwise.plan.memory import memory, pipeline_rank, rank_memory
+    from shardwise.plan.memory import memory, rank_memory
+    from shardwise.spec.layout import Layout
 
     world = _world(name)
     cfg = _config(base_overrides, CASES[world][name], world, "unused")

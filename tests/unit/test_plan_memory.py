@@ -5,7 +5,7 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.plan import activations as A
-from shardwise.spec.layout import Layout
+from shardwise.plan.inventory import pipeline_rank, pipeline_ranks
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import (
     _zero1_most_loaded,
@@ -13,9 +13,8 @@ from shardwise.plan.memory import (
     inflight_microbatches,
     memory,
     model_state_bytes,
-    pipeline_rank,
-    pipeline_ranks,
 )
+from shardwise.spec.layout import Layout
 from shardwise.spec.shapes import ModelShape, MoESpec
 
 GB = 1e9

@@ -25,7 +25,7 @@ What this codebase issues (parallel/data_parallel.py, train/trainer.py, train/op
   PP (parallel/pipeline.py, torch.distributed.pipelining): send/recv of one micro-batch's boundary
     activation per cross-rank stage boundary and direction (`pp_collectives`), one fp32 all_reduce of
     the squared gradient norm over pp; FSDP under the schedule gathers and reduce-scatters less often
-    (see data_and_model_collectives).
+    (see `_fsdp_collectives`).
 Validated against the trainer's counter, per axis and per pipeline rank, on data-parallel, TP, 2-D and
 pipeline layouts (tests/dist/test_plan_validation.py).
 Not counted (nor by the trainer's counter): the logged loss's all-reduce, checkpoint / logging-step
@@ -46,14 +46,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 from shardwise.plan import constants as C
 from shardwise.plan.activations import regime
-from shardwise.spec.layout import Layout
+from shardwise.plan.inventory import FsdpUnits, RankModel, fsdp_units, owned_chunks, param_tensors, pipeline_rank
 from shardwise.plan.layout import Cluster, Problem, axis_placement
-from shardwise.plan.memory import RankModel, _fsdp_shard_numel, _numel, local_shape, owned_chunks, pipeline_rank
+from shardwise.spec.layout import Layout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
 
@@ -90,65 +89,6 @@ def shard_axis(lay: Layout) -> str:
     return "dp_shard_cp" if lay.cp > 1 else "dp_shard"
 
 
-class Units(NamedTuple):
-    """Numel of one rank's FSDP units, TP-local: `blk` / `root` unsharded and `*_pad` padded to FSDP's
-    shard multiple; `exp` / `exp_pad` the stacked experts of its MoE blocks under expert parallelism
-    (E/ep local experts each), which are not in the dense block units (see `_unit_numel_cached`)."""
-
-    blk: float
-    root: float
-    blk_pad: float
-    root_pad: float
-    exp: float = 0.0
-    exp_pad: float = 0.0
-
-
-def _unit_numel(problem: Problem, lay: Layout, rank: RankModel) -> Units:
-    return _unit_numel_cached(problem.shape, lay.tp, lay.ep, lay.shard_group, rank)
-
-
-@lru_cache(maxsize=1 << 14)
-def _unit_numel_cached(shape, tp: int, ep: int, n: int, rank: RankModel) -> Units:
-    """Without EP the stacked experts are ordinary block parameters (padded over the n = dp_shard x cp
-    shard ranks like any other). With ep > 1 parallel/expert.py takes them out of the dense units:
-    with efsdp = n / ep == 1 FSDP ignores them (each ep rank owns its E/ep experts, nothing to gather
-    or reduce-scatter), with efsdp > 1 each MoE block's experts module is an FSDP2 unit of its own over
-    the expert mesh's efsdp axis (shard_experts). FSDP2 shards dim 0 in both cases (no
-    shard_placement_fn): padded to ceil(d0 / group) x group rows."""
-    efsdp = max(1, n // ep)
-    blk = blk_pad = root = root_pad = exp = exp_pad = 0.0
-    specs = []
-    if rank.dense_layers:
-        specs += [(p, rank.dense_layers, True) for p in shape.block_params(False)]
-    if rank.moe_layers:
-        specs += [(p, rank.moe_layers, True) for p in shape.block_params(True)]
-    if rank.embedding:
-        specs += [(p, 1, False) for p in shape.embedding_params()]
-    if rank.head:
-        specs += [(p, 1, False) for p in shape.head_params()]
-    for spec, repeat, in_block in specs:
-        ls = local_shape(spec, shape, tp, ep)
-        expert_unit = spec.tp == "expert" and ep > 1
-        group = efsdp if expert_unit else n
-        full, pad = _numel(ls) * repeat, _fsdp_shard_numel(ls, group, False) * group * repeat
-        if expert_unit:
-            exp, exp_pad = exp + full, exp_pad + (pad if efsdp > 1 else 0.0)
-        elif in_block:
-            blk, blk_pad = blk + full, blk_pad + pad
-        else:
-            root, root_pad = root + full, root_pad + pad
-    return Units(blk, root, blk_pad, root_pad, exp, exp_pad)
-
-
-@lru_cache(maxsize=1 << 14)
-def _param_tensors(shape, rank: RankModel, experts: bool | None = None) -> int:
-    """Parameter tensors on this rank (each gets its own gradient-norm reduction, see below); only the
-    stacked expert weights (experts=True) or all but them (False)."""
-    specs = [*shape.block_params(False)] * rank.dense_layers + ([*shape.block_params(True)] * rank.moe_layers if rank.moe_layers else [])
-    specs += [*(shape.embedding_params() if rank.embedding else ()), *(shape.head_params() if rank.head else ())]
-    return sum(1 for p in specs if experts is None or (p.tp == "expert") == experts)
-
-
 def collectives(problem: Problem, lay: Layout, rank: RankModel | None = None, pp_rank: int = 0) -> list[Collective]:
     """Every collective one rank issues in one optimizer step (see the module docstring)."""
     if rank is None:
@@ -160,7 +100,7 @@ def pp_boundary_bytes(problem: Problem, lay: Layout) -> float:
     """One micro-batch's activation (or its gradient) crossing a stage boundary: sequence-sharded
     under SP, in the residual-stream dtype (16-bit when FSDP2 / replicate compute on 16-bit
     parameters: train/trainer.py boundary_dtype)."""
-    res = 2 if regime(problem.precision, lay.lowp_params, problem.model_states) == "lowp" else 4
+    res = _residual_bytes(problem, lay)
     return lay.micro_batch * problem.seq_len / lay.cp * problem.shape.dim / (lay.tp if lay.sp else 1) * res
 
 
@@ -192,122 +132,165 @@ def pp_collectives(problem: Problem, lay: Layout, pp_rank: int) -> list[Collecti
             Collective("pp", "all_reduce", 4.0, 1, "step", "grad_norm")]
 
 
-def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -> list[Collective]:
-    """The collectives of every axis but pp (independent of the pipeline schedule)."""
-    shape = problem.shape
-    m = lay.accumulation(problem)
-    out: list[Collective] = []
+def _residual_bytes(problem: Problem, lay: Layout) -> int:
+    """Bytes per element of the residual stream: 16-bit under 16-bit parameters (FSDP2 / replicate
+    param_dtype, or "mixed" states: activations.py regime "lowp"), else fp32 (fp32, and autocast,
+    which keeps the residual stream in fp32)."""
+    return 2 if regime(problem.precision, lay.lowp_params, problem.model_states) == "lowp" else 4
+
+
+def _state_dtypes(problem: Problem) -> tuple[bool, int, int]:
+    """(mixed, parameter bytes, gradient bytes) of what data parallelism moves: the module doc of
+    plan/memory.py — 16-bit parameters under low precision, fp32 gradients but with the textbook
+    "mixed" model states (Rajbhandari et al. 2019, ZeRO, Fig. 1)."""
     low = problem.low_precision
     mixed = problem.model_states == "mixed" and low
-    param_bytes = 2 if low else 4
-    grad_bytes = 2 if mixed else 4
-    units = _unit_numel(problem, lay, rank)
-    blk, root, blk_pad, root_pad = units.blk, units.root, units.blk_pad, units.root_pad
-    local = blk + root + units.exp
-    # ---- data parallel ----
+    return mixed, (2 if low else 4), (2 if mixed else 4)
+
+
+def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -> list[Collective]:
+    """The collectives of every axis but pp (independent of the pipeline schedule), in this order:
+    data parallel (FSDP, or DDP / ZeRO-1), TP / SP, CP, EP."""
+    m = lay.accumulation(problem)
+    out: list[Collective] = []
     if lay.dp * lay.cp > 1:
-        bax, sax = batch_axis(lay), shard_axis(lay)
-        if lay.fsdp:
-            n_blocks = max(1, rank.layers)
-            if lay.pp > 1:
-                # Under the pipeline schedule (torch.distributed.pipelining) resharding after backward
-                # is off and the reduce-scatter waits for the end of the step. ZeRO-2 gathers every
-                # unit once. ZeRO-3 reshards after each forward: a block gathers for every forward
-                # that does not directly follow a backward of its stage (which left it unsharded) and
-                # for the first backward after a forward — m + 1 per step for any schedule that runs
-                # each stage as runs of forwards and backwards, first a forward, last a backward
-                # (measured on every schedule: tests/dist/test_plan_validation.py). The root units
-                # (not resharded after forward) gather once.
-                block_gathers, syncs = (m, 1) if lay.zero == 3 else (1, 1)
-                root_gathers = 1
-            else:
-                block_gathers, syncs, root_gathers = m, (m if lay.zero == 3 else 1), m
-            out.append(Collective(sax, "all_gather", root_pad * param_bytes, root_gathers, "fwd", "root"))
-            out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, block_gathers * n_blocks, "fwd", "block"))
-            bwd_gathers = (1 if lay.pp > 1 else m) if lay.zero == 3 else 0
-            if bwd_gathers:
-                out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, bwd_gathers * n_blocks, "bwd", "block"))
-            out.append(Collective(sax, "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
-            out.append(Collective(sax, "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
-            if lay.dp_replicate > 1:
-                shard = (blk_pad + root_pad) / lay.shard_group * grad_bytes
-                out.append(Collective("dp_replicate", "all_reduce", shard, syncs, "grad", "grads"))
-            # Gradient clipping (train/optim.py): the norm of each sharded DTensor gradient is a Partial
-            # scalar reduced over its mesh — 4 bytes per parameter tensor (torch coalesces a foreach
-            # group's into one call: same bytes).
-            ep_experts = lay.ep > 1 and rank.moe_layers and shape.moe is not None
-            dense_tensors = _param_tensors(shape, rank, False) if ep_experts else _param_tensors(shape, rank)
-            out.append(Collective(sax, "all_reduce", 4.0, dense_tensors, "step", "grad_norm"))
-            if ep_experts:
-                out += _expert_fsdp_collectives(lay, units, rank.moe_layers, _param_tensors(shape, rank, True),
-                                                param_bytes, grad_bytes, block_gathers, bwd_gathers, syncs)
-        else:
-            grads = local * grad_bytes
-            out.append(Collective(bax, "all_reduce", grads, 1, "grad", "grads"))
-            if lay.zero == 1 and lay.shard_group > 1:
-                out.append(Collective(sax, "broadcast", local * param_bytes if mixed else local * 4, 1, "step", "params"))
-    # ---- tensor parallel (activations of one micro-batch; parallel/tensor.py) ----
+        out += _fsdp_collectives(problem, lay, rank, m) if lay.fsdp else _ddp_collectives(problem, lay, rank)
+    # The activations of one micro-batch on this rank (TP, CP, EP payloads).
     tokens = lay.micro_batch * problem.seq_len / lay.cp
     act = problem.compute_bytes
-    res = 2 if regime(problem.precision, lay.lowp_params, problem.model_states) == "lowp" else 4  # residual-stream bytes
     # Fraction of blocks whose forward is replayed in backward.
     rc_frac = (1.0 / lay.recompute_every if lay.recompute == "selective" and lay.recompute_policy == "layer"
                else 1.0 if lay.recompute == "full" else 0.0)
     if lay.tp > 1:
-        out += _tp_collectives(problem, lay, rank, tokens, act, res, rc_frac, m)
+        out += _tp_collectives(problem, lay, rank, tokens, act, _residual_bytes(problem, lay), rc_frac, m)
     # CP / EP collectives are not in selective "op"'s save list: replayed like a full recompute.
     rc_other = 1.0 if lay.recompute == "selective" and lay.recompute_policy == "op" else rc_frac
-    # ---- context parallel ----
     if lay.cp > 1:
-        kv_local = max(shape.kv_dim / lay.tp, shape.head_dim)
-        L = rank.layers
-        if lay.cp_mode == "ulysses":
-            # q, k, v to heads and the output back; local KV heads that cp does not divide are
-            # repeated cp / gcd(kv heads, cp) times first (parallel/context.py UlyssesAttention).
-            kv_heads = kv_local / shape.head_dim
-            kv_sent = kv_local * lay.cp / math.gcd(int(kv_heads), lay.cp) if kv_heads % lay.cp else kv_local
-            qkvo = tokens * (2 * shape.dim / lay.tp + 2 * kv_sent) * act
-            out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m, "fwd", "act"))
-            out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m, "bwd", "act"))
-            if rc_other:
-                out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m * rc_other, "recompute", "act"))
-        else:
-            kv = tokens * 2 * kv_local * act
-            # Backward sends K/V again (compute dtype) and the dK/dV accumulators, which the ring
-            # keeps in fp32 whatever the precision (parallel/context.py: autocast off, sums over cp hops).
-            dkv = tokens * 2 * kv_local * 4
-            for kind in ("send", "recv"):
-                out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m, "fwd", "kv"))
-                out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m, "bwd", "kv"))
-                out.append(Collective("cp", kind, dkv, (lay.cp - 1) * L * m, "bwd", "dkv"))
-                if rc_other:
-                    out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m * rc_other, "recompute", "kv"))
-        if rank.moe_layers and shape.moe is not None:
-            # models/moe.py under CP: per MoE layer and micro-batch the router statistics of the cp
-            # ranks are summed, (counts, tokens) and the differentiable (P, z) sums, E + 1 fp32 values
-            # each, the latter again in backward: 3 small all_reduces.
-            stats = (shape.moe.num_experts + 1) * 4.0
-            out.append(Collective("cp", "all_reduce", stats, 2 * rank.moe_layers * m, "fwd", "moe_stats"))
-            out.append(Collective("cp", "all_reduce", stats, rank.moe_layers * m, "bwd", "moe_stats"))
-    # ---- expert parallel ----
-    if lay.ep > 1 and rank.moe_layers and shape.moe is not None:
-        # parallel/expert.py: per MoE layer and micro-batch, the token copies this rank routed (T*k,
-        # fewer when capacity drops some) go out in one all_to_all (dispatch) and come back in another
-        # (combine); backward runs both in reverse. A rank *receives* as many copies as its experts
-        # were chosen for, so a single rank's combine payload follows the routing; over the ep group
-        # the mean is exactly this. The per-expert counts (E int64) are exchanged first (forward only).
-        dispatched = tokens * shape.moe.top_k * shape.moe.sent_fraction * shape.dim * act
-        counts = shape.moe.num_experts * 8.0
-        out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "fwd", "tokens"))
-        out.append(Collective("ep", "all_to_all", counts, rank.moe_layers * m, "fwd", "counts"))
-        out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "bwd", "tokens"))
-        if rc_other:
-            out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m * rc_other, "recompute", "tokens"))
-            out.append(Collective("ep", "all_to_all", counts, rank.moe_layers * m * rc_other, "recompute", "counts"))
+        out += _cp_collectives(problem, lay, rank, tokens, act, rc_other, m)
+    if lay.ep > 1 and rank.moe_layers and problem.shape.moe is not None:
+        out += _ep_collectives(problem, rank, tokens, act, rc_other, m)
     return out
 
 
-def _expert_fsdp_collectives(lay: Layout, units: Units, moe_layers: int, tensors: int, param_bytes: int,
+def _ddp_collectives(problem: Problem, lay: Layout, rank: RankModel) -> list[Collective]:
+    """DDP (zero 0, and zero 1's gradient sync): one all_reduce of every gradient over the batch group
+    per optimizer step; ZeRO-1 adds each owner's broadcast of its updated parameters over the shard
+    group (module doc)."""
+    mixed, param_bytes, grad_bytes = _state_dtypes(problem)
+    units = fsdp_units(problem.shape, lay.tp, lay.ep, lay.shard_group, rank)
+    local = units.blk + units.root + units.exp
+    out = [Collective(batch_axis(lay), "all_reduce", local * grad_bytes, 1, "grad", "grads")]
+    if lay.zero == 1 and lay.shard_group > 1:
+        out.append(Collective(shard_axis(lay), "broadcast", local * param_bytes if mixed else local * 4, 1, "step", "params"))
+    return out
+
+
+def _fsdp_collectives(problem: Problem, lay: Layout, rank: RankModel, m: int) -> list[Collective]:
+    """FSDP2 (zero 2/3): the all_gathers of the block and root units, their gradients'
+    reduce_scatters, HSDP's all_reduce of the shards over dp_replicate, the gradient-norm reductions,
+    and under EP the stacked experts' own units (`_expert_fsdp_collectives`)."""
+    shape = problem.shape
+    _, param_bytes, grad_bytes = _state_dtypes(problem)
+    units = fsdp_units(shape, lay.tp, lay.ep, lay.shard_group, rank)
+    blk_pad, root_pad = units.blk_pad, units.root_pad
+    sax = shard_axis(lay)
+    out: list[Collective] = []
+    n_blocks = max(1, rank.layers)
+    if lay.pp > 1:
+        # Under the pipeline schedule (torch.distributed.pipelining) resharding after backward
+        # is off and the reduce-scatter waits for the end of the step. ZeRO-2 gathers every
+        # unit once. ZeRO-3 reshards after each forward: a block gathers for every forward
+        # that does not directly follow a backward of its stage (which left it unsharded) and
+        # for the first backward after a forward — m + 1 per step for any schedule that runs
+        # each stage as runs of forwards and backwards, first a forward, last a backward
+        # (measured on every schedule: tests/dist/test_plan_validation.py). The root units
+        # (not resharded after forward) gather once.
+        block_gathers, syncs = (m, 1) if lay.zero == 3 else (1, 1)
+        root_gathers = 1
+    else:
+        block_gathers, syncs, root_gathers = m, (m if lay.zero == 3 else 1), m
+    out.append(Collective(sax, "all_gather", root_pad * param_bytes, root_gathers, "fwd", "root"))
+    out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, block_gathers * n_blocks, "fwd", "block"))
+    bwd_gathers = (1 if lay.pp > 1 else m) if lay.zero == 3 else 0
+    if bwd_gathers:
+        out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, bwd_gathers * n_blocks, "bwd", "block"))
+    out.append(Collective(sax, "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
+    out.append(Collective(sax, "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
+    if lay.dp_replicate > 1:
+        shard = (blk_pad + root_pad) / lay.shard_group * grad_bytes
+        out.append(Collective("dp_replicate", "all_reduce", shard, syncs, "grad", "grads"))
+    # Gradient clipping (train/optim.py): the norm of each sharded DTensor gradient is a Partial
+    # scalar reduced over its mesh — 4 bytes per parameter tensor (torch coalesces a foreach
+    # group's into one call: same bytes).
+    ep_experts = lay.ep > 1 and rank.moe_layers and shape.moe is not None
+    dense_tensors = param_tensors(shape, rank, False) if ep_experts else param_tensors(shape, rank)
+    out.append(Collective(sax, "all_reduce", 4.0, dense_tensors, "step", "grad_norm"))
+    if ep_experts:
+        out += _expert_fsdp_collectives(lay, units, rank.moe_layers, param_tensors(shape, rank, True),
+                                        param_bytes, grad_bytes, block_gathers, bwd_gathers, syncs)
+    return out
+
+
+def _cp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: float, act: int, rc_other: float,
+                    m: int) -> list[Collective]:
+    """CP (parallel/context.py): ring attention's K/V (and backward dK/dV) sends and receives, or
+    Ulysses' all_to_alls, per layer and micro-batch; the MoE router statistics summed over cp."""
+    shape = problem.shape
+    out: list[Collective] = []
+    kv_local = max(shape.kv_dim / lay.tp, shape.head_dim)
+    L = rank.layers
+    if lay.cp_mode == "ulysses":
+        # q, k, v to heads and the output back; local KV heads that cp does not divide are
+        # repeated cp / gcd(kv heads, cp) times first (parallel/context.py UlyssesAttention).
+        kv_heads = kv_local / shape.head_dim
+        kv_sent = kv_local * lay.cp / math.gcd(int(kv_heads), lay.cp) if kv_heads % lay.cp else kv_local
+        qkvo = tokens * (2 * shape.dim / lay.tp + 2 * kv_sent) * act
+        out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m, "fwd", "act"))
+        out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m, "bwd", "act"))
+        if rc_other:
+            out.append(Collective("cp", "all_to_all", qkvo / 4, 4 * L * m * rc_other, "recompute", "act"))
+    else:
+        kv = tokens * 2 * kv_local * act
+        # Backward sends K/V again (compute dtype) and the dK/dV accumulators, which the ring
+        # keeps in fp32 whatever the precision (parallel/context.py: autocast off, sums over cp hops).
+        dkv = tokens * 2 * kv_local * 4
+        for kind in ("send", "recv"):
+            out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m, "fwd", "kv"))
+            out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m, "bwd", "kv"))
+            out.append(Collective("cp", kind, dkv, (lay.cp - 1) * L * m, "bwd", "dkv"))
+            if rc_other:
+                out.append(Collective("cp", kind, kv, (lay.cp - 1) * L * m * rc_other, "recompute", "kv"))
+    if rank.moe_layers and shape.moe is not None:
+        # models/moe.py under CP: per MoE layer and micro-batch the router statistics of the cp
+        # ranks are summed, (counts, tokens) and the differentiable (P, z) sums, E + 1 fp32 values
+        # each, the latter again in backward: 3 small all_reduces.
+        stats = (shape.moe.num_experts + 1) * 4.0
+        out.append(Collective("cp", "all_reduce", stats, 2 * rank.moe_layers * m, "fwd", "moe_stats"))
+        out.append(Collective("cp", "all_reduce", stats, rank.moe_layers * m, "bwd", "moe_stats"))
+    return out
+
+
+def _ep_collectives(problem: Problem, rank: RankModel, tokens: float, act: int, rc_other: float,
+                    m: int) -> list[Collective]:
+    """EP (parallel/expert.py): the token dispatch / combine all_to_alls of the MoE layers."""
+    shape = problem.shape
+    # Per MoE layer and micro-batch, the token copies this rank routed (T*k, fewer when capacity
+    # drops some) go out in one all_to_all (dispatch) and come back in another (combine); backward
+    # runs both in reverse. A rank *receives* as many copies as its experts were chosen for, so a
+    # single rank's combine payload follows the routing; over the ep group the mean is exactly this.
+    # The per-expert counts (E int64) are exchanged first (forward only).
+    dispatched = tokens * shape.moe.top_k * shape.moe.sent_fraction * shape.dim * act
+    counts = shape.moe.num_experts * 8.0
+    out = [Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "fwd", "tokens"),
+           Collective("ep", "all_to_all", counts, rank.moe_layers * m, "fwd", "counts"),
+           Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m, "bwd", "tokens")]
+    if rc_other:
+        out.append(Collective("ep", "all_to_all", dispatched, 2 * rank.moe_layers * m * rc_other, "recompute", "tokens"))
+        out.append(Collective("ep", "all_to_all", counts, rank.moe_layers * m * rc_other, "recompute", "counts"))
+    return out
+
+
+def _expert_fsdp_collectives(lay: Layout, units: FsdpUnits, moe_layers: int, tensors: int, param_bytes: int,
                              grad_bytes: int, fwd_gathers: int, bwd_gathers: int, syncs: int) -> list[Collective]:
     """The stacked experts under EP (parallel/expert.py), one rank. With efsdp = dp_shard x cp / ep > 1
     each MoE block's experts module is an FSDP2 unit over the expert mesh's efsdp axis with the blocks'
@@ -391,7 +374,7 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     if partial:
         out.append(Collective("tp", "all_reduce", partial * 4, syncs, "grad", "partial_grads"))
     # Gradient clipping: one 4-byte all_reduce of each gradient's Partial norm, per parameter tensor.
-    out.append(Collective("tp", "all_reduce", 4.0, _param_tensors(shape, rank), "step", "grad_norm"))
+    out.append(Collective("tp", "all_reduce", 4.0, param_tensors(shape, rank), "step", "grad_norm"))
     return out
 
 

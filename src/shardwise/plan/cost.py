@@ -38,9 +38,10 @@ from functools import lru_cache
 from shardwise.plan import activations as A
 from shardwise.plan import constants as C
 from shardwise.plan.comm import Collective, data_and_model_collectives, placements, pp_boundary_bytes, time_of
-from shardwise.spec.layout import Layout
+from shardwise.plan.inventory import RankModel, pipeline_ranks
 from shardwise.plan.layout import Problem
-from shardwise.plan.memory import Memory, RankModel, core_layout, memory, model_state_bytes, pipeline_ranks
+from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes
+from shardwise.spec.layout import Layout
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -328,7 +329,7 @@ def _fsdp_exposed(fwd: list[Collective], bwd: list[Collective], mb: MicroBatchTi
     n_blocks = max(1, rank.layers)
     exposed = 0.0
     total = 0.0
-    for phase, colls, window in (("fwd", fwd, mb.block_fwd), ("bwd", bwd, mb.block_bwd)):
+    for colls, window in ((fwd, mb.block_fwd), (bwd, mb.block_bwd)):
         by_calls: dict[float, float] = {}
         for c in colls:
             t_all = time_of(c, place, cl)

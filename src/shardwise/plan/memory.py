@@ -29,21 +29,19 @@ tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="sh
      resharding after backward and reduce-scatters once, at its end). CPU offload moves the
      persistent shards to host memory.
 The fp16 loss scaler (parallel/precision.py DynamicLossScaler) keeps Python floats: no device bytes.
+Which layers and parameters (with their local and FSDP-shard sizes) a rank holds: plan/inventory.py.
 """
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from shardwise.plan import activations as A
 from shardwise.plan import constants as C
-from shardwise.spec.layout import Layout
+from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params
 from shardwise.plan.layout import Problem
-from shardwise.spec.shapes import ModelShape, ParamSpec
+from shardwise.spec.layout import Layout
 from shardwise.spec.sharding import zero1_owners
-from shardwise.spec.stages import V_SHAPED
 
 GIB = 2**30
 
@@ -76,85 +74,6 @@ class Memory:
                                                   ("capacity", self.capacity))}
 
 
-# ---------------------------------------------------------------------------------------------------
-# which layers and tensors a pipeline rank holds
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RankModel:
-    dense_layers: int
-    moe_layers: int
-    embedding: bool
-    head: bool
-
-    @property
-    def layers(self) -> int:
-        return self.dense_layers + self.moe_layers
-
-
-def owned_chunks(schedule: str, pp: int, chunks: int, r: int) -> list[int]:
-    """The stages (chunks) pipeline rank r runs: r, r + pp, ... (looped / interleaved, Narayanan et al.
-    2021 §2.2), or r and 2pp-1-r for the V-shaped schedules (zbv, dualpipev), which put the embedding
-    and the head both on rank 0 — spec/stages.py stage_ids."""
-    if schedule in V_SHAPED and chunks == 2:
-        return [r, 2 * pp - 1 - r]
-    return list(range(r, pp * chunks, pp))
-
-
-@lru_cache(maxsize=4096)
-def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int) -> RankModel:
-    """What pipeline rank r holds. Layers are cut into pp x chunks contiguous chunks (uneven counts:
-    the first chunks get one more, spec/stages.py even_split)."""
-    n = pp * chunks
-    base, extra = divmod(shape.n_layers, n)
-    bounds, start = [], 0
-    for c in range(n):
-        size = base + (1 if c < extra else 0)
-        bounds.append((start, start + size))
-        start += size
-    owned = owned_chunks(schedule, pp, chunks, r)
-    moe = sum(shape.is_moe_layer(i) for c in owned for i in range(*bounds[c]))
-    layers = sum(bounds[c][1] - bounds[c][0] for c in owned)
-    return RankModel(layers - moe, moe, 0 in owned, n - 1 in owned)
-
-
-@lru_cache(maxsize=4096)
-def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
-    """(first rank, last rank) of the pipeline, the two the planner sizes (see `pipeline_rank`)."""
-    return pipeline_rank(shape, pp, chunks, schedule, 0), pipeline_rank(shape, pp, chunks, schedule, pp - 1)
-
-
-def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int) -> tuple[int, ...]:
-    """The tensor-/expert-parallel local shape of one parameter (before data-parallel sharding)."""
-    s = spec.shape
-    if spec.tp == "col":
-        if spec.name.endswith(("wk.weight", "wv.weight", "wk.bias", "wv.bias")) and tp > shape.n_kv_heads:
-            return s  # all KV heads, replicated (parallel/tensor.py ReplicatedKVColwise keeps the whole weight)
-        return (math.ceil(s[0] / tp),) + s[1:]
-    if spec.tp == "row":
-        return (s[0], math.ceil(s[1] / tp))
-    if spec.tp == "vocab":
-        return (math.ceil(s[0] / tp), s[1])
-    if spec.tp == "expert":  # (E, out, in): experts over ep, the ffn dimension over tp
-        e, d1, d2 = s
-        return (e // ep, math.ceil(d1 / tp), d2) if d1 != shape.dim else (e // ep, d1, math.ceil(d2 / tp))
-    return s
-
-
-def _numel(s: tuple[int, ...]) -> int:
-    n = 1
-    for d in s:
-        n *= d
-    return n
-
-
-def _fsdp_shard_numel(s: tuple[int, ...], n: int, expert: bool) -> int:
-    """FSDP2 pads dim 0 to a multiple of n (torchtitan shards stacked experts on dim 1 instead when
-    there are fewer local experts than shards)."""
-    if expert and len(s) == 3 and s[0] < n:
-        return s[0] * math.ceil(s[1] / n) * s[2]
-    return math.ceil(s[0] / n) * _numel(s[1:]) if s else 1
-
-
 @dataclass(frozen=True)
 class StateBytes:
     params: float
@@ -172,15 +91,6 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
                       ep_shard: int) -> StateBytes:
     """Parameters, gradients and optimizer state one rank holds (before offload), see module doc."""
     shape = problem.shape
-    specs: list[tuple[ParamSpec, int]] = []  # (spec, repeat)
-    if rank.embedding:
-        specs += [(p, 1) for p in shape.embedding_params()]
-    if rank.dense_layers:
-        specs += [(p, rank.dense_layers) for p in shape.block_params(False)]
-    if rank.moe_layers:
-        specs += [(p, rank.moe_layers) for p in shape.block_params(True)]
-    if rank.head:
-        specs += [(p, 1) for p in shape.head_params()]
     mixed = problem.model_states == "mixed" and problem.low_precision
     fsdp = zero >= 2 and shard > 1
     local = padded = 0.0
@@ -188,15 +98,15 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
     block_numel = root_numel = 0.0
     sizes_decay: list[int] = []
     sizes_other: list[int] = []
-    for spec, repeat in specs:
+    for spec, repeat, in_block in rank_params(shape, rank):
         ls = local_shape(spec, shape, tp, ep)
-        n = _numel(ls)
+        n = numel(ls)
         expert = spec.tp == "expert"
         group = ep_shard if expert else shard
         local += n * repeat
-        padded += (_fsdp_shard_numel(ls, group, expert) if fsdp else n) * repeat
+        padded += (fsdp_shard_numel(ls, group, expert) if fsdp else n) * repeat
         tensors += repeat
-        if spec.name.startswith("layers."):
+        if in_block:
             block_numel += n if repeat else 0
         else:
             root_numel += n

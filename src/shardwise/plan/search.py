@@ -20,10 +20,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.plan.cost import Estimate, compute_lower_bound, evaluate, step_seconds
-from shardwise.spec.layout import Layout
 from shardwise.plan.layout import Problem, check_layout
-from shardwise.spec.rules import microbatch_rule
 from shardwise.plan.memory import capacity_bytes, peak_bytes, states_lower_bound
+from shardwise.spec.layout import Layout
+from shardwise.spec.rules import microbatch_rule
 
 RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
 

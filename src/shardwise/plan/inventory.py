@@ -1,0 +1,165 @@
+"""What one rank holds: which layers (pipeline), which parameters with which local shapes (tensor /
+expert parallel), and how FSDP2 pads and groups them into units — the per-rank inventory that
+plan/memory.py prices in bytes and plan/comm.py in collectives.
+
+Pipeline: the layers are cut into pp x v contiguous stages (uneven counts: the first get one more)
+and rank r runs stages r, r + pp, ... (looped / interleaved, Narayanan et al. 2021, arXiv 2104.04473
+§2.2) or r and 2pp-1-r for the V-shaped schedules — spec/stages.py even_split / stage_ids.
+Tensor / expert parallel: the local shard of each parameter as parallel/tensor.py and
+parallel/expert.py cut it (`local_shape`). FSDP2 (FSDPParam): each parameter's dim 0 padded to a
+multiple of its shard group and split (`fsdp_shard_numel`); one unit per block, one root unit
+(embedding, final norm, head), and under EP one per MoE block's stacked experts (`fsdp_units`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from shardwise.spec.shapes import ModelShape, ParamSpec
+from shardwise.spec.stages import V_SHAPED
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """The share of the model one pipeline rank holds: its dense and MoE blocks, and whether it has
+    the embedding (first stage) and the output head (last stage)."""
+
+    dense_layers: int
+    moe_layers: int
+    embedding: bool
+    head: bool
+
+    @property
+    def layers(self) -> int:
+        return self.dense_layers + self.moe_layers
+
+
+def owned_chunks(schedule: str, pp: int, chunks: int, r: int) -> list[int]:
+    """The stages (chunks) pipeline rank r runs: r, r + pp, ... (looped / interleaved, Narayanan et al.
+    2021 §2.2), or r and 2pp-1-r for the V-shaped schedules (zbv, dualpipev), which put the embedding
+    and the head both on rank 0 — spec/stages.py stage_ids."""
+    if schedule in V_SHAPED and chunks == 2:
+        return [r, 2 * pp - 1 - r]
+    return list(range(r, pp * chunks, pp))
+
+
+@lru_cache(maxsize=4096)
+def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int) -> RankModel:
+    """What pipeline rank r holds. Layers are cut into pp x chunks contiguous chunks (uneven counts:
+    the first chunks get one more, spec/stages.py even_split)."""
+    n = pp * chunks
+    base, extra = divmod(shape.n_layers, n)
+    bounds, start = [], 0
+    for c in range(n):
+        size = base + (1 if c < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    owned = owned_chunks(schedule, pp, chunks, r)
+    moe = sum(shape.is_moe_layer(i) for c in owned for i in range(*bounds[c]))
+    layers = sum(bounds[c][1] - bounds[c][0] for c in owned)
+    return RankModel(layers - moe, moe, 0 in owned, n - 1 in owned)
+
+
+@lru_cache(maxsize=4096)
+def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
+    """(first rank, last rank) of the pipeline, the two the planner sizes (see `pipeline_rank`)."""
+    return pipeline_rank(shape, pp, chunks, schedule, 0), pipeline_rank(shape, pp, chunks, schedule, pp - 1)
+
+
+@lru_cache(maxsize=1 << 14)
+def rank_params(shape: ModelShape, rank: RankModel) -> tuple[tuple[ParamSpec, int, bool], ...]:
+    """(parameter, copies on this rank, in a block) for every parameter `rank` holds, in the model's
+    order: embedding, dense blocks, MoE blocks, final norm and head. The order is the trainer's
+    parameter order, which ZeRO-1's greedy partition depends on (spec/sharding.py zero1_owners)."""
+    out: list[tuple[ParamSpec, int, bool]] = []
+    if rank.embedding:
+        out += [(p, 1, False) for p in shape.embedding_params()]
+    if rank.dense_layers:
+        out += [(p, rank.dense_layers, True) for p in shape.block_params(False)]
+    if rank.moe_layers:
+        out += [(p, rank.moe_layers, True) for p in shape.block_params(True)]
+    if rank.head:
+        out += [(p, 1, False) for p in shape.head_params()]
+    return tuple(out)
+
+
+def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int) -> tuple[int, ...]:
+    """The tensor-/expert-parallel local shape of one parameter (before data-parallel sharding)."""
+    s = spec.shape
+    if spec.tp == "col":
+        if spec.name.endswith(("wk.weight", "wv.weight", "wk.bias", "wv.bias")) and tp > shape.n_kv_heads:
+            return s  # all KV heads, replicated (parallel/tensor.py ReplicatedKVColwise keeps the whole weight)
+        return (math.ceil(s[0] / tp),) + s[1:]
+    if spec.tp == "row":
+        return (s[0], math.ceil(s[1] / tp))
+    if spec.tp == "vocab":
+        return (math.ceil(s[0] / tp), s[1])
+    if spec.tp == "expert":  # (E, out, in): experts over ep, the ffn dimension over tp
+        e, d1, d2 = s
+        return (e // ep, math.ceil(d1 / tp), d2) if d1 != shape.dim else (e // ep, d1, math.ceil(d2 / tp))
+    return s
+
+
+def numel(s: tuple[int, ...]) -> int:
+    """Elements of a tensor of shape `s`."""
+    n = 1
+    for d in s:
+        n *= d
+    return n
+
+
+def fsdp_shard_numel(s: tuple[int, ...], n: int, expert: bool) -> int:
+    """Elements of one rank's FSDP2 shard of a (local) tensor of shape `s` over n ranks: FSDP2 pads
+    dim 0 to a multiple of n (torchtitan shards stacked experts on dim 1 instead when there are fewer
+    local experts than shards, `expert`)."""
+    if expert and len(s) == 3 and s[0] < n:
+        return s[0] * math.ceil(s[1] / n) * s[2]
+    return math.ceil(s[0] / n) * numel(s[1:]) if s else 1
+
+
+@lru_cache(maxsize=1 << 14)
+def param_tensors(shape: ModelShape, rank: RankModel, experts: bool | None = None) -> int:
+    """Parameter tensors on this rank (each gets its own gradient-norm reduction, plan/comm.py); only
+    the stacked expert weights (experts=True) or all but them (False)."""
+    return sum(copies for p, copies, _ in rank_params(shape, rank) if experts is None or (p.tp == "expert") == experts)
+
+
+class FsdpUnits(NamedTuple):
+    """Numel of one rank's FSDP units, TP-local: `blk` (all its blocks) / `root` unsharded and `*_pad`
+    padded to FSDP's shard multiple; `exp` / `exp_pad` the stacked experts of its MoE blocks under
+    expert parallelism (E/ep local experts each), which are not in the dense block units (see
+    `fsdp_units`)."""
+
+    blk: float
+    root: float
+    blk_pad: float
+    root_pad: float
+    exp: float = 0.0
+    exp_pad: float = 0.0
+
+
+@lru_cache(maxsize=1 << 14)
+def fsdp_units(shape: ModelShape, tp: int, ep: int, n: int, rank: RankModel) -> FsdpUnits:
+    """The FSDP units of `rank` sharded over n = dp_shard x cp ranks. Without EP the stacked experts
+    are ordinary block parameters (padded over the n shard ranks like any other). With ep > 1
+    parallel/expert.py takes them out of the dense units: with efsdp = n / ep == 1 FSDP ignores them
+    (each ep rank owns its E/ep experts, nothing to gather or reduce-scatter), with efsdp > 1 each MoE
+    block's experts module is an FSDP2 unit of its own over the expert mesh's efsdp axis
+    (shard_experts). FSDP2 shards dim 0 in both cases (no shard_placement_fn): padded to
+    ceil(d0 / group) x group rows."""
+    efsdp = max(1, n // ep)
+    blk = blk_pad = root = root_pad = exp = exp_pad = 0.0
+    for spec, repeat, in_block in rank_params(shape, rank):
+        ls = local_shape(spec, shape, tp, ep)
+        expert_unit = spec.tp == "expert" and ep > 1
+        group = efsdp if expert_unit else n
+        full, pad = numel(ls) * repeat, fsdp_shard_numel(ls, group, False) * group * repeat
+        if expert_unit:
+            exp, exp_pad = exp + full, exp_pad + (pad if efsdp > 1 else 0.0)
+        elif in_block:
+            blk, blk_pad = blk + full, blk_pad + pad
+        else:
+            root, root_pad = root + full, root_pad + pad
+    return FsdpUnits(blk, root, blk_pad, root_pad, exp, exp_pad)
