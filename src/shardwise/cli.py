@@ -36,9 +36,9 @@ exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled coll
 
 
 def _train(argv: list[str]) -> int:
-    from shardwise.train import rundir
     from shardwise.launch.local import check_nproc, torchrun
     from shardwise.preflight import check
+    from shardwise.train import rundir
     from shardwise.train.data import prepare_data
     from shardwise.train.manifest import file_digest
 
@@ -78,7 +78,10 @@ def _train_in_process(cfg: Config, data) -> int:
         try:
             Trainer(cfg, data=data).train()
         except OSError as e:
-            raise storage_failure(e) or e
+            failure = storage_failure(e)  # disk full / read-only -> StorageFailure (exit 4); anything else as it is
+            if failure is None:
+                raise
+            raise failure from e
     except RunFailure as e:
         print(("" if isinstance(e, Interrupted) else "error: ") + e.message, file=sys.stderr)
         return e.exit_code
@@ -122,9 +125,10 @@ def _config(argv: list[str]) -> int:
 
 
 def _trainer_refusal(cfg: Config, world: int) -> str | None:
-    """Why `shardwise train` would refuse this layout today (an axis not trained yet: cp; a MoE / EP
-    combination it does not run: tp, dp_replicate, ZeRO-0/1 with ep; or a pipeline schedule's own rule), or None: the planner also plans layouts later versions will train.
-    It is the trainer's whole pre-flight check (torch-free), so what it accepts, `shardwise train` runs."""
+    """Why `shardwise train` would refuse this layout today (a rule marked trainer_only in
+    spec/rules.py, such as EP with ZeRO-0/1 or with dp_replicate), or None: the planner also plans
+    layouts later versions will train. It is the trainer's whole pre-flight check (torch-free), so
+    what it accepts, `shardwise train` runs."""
     from shardwise.preflight import check
 
     try:
@@ -164,10 +168,10 @@ def _plan(argv: list[str]) -> int:
     import json
 
     from shardwise.plan.cost import evaluate
-    from shardwise.spec.layout import Layout
     from shardwise.plan.layout import Problem, check_layout
     from shardwise.plan.report import evaluate_text, plot, search_json, search_text
     from shardwise.plan.search import search
+    from shardwise.spec.layout import Layout
 
     if not argv or argv[0] not in ("evaluate", "search"):
         raise ConfigError("plan", f"expected 'evaluate' or 'search', got {argv[0] if argv else 'nothing'!r}",

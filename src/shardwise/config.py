@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+import tomllib
 
 from shardwise.errors import ConfigError
 
@@ -63,7 +63,8 @@ class ModelConfig:
     max_seq_len: int | None = opt(None, "Longest sequence the model supports (learned positions for gpt, RoPE table).")
     norm_eps: float | None = opt(None, "Epsilon of RMSNorm / LayerNorm (unset: the preset's, else 1e-5).")
     rope_theta: float | None = opt(None, "RoPE base frequency, llama only (unset: the preset's, e.g. 500000 for llama3-*, else 10000).")
-    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture of experts ([model.moe]); the preset's values fill unset keys."})
+    moe: MoEConfig = field(default_factory=MoEConfig,
+                           metadata={"doc": "Mixture of experts ([model.moe]); the preset's values fill unset keys."})
 
 
 @dataclass
@@ -81,7 +82,8 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.")
     precision: str = opt("fp32", '"fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling); master weights stay fp32.')
     recompute: str = opt("none", '"none", "selective" or "full" activation checkpointing.')
-    recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th block).')
+    recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th '
+                                      'block).')
     recompute_every: int = opt(2, 'For recompute_policy="layer": checkpoint every k-th transformer block.')
     seed: int = opt(0, "Seed for weight initialization and data order; identical for every layout.")
     log_every: int = opt(10, "Write metrics every this many steps (the progress bar updates every step).")
@@ -95,15 +97,18 @@ class TrainConfig:
 class ParallelConfig:
     dp_replicate: int = opt(1, "Pure replication axis (DDP, or the outer axis of HSDP).")
     dp_shard: int = opt(1, "Sharded data-parallel axis; -1 means the rest of the world size.")
-    zero: int = opt(0, "What is sharded over dp_shard: 0 nothing (needs dp_shard=1), 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).")
+    zero: int = opt(0, "What is sharded over dp_shard: 0 nothing (needs dp_shard=1), 1 optimizer state, 2 + gradients, 3 + parameters "
+                       "(FSDP).")
     tp: int = opt(1, "Tensor-parallel axis (Megatron-style: heads and MLP columns split over tp ranks; the innermost mesh axis).")
-    sequence_parallel: bool = opt(True, "With tp > 1: shard norms and the activations between TP regions along the sequence (Korthikanti et al. 2022).")
+    sequence_parallel: bool = opt(True, "With tp > 1: shard norms and the activations between TP regions along the sequence (Korthikanti "
+                                        "et al. 2022).")
     pp: int = opt(1, "Pipeline-parallel axis: the model's blocks are cut into pp x pp_virtual_stages stages.")
     cp: int = opt(1, "Context-parallel axis: every sequence is split over cp ranks (load-balanced causal chunks); "
                   "cp ranks join data parallelism for gradients and sharding.")
     cp_mode: str = opt("ring", '"ring" (K/V passed around the cp ranks, any head count) or "ulysses" (all-to-all '
                        "of heads: local heads must be divisible by cp).")
-    ep: int = opt(1, "Expert-parallel axis: experts split over ep ranks folded into dp_shard x cp (needs model.moe.num_experts divisible by ep and zero 2/3).")
+    ep: int = opt(1, "Expert-parallel axis: experts split over ep ranks folded into dp_shard x cp (needs model.moe.num_experts divisible "
+                     "by ep and zero 2/3).")
     pp_schedule: str = opt("1f1b", 'Pipeline schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" '
                            '(looped placement, any virtual stages), "zbv" (V-shaped zero bubble, 2 virtual stages), '
                            '"dualpipev" (2 virtual stages).')

@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import Iterable
 
 from shardwise.config import Config
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, Violation
 from shardwise.spec import rules
 from shardwise.spec.dims import ParallelDims
-from shardwise.errors import Violation
 from shardwise.spec.layout import PP_SPLITS, PRECISIONS, RECOMPUTE, RECOMPUTE_POLICIES, Layout
 from shardwise.spec.shapes import ModelShape
 from shardwise.spec.stages import SCHEDULES

@@ -32,17 +32,17 @@ def runs(base_overrides, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("parity")
     refs = [Layout(f"ref_{name}", 1, extra) for name, extra in REFERENCES.items()]
     for world in (1, 2, 4, 8):
-        layouts = [l for l in MATRIX + refs if l.world_size == world]
+        layouts = [lay for lay in MATRIX + refs if lay.world_size == world]
 
         def work(rank: int, layouts=layouts) -> None:
-            for l in layouts:
-                train_and_record(parity_config({}, base_overrides, l.override_list(), root / l.name), single_process=False)
+            for lay in layouts:
+                train_and_record(parity_config({}, base_overrides, lay.override_list(), root / lay.name), single_process=False)
 
         run_world(world, work)
-    return {l.name: root / l.name for l in MATRIX + refs}
+    return {lay.name: root / lay.name for lay in MATRIX + refs}
 
 
-@pytest.mark.parametrize("layout", MATRIX, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", MATRIX, ids=lambda lay: lay.name)
 def test_layout_matches_single_process(runs, layout: Layout):
     dloss, dparam, steps = compare(runs[f"ref_{layout.reference}"], runs[layout.name])
     print(f"{layout.name}: max rel |dloss| {dloss:.2e}, max |dparam| {dparam:.2e}")
@@ -65,7 +65,7 @@ def test_loss_falls(runs):
 
 
 def test_summary(runs, capsys):
-    rows = {l.name: compare(runs[f"ref_{l.reference}"], runs[l.name])[:2] for l in MATRIX}
+    rows = {lay.name: compare(runs[f"ref_{lay.reference}"], runs[lay.name])[:2] for lay in MATRIX}
     with capsys.disabled():
         print("\nparity (fp32, 20 steps): layout, max rel |dloss|, max |dparam|")
         for name, (dl, dp) in rows.items():

@@ -13,8 +13,7 @@ import torch
 from shardwise.config import DataConfig
 from shardwise.errors import ConfigError
 from shardwise.train import data as D
-from shardwise.train.data import (TokenBatches, corpus_files, iter_documents, load_or_train_tokenizer,
-                                  prepare_data, split_inputs_targets)
+from shardwise.train.data import TokenBatches, corpus_files, iter_documents, load_or_train_tokenizer, prepare_data, split_inputs_targets
 
 EXCLUDED = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
 

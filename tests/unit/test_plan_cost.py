@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 
 from shardwise.config import load_config
-from shardwise.spec.dims import ParallelDims
 from shardwise.plan import constants as C
 from shardwise.plan.comm import collective_time, pp_boundaries, predict_comm_bytes, wire_bytes
 from shardwise.plan.cost import _bubble, evaluate, gemm_time
-from shardwise.spec.layout import Layout
 from shardwise.plan.layout import Problem, axis_placement
+from shardwise.spec.dims import ParallelDims
+from shardwise.spec.layout import Layout
 
 TINY = ["--model.vocab_size=512", "--train.seq_len=32", "--train.global_batch=8"]
 TINY_PARAMS = 164_160  # 32768 embedding + 2 x 49280 per block + 64 final norm + 32768 head

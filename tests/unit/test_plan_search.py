@@ -10,9 +10,9 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.plan.cost import evaluate
-from shardwise.spec.layout import Layout
 from shardwise.plan.layout import Problem, check_layout
 from shardwise.plan.search import _dp_splits, _schedules, divisors, search, why_lost
+from shardwise.spec.layout import Layout
 from shardwise.spec.shapes import ModelShape, MoESpec
 
 SRC = Path(__file__).resolve().parents[2] / "src"

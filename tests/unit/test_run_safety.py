@@ -20,9 +20,9 @@ import torch
 
 from shardwise.config import build_config
 from shardwise.errors import ConfigError
-from shardwise.train import rundir
 from shardwise.launch.local import report_failure
 from shardwise.train import manifest as mf
+from shardwise.train import rundir
 from shardwise.train.checkpoint import SafeLoadPlanner, metadata_problem, read_metadata, verify_directory
 from shardwise.train.control import Control
 from shardwise.train.data import file_kind, iter_documents

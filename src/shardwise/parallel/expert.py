@@ -34,6 +34,7 @@ from shardwise.models.moe import GroupedExperts, MoE
 from shardwise.spec.dims import ParallelDims
 from shardwise.tensors import local_shard
 
+
 def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 

@@ -53,7 +53,6 @@ from shardwise.spec.shapes import (
 )
 
 
-
 def tp_plan(model: ModelConfig, tp: int) -> dict[str, str]:
     """{module fqn pattern: kind} for `model` (before any wrapper is applied): spec/shapes.py's one
     description of the architecture, from which the planner sizes the same split."""

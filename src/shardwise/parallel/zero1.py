@@ -21,8 +21,6 @@ from shardwise.spec.sharding import zero1_owners
 from shardwise.tensors import local_shard
 
 
-
-
 class ZeroOneOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer_class` over the owned parameters (`self.optim`, the attribute checkpoints and
     memory accounting read, as with ZeroRedundancyOptimizer); `param_groups` holds every parameter so

@@ -13,12 +13,11 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, Violation
 from shardwise.plan import constants as C
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
-from shardwise.errors import Violation
-from shardwise.spec.layout import PRECISIONS, RECOMPUTE, Layout
+from shardwise.spec.layout import PRECISIONS, Layout
 from shardwise.spec.shapes import ModelShape
 
 MODEL_STATES = ("shardwise", "mixed")

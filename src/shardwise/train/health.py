@@ -20,9 +20,9 @@ from typing import Iterable
 
 import torch
 
+from shardwise.tensors import local_shard
 from shardwise.train.control import Control
 from shardwise.train.signals import StopRequest
-from shardwise.tensors import local_shard
 
 
 @dataclass

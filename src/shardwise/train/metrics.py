@@ -5,7 +5,6 @@ the planner. Memory is counted from the tensors a rank actually holds: DESIGN §
 not show sharding, so DTensors are counted by their local shard and every storage only once.
 """
 from __future__ import annotations
-from shardwise.tensors import local_shard
 
 import json
 import math
@@ -18,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from shardwise.tensors import local_shard
 
 
 # ---- rates (DESIGN §5) ----
@@ -362,8 +363,7 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), flush_secs=10)
         if self._show_progress and sys.stdout.isatty():
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             self._bar = Progress(TextColumn("step"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("loss {task.fields[loss]:.4f}"),
