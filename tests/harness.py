@@ -1,6 +1,6 @@
 """Run a function on N local processes joined in a gloo process group — once per world size.
 
-Fork is used because it starts a 4-process group in ~4 s instead of ~10 s with spawn (DESIGN §9).
+Fork is used because it starts a 4-process group in ~4 s instead of ~10 s with spawn (docs/architecture.md §9).
 It is only safe while the parent has run no multi-threaded work, so callers run their
 single-process references *after* the worlds they need. Every child is joined or killed and
 every exit code checked; a failure re-raises the child's traceback in the parent.

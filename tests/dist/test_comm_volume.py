@@ -1,4 +1,4 @@
-"""The communication counter against the analytic volume of each layout (DESIGN §5).
+"""The communication counter against the analytic volume of each layout (docs/architecture.md §5).
 
 Payload bytes per step and rank (see shardwise.parallel.comm_counter for the convention). For TP with a
 micro-batch of b sequences of s tokens, hidden h, L blocks, fp32 activations, let A = b·s·h·4:

@@ -1,4 +1,4 @@
-"""The planner's bytes per rank against a real CPU run of the same layout (DESIGN §6 "validate on what
+"""The planner's bytes per rank against a real CPU run of the same layout (docs/architecture.md §6 "validate on what
 we can measure here").
 
 For each layout of the tiny presets, the real Trainer runs one optimizer step with

@@ -91,7 +91,7 @@ def test_bf16_layouts_agree(results):
 
 @pytest.mark.parametrize("name", ["bf16_cp2_ring", "bf16_cp2_ulysses"])
 def test_bf16_context_parallel_tracks_bf16_single(results, name):
-    """cp2 ring / Ulysses in bf16 against the single-process bf16 run (DESIGN §3: 16-bit tolerances are
+    """cp2 ring / Ulysses in bf16 against the single-process bf16 run (docs/architecture.md §3: 16-bit tolerances are
     per feature). Same data, same fp32 master weights; what differs is only the attention's rounding:
     Ulysses runs the same causal SDPA on whole sequences of half the heads; ring attention computes
     each rank's (query half, KV half) blocks separately and merges them with the log-sum-exp rule.

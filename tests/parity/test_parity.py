@@ -1,5 +1,5 @@
 """Every layout of the matrix (data parallel, tensor parallel, pipeline, up to 3-D) trains like one process
-(DESIGN §3): losses and final weights.
+(docs/architecture.md §3): losses and final weights.
 
 Tolerance, fp32: relative |dloss| <= 1e-5 per step over 20 steps. Layouts sum the same per-token
 losses and gradients in another order (sharded reduce-scatter, bucketed all-reduce, accumulation),

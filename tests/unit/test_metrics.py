@@ -1,4 +1,4 @@
-"""train/metrics.py: DESIGN §5 formulas, per-category memory, activation meter, rank-0 logger."""
+"""train/metrics.py: docs/architecture.md §5 formulas, per-category memory, activation meter, rank-0 logger."""
 from __future__ import annotations
 
 import json

@@ -100,7 +100,7 @@ def test_textbook_days_at_an_assumed_mfu():
 
 
 def test_mfu_is_the_trainers_definition():
-    """DESIGN §5: MFU = flops_per_token x tokens/s per device / peak, tokens/s per device = tokens /
+    """docs/architecture.md §5: MFU = flops_per_token x tokens/s per device / peak, tokens/s per device = tokens /
     (seconds x non-dp size) for the tokens of one data-parallel replica."""
     from shardwise.train.metrics import mfu, tokens_per_s_per_device
 

@@ -163,7 +163,7 @@ class Transformer(nn.Module):
         """The *global* initial value of parameter `fqn`, drawn from a generator seeded by (seed, fqn).
 
         Seeding by name (not by draw order) gives every layout the same values whatever it shards or
-        skips (DESIGN §3). Residual projections get std 0.02/sqrt(2L) (GPT-2, Radford et al. 2019 §2.3).
+        skips (docs/architecture.md §3). Residual projections get std 0.02/sqrt(2L) (GPT-2, Radford et al. 2019 §2.3).
         """
         leaf = fqn.rsplit(".", 2)
         if len(leaf) >= 2 and leaf[-2] == "experts":  # stacked experts (E, out, in): named by the leaf

@@ -111,7 +111,7 @@ class _AttachAuxLoss(torch.autograd.Function):
     cross-entropy), and scale = loss_scale / (micro-batches per step) makes the step's gradient
     alpha * mean over this rank's micro-batches of aux_mb; the data-parallel gradient average then
     gives the mean over the global batch's micro-batches, as on one process (micro-batch boundaries
-    coincide across layouts, DESIGN §3)."""
+    coincide across layouts, docs/architecture.md §3)."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Count the bytes every collective moves, per mesh axis and per kind (DESIGN §5).
+"""Count the bytes every collective moves, per mesh axis and per kind (docs/architecture.md §5).
 
 Counting happens at the process-group boundary: a TorchDispatchMode sees every c10d op (what DDP's
 reducer, FSDP2 and the optimizers call) and every functional collective (what DTensor calls), with

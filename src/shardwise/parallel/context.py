@@ -1,7 +1,7 @@
 """Context parallelism (CP): every sequence is cut over the cp axis, attention exchanges what it needs.
 
 Why our own: torch's `torch.distributed.tensor.experimental.context_parallel` has no sharding strategy
-for the CPU flash SDPA op (DESIGN §9), so it cannot run here; the two algorithms below are plain
+for the CPU flash SDPA op (docs/architecture.md §9), so it cannot run here; the two algorithms below are plain
 autograd code over a process group and work on gloo and NCCL alike.
 
 Load balance ("zigzag"): with a causal mask the i-th of n equal chunks attends to i+1 chunks, so a

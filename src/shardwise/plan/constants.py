@@ -1,6 +1,6 @@
 """Every calibration and efficiency constant of the planner, in one place, each with its source.
 
-How these were chosen (DESIGN §6): from microbenchmarks of the devices (published ones: no GPU was
+How these were chosen (docs/architecture.md §6): from microbenchmarks of the devices (published ones: no GPU was
 available where this planner was written, so none of these was measured by us on a GPU) and from
 first principles. None was fitted to the large published training runs (Megatron-LM, Korthikanti et
 al., MegaScale, Llama 3, torchtitan) — those are kept aside to judge the planner's accuracy.

@@ -1,5 +1,5 @@
 """Step time of one layout: compute, recompute, exposed communication per axis, pipeline bubble,
-optimizer — and the derived tokens/s, model TFLOP/s per GPU, MFU and training days (DESIGN §5/§6).
+optimizer — and the derived tokens/s, model TFLOP/s per GPU, MFU and training days (docs/architecture.md §5/§6).
 
 Compute: every GEMM of a micro-batch at a shape-dependent efficiency (the device's maximum achievable
 matmul fraction x tile and wave quantization, capped by the memory roofline; constants.py), attention

@@ -1,7 +1,7 @@
 """Training metrics: token rate and MFU, per-rank memory by category, and the rank-0 logger.
 
-The definitions are the ones in DESIGN §5, used by the trainer and (through the same formulas) by
-the planner. Memory is counted from the tensors a rank actually holds: DESIGN §9 notes that RSS does
+The definitions are the ones in docs/architecture.md §5, used by the trainer and (through the same formulas) by
+the planner. Memory is counted from the tensors a rank actually holds: docs/architecture.md §9 notes that RSS does
 not show sharding, so DTensors are counted by their local shard and every storage only once.
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torch import nn
 from shardwise.tensors import local_shard
 
 
-# ---- rates (DESIGN §5) ----
+# ---- rates (docs/architecture.md §5) ----
 def tokens_per_s_per_device(tokens: int, seconds: float, non_dp_size: int) -> float:
-    """DESIGN §5: tokens/s per device = tokens processed / (seconds x non-data-parallel size).
+    """docs/architecture.md §5: tokens/s per device = tokens processed / (seconds x non-data-parallel size).
 
     `tokens` are the tokens one data-parallel replica processed in `seconds`; the tp x cp x pp (x ep)
     devices of that replica share them, so each device is credited with 1/non_dp_size of them.
@@ -34,7 +34,7 @@ def tokens_per_s_per_device(tokens: int, seconds: float, non_dp_size: int) -> fl
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak_flops: float) -> float:
-    """DESIGN §5: MFU = flops_per_token x tokens/s per device / peak FLOP/s of the device.
+    """docs/architecture.md §5: MFU = flops_per_token x tokens/s per device / peak FLOP/s of the device.
 
     Model FLOPs utilization as defined by Chowdhery et al. 2022 (PaLM, arXiv 2204.02311, App. B):
     model FLOPs only, so recomputation does not raise it. `peak_flops` comes from spec/hardware.py.
@@ -97,7 +97,7 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.
 
 
 def memory_by_category(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Bytes this rank holds for "params", "grads", "optimizer" state and "buffers" (DESIGN §5/§6;
+    """Bytes this rank holds for "params", "grads", "optimizer" state and "buffers" (docs/architecture.md §5/§6;
     the categories of the model-state count 2Ψ+2Ψ+12Ψ in Rajbhandari et al. 2019, arXiv 1910.02054)."""
     params = list(model.parameters())
     return {
