@@ -1,10 +1,10 @@
-"""`shardwise parity`: prove that layouts train like one device (DESIGN §3).
+"""`shardwise parity`: prove that layouts train like one device (docs/architecture.md §3).
 
 The single-process reference and every layout train the same model from the same seed on the same
 global batches; per-step losses and the final unsharded weights are compared. Layouts of equal world
 size share one launch (one process group, several cases), so the start-up cost is paid once per size.
 
-Tolerances (fp32): relative |dloss| <= 1e-5 per step (DESIGN §3). Sharded and accumulated layouts
+Tolerances (fp32): relative |dloss| <= 1e-5 per step (docs/architecture.md §3). Sharded and accumulated layouts
 sum the same numbers in a different order, so fp32 rounding (~6e-8 relative per addition) makes losses
 differ in the 7th digit, not bitwise; 1e-5 leaves two orders of margin yet catches any real bug
 (a wrong scale, a missing shard or a skipped reduction moves the loss by >= 1e-3). Weights after N
@@ -12,15 +12,14 @@ AdamW steps may differ by a few ulps of the update size lr; max |dparam| <= 1e-4
 """
 from __future__ import annotations
 
-import re
-
 import argparse
 import json
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 from shardwise.config import Config, build_config, load_toml, parse_overrides
 from shardwise.errors import ConfigError
@@ -122,7 +121,8 @@ def parity_main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="shardwise parity")
     parser.add_argument("--nproc", type=int, required=True, help="most processes a layout may use")
-    parser.add_argument("--layout", action="append", default=[], help="comma-separated keys, bare ones meaning parallel.*, e.g. dp_shard=2,zero=3 or "
+    parser.add_argument("--layout", action="append", default=[],
+                        help="comma-separated keys, bare ones meaning parallel.*, e.g. dp_shard=2,zero=3 or "
                         "tp=2,model.vocab_size=509 (model.*/data.* keys get their own single-process reference)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--config", default=None)
@@ -162,7 +162,7 @@ def parity_main(argv: list[str]) -> int:
     for world in sorted({c.world_size for c, _ in cases}):
         group = [(c, cfg) for c, cfg in cases if c.world_size == world]
         spec = out / f"world_{world}.json"
-        for c, cfg in group:
+        for _, cfg in group:
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
             cfg.save(Path(cfg.run.dir) / "config.toml")
         spec.write_text(json.dumps([str(Path(cfg.run.dir) / "config.toml") for _, cfg in group]))
@@ -206,7 +206,7 @@ def report(out: Path, cases: list[tuple[Case, Config]], failed_launch: set[str])
 def worker_main(argv: list[str]) -> NoReturn:
     """`python -m shardwise.parity --worker SPEC.json` under torchrun."""
     from shardwise.config import load_config
-    from shardwise.train.__main__ import finish_distributed, init_distributed, leave
+    from shardwise.train.distributed import finish_distributed, init_distributed, leave
     from shardwise.train.signals import exit_with_parent
 
     parser = argparse.ArgumentParser()

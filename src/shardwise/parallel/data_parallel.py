@@ -13,8 +13,15 @@ sequences, so for gradients they are data-parallel ranks too: DDP / replicate av
 (dp_replicate x dp_shard x cp) and FSDP / ZeRO-1 shard over dp_shard_cp (dp_shard x cp), as
 torchtitan does. Every rank's loss is its tokens' sum over its local tokens per step, so the
 average over dp_cp is the global token mean (train/trainer.py).
+
+Which wrapper a layout gets is ParallelDims.wrapper(zero) (spec/dims.py: "fsdp", "ddp", "replicate" or
+"none"; the planner reads the same choice). parallelize.py applies it; gradient_sync() below is how
+the trainer drives it over a step's micro-batches without knowing which one it is.
 """
 from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -22,8 +29,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ParallelConfig
-from shardwise.spec.dims import ParallelDims
 from shardwise.parallel.precision import fsdp_mp_policy
+from shardwise.spec.dims import ParallelDims
 
 
 def dp_mesh(mesh, dims: ParallelDims):
@@ -101,26 +108,55 @@ def zero1_group(mesh, dims: ParallelDims) -> "dist.ProcessGroup":
     return (mesh.dp_shard_cp if dims.cp > 1 else mesh["dp_shard"]).get_group()
 
 
-def uses_fsdp(p: ParallelConfig, dims: ParallelDims) -> bool:
-    return p.zero >= 2 and dims.dp_shard * dims.cp > 1
+class GradientSync:
+    """When the gradients of a step's micro-batches are reduced over the data-parallel ranks: the
+    trainer's one question to the wrapper, asked as `with sync.micro_batch(i, m):` around the forward
+    and backward of micro-batch i of m. This base reduces each micro-batch's gradients as its backward
+    produces them (nothing to switch off), which is right for:
+      - ZeRO-3: it reduce-scatters after every micro-batch, because holding unsharded gradients
+        across accumulation would undo the memory saving it is chosen for;
+      - pipeline stages: the schedule drives FSDP2-family modules' reduction itself (once per step,
+        after the last micro-batch's backward) for every stage a rank holds;
+      - one data-parallel rank: there is nothing to reduce."""
+
+    def micro_batch(self, index: int, count: int) -> AbstractContextManager:
+        return contextlib.nullcontext()
 
 
-def uses_ddp(p: ParallelConfig, dims: ParallelDims) -> bool:
-    """DistributedDataParallel: data parallel without FSDP, on plain parameters of a whole model."""
-    return dims.dp * dims.cp > 1 and not uses_fsdp(p, dims) and dims.tp == 1 and dims.pp == 1
+class DDPSync(GradientSync):
+    """DistributedDataParallel: accumulate locally under no_sync() and all-reduce once, in the last
+    micro-batch's backward."""
+
+    def __init__(self, model: DistributedDataParallel):
+        self.model = model
+
+    def micro_batch(self, index: int, count: int) -> AbstractContextManager:
+        return contextlib.nullcontext() if index == count - 1 else self.model.no_sync()
 
 
-def uses_replicate(p: ParallelConfig, dims: ParallelDims) -> bool:
-    """FSDP2-based replicate: the DDP of TP and PP layouts (see apply_replicate). For PP it is chosen
-    even without TP because the pipeline schedule drives FSDP2-family modules' gradient reduction
-    itself (one reduction after the last micro-batch), for every stage a rank holds."""
-    return dims.dp * dims.cp > 1 and not uses_fsdp(p, dims) and (dims.tp > 1 or dims.pp > 1)
+class FlagSync(GradientSync):
+    """FSDP2 with ZeRO-2 (HSDP included) and FSDP2's `replicate`: the module's gradient-sync flag is
+    off for all but the last micro-batch, so the step's reduction runs once. The last micro-batch
+    turns it back on, so nothing is left to undo when the step ends."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def micro_batch(self, index: int, count: int) -> AbstractContextManager:
+        self.model.set_requires_gradient_sync(index == count - 1)
+        return contextlib.nullcontext()
 
 
-def gradient_sync_each_microbatch(p: ParallelConfig) -> bool:
-    """ZeRO-3 reduce-scatters after every micro-batch: holding unsharded gradients across
-    accumulation would undo the memory saving it is chosen for. DDP and ZeRO-2 sync once per step."""
-    return p.zero == 3
+def gradient_sync(model: nn.Module, dims: ParallelDims, p: ParallelConfig) -> GradientSync:
+    """The GradientSync of `model` (as build_parallel_model / build_pipeline returned it) for this
+    layout, chosen once from the wrapper ParallelDims.wrapper names."""
+    wrapper = dims.wrapper(p.zero)
+    zero3 = wrapper == "fsdp" and p.zero == 3
+    if dims.pp > 1 or wrapper == "none" or zero3:
+        return GradientSync()
+    if wrapper == "ddp":
+        return DDPSync(model)
+    return FlagSync(model)  # replicate, or fsdp with zero 2
 
 
 def unwrap(model: nn.Module) -> nn.Module:

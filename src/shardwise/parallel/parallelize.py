@@ -32,11 +32,11 @@ from shardwise.config import Config
 from shardwise.models.common import Transformer
 from shardwise.parallel.activation_checkpoint import apply_activation_checkpointing
 from shardwise.parallel.context import apply_context_parallel
-from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, uses_ddp, uses_fsdp, uses_replicate
-from shardwise.spec.dims import ParallelDims
+from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from shardwise.parallel.expert import apply_expert_parallel, moe_modules
-from shardwise.spec.stages import layers_per_stage, stage_ids, stage_layers
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
+from shardwise.spec.dims import ParallelDims
+from shardwise.spec.stages import layers_per_stage, stage_ids, stage_layers
 
 # Module-name segments that wrappers insert; parameter identities (init seeds, checkpoint keys)
 # use the model's own names, so every layout agrees on them.
@@ -50,6 +50,7 @@ def canonical_fqn(name: str) -> str:
 def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> None:
     """In place, on the meta model: everything that must happen before parameters exist."""
     # PP split: done by build_pipeline before this (each stage arrives here as its own model).
+    wrapper = dims.wrapper(cfg.parallel.zero)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], cfg.model, cfg.parallel.sequence_parallel)
     if dims.cp > 1:
@@ -61,13 +62,14 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> No
         for moe in moe_modules(model):
             moe.stats_group = mesh["cp"].get_group()
     if dims.ep > 1:
-        apply_expert_parallel(model, mesh.expert, dims, uses_fsdp(cfg.parallel, dims))
+        apply_expert_parallel(model, mesh.expert, dims, wrapper == "fsdp")
     apply_activation_checkpointing(model, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
-    if uses_fsdp(cfg.parallel, dims):
+    if wrapper == "fsdp":
         apply_fsdp(model, mesh, dims, cfg.parallel, cfg.train.precision)
-    elif uses_replicate(cfg.parallel, dims):
+    elif wrapper == "replicate":
         apply_replicate(model, mesh, cfg.train.precision)
+    # "ddp" wraps after materialize (build_parallel_model); "none" needs nothing.
 
 
 @torch.no_grad()
@@ -75,7 +77,7 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
     """Allocate the (possibly sharded) parameters and give them layout-independent values.
 
     Each parameter's *global* value comes from `init_value(fqn)`; a sharded parameter (DTensor)
-    keeps only its slice. No random number is ever drawn per shard (DESIGN §3), so every layout
+    keeps only its slice. No random number is ever drawn per shard (docs/architecture.md §3), so every layout
     starts from the same weights as the single-device reference.
     """
     from torch.distributed.tensor import DTensor
@@ -94,7 +96,8 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
 
 
 def _finish(model: nn.Module, dims: ParallelDims, cfg: Config) -> None:
-    if dims.tp > 1 and not (uses_fsdp(cfg.parallel, dims) or uses_replicate(cfg.parallel, dims)):
+    if dims.tp > 1 and dims.wrapper(cfg.parallel.zero) not in ("fsdp", "replicate"):
+        # FSDP2 and its replicate align DTensor gradients in their own post-backward; the rest need the hook.
         # After materialize: moving the parameters off the meta device drops hooks on them.
         align_gradients_with_parameters(model)
 
@@ -105,7 +108,7 @@ def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Conf
     parallelize(model, dims, mesh, cfg)
     materialize(model, device, cfg.train.seed)
     _finish(model, dims, cfg)
-    if uses_ddp(cfg.parallel, dims):
+    if dims.wrapper(cfg.parallel.zero) == "ddp":
         return apply_ddp(model, mesh, dims)
     return model
 

@@ -1,14 +1,16 @@
 """Worker entry point: `torchrun --nproc_per_node N -m shardwise.train --config FILE.toml [--a.b=c ...]`.
 
 Under torchrun (RANK / WORLD_SIZE set by it) this joins the process group — NCCL when CUDA is
-present, gloo otherwise — and trains; without them it trains on one process.
+present, gloo otherwise (train/distributed.py, shared with the parity worker) — and trains; without
+them it trains on one process.
 
 What a worker guarantees (README "Run safety"): it dies with its launcher; a stop signal ends it after
 a step and a checkpoint (exit 130 / 143); a failure every rank agrees on is printed once, by rank 0,
 with its exit code (2 bad input, 3 diverged, 4 I/O); a stalled collective is diagnosed (exit 5); any
 other error writes its traceback to <run.dir>/errors/rank_<r>.txt, records itself for the launcher
-(torchelastic's error file: the launcher prints the root cause among the failed ranks) and exits 1. Failure paths leave through os._exit: a process
-group that lost a peer cannot be torn down cleanly, and its C++ destructors could abort the process.
+(torchelastic's error file: the launcher prints the root cause among the failed ranks) and exits 1.
+Failure paths leave through os._exit: a process group that lost a peer cannot be torn down cleanly,
+and its C++ destructors could abort the process.
 """
 from __future__ import annotations
 
@@ -17,40 +19,10 @@ import os
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
 
+from shardwise.train.distributed import RESTART_COUNT, RUN_ID, finish_distributed, init_distributed, leave
 from shardwise.train.signals import StopRequest, exit_with_parent
-
-# torchrun's own variables: this job's id and how many times its agent restarted the workers.
-RUN_ID = "TORCHELASTIC_RUN_ID"
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
-
-
-def init_distributed(timeout_s: float = 600) -> bool:
-    """Join the default process group when launched by torchrun; return whether we did."""
-    import torch
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return dist.is_initialized()
-    # torch's flight recorder (also on gloo): the stall report names each rank's last collectives.
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store for every restart of the worker group (torch 2.13), so the
-        # default group's keys of a failed attempt are still there: a restarted rank can read a dead
-        # peer's address and fail to connect ("Connection refused"). Scope the keys by attempt.
-        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                    timeout=timeout)
-        store = dist.PrefixStore(f"shardwise/attempt_{os.environ.get(RESTART_COUNT, '0')}", agent_store)
-        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
-    return True
 
 
 def _say(text: str, prefix: str = "error: ") -> None:
@@ -107,27 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     if code or distributed:
         leave(code)
     return code
-
-
-def finish_distributed() -> None:
-    """The end of a successful distributed run: every rank is done before any tears down (a barrier:
-    no rank closes its gloo sockets while a peer still runs collectives or rank-0-only work such as
-    the loss-curve plot), then the default group is destroyed."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def leave(code: int) -> NoReturn:
-    """End a worker process without interpreter teardown. destroy_process_group() does not destroy
-    gloo backends that DeviceMesh and FSDP2 still reference, so their C++ threads are alive at exit;
-    tearing them down during interpreter finalization is where a joinable std::thread would call
-    std::terminate ("terminate called without an active exception", SIGABRT, exit code -6 for a run
-    that finished). Everything the run writes is closed by now; flush the console and leave."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distributed: bool) -> int:

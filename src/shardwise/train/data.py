@@ -6,7 +6,7 @@ Cache files are written to a temporary file in the same directory and published 
 ranks racing on the same cache all end up reading one and the same file.
 
 Batches depend only on (tokens, seq_len, global_batch, seed, step): the batch view of a layout merely
-slices the global batch (DESIGN.md section 3, "Data order must not depend on the layout").
+slices the global batch (docs/architecture.md §3, "Data order does not depend on the layout").
 """
 from __future__ import annotations
 

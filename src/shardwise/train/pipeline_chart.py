@@ -1,5 +1,6 @@
-"""The measured pipeline schedule: gather every rank's timed actions of one step, compute the bubble,
-draw it as a Gantt chart (one row per pipeline rank), and read it back for `shardwise pipeline-chart`.
+"""The measured pipeline schedule: time one step's actions on every rank (TimelineRecorder), gather
+them, compute the bubble, draw it as a Gantt chart (one row per pipeline rank), and read it back for
+`shardwise pipeline-chart`.
 
 Measured bubble = 1 - mean over the pipeline's ranks of (busy time / step span), where busy time is
 the sum of the rank's forward / backward actions and the span runs from a barrier all ranks pass
@@ -12,12 +13,15 @@ ZBV and DualPipeV have no closed form of this kind (their bubble depends on the 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from shardwise.config import ParallelConfig
 from shardwise.parallel.pipeline import Action
+from shardwise.spec.dims import ParallelDims
 
 TIMELINE_FILE = "pipeline_timeline.json"
 CHART_FILE = "pipeline_chart.png"
@@ -61,6 +65,41 @@ def gather_timeline(start: float, end: float, actions: list[Action], rank: int, 
                     "actions": [[KINDS[int(k)], int(s), int(mb), float(t0), float(t1)]
                                 for k, s, mb, t0, t1 in table[: int(h[0])].tolist()]})
     return out
+
+
+class TimelineRecorder:
+    """Times the pipeline schedule of chosen steps on every rank and summarizes them on rank 0.
+
+    The trainer sets `recording` for a step (its logging steps: the barrier and the two all-gathers
+    cost time, so not every step pays them), brackets the schedule with start() / stop(), and after
+    the step every rank calls collect() (a collective)."""
+
+    def __init__(self, parallel: ParallelConfig, dims: ParallelDims, microbatches: int, rank: int,
+                 device: torch.device):
+        self.parallel, self.dims, self.microbatches, self.rank, self.device = parallel, dims, microbatches, rank, device
+        self.recording = False
+        self._measured: tuple[float, float, list[Action]] | None = None
+
+    def start(self) -> float:
+        """The step's start time; on a recorded step every rank first passes a barrier, so their
+        timelines share an origin."""
+        if self.recording:
+            dist.barrier()
+        return time.perf_counter()
+
+    def stop(self, start: float, actions: list[Action]) -> None:
+        if self.recording:
+            self._measured = (start, time.perf_counter(), actions)
+
+    def collect(self, step: int) -> dict | None:
+        """The recorded step's timeline summary on rank 0 (None elsewhere); every rank calls it."""
+        start, end, actions = self._measured
+        ranks = gather_timeline(start, end, actions, self.rank, self.dims.world_size, self.dims.coordinates(self.rank),
+                                self.device)
+        if ranks is None:
+            return None
+        p = self.parallel
+        return summarize(ranks, p.pp_schedule, p.pp, p.pp_virtual_stages, self.microbatches, step)
 
 
 def summarize(ranks: list[dict], schedule: str, p: int, v: int, m: int, step: int) -> dict:

@@ -2,80 +2,51 @@
 
 One Trainer serves every layout. On one process it runs without any process group (the reference
 of the parity contract); under torchrun (or a test harness that initialized the default group) it
-uses the mesh ParallelDims builds. Loss is the token mean over the whole global batch (DESIGN §3).
+uses the mesh ParallelDims builds. Loss is the token mean over the whole global batch (docs/architecture.md §3).
+
+This module runs the steps and owns the training state (model, optimizer, checkpoints). It does not
+know which data-parallel wrapper is in use: parallel/data_parallel.py GradientSync says how each
+micro-batch's gradients are reduced. What a step reports (console lines, metrics.jsonl) is
+train/step_log.py; the timing of pipeline schedules is train/pipeline_chart.py TimelineRecorder.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.config import Config
 from shardwise.errors import Diverged, Interrupted
 from shardwise.models import build_model
-from shardwise.parallel.mesh import build_meshes
-from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names, describe_comm
+from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names
 from shardwise.parallel.context import zigzag_index
-from shardwise.parallel.data_parallel import (
-    gradient_group,
-    gradient_sync_each_microbatch,
-    unwrap,
-    uses_ddp,
-    uses_fsdp,
-    uses_replicate,
-    zero1_group,
-)
+from shardwise.parallel.data_parallel import gradient_group, gradient_sync, unwrap, zero1_group
+from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
 from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
+from shardwise.parallel.precision import DynamicLossScaler, autocast
+from shardwise.preflight import check, check_batch
+from shardwise.spec.dims import lowp_params
 from shardwise.spec.stages import stage_of_parameter, stage_rank
 from shardwise.tensors import local_shard
-from shardwise.parallel.precision import DynamicLossScaler, autocast
-from shardwise.spec.hardware import device_peak_flops
-from shardwise.preflight import check, check_batch
 from shardwise.train import manifest as mf
+from shardwise.train import moe_stats
 from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state
 from shardwise.train.control import Control
-from shardwise.train.health import StepGuard, Verdict
-from shardwise.train.signals import StopRequest
-from shardwise.train.pipeline_chart import CHART_FILE, describe, gather_timeline, summarize, write_timeline
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
-from shardwise.train import moe_stats
-from shardwise.train.metrics import (
-    ActivationMeter,
-    MetricsLogger,
-    PeakActivationMeter,
-    cuda_memory,
-    memory_by_category,
-    mfu,
-    tokens_per_s_per_device,
-)
+from shardwise.train.distributed import default_device
+from shardwise.train.health import StepGuard, Verdict
+from shardwise.train.metrics import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
 from shardwise.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    seconds: float
-    skipped: bool      # non-finite loss or gradient norm on some rank: no optimizer step anywhere
-    stop_code: int = 0  # 130 / 143 when some rank was asked to stop (train/signals.py)
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        local = dist.get_rank() % torch.cuda.device_count() if dist.is_initialized() else 0
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+from shardwise.train.pipeline_chart import TimelineRecorder
+from shardwise.train.signals import StopRequest
+from shardwise.train.step_log import StepLog, StepResult
 
 
 class Trainer:
@@ -122,6 +93,8 @@ class Trainer:
         else:
             self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
         self.inner = unwrap(self.model)
+        # How each micro-batch's gradients are reduced (DDP no_sync, FSDP2's flag, ...): data_parallel.py.
+        self.gradient_sync = gradient_sync(self.model, self.dims, cfg.parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         zero1 = zero1_group(self.mesh, self.dims) if cfg.parallel.zero == 1 else None
         self.optimizer = build_optimizer(self.inner, t, zero1)
@@ -133,9 +106,8 @@ class Trainer:
         self.guard = StepGuard(self.control, t.max_skipped_steps, stop)
         self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len // self.dims.cp
         self.step = 0
-        self.record_pipeline = False
-        self.pipeline_timeline = None
-        self.last_timeline: dict | None = None
+        # Times the pipeline schedule on the steps the loop asks for (pipeline_chart.py).
+        self.timeline = TimelineRecorder(cfg.parallel, self.dims, self.accumulation, self.rank, self.device)
         self.activation_bytes = 0
         self.group_axes = axis_names(self.mesh) if distributed else {}
         if self.control.group_name is not None:
@@ -154,7 +126,7 @@ class Trainer:
         self.pipeline_layers = parts.layers
         local = t.seq_len // dims.cp  # a cp rank's share of each sequence
         seq = local // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else local
-        low = uses_fsdp(cfg.parallel, dims) or uses_replicate(cfg.parallel, dims)
+        low = lowp_params(dims.wrapper(cfg.parallel.zero))
         vocab = -(-cfg.model.vocab_size // dims.tp)  # the loss reads the real (DTensor) logits; shape only
         io = {"tokens": ((t.micro_batch, local), torch.int64),
               "hidden": ((t.micro_batch, seq, cfg.model.dim), boundary_dtype(t.precision, low)),
@@ -173,15 +145,6 @@ class Trainer:
         return self.scaler.scale_loss(self._token_loss(logits, targets))
 
     # ---- one optimizer step ----
-    def _sync_context(self, last_microbatch: bool):
-        """Skip gradient reduction on all but the last micro-batch (DDP no_sync / FSDP2 flag)."""
-        if uses_ddp(self.cfg.parallel, self.dims) and not last_microbatch:
-            return self.model.no_sync()
-        if uses_replicate(self.cfg.parallel, self.dims) or (
-                uses_fsdp(self.cfg.parallel, self.dims) and not gradient_sync_each_microbatch(self.cfg.parallel)):
-            self.model.set_requires_gradient_sync(last_microbatch)
-        return contextlib.nullcontext()
-
     def _loss_context(self):
         """With TP the logits stay vocab-sharded: cross-entropy and its backward run under
         loss_parallel, which reduces the max / sum-exp / target logit over tp instead of gathering
@@ -218,7 +181,8 @@ class Trainer:
             loss_sum /= self.dims.dp * self.dims.cp
         self.step += 1
         loss_value, norm_value = torch.stack([loss_sum, grad_norm.float().to(loss_sum.device)]).tolist()  # one host sync
-        return StepResult(loss_value, norm_value, lr, time.perf_counter() - start, verdict.skip, verdict.stop_code)
+        return StepResult(loss_value, norm_value, lr, time.perf_counter() - start, verdict.skip, verdict.stop_code,
+                          comm_counted=counting)
 
     def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, Verdict]:
         t = self.cfg.train
@@ -242,8 +206,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
             inputs, targets = (x.to(self.device, non_blocking=True) for x in self._cp_split(*split_inputs_targets(batch)))
-            last = i == len(micro) - 1
-            with self._sync_context(last), self._loss_context():
+            with self.gradient_sync.micro_batch(i, len(micro)), self._loss_context():
                 if self.activation_bytes == 0 and i == 0:
                     with ActivationMeter(exclude=self.inner) as meter:
                         loss = self._loss(inputs, targets)
@@ -261,35 +224,21 @@ class Trainer:
         pairs = [self._cp_split(*split_inputs_targets(batch)) for batch in micro]
         inputs = torch.cat([i for i, _ in pairs]).to(self.device)
         targets = torch.cat([t for _, t in pairs]).to(self.device)
-        record = self.record_pipeline
-        if record:
-            dist.barrier()  # a common start: the step's timeline is measured from here on every rank
-        start = time.perf_counter()
+        start = self.timeline.start()
         # The first step meters activations (as the non-PP path does): the peak, over the whole
         # schedule, of the saved activations alive at once on this rank (see memory()).
         metering = self.activation_bytes == 0
         meter = PeakActivationMeter(exclude=torch.nn.ModuleList(s.submod for s in self.pipeline.stages)) \
             if metering else contextlib.nullcontext()
         with self._loss_context(), meter:
-            losses, actions = self.pipeline.step(inputs, targets, record)
+            losses, actions = self.pipeline.step(inputs, targets, self.timeline.recording)
         if metering:
             self.activation_bytes = meter.peak
-        if record:
-            self.pipeline_timeline = (start, time.perf_counter(), actions)
+        self.timeline.stop(start, actions)
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += local_shard(loss.detach()) / self.scaler.scale
         return total
-
-    def _pipeline_timeline(self) -> dict | None:
-        """The recorded step's actions from every rank (collective); the summary on rank 0."""
-        start, end, actions = self.pipeline_timeline
-        p = self.cfg.parallel
-        ranks = gather_timeline(start, end, actions, self.rank, self.dims.world_size,
-                                self.dims.coordinates(self.rank), self.device)
-        if ranks is None:
-            return None
-        return summarize(ranks, p.pp_schedule, p.pp, p.pp_virtual_stages, self.accumulation, self.step)
 
     # ---- the loop ----
     def train(self) -> list[float]:
@@ -308,79 +257,35 @@ class Trainer:
 
     def _loop(self) -> list[float]:
         t = self.cfg.train
-        writer = self.rank == 0
-        if writer:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        metrics = MetricsLogger(self.run_dir, t.steps, self.step, is_writer=writer, progress=self.cfg.run.progress,
-                                tensorboard=self.cfg.run.tensorboard)
-        peak, peak_label = device_peak_flops(self.device.type, t.precision,
-                                             torch.cuda.get_device_name() if self.device.type == "cuda" else None)
-        if not self.quiet:
-            metrics.print(f"model: {self.cfg.model.arch} {self.num_params / 1e6:.2f}M params, layout "
-                          f"{self.dims.describe()} x{self.dims.world_size}, zero={self.cfg.parallel.zero}, accumulation "
-                          f"{self.accumulation}, peak {peak / 1e9:.1f} GFLOP/s ({peak_label})")
+        report = StepLog(self.cfg, self.dims, run_dir=self.run_dir, rank=self.rank, quiet=self.quiet,
+                         start_step=self.step, accumulation=self.accumulation, num_params=self.num_params,
+                         flops_per_token=self.flops_per_token, device=self.device, guard=self.guard,
+                         scaler=self.scaler, moe_layers=self.moe_layers, moe_group=self.world_group)
         losses: list[float] = []
         ckpt_every = self.cfg.checkpoint.every
         try:
             while self.step < t.steps:
                 logging_step = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
-                first = self.comm_bytes is None
-                self.record_pipeline = self.pipeline is not None and logging_step
+                self.timeline.recording = self.pipeline is not None and logging_step
                 r = self.train_step(measure_memory=logging_step)
-                timeline = self._pipeline_timeline() if self.record_pipeline else None
-                if first and not self.quiet and self.comm_bytes:
-                    metrics.print(f"communication per step on rank 0 (payload bytes): {describe_comm(self.comm_bytes)}")
+                timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
-                metrics.progress(self.step, r.loss, t.global_batch * t.seq_len / r.seconds)
                 diverged = self.guard.record(self.step, r.skipped)
-                if r.skipped and not self.quiet:
-                    metrics.print(f"step {self.step}: loss {r.loss:g}, grad norm {r.grad_norm:g}: not finite, step skipped "
-                                  f"on every rank ({self.guard.in_a_row} in a row; the run stops at "
-                                  f"train.max_skipped_steps={t.max_skipped_steps})")
-                if logging_step or r.skipped:  # every rank: the MoE statistics are a collective
-                    metrics.log(self.step, self._record(r, timeline, peak, metrics))
+                report.after_step(r, self.step, logging_step, timeline, self.comm_bytes, self.last_memory)
                 if diverged:
                     raise Diverged(self._divergence_message(r), report=self.rank == 0)
                 if r.stop_code:
                     self._stop(r.stop_code)
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
                     self.save_checkpoint()
-            if writer and self.last_timeline is not None:
-                path = write_timeline(self.run_dir, self.last_timeline)
-                if not self.quiet:
-                    metrics.print(f"pipeline schedule: {describe(self.last_timeline)}; chart {path.parent / CHART_FILE}")
+            report.write_pipeline_timeline()
             if self.cfg.checkpoint.final and self.checkpoints_enabled():
                 self.save_checkpoint()
             if self.cfg.run.save_final_model:
                 self.save_full_model(self.run_dir / "final_model.pt")
         finally:
-            metrics.close()
+            report.close()
         return losses
-
-    def _record(self, r: StepResult, timeline: dict | None, peak: float, metrics: MetricsLogger) -> dict:
-        """The metrics.jsonl record of a step (collective under MoE)."""
-        t = self.cfg.train
-        tokens_per_step = t.global_batch * t.seq_len
-        per_device = tokens_per_s_per_device(tokens_per_step // self.dims.dp, r.seconds, self.dims.non_dp)
-        record = {"loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tokens_per_step / r.seconds,
-                  "tokens_per_s_per_device": per_device, "step_time_s": r.seconds,
-                  "mfu": mfu(self.flops_per_token, per_device, peak), "skipped": int(r.skipped),
-                  "skipped_steps": self.guard.skipped_total, "loss_scale": self.scaler.scale}
-        record.update({f"mem_{k}_bytes": v[self.rank] for k, v in self.last_memory.items()})
-        record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in self.comm_bytes.items()})
-        record["comm_bytes_per_step"] = self.comm_bytes
-        record["memory_per_rank_bytes"] = self.last_memory
-        if self.moe_layers or self.cfg.model.moe.num_experts:
-            record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.world_group))
-            if not self.quiet:
-                metrics.print(f"step {self.step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
-                              f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
-                              f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
-        if timeline is not None:
-            record["pp_bubble_measured"] = timeline["bubble_measured"]
-            record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
-            self.last_timeline = timeline
-        return record
 
     def _newest_good_checkpoint(self) -> Path | None:
         good = [p for p in mf.complete_checkpoints(self.checkpoints.directory) if mf.is_good(p)]
@@ -407,7 +312,7 @@ class Trainer:
     def memory(self) -> dict[str, int]:
         """This rank's bytes by category: local shards of params, grads, optimizer state; buffers;
         activations saved for backward by one micro-batch (measured once, on the first); on CUDA
-        also the allocator's peak allocated and reserved bytes (DESIGN §5).
+        also the allocator's peak allocated and reserved bytes (docs/architecture.md §5).
 
         With pipeline parallelism "activations" is instead the peak, over the first step, of the
         bytes autograd holds saved for backward at once on this rank: every micro-batch in flight

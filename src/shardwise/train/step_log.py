@@ -1,0 +1,118 @@
+"""What a training run reports about its steps: console lines on rank 0 and a metrics.jsonl /
+TensorBoard record per logging step (train/metrics.py MetricsLogger writes them).
+
+The trainer runs the steps and hands each finished one over (StepLog.after_step) with the state its
+record reports; the wording, the derived rates (tokens/s, MFU) and the pipeline timeline file live
+here. Building a record is a collective under MoE (the router statistics are summed over every rank),
+so every rank calls after_step for every step; only rank 0 prints or writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import Config
+from shardwise.parallel.comm_counter import describe_comm
+from shardwise.parallel.precision import DynamicLossScaler
+from shardwise.spec.dims import ParallelDims
+from shardwise.train import moe_stats
+from shardwise.train.health import StepGuard
+from shardwise.train.metrics import MetricsLogger, mfu, tokens_per_s_per_device
+from shardwise.train.peak_flops import device_peak_flops
+from shardwise.train.pipeline_chart import CHART_FILE, describe, write_timeline
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, as Trainer.train_step returns it."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    seconds: float
+    skipped: bool      # non-finite loss or gradient norm on some rank: no optimizer step anywhere
+    stop_code: int = 0  # 130 / 143 when some rank was asked to stop (train/signals.py)
+    comm_counted: bool = False  # this step counted every collective's bytes (the first step a Trainer runs)
+
+
+class StepLog:
+    """One run's step reports. Opening it creates the run directory and metrics files (rank 0) and
+    prints the run's header line; close() ends the progress bar and writes loss_curve.png.
+
+    `guard` and `scaler` are read when a step is reported (skipped-step counts, the fp16 loss scale);
+    `moe_layers` / `moe_group` are what moe_stats.gather sums the router statistics over."""
+
+    def __init__(self, cfg: Config, dims: ParallelDims, *, run_dir: Path, rank: int, quiet: bool, start_step: int,
+                 accumulation: int, num_params: int, flops_per_token: float, device: torch.device,
+                 guard: StepGuard, scaler: DynamicLossScaler, moe_layers: dict, moe_group: dist.ProcessGroup | None):
+        t = cfg.train
+        self.cfg, self.dims, self.run_dir, self.rank, self.quiet = cfg, dims, run_dir, rank, quiet
+        self.flops_per_token, self.guard, self.scaler = flops_per_token, guard, scaler
+        self.moe_layers, self.moe_group = moe_layers, moe_group
+        self.last_timeline: dict | None = None  # the newest recorded pipeline step, written at the end
+        writer = rank == 0
+        if writer:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLogger(run_dir, t.steps, start_step, is_writer=writer, progress=cfg.run.progress,
+                                     tensorboard=cfg.run.tensorboard)
+        self.peak, peak_label = device_peak_flops(device.type, t.precision,
+                                                  torch.cuda.get_device_name() if device.type == "cuda" else None)
+        if not quiet:
+            self.metrics.print(f"model: {cfg.model.arch} {num_params / 1e6:.2f}M params, layout "
+                               f"{dims.describe()} x{dims.world_size}, zero={cfg.parallel.zero}, accumulation "
+                               f"{accumulation}, peak {self.peak / 1e9:.1f} GFLOP/s ({peak_label})")
+
+    def after_step(self, r: StepResult, step: int, logging: bool, timeline: dict | None,
+                   comm_bytes: dict[str, dict[str, int]], memory: dict[str, list[int]]) -> None:
+        """Report step `step` (1-based, done): the progress bar, a line for a skipped step, and on
+        logging or skipped steps the metrics record. `timeline` is the step's pipeline summary when it
+        was recorded (rank 0), `memory` the newest bytes per category and rank."""
+        t = self.cfg.train
+        if r.comm_counted and not self.quiet and comm_bytes:
+            self.metrics.print(f"communication per step on rank 0 (payload bytes): {describe_comm(comm_bytes)}")
+        self.metrics.progress(step, r.loss, t.global_batch * t.seq_len / r.seconds)
+        if r.skipped and not self.quiet:
+            self.metrics.print(f"step {step}: loss {r.loss:g}, grad norm {r.grad_norm:g}: not finite, step skipped "
+                               f"on every rank ({self.guard.in_a_row} in a row; the run stops at "
+                               f"train.max_skipped_steps={t.max_skipped_steps})")
+        if logging or r.skipped:  # every rank: the MoE statistics are a collective
+            self.metrics.log(step, self._record(r, step, timeline, comm_bytes, memory))
+
+    def _record(self, r: StepResult, step: int, timeline: dict | None, comm_bytes: dict[str, dict[str, int]],
+                memory: dict[str, list[int]]) -> dict:
+        """The metrics.jsonl record of a step (collective under MoE)."""
+        t = self.cfg.train
+        tokens_per_step = t.global_batch * t.seq_len
+        per_device = tokens_per_s_per_device(tokens_per_step // self.dims.dp, r.seconds, self.dims.non_dp)
+        record = {"loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tokens_per_step / r.seconds,
+                  "tokens_per_s_per_device": per_device, "step_time_s": r.seconds,
+                  "mfu": mfu(self.flops_per_token, per_device, self.peak), "skipped": int(r.skipped),
+                  "skipped_steps": self.guard.skipped_total, "loss_scale": self.scaler.scale}
+        record.update({f"mem_{k}_bytes": v[self.rank] for k, v in memory.items()})
+        record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in comm_bytes.items()})
+        record["comm_bytes_per_step"] = comm_bytes
+        record["memory_per_rank_bytes"] = memory
+        if self.moe_layers or self.cfg.model.moe.num_experts:
+            record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.moe_group))
+            if not self.quiet:
+                self.metrics.print(f"step {step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
+                                   f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
+                                   f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
+        if timeline is not None:
+            record["pp_bubble_measured"] = timeline["bubble_measured"]
+            record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
+            self.last_timeline = timeline
+        return record
+
+    def write_pipeline_timeline(self) -> None:
+        """At the end of a run: the newest recorded pipeline step's timeline and chart (rank 0)."""
+        if self.rank == 0 and self.last_timeline is not None:
+            path = write_timeline(self.run_dir, self.last_timeline)
+            if not self.quiet:
+                self.metrics.print(f"pipeline schedule: {describe(self.last_timeline)}; chart {path.parent / CHART_FILE}")
+
+    def close(self) -> None:
+        self.metrics.close()
