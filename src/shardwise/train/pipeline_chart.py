@@ -22,6 +22,7 @@ import torch.distributed as dist
 from shardwise.config import ParallelConfig
 from shardwise.parallel.pipeline import Action
 from shardwise.spec.dims import ParallelDims
+from shardwise.spec.stages import SINGLE_STAGE
 
 TIMELINE_FILE = "pipeline_timeline.json"
 CHART_FILE = "pipeline_chart.png"
@@ -31,7 +32,7 @@ COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 
 
 def theoretical_bubble(schedule: str, p: int, v: int, m: int) -> float | None:
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in SINGLE_STAGE:  # gpipe, 1f1b
         return (p - 1) / (m + p - 1)
     if schedule == "interleaved_1f1b":
         return (p - 1) / (v * m + p - 1)
