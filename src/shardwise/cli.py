@@ -244,6 +244,12 @@ def _pipeline_chart(argv: list[str]) -> int:
     return 0
 
 
+def _launch_command(module: str, rest: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(f"shardwise.launch.{module}").main(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -255,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     from shardwise.parity import parity_main
 
     commands["parity"] = parity_main
+    # Cluster operations, one module each under launch/ (docs/architecture.md §2), imported on use.
+    commands["doctor"] = lambda rest: _launch_command("doctor", rest)
+    commands["bench-comm"] = lambda rest: _launch_command("bench_comm", rest)
+    commands["launch"] = lambda rest: _launch_command("schedulers", rest)
     if command not in commands:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
