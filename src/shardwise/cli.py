@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ USAGE = """shardwise <command> [options]
 
 commands:
   train    --config FILE.toml [--nproc N] [--section.key=value ...]   train (N local processes)
+           [--nnodes N --node-rank K --rdzv-endpoint HOST:PORT]        multi-node: the same command on every node
   parity   --nproc N --layout k=v,k=v [--layout ...] [--steps 20] [--config FILE.toml] [--section.key=value ...]
            compare layouts with the single-process reference
   config   [--config FILE.toml] [--section.key=value ...] [--keys]     print the resolved config (or every key)
@@ -29,6 +31,12 @@ commands:
   checkpoint verify DIR
            check every checkpoint in a run directory (or checkpoints/, or one step_N) against its
            manifest, without loading it; exit 1 if one is damaged
+  bench-comm --nproc N [--config FILE.toml] [--sizes 1K:16M] [--json] [--out b.json] [--plot b.png]  busbw per mesh axis
+  launch   mpirun --config FILE.toml --hosts a:8,b:8 [--export NAME=VALUE] [--section.key=value ...]  print the mpirun command
+  launch   slurm --config FILE.toml --nodes N --gpus-per-node G [--partition P --time T --account A] [--out F.sbatch] [--submit]
+  doctor   [--json] [--nproc N]   check this machine (devices, /dev/shm, ulimit -l, InfiniBand, NCCL_*) and run a test all-reduce
+
+shardwise --version prints the version; shardwise <command> --help the command's options.
 
 exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled collective,
             130 / 143 interrupted (SIGINT / SIGTERM, SIGUSR1) after writing a checkpoint
@@ -36,38 +44,72 @@ exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled coll
 
 
 def _train(argv: list[str]) -> int:
-    from shardwise.launch.local import check_nproc, torchrun
+    import hashlib
+    import tempfile
+
+    from shardwise.launch.local import check_multinode, check_nproc, torchrun
     from shardwise.preflight import check
     from shardwise.train import rundir
     from shardwise.train.data import prepare_data
     from shardwise.train.manifest import file_digest
 
-    parser = argparse.ArgumentParser(prog="shardwise train")
+    parser = argparse.ArgumentParser(
+        prog="shardwise train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="shardwise train [--config FILE.toml] [--nproc N] [--nnodes N --node-rank K --rdzv-endpoint HOST:PORT] "
+              "[--section.key=value ...]",
+        epilog="config overrides:\n  --section.key=value   any config key, after the file (e.g. --parallel.tp=2 "
+               "--train.steps=100);\n                        `shardwise config --keys` lists every key with its default\n\n"
+               "multi-node: run the same command on every machine, --node-rank 0..N-1, with node 0's reachable\n"
+               "address as --rdzv-endpoint (a loopback address is refused); node 0 owns the run directory")
     parser.add_argument("--config", default=None, help="TOML config file (default: built-in defaults)")
-    parser.add_argument("--nproc", type=int, default=1, help="local processes to launch")
+    parser.add_argument("--nproc", type=int, default=1, help="processes to launch on this node")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job (each runs this command)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0..nnodes-1 (0 owns the run directory)")
+    parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, node 0's reachable address")
+    parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: derived from run.dir)")
     args, overrides = parser.parse_known_args(argv)
     check_nproc(args.nproc)
     cfg = load_config(args.config, overrides)
-    check(cfg, args.nproc)
+    # Every node derives the same id from the same config; a rerun reuses it, hence clear_failure_record below.
+    rdzv_id = args.rdzv_id or f"shardwise-{hashlib.sha256(cfg.run.dir.encode()).hexdigest()[:12]}"
+    nodes = check_multinode(args.nnodes, args.node_rank, args.rdzv_endpoint, rdzv_id)
+    check(cfg, args.nproc * args.nnodes)
     rundir.check_cache_dir(cfg)
     data = prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
     rundir.check_run_dirs(cfg)
-    locks = rundir.lock_dirs(cfg)  # held until the job ends: one job per run directory
+    # Node 0 owns the run directory (lock, config.toml); other nodes only check it: with a shared file
+    # system a second lock would refuse our own job (train/rundir.py).
+    owner = nodes is None or nodes.node_rank == 0
+    locks = rundir.lock_dirs(cfg, job=nodes.rdzv_id if nodes else None) if owner else []  # held until the job ends
+    worker_config = None
     try:
         done = rundir.resume_preflight(cfg, len(data.tokens), file_digest(data.tokenizer_path)[1])
         if done:
             print(done)
             return 0
         run_dir = Path(cfg.run.dir)
-        cfg.save(run_dir / "config.toml")
-        print(f"run directory: {run_dir}  (config: {run_dir / 'config.toml'})")
-        if args.nproc == 1 and cfg.run.max_restarts == 0:
+        if owner:
+            rundir.clear_failure_record(run_dir)
+            config_path = rundir.save_config(cfg)
+            print(f"run directory: {run_dir}  (config: {config_path})")
+        else:  # node 0 may not have written config.toml yet: this node's workers read their own copy
+            fd, name = tempfile.mkstemp(prefix="shardwise-node-", suffix=".toml")
+            os.close(fd)
+            worker_config = Path(name)
+            cfg.save(worker_config)
+            print(f"run directory: {run_dir} (owned by node 0); node {nodes.node_rank} of {nodes.nnodes}, "
+                  f"rendezvous {nodes.endpoint}")
+            config_path = worker_config
+        if nodes is None and args.nproc == 1 and cfg.run.max_restarts == 0:
             return _train_in_process(cfg, data)
-        return torchrun(args.nproc, "shardwise.train", ["--config", str(run_dir / "config.toml")],
-                        max_restarts=cfg.run.max_restarts, run_dir=run_dir, checkpoints=rundir.checkpoint_dir(cfg))
+        return torchrun(args.nproc, "shardwise.train", ["--config", str(config_path)],
+                        max_restarts=cfg.run.max_restarts, run_dir=run_dir, checkpoints=rundir.checkpoint_dir(cfg),
+                        nodes=nodes)
     finally:
         for lock in locks:
             lock.release()
+        if worker_config is not None:
+            worker_config.unlink(missing_ok=True)
 
 
 def _train_in_process(cfg: Config, data) -> int:
@@ -145,6 +187,7 @@ def _emit(cfg: Config, problem, result, path: str, quiet: bool) -> None:
     configs = [_with_layout(cfg, problem, e) for e in result.ranked]
     refusals = [_trainer_refusal(c, problem.cluster.num_gpus) for c in configs]
     rank = next((i for i, why in enumerate(refusals) if why is None), 0)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     configs[rank].save(path)
     load_config(path)  # what we wrote must load
     if not quiet:
@@ -181,10 +224,14 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--config", default=None, help="TOML config file (model / train / parallel / cluster)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--assume-mfu", type=float, default=None, help="fix MFU (e.g. 0.4) instead of predicting it")
-    parser.add_argument("--plot", default=None, help="write the memory / search-space figure to this PNG")
+    # A bare --plot / --emit writes into the config's run directory (<run.dir>/plan/), not wherever the
+    # command happens to run (often the repository root); a path given is used as written.
+    parser.add_argument("--plot", nargs="?", const="", default=None,
+                        help="write the memory / search-space figure to this PNG (no value: <run.dir>/plan/ACTION.png)")
     if action == "search":
         parser.add_argument("--top", type=int, default=10, help="layouts to show")
-        parser.add_argument("--emit", default=None, help="write the best layout as a TOML `shardwise train` runs")
+        parser.add_argument("--emit", nargs="?", const="", default=None,
+                            help="write the best layout as a TOML `shardwise train` runs (no value: <run.dir>/plan/best.toml)")
         parser.add_argument("--allow-cross-node-tp", action="store_true", help="let tp span nodes")
         parser.add_argument("--allow-uneven-pp", action="store_true", help="allow n_layers not divisible by pp x virtual stages")
     args, overrides = parser.parse_known_args(argv[1:])
@@ -192,6 +239,10 @@ def _plan(argv: list[str]) -> int:
         overrides.append(f"--cluster.assume_mfu={args.assume_mfu}")
     cfg = load_config(args.config, overrides)
     problem = Problem.from_config(cfg)
+    if args.plot == "":
+        args.plot = str(Path(cfg.run.dir) / "plan" / f"{action}.png")
+    if getattr(args, "emit", None) == "":
+        args.emit = str(Path(cfg.run.dir) / "plan" / "best.toml")
     if action == "evaluate":
         layout = Layout.from_config(cfg, problem.cluster.num_gpus)
         violation = check_layout(problem, layout)
@@ -250,11 +301,26 @@ def _launch_command(module: str, rest: list[str]) -> int:
     return importlib.import_module(f"shardwise.launch.{module}").main(rest)
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml), else the package's own (a source checkout on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardwise")
+    except PackageNotFoundError:
+        from shardwise import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        print(f"shardwise {_version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     commands = {"train": _train, "config": _config, "plan": _plan, "pipeline-chart": _pipeline_chart,
                 "checkpoint": _checkpoint}

@@ -168,6 +168,11 @@ class ClusterConfig:
     model_states: str = opt("shardwise", '"shardwise": fp32 params + fp32 grads + fp32 AdamW (what this trainer does, any '
                                          'precision); "mixed": bf16/fp16 params + grads, fp32 master + AdamW (2+2+12 bytes/param).')
     assume_mfu: float = opt(0.0, "Fix the MFU (e.g. 0.4) instead of predicting the step time; 0 = predict.")
+    # Unset (None) rather than "": an unset key is left out of the resolved TOML (Config.to_dict), so
+    # `shardwise config` and emitted configs stay as they were for everyone who does not calibrate.
+    calibration: str | None = opt(None, 'Path to a `shardwise bench-comm --out` JSON: its measured bus bandwidth and latency per '
+                                        'mesh axis (fitted to the all-reduce points) replace the datasheet defaults for the '
+                                        'collectives on those axes; unset or "" = none.')
 
 
 @dataclass
@@ -370,8 +375,17 @@ MOE_FALLBACKS = {"num_experts": 0, "top_k": 2, "every_k_layers": 1, "capacity_fa
                  "num_shared_experts": 0, "aux_loss_coef": 0.01, "z_loss_coef": 0.0}
 
 
+def _toml_value(name: str, value: Any) -> str:
+    """`name = value` as it would be written in a config file (true, "text", [1, 2]); TOML has no
+    null, so a key that is unset by default says so in a comment."""
+    if value is None:
+        return f"# {name} = (unset)"
+    return tomli_w.dumps({name: value}).strip()
+
+
 def describe() -> str:
-    """Every key with its default and documentation, for `shardwise config --keys`."""
+    """Every key with its default and documentation, for `shardwise config --keys`: the defaults as
+    TOML, so a line can be pasted into a config file as it is."""
     lines = []
 
     def table(name: str, cls: type) -> None:
@@ -382,7 +396,7 @@ def describe() -> str:
             if dataclasses.is_dataclass(default):
                 subs.append((f"{name}.{f.name}", type(default)))
                 continue
-            lines.append(f"  {f.name} = {default!r}\n      {f.metadata['doc']}")
+            lines.append(f"  {_toml_value(f.name, default)}\n      {f.metadata['doc']}")
         for sub, sub_cls in subs:
             table(sub, sub_cls)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -115,9 +116,7 @@ def compare(ref_dir: Path, case_dir: Path) -> tuple[float, float, int]:
 
 
 def parity_main(argv: list[str]) -> int:
-    from shardwise.launch.local import check_nproc, torchrun
-    from shardwise.preflight import check
-    from shardwise.train.data import prepare_data
+    from shardwise.launch.local import check_nproc
 
     parser = argparse.ArgumentParser(prog="shardwise parity")
     parser.add_argument("--nproc", type=int, required=True, help="most processes a layout may use")
@@ -134,6 +133,17 @@ def parity_main(argv: list[str]) -> int:
     base_toml = load_toml(args.config) if args.config else {}
     base = parse_overrides(rest) + [("train.steps", str(args.steps))]
     out = Path(args.out or tempfile.mkdtemp(prefix="shardwise-parity-"))
+    try:
+        return _run_parity(args, base_toml, base, out)
+    finally:
+        if not args.out:  # a temporary directory of checkpoints-sized files: nobody would clean it up
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _run_parity(args: argparse.Namespace, base_toml: dict, base: list[tuple[str, str]], out: Path) -> int:
+    from shardwise.launch.local import torchrun
+    from shardwise.preflight import check
+    from shardwise.train.data import prepare_data
 
     references: dict[tuple, str] = {(): "reference"}
     cases: list[tuple[Case, Config]] = []
@@ -155,7 +165,11 @@ def parity_main(argv: list[str]) -> int:
 
     for ref_cfg in ref_cfgs:
         prepare_data(ref_cfg.data, ref_cfg.model.vocab_size)
-        print(f"parity: reference {Path(ref_cfg.run.dir).name} (1 process), {args.steps} steps, runs in {out}")
+        name = Path(ref_cfg.run.dir).name
+        own = f" {name} ({', '.join(f'{k}={v}' for k, v in next(k for k, n in references.items() if n == name))})" \
+            if name != "reference" else ""
+        print(f"parity: single-process reference{own}, {args.steps} steps, runs in {out}"
+              + ("" if args.out else " (temporary: removed at the end; pass --out DIR to keep them)"))
         train_and_record(ref_cfg, single_process=True)
 
     failed_launch: set[str] = set()

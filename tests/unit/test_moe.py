@@ -163,7 +163,7 @@ def test_moe_config_keys():
     assert (m.num_experts, m.top_k, m.capacity_factor, m.num_shared_experts, m.aux_loss_coef) == (8, 1, 1.25, 1, 0.01)
     assert build_config(None, []).model.moe.num_experts == 0  # dense by default
     assert build_config(None, []).model.moe.capacity_factor == 0.0  # dropless by default
-    assert "[model.moe]" in cfg.to_toml() and "[model.moe]" in describe() and "top_k = None" in describe()
+    assert "[model.moe]" in cfg.to_toml() and "[model.moe]" in describe() and "# top_k = (unset)" in describe()
     for bad in ([("model.moe.topk", "1")], [("model.moe", "1")], [("model.moe.top_k", "two")], [("model.moe.x.y", "1")]):
         with pytest.raises(ConfigError):
             build_config(None, bad)

@@ -8,10 +8,15 @@ error that is not just the consequence of a lost peer (its traceback is in <run.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.errors import (
@@ -49,10 +54,12 @@ def _quiet_torchrun() -> None:
 
 
 def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | None = None, max_restarts: int = 0,
-             run_dir: Path | None = None, checkpoints: Path | None = None) -> int:
+             run_dir: Path | None = None, checkpoints: Path | None = None, nodes: MultiNode | None = None) -> int:
     """`torchrun --standalone --nproc-per-node N -m MODULE ARGS...` in this process; returns an exit code.
 
     --standalone picks a free rendezvous port on localhost, so concurrent launches never collide.
+    `nodes` (a MultiNode from check_multinode) launches this node's share of a multi-node job instead:
+    c10d rendezvous at its endpoint, every node's agent started with the same id.
     `max_restarts` restarts the whole worker group after a failure (the elastic agent's own restarts).
     `run_dir` / `checkpoints` let a failure report point at tracebacks and the checkpoint to resume.
     SIGUSR1 is forwarded to the workers like SIGTERM (SLURM sends it ahead of a time limit).
@@ -60,13 +67,17 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     # Split the cores between the workers (torchrun would pick 1 and warn); a user's setting wins.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    argv = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+    argv = nodes.torchrun_args() if nodes is not None else ["--standalone"]
+    argv += [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", f"--shutdown-timeout={SHUTDOWN_GRACE_S}"]
-    if log_dir is not None:
-        argv += [f"--log-dir={log_dir}"]
+    # torchrun's default log directory is a fresh /tmp/torchelastic_* that it never removes (one per
+    # launch); the workers' error files in it are read before run() returns, so ours is removed after.
+    own_log_dir = Path(tempfile.mkdtemp(prefix="shardwise-torchelastic-")) if log_dir is None else None
+    argv += [f"--log-dir={log_dir or own_log_dir}"]
     argv += ["-m", module, *module_args]
     _quiet_torchrun()
     try:
@@ -75,6 +86,14 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         return report_failure(e.failures, run_dir, checkpoints)
     except SignalException as e:
         return interrupt_exit_code(e.sigval)
+    except RendezvousError as e:  # multi-node: the nodes never met (endpoint unreachable, a node missing, timeout)
+        where = f" at {nodes.endpoint}" if nodes is not None else ""
+        print(f"error: rendezvous{where} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              "(is node 0 running, and its address reachable from this node?)", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        if own_log_dir is not None:
+            shutil.rmtree(own_log_dir, ignore_errors=True)
     return 0
 
 
@@ -132,3 +151,129 @@ def _resume_hint(checkpoints: Path | None) -> str:
 def check_nproc(nproc: int) -> None:
     if nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1, got {nproc}", "pass --nproc 1 or more")
+
+
+@dataclass(frozen=True)
+class MultiNode:
+    """One node's part of a multi-node launch (torch.distributed.run's c10d rendezvous arguments)."""
+
+    nnodes: int
+    node_rank: int
+    endpoint: str  # HOST:PORT as the user wrote it
+    rdzv_id: str
+    local_addr: str | None = None  # this node's address towards the endpoint (see check_multinode)
+
+    def torchrun_args(self) -> list[str]:
+        # torchrun ignores --node-rank under c10d (the rendezvous orders the nodes itself); it is passed
+        # so the agent's view matches the command line, and shardwise uses it for run-directory ownership.
+        out = [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
+               # Node 0 serves the rendezvous store at the endpoint, the others connect to it. torch would
+               # guess by matching the endpoint against the host name's addresses, which fails where the
+               # host name resolves to 127.0.x.1 (every agent then waits for a server nobody started).
+               f"--rdzv-conf=is_host={'true' if self.node_rank == 0 else 'false'}"]
+        if self.local_addr:
+            out.append(f"--local-addr={self.local_addr}")
+        return out
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int | None]:
+    """'host:29400' / '[fd00::1]:29400' / 'host' -> (host, port or None)."""
+    field = "--rdzv-endpoint"
+    text = endpoint.strip()
+    if text.startswith("["):  # bracketed IPv6, torchrun's own notation
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else (None if not rest else "x")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:  # a bare host name or IPv4 address, or an unbracketed IPv6 address
+        host, port_text = text, None
+    if not host:
+        raise ConfigError(field, f"{endpoint!r} names no host", "write HOST:PORT, e.g. --rdzv-endpoint node0.cluster:29400")
+    if port_text is None:
+        return host, None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(field, f"{endpoint!r}: the port must be a number from 1 to 65535",
+                          "write HOST:PORT, e.g. --rdzv-endpoint node0.cluster:29400")
+    return host, int(port_text)
+
+
+def _loopback(host: str) -> str | None:
+    """The loopback address `host` is or resolves to, else None; raises ConfigError when it does not resolve."""
+    if host.lower() == "localhost":
+        return "localhost"
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as e:
+        raise ConfigError("--rdzv-endpoint", f"cannot resolve {host!r}: {e.strerror}",
+                          "use an address or host name of node 0 that every node resolves") from None
+    for info in infos:
+        addr = info[4][0].split("%")[0]
+        if ipaddress.ip_address(addr).is_loopback:
+            return addr
+    return None
+
+
+def _address_towards(host: str, port: int | None) -> str | None:
+    """This machine's source address for reaching `host` (a UDP connect sends nothing; the kernel just
+    picks the route). Passed as torchrun's --local-addr: the rendezvous publishes the first node's
+    address as MASTER_ADDR for every worker, and by default that is the host name's own resolution,
+    which /etc/hosts often maps to 127.0.x.1 (the other nodes would then dial themselves)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        infos = socket.getaddrinfo(host, port or 29400, family, socket.SOCK_DGRAM)
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if ipaddress.ip_address(addr.split("%")[0]).is_loopback else addr
+
+
+def check_multinode(nnodes: int, node_rank: int, endpoint: str | None, rdzv_id: str) -> MultiNode | None:
+    """Validate a multi-node launch before anything is spawned; None for a single-node one.
+
+    A rendezvous endpoint on a loopback address is refused: node 0's agent would listen there and the
+    other nodes would dial their own loopback, so every node waits for the rendezvous timeout (a hang,
+    not an error)."""
+    if nnodes < 1:
+        raise ConfigError("--nnodes", f"must be >= 1, got {nnodes}", "pass the number of machines, e.g. --nnodes 2")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError("--node-rank", f"must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}",
+                          "give each machine its own rank: 0 on the first, 1 on the second, ...")
+    if nnodes == 1:
+        if endpoint or node_rank:
+            raise ConfigError("--rdzv-endpoint", "given for a single-node launch (--nnodes 1)",
+                              "pass --nnodes N (N > 1) with --node-rank and --rdzv-endpoint, or drop them")
+        return None
+    if not endpoint:
+        raise ConfigError("--rdzv-endpoint", f"--nnodes {nnodes} needs a rendezvous endpoint",
+                          "pass --rdzv-endpoint HOST:PORT with node 0's address as every node reaches it, e.g. 10.0.0.1:29400")
+    host, port = split_endpoint(endpoint)
+    loop = _loopback(host)
+    if loop is not None:
+        shown = host if loop == host else f"{host} ({loop})"
+        raise ConfigError("--rdzv-endpoint", f"{shown} is a loopback address: the other nodes cannot reach it, and a "
+                          "multi-node rendezvous on it waits until it times out (a known cause of hangs)",
+                          "use node 0's reachable address, e.g. the first address of `hostname -I` on node 0")
+    if node_rank == 0 and not _is_local(host):
+        raise ConfigError("--rdzv-endpoint", f"{host} is not an address of this machine, but node 0 serves the "
+                          "rendezvous (the other nodes would wait for a server at an address nobody listens on)",
+                          "on node 0 pass one of its own reachable addresses (`hostname -I`), the same on every node")
+    return MultiNode(nnodes, node_rank, endpoint, rdzv_id, _address_towards(host, port))
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` resolves to an address of this machine: binding to it succeeds only then."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0) if family == socket.AF_INET else (sockaddr[0], 0, *sockaddr[2:]))
+            return True
+        except OSError:
+            continue
+    return False

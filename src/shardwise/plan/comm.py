@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 from shardwise.plan import constants as C
 from shardwise.plan.activations import regime
+from shardwise.plan.calibration import AxisCalibration
 from shardwise.plan.inventory import FsdpUnits, RankModel, fsdp_units, owned_chunks, param_tensors, pipeline_rank
 from shardwise.plan.layout import Cluster, Problem, axis_placement
 from shardwise.spec.layout import Layout
@@ -459,12 +460,29 @@ def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluste
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+def measured_time(kind: str, payload: float, n: int, cal: AxisCalibration) -> float:
+    """Seconds for one call on an axis `shardwise bench-comm` measured (cluster.calibration): the same
+    ring wire bytes and log2(n) hops as `collective_time`, over the measured bus bandwidth and per-hop
+    latency instead of link x BUS_FRACTION and LATENCY_*_S. busbw already folds in whatever topology
+    the axis had (nccl-tests doc/PERFORMANCE.md), so there is no intra / inter split."""
+    if n <= 1 or payload <= 0:
+        return 0.0
+    if kind in ("send", "recv"):
+        return payload / cal.bus_bytes_per_s + cal.hop_latency_s
+    wire = payload if kind == "broadcast" else wire_bytes(kind, payload, n)
+    return wire / cal.bus_bytes_per_s + (2 if kind == "all_reduce" else 1) * math.ceil(math.log2(n)) * cal.hop_latency_s
+
+
 def placements(lay: Layout, cluster: Cluster) -> dict[str, tuple[int, int]]:
     return axis_placement(lay, cluster.gpus_per_node)
 
 
 def time_of(c: Collective, place: dict[str, tuple[int, int]], cluster: Cluster, calls: float | None = None) -> float:
     """Seconds for `calls` (default: all) calls of collective `c`."""
+    cal = cluster.measured(c.axis) if cluster.calibration else None
+    if cal is not None:
+        g, k = place[c.axis]
+        return measured_time(c.kind, c.payload, 2 if c.axis == "pp" else g * k, cal) * (c.calls if calls is None else calls)
     if c.axis == "pp":
         g, k = place["pp"]
         one = collective_time(c.kind, c.payload, 1, 2 if k > 1 else 1, cluster) if k > 1 else \

@@ -15,6 +15,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError, Violation
 from shardwise.plan import constants as C
+from shardwise.plan.calibration import AxisCalibration, load_calibration
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
 from shardwise.spec.layout import PRECISIONS, Layout
@@ -34,6 +35,13 @@ class Cluster:
     inter_gbps: float
     intra_latency_s: float
     inter_latency_s: float
+    # Measured per mesh axis (cluster.calibration, plan/calibration.py); () = the datasheet model only.
+    calibration: tuple[AxisCalibration, ...] = ()
+    calibration_path: str = ""
+
+    def measured(self, axis: str) -> AxisCalibration | None:
+        """The calibration of `axis` when `shardwise bench-comm` measured it, else None."""
+        return next((a for a in self.calibration if a.axis == axis), None)
 
     @classmethod
     def from_config(cls, c: Any) -> "Cluster":
@@ -48,9 +56,11 @@ class Cluster:
         for key in ("intra_node_gbps", "inter_node_gbps", "intra_node_latency_us", "inter_node_latency_us"):
             if getattr(c, key) < 0:
                 raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}", "0 takes the default")
+        path = getattr(c, "calibration", None) or ""
         return cls(device, c.num_gpus, min(c.gpus_per_node, c.num_gpus),
                    c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps,
-                   (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S)
+                   (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S,
+                   load_calibration(path) if path else (), path)
 
 
 @dataclass(frozen=True, eq=False)

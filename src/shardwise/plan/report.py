@@ -17,6 +17,55 @@ TIME_ROWS = (("compute", "compute (fwd + bwd)"), ("recompute", "recompute"), ("d
              ("ep_comm", "exposed comm ep"), ("bubble", "pipeline bubble"), ("optimizer", "optimizer step"))
 
 
+# Adaptive units, so a tiny model reads "0.16M params", "1.2 ms", not "0.00B" and "0.000". Each
+# helper keeps the large-model form (B params, GFLOP, seconds, GiB, days) unchanged above its threshold.
+def _count(n: float) -> str:
+    for scale, suffix, fmt in ((1e9, "B", ".2f"), (1e6, "M", ".2f"), (1e3, "K", ".1f")):
+        if n >= scale:
+            return f"{n / scale:{fmt}}{suffix}"
+    return f"{n:.0f}"
+
+
+def _flops(f: float) -> str:
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if f >= scale:
+            return f"{f / scale:.1f} {prefix}FLOP"
+    return f"{f:.0f} FLOP"
+
+
+def _tokens(t: float) -> str:
+    """Tokens to train: '2T' as before, else B / M / K."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if t >= scale:
+            return f"{t / scale:.3g}{suffix}"
+    return f"{t:.3g}"
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """(multiplier, unit) for a table of times whose largest is `seconds`: s from 0.1 s up, else ms or µs."""
+    if seconds >= 0.1:
+        return 1.0, "s"
+    return (1e3, "ms") if seconds >= 1e-4 else (1e6, "µs")
+
+
+def _days(days: float) -> str:
+    if days >= 0.1:
+        return f"{days:.1f} days"
+    hours = days * 24
+    if hours >= 1:
+        return f"{hours:.1f} hours"
+    return f"{hours * 60:.1f} min" if hours * 60 >= 1 else f"{hours * 3600:.1f} s"
+
+
+def _bytes(b: float, fmt: str = ".1f", like: float | None = None) -> str:
+    """Decimal GB in `fmt` as before, MB / kB (one decimal) below 1 GB; `like` picks the unit instead
+    of `b` (one unit for a whole line)."""
+    ref = b if like is None else like
+    if ref >= 1e9:
+        return f"{b / 1e9:{fmt}} GB"
+    return f"{b / 1e6:.1f} MB" if ref >= 1e6 else f"{b / 1e3:.1f} kB"
+
+
 def _console(width: int = 110):
     from rich.console import Console
 
@@ -28,14 +77,33 @@ def problem_lines(problem: Problem) -> list[str]:
     nodes = max(1, cl.num_gpus // cl.gpus_per_node)
     moe = f", MoE {s.moe.num_experts}x top-{s.moe.top_k}" if s.moe else ""
     return [
-        f"model    {s.arch}: {s.num_params / 1e9:.2f}B params, {s.n_layers} layers, dim {s.dim}, heads {s.n_heads}/{s.n_kv_heads} kv, "
-        f"ffn {s.ffn_dim}, vocab {s.vocab_size}{moe}; {s.flops_per_token(problem.seq_len) / 1e9:.1f} GFLOP/token (6N + 12Lsh)",
+        f"model    {s.arch}: {_count(s.num_params)} params, {s.n_layers} layers, dim {s.dim}, heads {s.n_heads}/{s.n_kv_heads} kv, "
+        f"ffn {s.ffn_dim}, vocab {s.vocab_size}{moe}; {_flops(s.flops_per_token(problem.seq_len))}/token (6N + 12Lsh)",
         f"cluster  {cl.num_gpus} x {cl.device.name} ({nodes} node{'s' if nodes > 1 else ''} of {cl.gpus_per_node}), "
         f"{cl.device.memory_gib:g} GiB, {cl.device.peak_flops(problem.precision) / 1e12:.1f} TFLOP/s dense {problem.precision}, "
         f"links {cl.intra_gbps:g} GB/s intra / {cl.inter_gbps:g} GB/s inter per GPU",
-        f"batch    seq {problem.seq_len} x global batch {problem.global_batch} = {problem.tokens_per_step / 1e6:.2f}M tokens/step; "
-        f"{problem.tokens / 1e12:.3g}T tokens to train; model states \"{problem.model_states}\"",
-    ]
+        f"batch    seq {problem.seq_len} x global batch {problem.global_batch} = {_count(problem.tokens_per_step)} tokens/step; "
+        f"{_tokens(problem.tokens)} tokens to train; model states \"{problem.model_states}\"",
+    ] + calibration_lines(problem)
+
+
+def calibration_lines(problem: Problem, lay: Any = None) -> list[str]:
+    """With cluster.calibration: which axes' collectives are priced from measurements (plan/comm.py
+    measured_time) and, for one layout, which of its axes still use the datasheet. Nothing without it."""
+    cl = problem.cluster
+    if not cl.calibration:
+        return []
+    out = [f"measured {cl.calibration_path}: " + "; ".join(
+        f"{a.axis} busbw {a.bus_bytes_per_s / 1e9:.3g} GB/s, latency {a.hop_latency_s * 1e6:.3g} us/hop "
+        f"({a.ranks} ranks, all-reduce {a.method})" for a in cl.calibration)]
+    if lay is not None:
+        from shardwise.plan.comm import collectives
+
+        used = sorted({c.axis for c in collectives(problem, lay)})
+        measured = [a for a in used if cl.measured(a)]
+        rest = [a for a in used if not cl.measured(a)]
+        out.append(f"comm     measured: {', '.join(measured) or 'none'}; datasheet: {', '.join(rest) or 'none'}")
+    return out
 
 
 def model_state_lines(problem: Problem, est: Estimate) -> list[str]:
@@ -46,10 +114,10 @@ def model_state_lines(problem: Problem, est: Estimate) -> list[str]:
     lay = est.layout
     mp = lay.tp * lay.pp
     mem = est.memory
-    here = (mem.params + mem.grads + mem.optimizer + mem.cpu_bytes) / 1e9
-    return [f"model states (params + grads + optimizer, no activations): {n * per / 1e9:,.0f} GB for the whole model "
-            f"({split} bytes/param); / (tp x pp = {mp}) = {n * per / mp / 1e9:.1f} GB per GPU on average; "
-            f"{here:.1f} GB on this layout's most loaded GPU"]
+    here = mem.params + mem.grads + mem.optimizer + mem.cpu_bytes
+    return [f"model states (params + grads + optimizer, no activations): {_bytes(n * per, ',.0f')} for the whole model "
+            f"({split} bytes/param); / (tp x pp = {mp}) = {_bytes(n * per / mp, like=n * per)} per GPU on average; "
+            f"{_bytes(here, like=n * per)} on this layout's most loaded GPU"]
 
 
 def evaluate_text(problem: Problem, est: Estimate) -> str:
@@ -58,13 +126,15 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     con = _console()
     lay = est.layout
     out = problem_lines(problem) + [f"layout   {lay.describe()}  (accumulation / micro-batches {lay.accumulation(problem)}, "
-                                    f"sequence parallel {'on' if lay.sp else 'off'})"]
+                                    f"sequence parallel {'on' if lay.sp else 'off'})"] + calibration_lines(problem, lay)[1:]
     con.print("\n".join(out), soft_wrap=True)
     mem = est.memory
     where = {"first": "first pipeline stage", "last": "last pipeline stage", "only": "every rank"}[mem.rank]
-    t = Table(title=f"memory per GPU ({where}), GiB", title_justify="left")
+    # GiB as before; MiB when the whole rank holds less than 1 GiB (a tiny model's would read 0.00).
+    unit, scale = ("GiB", GIB) if mem.total >= GIB else ("MiB", GIB / 1024)
+    t = Table(title=f"memory per GPU ({where}), {unit}", title_justify="left")
     t.add_column("category")
-    t.add_column("GiB", justify="right")
+    t.add_column(unit, justify="right")
     t.add_column("what", overflow="fold")
     d = mem.detail
     mixed = problem.model_states == "mixed" and problem.low_precision
@@ -74,29 +144,30 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
                                                           "full, 16-bit" if mixed else "full, fp32 DDP buckets"),
         "optimizer": "offloaded to CPU" if lay.offload else ("sharded over dp_shard" if lay.zero >= 1 else "replicated"),
         "activations": f"{d.get('inflight_microbatches', 1):.3g} in-flight micro-batch(es) of {lay.micro_batch} seq; "
-                       f"stored {d.get('activations_stored', 0) / GIB:.2f} + recompute working set "
-                       f"{d.get('recompute_working_set', 0) / GIB:.2f}",
-        "other": ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in d.items()
+                       f"stored {d.get('activations_stored', 0) / scale:.2f} + recompute working set "
+                       f"{d.get('recompute_working_set', 0) / scale:.2f}",
+        "other": ", ".join(f"{k.replace('_', ' ')} {v / scale:.2f}" for k, v in d.items()
                            if k in ("fsdp_unsharded_params", "fsdp_unsharded_grads", "logits_transient", "comm_buffers")),
     }
     for key, label in MEMORY_ROWS:
-        t.add_row(label, f"{getattr(mem, key) / GIB:.2f}", notes[key])
-    t.add_row("total", f"{mem.total / GIB:.2f}",
+        t.add_row(label, f"{getattr(mem, key) / scale:.2f}", notes[key])
+    t.add_row("total", f"{mem.total / scale:.2f}",
               f"{'fits' if mem.fits else 'DOES NOT FIT'}: usable {mem.capacity / GIB:.1f} of {problem.cluster.device.memory_gib:g} GiB"
               + (f"; {mem.cpu_bytes / GIB:.2f} GiB on the host" if mem.cpu_bytes else ""))
     con.print(t)
     tt = Table(title="step time", title_justify="left")
     tt.add_column("term")
-    tt.add_column("seconds", justify="right")
+    k, unit = _time_unit(est.step_time_s)
+    tt.add_column({"s": "seconds", "ms": "ms", "µs": "µs"}[unit], justify="right")
     tt.add_column("share", justify="right")
     for key, label in TIME_ROWS:
         v = est.breakdown_s.get(key, 0.0)
-        tt.add_row(label, f"{v:.3f}", f"{v / est.step_time_s * 100:.1f}%" if est.mfu_source == "predicted" else "")
-    tt.add_row("step", f"{est.step_time_s:.3f}", "assumed MFU" if est.mfu_source == "assumed" else "100%")
+        tt.add_row(label, f"{v * k:.3f}", f"{v / est.step_time_s * 100:.1f}%" if est.mfu_source == "predicted" else "")
+    tt.add_row("step", f"{est.step_time_s * k:.3f}", "assumed MFU" if est.mfu_source == "assumed" else "100%")
     con.print(tt)
     con.print(f"tokens/s {est.tokens_per_s:,.0f}  |  model TFLOP/s per GPU {est.model_tflops_per_gpu:.1f}  |  "
-              f"MFU {est.mfu * 100:.1f}% ({est.mfu_source})  |  {est.days:.1f} days for {problem.tokens / 1e12:.3g}T tokens "
-              f"({est.days_6nd:.1f} by the 6ND rule)", soft_wrap=True)
+              f"MFU {est.mfu * 100:.1f}% ({est.mfu_source})  |  {_days(est.days)} for {_tokens(problem.tokens)} tokens "
+              f"({f'{est.days_6nd:.1f}' if est.days_6nd >= 0.1 else _days(est.days_6nd)} by the 6ND rule)", soft_wrap=True)
     con.print("\n".join(model_state_lines(problem, est)), soft_wrap=True)
     return con.file.getvalue()
 
@@ -107,13 +178,15 @@ def search_text(problem: Problem, result: SearchResult, top: int) -> str:
     con = _console(130)
     con.print("\n".join(problem_lines(problem)), soft_wrap=True)
     t = Table(title=f"top {min(top, len(result.ranked))} layouts by step time", title_justify="left")
-    for col, just in (("#", "right"), ("layout", "left"), ("step s", "right"), ("tokens/s", "right"), ("MFU", "right"),
-                      ("days", "right"), ("mem GiB", "right"), ("bubble s", "right"), ("exposed comm s", "right")):
+    k, unit = _time_unit(max((e.step_time_s for e in result.ranked[:top]), default=1.0))
+    for col, just in (("#", "right"), ("layout", "left"), (f"step {unit}", "right"), ("tokens/s", "right"), ("MFU", "right"),
+                      ("days", "right"), ("mem GiB", "right"), (f"bubble {unit}", "right"), (f"exposed comm {unit}", "right")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for i, e in enumerate(result.ranked[:top], 1):
         comm = sum(e.breakdown_s[k] for k in ("dp_comm", "tp_comm", "pp_comm", "cp_comm", "ep_comm"))
-        t.add_row(str(i), e.layout.describe(), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%",
-                  f"{e.days:.1f}", f"{e.memory.total / GIB:.1f}", f"{e.breakdown_s['bubble']:.3f}", f"{comm:.3f}")
+        t.add_row(str(i), e.layout.describe(), f"{e.step_time_s * k:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%",
+                  f"{e.days:.1f}" if e.days >= 0.1 else f"{e.days:.1e}", f"{e.memory.total / GIB:.1f}",
+                  f"{e.breakdown_s['bubble'] * k:.3f}", f"{comm * k:.3f}")
     con.print(t)
     if problem.assume_mfu:
         con.print(f"MFU assumed at {problem.assume_mfu:.2f} for the reported times; the ranking uses predicted step times")

@@ -1,4 +1,6 @@
-"""Worker entry point: `torchrun --nproc_per_node N -m shardwise.train --config FILE.toml [--a.b=c ...]`.
+"""Worker entry point: `torchrun --nproc_per_node N -m shardwise.train --config FILE.toml [--a.b=c ...]`,
+or `mpirun -np N python -m shardwise.train ...` / `srun python -m shardwise.train ...` (ranks from the
+launcher's own variables: train/distributed.py rank_env).
 
 Under torchrun (RANK / WORLD_SIZE set by it) this joins the process group — NCCL when CUDA is
 present, gloo otherwise (train/distributed.py, shared with the parity worker) — and trains; without
@@ -21,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from shardwise.train.distributed import RESTART_COUNT, RUN_ID, finish_distributed, init_distributed, leave
+from shardwise.train.distributed import RESTART_COUNT, RUN_ID, finish_distributed, init_distributed, launcher, leave
 from shardwise.train.signals import StopRequest, exit_with_parent
 
 
@@ -49,7 +51,9 @@ def _record_crash(run_dir: Path, rank: int, error: BaseException) -> Path | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    if RUN_ID in os.environ:  # started by torchrun's agent: die with it (not with a shell that ran us directly)
+    # Started by torchrun's agent, mpirun (or its orted) or srun: die with it (not with a shell that ran us
+    # directly); a SIGKILLed mpirun would otherwise leave its local ranks training.
+    if RUN_ID in os.environ or launcher(os.environ) != "single":
         exit_with_parent()
     stop = StopRequest().install()  # from here on a signal waits for the end of a step
     parser = argparse.ArgumentParser(prog="python -m shardwise.train")
@@ -74,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"restart {attempt}: not training again: this job failed with exit code {earlier}, "
                       "which a restart cannot fix", flush=True)
             return earlier
-    distributed = init_distributed(cfg.run.collective_timeout_s)
+    try:
+        distributed = init_distributed(cfg.run.collective_timeout_s)
+    except ConfigError as e:  # the launcher's variables or the visible GPUs (train/distributed.py), before any rendezvous
+        _say(e.render())
+        return 2
     code = _run(cfg, run_dir, stop, run_id, attempt, distributed)
     if code or distributed:
         leave(code)
@@ -100,9 +108,14 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     try:
         if rank == 0:  # plain torchrun: the launcher did not lock the run directory for us
             lock = rundir.lock_unless_parent_holds(cfg)
+            if lock.own:  # no shardwise launcher (plain torchrun): write config.toml as `shardwise train` does
+                rundir.save_config(cfg)
         # Rank 0 trains and caches the tokenizer and token array; the others then hit the cache. They
         # wait on the store, not in a collective: a first tokenization may outlast collective_timeout_s.
-        data = prepare_data(cfg.data, cfg.model.vocab_size) if rank == 0 else None
+        # Under `shardwise train` the launcher printed the data line already (print it once per run).
+        quiet_data = lock is None or not lock.own
+        data = prepare_data(cfg.data, cfg.model.vocab_size, log=(lambda _: None) if quiet_data else print) \
+            if rank == 0 else None
         if watchdog is not None:
             watchdog.wait_for_rank0("data")
         elif distributed:

@@ -142,9 +142,9 @@ def describe(timeline: dict) -> str:
 def text_chart(timeline: dict, width: int = 100) -> str:
     """The chart as text for a terminal: one row per pipeline rank, one character per span/width seconds,
     F forward, B backward, I backward-input, W backward-weight, . idle; the kind that covers most of a
-    character's time interval wins it."""
+    character's time interval wins it. The rows only: the caller prints describe(timeline) once above them."""
     span = timeline["span_s"]
-    lines = [describe(timeline)]
+    lines = []
     for r in timeline["ranks"]:
         cover = [dict.fromkeys("FBIW", 0.0) for _ in range(width)]
         for kind, _, _, t0, t1 in r["actions"]:

@@ -7,6 +7,14 @@ flock'ed by the job for its lifetime: the kernel releases it when the process di
 is simply taken over, with a message); the newest checkpoint was written for this model, data and
 batch (train/manifest.py's fingerprint), and is not already at train.steps.
 
+Multi-node (`shardwise train --nnodes N --node-rank K`, run.dir on a shared file system or not): every
+node's launcher runs the checks (its own disks and data cache, and the resume check, read-only, so all
+nodes agree whether there is anything to train); only node 0's launcher locks the run directory, clears
+an earlier job's failure record and writes config.toml. The lock records the job's rendezvous id, so the
+worker that ends up global rank 0 (c10d orders nodes itself: it may sit on another node) sees its own
+job holding it instead of a foreign one. Without a shared file system each node keeps its own run
+directory; checkpoints then need one (every rank writes its shard).
+
 <dir>/.shardwise/ holds the lock and, when a failure no restart can fix ended a job (errors.py
 NOT_RESTARTABLE), that job's exit code: workers the elastic agent restarts anyway read it and end at
 once instead of failing the same way again.
@@ -26,9 +34,14 @@ from pathlib import Path
 from shardwise.errors import NOT_RESTARTABLE, ConfigError
 from shardwise.train import manifest as mf
 
+# torchrun's variable for the job's rendezvous id (train/distributed.py RUN_ID; not imported from there:
+# train/distributed.py is a worker module and the launcher imports this one before spawning).
+RUN_ID = "TORCHELASTIC_RUN_ID"
+
 STATE_DIR = ".shardwise"
 __all__ = ["NOT_RESTARTABLE", "DirectoryLock", "check_cache_dir", "check_run_dirs", "lock_dirs", "lock_unless_parent_holds",
-           "resume_preflight", "record_unrestartable_failure", "unrestartable_failure"]
+           "resume_preflight", "record_unrestartable_failure", "unrestartable_failure", "save_config",
+           "clear_failure_record"]
 
 
 def checkpoint_dir(cfg) -> Path:
@@ -87,9 +100,11 @@ class DirectoryLock:
         except (OSError, ValueError):
             return {}
 
-    def acquire(self, allow_parent: bool = False) -> str | None:
+    def acquire(self, allow_parent: bool = False, job: str | None = None) -> str | None:
         """Take the lock; returns a note when a stale one was taken over. Raises ConfigError when a
-        live job holds it, unless (allow_parent) that job is this process's parent, the launcher."""
+        live job holds it, unless (allow_parent) that job is this process's parent, the launcher, or
+        its launcher on another node (the holder recorded this process's rendezvous id). `job` is the
+        rendezvous id recorded when this lock is taken for a multi-node launch."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -99,7 +114,8 @@ class DirectoryLock:
             os.close(fd)
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
-            if allow_parent and holder.get("pid") == os.getppid():
+            if allow_parent and (holder.get("pid") == os.getppid()
+                                 or (holder.get("job") and holder["job"] == os.environ.get(RUN_ID))):
                 return None
             who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
             since = f", since {holder['started']}" if holder.get("started") else ""
@@ -113,6 +129,8 @@ class DirectoryLock:
             note = f"run directory {self.directory}: took over the lock of pid {previous['pid']}, which {state}"
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "command": " ".join(sys.argv)[:300]}
+        if job:
+            info["job"] = job
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         os.fsync(fd)
@@ -141,13 +159,14 @@ def _lock_targets(cfg) -> list[tuple[Path, str]]:
     return out
 
 
-def lock_dirs(cfg, log=print) -> list[DirectoryLock]:
-    """Lock the run directory (and a checkpoint.dir outside it) for this job; raises ConfigError."""
+def lock_dirs(cfg, log=print, job: str | None = None) -> list[DirectoryLock]:
+    """Lock the run directory (and a checkpoint.dir outside it) for this job; raises ConfigError.
+    `job`: a multi-node launch's rendezvous id, recorded so its workers on other nodes accept the lock."""
     locks = []
     try:
         for directory, field in _lock_targets(cfg):
             lock = DirectoryLock(directory, field)
-            note = lock.acquire()
+            note = lock.acquire(job=job)
             locks.append(lock)
             if note:
                 log(note)
@@ -159,8 +178,12 @@ def lock_dirs(cfg, log=print) -> list[DirectoryLock]:
 
 
 class _Locks:
+    """The locks a worker took itself. `own`: it took the run directory's, so no shardwise launcher
+    prepared this run (plain torchrun): the worker writes config.toml and prints the data line."""
+
     def __init__(self, locks: list[DirectoryLock]):
         self.locks = locks
+        self.own = any(lock.field == "run.dir" for lock in locks)
 
     def release(self) -> None:
         for lock in self.locks:
@@ -182,6 +205,23 @@ def lock_unless_parent_holds(cfg) -> _Locks:
         if note:
             print(note, flush=True)
     return _Locks(locks)
+
+
+def save_config(cfg) -> Path:
+    """The resolved config as <run.dir>/config.toml: what a later `shardwise train --config` reruns."""
+    path = Path(cfg.run.dir) / "config.toml"
+    cfg.save(path)
+    return path
+
+
+def clear_failure_record(run_dir: Path) -> None:
+    """A new job starts (its launcher holds the lock): an earlier job's unrestartable-failure record
+    must not end this one's restarts, even when both use the same rendezvous id (a multi-node launch
+    derives it from run.dir)."""
+    try:
+        _failure_file(run_dir).unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def resume_preflight(cfg, num_tokens: int, tokenizer_sha256: str) -> str | None:

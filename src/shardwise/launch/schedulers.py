@@ -1,0 +1,226 @@
+"""`shardwise launch mpirun | slurm`: the command or batch script that starts a multi-node run.
+
+Nothing here starts a worker (except `slurm --submit`, which hands the script to sbatch): it writes
+what a user runs on a cluster, checked like `shardwise train` checks its input (a ConfigError, exit 2,
+before anything is started). The workers find their rank in the launcher's own variables
+(train/distributed.py rank_env), so mpirun and srun start `python -m shardwise.train` directly.
+
+    shardwise launch mpirun --config run.toml --hosts a:8,b:8 [--gpus-per-node G] [--export NAME=VALUE ...]
+                            [--python PATH] [--section.key=value ...]
+    shardwise launch slurm  --config run.toml --nodes N --gpus-per-node G [--partition P --time T --account A]
+                            [--job-name NAME] [--python PATH] [--out job.sbatch] [--submit] [--section.key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.config import load_config
+from shardwise.errors import ConfigError
+from shardwise.preflight import check
+
+# The network variables a multi-node job commonly needs on every rank, and why (printed as comments).
+# Exported only when set in this environment or given with --export: mpirun copies nothing by itself.
+NETWORK_EXPORTS = (
+    ("NCCL_IB_HCA", "the InfiniBand adapters NCCL uses (e.g. mlx5_0,mlx5_1); a wrong one falls back to sockets"),
+    ("NCCL_SOCKET_IFNAME", "the interface NCCL's bootstrap and socket transport use (e.g. eth0, ib0); "
+                           "a wrong guess hangs the first collective"),
+    ("NCCL_DEBUG", "NCCL's log level (INFO names the transport each ring uses)"),
+    ("UCX_NET_DEVICES", "the devices Open MPI's UCX layer uses (e.g. mlx5_0:1); the same fabric as NCCL"),
+)
+# What SLURM sends ahead of the time limit, and how long ahead: the workers checkpoint on SIGUSR1
+# (train/signals.py) and a checkpoint of a large model needs time to write.
+TIME_LIMIT_SIGNAL = "USR1@120"
+# torchrun forwards these to its workers; SIGUSR1 added (its default list lacks it, and an agent that
+# does not handle SIGUSR1 dies of it, killing the workers before they checkpoint). As launch/local.py.
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+DEFAULT_PORT = 29500
+USAGE = __doc__.split("\n\n")[-1].rstrip()
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+def parse_hosts(text: str) -> list[Host]:
+    """`a:8,b:8` -> [Host("a", 8), Host("b", 8)]; raises ConfigError."""
+    hosts: list[Host] = []
+    for item in text.split(","):
+        name, sep, slots = item.strip().rpartition(":")
+        if not sep or not name or not slots.isdigit() or int(slots) < 1 or re.search(r"\s", name):
+            raise ConfigError("--hosts", f"{item.strip()!r} is not HOST:SLOTS with SLOTS >= 1",
+                              "list every host with its ranks, e.g. --hosts node1:8,node2:8")
+        if any(h.name == name for h in hosts):
+            raise ConfigError("--hosts", f"host {name!r} is listed twice", "list each host once with all its slots")
+        hosts.append(Host(name, int(slots)))
+    return hosts
+
+
+def parse_exports(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError("--export", f"{item!r} is not NAME=VALUE", "e.g. --export NCCL_SOCKET_IFNAME=eth0")
+        out[name] = value
+    return out
+
+
+def _checked_config(config: str | None, overrides: list[str], world_size: int) -> None:
+    """The run must load and its layout fit the world size, as `shardwise train` checks before spawning."""
+    if not config:
+        raise ConfigError("--config", "no config file given", "pass --config run.toml (the file every rank reads)")
+    if not Path(config).is_file():
+        raise ConfigError("--config", f"{config} does not exist", "give the path of the run's TOML file")
+    check(load_config(config, overrides), world_size)
+
+
+def mpirun_command(config: str, overrides: list[str], hosts: list[Host], env: Mapping[str, str],
+                   exports: Mapping[str, str], python: str, gpus_per_node: int | None = None) -> str:
+    """The commented shell lines that start the run with Open MPI's mpirun (rank 0 on the first slot of
+    the first host, where it hosts the rendezvous)."""
+    if gpus_per_node is not None:
+        crowded = [h for h in hosts if h.slots > gpus_per_node]
+        if crowded:  # two ranks on one GPU: refused here, before anything starts (train/distributed.py cuda_index)
+            raise ConfigError("--hosts", f"{crowded[0].name} gets {crowded[0].slots} ranks but has {gpus_per_node} GPUs",
+                              f"give each host at most {gpus_per_node} slots (--hosts {crowded[0].name}:{gpus_per_node},...)")
+    world = sum(h.slots for h in hosts)
+    spec = ",".join(f"{h.name}:{h.slots}" for h in hosts)
+    addr = env.get("MASTER_ADDR") or hosts[0].name
+    port = env.get("MASTER_PORT") or str(DEFAULT_PORT)
+    lines = [f"# {world} ranks on {len(hosts)} host(s) ({spec}): -np is the sum of the slots",
+             "# --map-by slot: each host's slots in order, so rank 0 runs on the first host, the rendezvous host",
+             "# --bind-to none: a rank runs several threads (intra-op, data loading); binding would pin them to one core",
+             f"# -x MASTER_ADDR -x MASTER_PORT: rank 0 listens there for the rendezvous ({addr}:{port}"
+             f"{', from this environment' if env.get('MASTER_ADDR') else ', the first host'})"]
+    args = ["mpirun", "-np", str(world), "-H", spec, "--map-by", "slot", "--bind-to", "none",
+            "-x", "MASTER_ADDR", "-x", "MASTER_PORT"]
+    why = dict(NETWORK_EXPORTS)
+    names = [n for n, _ in NETWORK_EXPORTS if n in exports or n in env] + sorted(set(exports) - set(why))
+    for name in names:
+        given = name in exports
+        value = exports[name] if given else env[name]
+        lines.append(f"# -x {name}: {why.get(name, 'given with --export')} "
+                     f"({'given' if given else 'set in this environment'}: {value})")
+        args += ["-x", f"{name}={value}" if given else name]
+    args += [python, "-m", "shardwise.train", "--config", config, *overrides]
+    export = f"export MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={shlex.quote(port)}"
+    return "\n".join([*lines, export, shlex.join(args)]) + "\n"
+
+
+def sbatch_script(config: str, overrides: list[str], nodes: int, gpus_per_node: int, python: str,
+                  partition: str | None = None, time: str | None = None, account: str | None = None,
+                  job_name: str = "shardwise") -> str:
+    """A commented sbatch script: one torchrun agent per node (srun), c10d rendezvous on the first node."""
+    world = nodes * gpus_per_node
+    optional = [("partition", partition, "the partition (queue) to run in"), ("time", time, "the time limit"),
+                ("account", account, "the account charged")]
+    head = ["#!/bin/bash",
+            f"# Generated by `shardwise launch slurm`: {nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks.",
+            f"#SBATCH --job-name={job_name}",
+            f"#SBATCH --nodes={nodes}",
+            "# One task per node: torchrun's agent, which starts that node's workers (one per GPU).",
+            "#SBATCH --ntasks-per-node=1",
+            f"#SBATCH --gpus-per-node={gpus_per_node}"]
+    for key, value, why in optional:
+        if value:
+            head += [f"# {why}", f"#SBATCH --{key}={value}"]
+    head += ["# SIGUSR1 120 s before the time limit: the workers finish the step, write a checkpoint and exit 143;",
+             "# submit the script again to resume from it (checkpoint.resume = true).",
+             f"#SBATCH --signal={TIME_LIMIT_SIGNAL}",
+             "#SBATCH --output=%x-%j.out",
+             "",
+             "set -euo pipefail",
+             "# The rendezvous: torchrun's agents meet on the first node of the allocation, at a port derived from",
+             "# the job id (below Linux's ephemeral ports, so no outgoing connection holds it).",
+             'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             "MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
+             "",
+             "# --kill-on-bad-exit: a node whose agent fails ends the job instead of leaving the others waiting.",
+             f"# --signals-to-handle: torchrun forwards these to the workers ({SIGNALS_TO_HANDLE.split(',')[-1]} included).",
+             "srun --kill-on-bad-exit=1 " + shlex.join([python, "-m", "torch.distributed.run"]) + " \\"]
+    body = [f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
+            '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
+            f"--signals-to-handle={SIGNALS_TO_HANDLE}", shlex.join(["-m", "shardwise.train", "--config", config, *overrides])]
+    return "\n".join(head + [f"    {line} \\" for line in body[:-1]] + [f"    {body[-1]}", ""])
+
+
+def _check_slurm_value(field: str, value: str | None, pattern: str, example: str) -> None:
+    if value is not None and not re.fullmatch(pattern, value):
+        raise ConfigError(field, f"{value!r} is not a valid value", f"e.g. {field} {example}")
+
+
+def _mpirun(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise launch mpirun")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--hosts", default=None, help="HOST:SLOTS,HOST:SLOTS (ranks per host)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="refuse hosts with more slots than GPUs")
+    parser.add_argument("--export", action="append", default=[], help="NAME=VALUE to pass to every rank (-x)")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter on every host (a shared venv)")
+    args, overrides = parser.parse_known_args(argv)
+    if not args.hosts:
+        raise ConfigError("--hosts", "no hosts given", "list the hosts and ranks per host, e.g. --hosts node1:8,node2:8")
+    hosts = parse_hosts(args.hosts)
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError("--gpus-per-node", f"must be >= 1, got {args.gpus_per_node}", "e.g. --gpus-per-node 8")
+    exports = parse_exports(args.export)
+    _checked_config(args.config, overrides, sum(h.slots for h in hosts))
+    print(mpirun_command(args.config, overrides, hosts, os.environ, exports, args.python, args.gpus_per_node), end="")
+    return 0
+
+
+def _slurm(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise launch slurm")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--nodes", type=int, default=None)
+    parser.add_argument("--gpus-per-node", type=int, default=None)
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--time", default=None, help="SLURM time limit, e.g. 04:00:00 or 1-00:00:00")
+    parser.add_argument("--account", default=None)
+    parser.add_argument("--job-name", default="shardwise")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter on every node (a shared venv)")
+    parser.add_argument("--out", default=None, help="write the script here (default: print it)")
+    parser.add_argument("--submit", action="store_true", help="submit it with sbatch (written to --out or shardwise.sbatch)")
+    args, overrides = parser.parse_known_args(argv)
+    for field, value, example in (("--nodes", args.nodes, "2"), ("--gpus-per-node", args.gpus_per_node, "8")):
+        if value is None or value < 1:
+            raise ConfigError(field, f"must be >= 1, got {value}", f"e.g. {field} {example}")
+    _check_slurm_value("--time", args.time, r"(\d+-)?\d+(:\d+){0,2}", "04:00:00")
+    for field, value in (("--partition", args.partition), ("--account", args.account), ("--job-name", args.job_name)):
+        _check_slurm_value(field, value, r"[A-Za-z0-9_.,-]+", "gpu")
+    _checked_config(args.config, overrides, args.nodes * args.gpus_per_node)
+    script = sbatch_script(args.config, overrides, args.nodes, args.gpus_per_node, args.python, args.partition,
+                           args.time, args.account, args.job_name)
+    out = args.out or ("shardwise.sbatch" if args.submit else None)
+    if out is None:
+        print(script, end="")
+        return 0
+    Path(out).write_text(script)
+    print(f"wrote {out}")
+    if not args.submit:
+        return 0
+    if shutil.which("sbatch") is None:
+        raise ConfigError("--submit", "sbatch is not on PATH", f"run this on a SLURM login node, or submit {out} there")
+    return subprocess.run(["sbatch", out]).returncode
+
+
+def main(argv: list[str]) -> int:
+    """`shardwise launch mpirun | slurm ...` (cli.py dispatches here); returns the exit code."""
+    commands = {"mpirun": _mpirun, "slurm": _slurm}
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] not in commands:
+        raise ConfigError("launch", f"expected 'mpirun' or 'slurm', got {argv[0]!r}",
+                          "run `shardwise launch mpirun --config run.toml --hosts a:8,b:8` or `shardwise launch slurm ...`")
+    return commands[argv[0]](argv[1:])

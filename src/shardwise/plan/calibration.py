@@ -1,0 +1,115 @@
+"""Measured collective bandwidth and latency per mesh axis: the `shardwise bench-comm` JSON file, read
+back by the planner (`cluster.calibration`).
+
+Pure Python: `shardwise bench-comm` (launch/bench_comm.py) measures and writes the file with these
+formulas, and the planner reads it here, so plan/ never imports launch/ (docs/architecture.md §2).
+
+Bandwidths follow NVIDIA nccl-tests' definitions (doc/PERFORMANCE.md, "Algorithm bandwidth" and "Bus
+bandwidth"): algbw = S / t for the operation's size S (all-reduce: the buffer; all-gather: the
+gathered output; reduce-scatter: the unsharded input; all-to-all: the send buffer; send/recv: the
+buffer; the same payload convention as plan/comm.py); busbw = algbw x a factor that makes it
+comparable with the link's peak whatever the rank count n: 2(n-1)/n for all-reduce, (n-1)/n for
+all-gather, reduce-scatter and all-to-all, 1 for send/recv.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ConfigError
+
+SCHEMA = "shardwise.bench-comm/1"
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw for `op` on n ranks (nccl-tests doc/PERFORMANCE.md)."""
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op == "send_recv":
+        return 1.0
+    raise ValueError(f"unknown operation {op!r}")
+
+
+def bandwidths(op: str, n: int, size_bytes: int, seconds: float) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes, as nccl-tests prints them) of one call of `size_bytes`."""
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * bus_factor(op, n)
+
+
+@dataclass(frozen=True)
+class AxisCalibration:
+    """One mesh axis as measured: achieved bus bandwidth (bytes/s) and per-hop latency (s), the same
+    two numbers plan/comm.py's model takes from the datasheet (link x BUS_FRACTION, LATENCY_*_S)."""
+
+    axis: str
+    ranks: int             # group size it was measured on
+    bus_bytes_per_s: float
+    hop_latency_s: float
+    method: str            # "fit" (least squares over the all-reduce points) or "ends" (largest busbw, smallest time)
+
+
+def hops(n: int) -> int:
+    """log2(n) steps, as plan/comm.py's latency term counts them."""
+    return max(1, math.ceil(math.log2(n))) if n > 1 else 0
+
+
+def fit_axis(axis: str, n: int, points: list[tuple[int, float]]) -> AxisCalibration:
+    """Fit t(S) = a + 2(n-1)/n S / B over all-reduce points (S bytes, t seconds): B is the bus bandwidth,
+    a the latency of one all-reduce, which plan/comm.py spends as 2 log2(n) hops. Least squares; when
+    timing noise makes a slope or intercept non-positive (a flat or inverted curve), fall back to the
+    busbw of the largest size and the time of the smallest (the brief's second estimate)."""
+    pts = sorted(points)
+    f = bus_factor("all_reduce", n)
+    xs, ys = [f * s for s, _ in pts], [t for _, t in pts]
+    method = "ends"
+    bus, lat = f * pts[-1][0] / pts[-1][1], pts[0][1]
+    if len(pts) >= 2:
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+        intercept = my - slope * mx
+        if slope > 0 and intercept > 0:
+            bus, lat, method = 1.0 / slope, intercept, "fit"
+    return AxisCalibration(axis, n, bus, lat / (2 * hops(n)), method)
+
+
+def read_results(path: str | Path) -> dict[str, Any]:
+    """The bench-comm JSON file, checked; ConfigError (field cluster.calibration) when it is not one."""
+    p = Path(path)
+    where = "cluster.calibration"
+    if not p.is_file():
+        raise ConfigError(where, f"file not found: {p}", "write one with `shardwise bench-comm --nproc N --out bench.json`")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(where, f"{p} is not JSON: {e}", "point it at a file written by `shardwise bench-comm --out`") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("results"), list):
+        raise ConfigError(where, f"{p} is not a bench-comm result (schema {SCHEMA!r})",
+                          "point it at a file written by `shardwise bench-comm --out`")
+    for i, r in enumerate(data["results"]):
+        ok = isinstance(r, dict) and r.get("op") in OPS and isinstance(r.get("axis"), str) and \
+            all(isinstance(r.get(k), (int, float)) and r[k] > 0 for k in ("ranks", "bytes", "time_s", "algbw", "busbw"))
+        if not ok:
+            raise ConfigError(where, f"{p}: results[{i}] is not a measurement", "re-run `shardwise bench-comm`")
+    return data
+
+
+def load_calibration(path: str | Path) -> tuple[AxisCalibration, ...]:
+    """Per axis with all-reduce measurements, its fitted bandwidth and latency (axis order of the file)."""
+    data = read_results(path)
+    by_axis: dict[str, list[tuple[int, float]]] = {}
+    ranks: dict[str, int] = {}
+    for r in data["results"]:
+        if r["op"] == "all_reduce":
+            by_axis.setdefault(r["axis"], []).append((int(r["bytes"]), float(r["time_s"])))
+            ranks[r["axis"]] = int(r["ranks"])
+    if not by_axis:
+        raise ConfigError("cluster.calibration", f"{path} has no all-reduce measurement",
+                          "re-run `shardwise bench-comm` (it measures all-reduce on every axis)")
+    return tuple(fit_axis(a, ranks[a], pts) for a, pts in by_axis.items())

@@ -1,0 +1,160 @@
+"""The command line's small promises: --version, train --help, `config --keys` as TOML, readable plan
+units for tiny models, plan outputs in the run directory, the multi-node launch's checks (a loopback
+rendezvous is refused before anything is spawned) and run-directory ownership across nodes."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.errors import ConfigError
+from shardwise.launch.local import MultiNode, check_multinode, split_endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:29400", "localhost:29400", "LOCALHOST", "127.0.1.1:1234",
+                                      "[::1]:29400"])
+def test_multinode_loopback_endpoint_is_refused(endpoint, capsys):
+    with pytest.raises(ConfigError) as e:
+        check_multinode(2, 1, endpoint, "job")
+    assert e.value.field == "--rdzv-endpoint" and "loopback" in e.value.problem and "hang" in e.value.problem
+    assert "reachable address" in e.value.fix
+    # Through the command: exit 2, one error line, before any data is prepared or process spawned.
+    code = main(["train", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint, "--nproc", "1",
+                 "--data.path=/nonexistent/never-read.txt"])
+    err = capsys.readouterr().err
+    assert code == 2 and "loopback" in err and "Traceback" not in err and "never-read" not in err
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "192.0.2.1:29400"], "--node-rank"),
+    (["--nnodes", "2"], "--rdzv-endpoint"),
+    (["--nnodes", "0"], "--nnodes"),
+    (["--rdzv-endpoint", "192.0.2.1:29400"], "--rdzv-endpoint"),  # endpoint without --nnodes > 1
+    (["--nnodes", "2", "--rdzv-endpoint", "192.0.2.1:http"], "--rdzv-endpoint"),
+])
+def test_multinode_arguments_are_checked(args, field, capsys):
+    assert main(["train", "--nproc", "1", *args]) == 2
+    assert f"error: {field}" in capsys.readouterr().err
+
+
+def test_multinode_torchrun_arguments():
+    assert split_endpoint("[fd00::2]:29400") == ("fd00::2", 29400) and split_endpoint("node0") == ("node0", None)
+    node0 = MultiNode(2, 0, "192.0.2.1:29400", "job-1").torchrun_args()
+    node1 = MultiNode(2, 1, "192.0.2.1:29400", "job-1", "192.0.2.7").torchrun_args()
+    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=192.0.2.1:29400", "--rdzv-id=job-1"} <= set(node0)
+    assert "--rdzv-conf=is_host=true" in node0 and "--rdzv-conf=is_host=false" in node1  # node 0 serves the store
+    assert "--node-rank=1" in node1 and "--local-addr=192.0.2.7" in node1
+    assert check_multinode(1, 0, None, "x") is None
+    # Node 0 serves the rendezvous store: its endpoint must be one of its own addresses (192.0.2.0/24 is
+    # TEST-NET-1, documentation only, so it is nobody's address... unless a sandbox uses it for this machine).
+    import socket
+
+    try:
+        with socket.socket() as s:
+            s.bind(("192.0.2.123", 0))
+    except OSError:
+        with pytest.raises(ConfigError, match="not an address of this machine"):
+            check_multinode(2, 0, "192.0.2.123:29400", "job")
+    assert check_multinode(2, 1, "192.0.2.123:29400", "job") is not None  # other nodes only dial it
+
+
+def test_run_dir_lock_is_shared_by_the_job_across_nodes(tmp_path, monkeypatch):
+    """Node 0's launcher holds the lock with the job's rendezvous id; global rank 0 may sit on another
+    node (c10d orders nodes itself) and must accept it; any other job is refused."""
+    from shardwise.config import build_config
+    from shardwise.train import rundir
+
+    cfg = build_config(None, [("run.dir", str(tmp_path / "run"))])
+    locks = rundir.lock_dirs(cfg, job="shardwise-abc")
+    try:
+        assert json.loads((tmp_path / "run" / ".shardwise" / "lock").read_text())["job"] == "shardwise-abc"
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "shardwise-abc")
+        mine = rundir.lock_unless_parent_holds(cfg)
+        assert not mine.own and mine.locks == []  # the launcher wrote config.toml and printed the data line
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
+        with pytest.raises(ConfigError, match="in use"):
+            rundir.lock_unless_parent_holds(cfg)
+    finally:
+        for lock in locks:
+            lock.release()
+    # Plain torchrun (nobody holds the lock): rank 0 takes it itself and owns config.toml.
+    own = rundir.lock_unless_parent_holds(cfg)
+    try:
+        assert own.own
+        assert rundir.save_config(cfg).read_text() == cfg.to_toml()
+    finally:
+        own.release()
+
+
+def test_clear_failure_record(tmp_path):
+    from shardwise.train import rundir
+
+    rundir.record_unrestartable_failure(tmp_path, "job", 2)
+    assert rundir.unrestartable_failure(tmp_path, "job") == 2
+    rundir.clear_failure_record(tmp_path)
+    assert rundir.unrestartable_failure(tmp_path, "job") is None
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    from shardwise import __version__
+
+    assert capsys.readouterr().out.strip() == f"shardwise {__version__}"
+
+
+def test_train_help_lists_overrides(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--section.key=value" in out and "shardwise config --keys" in out
+    assert "--nnodes" in out and "--rdzv-endpoint" in out
+
+
+def test_config_keys_are_toml(capsys):
+    import tomllib
+
+    assert main(["config", "--keys"]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and "True" not in out and "False" not in out and "'" not in out.replace("'s", "")
+    assigned = [line.strip() for line in out.splitlines() if line.startswith("  ") and not line.startswith("   ")
+                and not line.strip().startswith("#")]
+    assert len(assigned) > 50
+    for line in assigned:  # every default line is valid TOML, pasteable into a config file
+        tomllib.loads(line)
+    assert "  sequence_parallel = true" in out and '  preset = "tiny"' in out and "# top_k = (unset)" in out
+
+
+def test_plan_prints_tiny_models_readably(capsys):
+    assert main(["plan", "evaluate", "--model.preset=tiny", "--cluster.num_gpus=2", "--cluster.gpus_per_node=2",
+                 "--parallel.dp_shard=1", "--parallel.dp_replicate=2"]) == 0
+    out = capsys.readouterr().out
+    assert "0.00B params" not in out and "0.0 GFLOP" not in out and "0.00M tokens" not in out
+    assert "K params" in out and "MFLOP/token" in out and ("┃    ms ┃" in out or "┃    µs ┃" in out)
+    assert "MiB" in out and "0.000 " not in out.split("step time")[1].splitlines()[-3]  # the step row
+
+
+def test_plan_outputs_default_to_the_run_dir(tmp_path, capsys):
+    run = tmp_path / "run"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # nothing may land in the directory the command runs in
+    try:
+        assert main(["plan", "search", "--model.preset=tiny", "--cluster.num_gpus=2", "--cluster.gpus_per_node=2",
+                     f"--run.dir={run}", "--top", "2", "--emit", "--plot"]) == 0
+    finally:
+        os.chdir(cwd)
+    assert (run / "plan" / "best.toml").is_file() and (run / "plan" / "search.png").stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert f"wrote {run / 'plan' / 'best.toml'}" in capsys.readouterr().out
+
+
+def test_pipeline_text_chart_does_not_repeat_the_summary():
+    from shardwise.train.pipeline_chart import describe, text_chart
+
+    timeline = {"schedule": "1f1b", "pp": 2, "virtual_stages": 1, "microbatches": 2, "step": 3, "span_s": 1.0,
+                "bubble_measured": 0.25, "bubble_theoretical": 0.2,
+                "ranks": [{"pp_rank": r, "bubble": 0.25, "actions": [["F", r, 0, 0.0, 0.5], ["B", r, 0, 0.5, 0.75]]}
+                          for r in (0, 1)]}
+    text = text_chart(timeline)
+    assert describe(timeline) not in text and len(text.splitlines()) == 2

@@ -1,0 +1,98 @@
+"""`shardwise launch mpirun | slurm` (launch/schedulers.py): the printed mpirun command, the sbatch
+script against its golden file, and bad input as ConfigError (exit 2) through the real CLI."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main as cli_main
+from shardwise.errors import ConfigError
+from shardwise.launch.schedulers import Host, main, mpirun_command, parse_hosts
+
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "slurm" / "two_nodes.sbatch"
+# A layout that fits 16 ranks: ZeRO-3 over every rank, one sequence per rank per step.
+RUN_TOML = '[model]\npreset = "tiny"\n\n[train]\nglobal_batch = 64\nmicro_batch = 4\n\n[parallel]\ndp_shard = -1\nzero = 3\n'
+
+
+@pytest.fixture()
+def in_run_dir(tmp_path, monkeypatch) -> Path:
+    (tmp_path / "run.toml").write_text(RUN_TOML)
+    monkeypatch.chdir(tmp_path)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "UCX_NET_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def test_printed_mpirun_command_for_two_hosts_of_eight(in_run_dir, capsys, monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    assert main(["mpirun", "--config", "run.toml", "--hosts", "a:8,b:8", "--python", "python",
+                 "--export", "NCCL_SOCKET_IFNAME=eth0", "--train.steps=5"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[-2] == "export MASTER_ADDR=a MASTER_PORT=29500"
+    assert shlex.split(lines[-1]) == ["mpirun", "-np", "16", "-H", "a:8,b:8", "--map-by", "slot", "--bind-to", "none",
+                                      "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "NCCL_SOCKET_IFNAME=eth0",
+                                      "-x", "NCCL_DEBUG", "python", "-m", "shardwise.train", "--config", "run.toml",
+                                      "--train.steps=5"]
+    comments = [line for line in lines if line.startswith("#")]
+    # A comment per export says why; only what is set or given is exported.
+    assert any(c.startswith("# -x NCCL_SOCKET_IFNAME:") and "given: eth0" in c for c in comments)
+    assert any(c.startswith("# -x NCCL_DEBUG:") and "set in this environment: INFO" in c for c in comments)
+    assert "NCCL_IB_HCA" not in out and "UCX_NET_DEVICES" not in out
+
+
+def test_mpirun_command_takes_master_addr_from_the_environment():
+    text = mpirun_command("run.toml", [], [Host("a", 2)], {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "12345",
+                                                          "UCX_NET_DEVICES": "mlx5_0:1"}, {}, "python")
+    assert "export MASTER_ADDR=10.0.0.1 MASTER_PORT=12345" in text and "-x UCX_NET_DEVICES " in text
+
+
+@pytest.mark.parametrize("hosts", ["a:8,b", "a:0", ":8", "a:8,a:8", "a:x"])
+def test_bad_hosts_are_refused(hosts):
+    with pytest.raises(ConfigError) as e:
+        parse_hosts(hosts)
+    assert e.value.field == "--hosts" and e.value.fix
+
+
+@pytest.mark.parametrize("args, field", [
+    (["mpirun", "--config", "run.toml"], "--hosts"),
+    (["mpirun", "--hosts", "a:8,b:8"], "--config"),
+    (["mpirun", "--config", "missing.toml", "--hosts", "a:8"], "--config"),
+    (["mpirun", "--config", "run.toml", "--hosts", "a:8,b:8", "--gpus-per-node", "4"], "--hosts"),
+    (["mpirun", "--config", "run.toml", "--hosts", "a:8", "--export", "NCCL_DEBUG"], "--export"),
+    (["mpirun", "--config", "run.toml", "--hosts", "a:3"], "train.global_batch"),  # 64 is not split over 3 ranks
+    (["slurm", "--config", "run.toml", "--nodes", "0", "--gpus-per-node", "8"], "--nodes"),
+    (["slurm", "--config", "run.toml", "--nodes", "2", "--gpus-per-node", "8", "--time", "4 hours"], "--time"),
+    (["qsub"], "launch"),
+])
+def test_bad_input_is_a_config_error(in_run_dir, args, field):
+    with pytest.raises(ConfigError) as e:
+        main(args)
+    assert e.value.field == field and e.value.problem and e.value.fix
+
+
+def test_bad_input_exits_2_through_the_cli(in_run_dir, capsys):
+    assert cli_main(["launch", "mpirun", "--config", "run.toml", "--hosts", "a:8,b"]) == 2
+    err = capsys.readouterr().err
+    assert "--hosts" in err and "fix:" in err and "Traceback" not in err
+    assert cli_main(["launch", "mpirun", "--config", "run.toml", "--hosts", "a:8,b:8"]) == 0
+
+
+def test_sbatch_script_matches_the_golden_file(in_run_dir, capsys):
+    """Regenerate after an intended change: the same arguments with --out tests/fixtures/slurm/two_nodes.sbatch."""
+    assert main(["slurm", "--config", "run.toml", "--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu",
+                 "--time", "04:00:00", "--account", "proj", "--python", "python3", "--out", "job.sbatch",
+                 "--train.steps=1000"]) == 0
+    assert capsys.readouterr().out == "wrote job.sbatch\n"
+    script = (in_run_dir / "job.sbatch").read_text()
+    assert script == GOLDEN.read_text()
+    assert "#SBATCH --signal=USR1@120" in script and "--rdzv-backend=c10d" in script
+
+
+def test_submit_without_sbatch_is_refused(in_run_dir, monkeypatch):
+    monkeypatch.setenv("PATH", str(in_run_dir))  # no sbatch here
+    with pytest.raises(ConfigError) as e:
+        main(["slurm", "--config", "run.toml", "--nodes", "2", "--gpus-per-node", "8", "--python", "python3", "--submit"])
+    assert e.value.field == "--submit" and (in_run_dir / "shardwise.sbatch").is_file()
