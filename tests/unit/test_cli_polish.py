@@ -158,3 +158,12 @@ def test_pipeline_text_chart_does_not_repeat_the_summary():
                           for r in (0, 1)]}
     text = text_chart(timeline)
     assert describe(timeline) not in text and len(text.splitlines()) == 2
+
+
+def test_plan_search_explains_tiny_losers_in_milliseconds(capsys):
+    """The "why the rest lost" lines and the days column of a tiny model's search say something (ms, s),
+    not "+0.000 s" and "2.1e-06"."""
+    assert main(["plan", "search", "--model.preset=tiny", "--cluster.num_gpus=4", "--cluster.gpus_per_node=4"]) == 0
+    out = capsys.readouterr().out
+    assert "mostly" in out and "(+0.000 s)" not in out and " ms)" in out
+    assert "e-0" not in out

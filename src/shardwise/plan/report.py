@@ -185,7 +185,7 @@ def search_text(problem: Problem, result: SearchResult, top: int) -> str:
     for i, e in enumerate(result.ranked[:top], 1):
         comm = sum(e.breakdown_s[k] for k in ("dp_comm", "tp_comm", "pp_comm", "cp_comm", "ep_comm"))
         t.add_row(str(i), e.layout.describe(), f"{e.step_time_s * k:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}%",
-                  f"{e.days:.1f}" if e.days >= 0.1 else f"{e.days:.1e}", f"{e.memory.total / GIB:.1f}",
+                  f"{e.days:.1f}" if e.days >= 0.1 else _days(e.days), f"{e.memory.total / GIB:.1f}",
                   f"{e.breakdown_s['bubble'] * k:.3f}", f"{comm * k:.3f}")
     con.print(t)
     if problem.assume_mfu:

@@ -220,6 +220,8 @@ def why_lost(result: SearchResult, top: int, near: int = 5) -> list[str]:
     for e in result.ranked[top:top + near]:
         diffs = {k: e.breakdown_s.get(k, 0.0) - best.breakdown_s.get(k, 0.0) for k in best.breakdown_s}
         term, delta = max(diffs.items(), key=lambda kv: kv[1])
+        # Milliseconds below 1 ms, so a tiny model's differences do not all print as +0.000 s.
+        amount = f"+{delta:.3f} s" if delta >= 1e-3 else f"+{delta * 1e3:.3f} ms"
         lines.append(f"  {e.layout.describe():<48} +{(e.step_time_s / best.step_time_s - 1) * 100:5.1f}%  "
-                     f"mostly {term} (+{delta:.3f} s)")
+                     f"mostly {term} ({amount})")
     return lines
