@@ -5,6 +5,7 @@ use them for a 405B shape without building the model; tests check them against t
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -21,11 +22,6 @@ INIT_STD = 0.02  # GPT-2 / Megatron default initializer range.
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The default attention core: causal SDPA, with grouped-query KV heads when k has fewer heads."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
-    """Block `index` (0-based) is MoE when (index + 1) % every_k_layers == 0 (spec/shapes.py MoESpec)."""
-    return ModelShape.from_config(cfg).is_moe_layer(index)
 
 
 class Attention(nn.Module):
@@ -128,9 +124,14 @@ class Transformer(nn.Module):
         if not head:
             self.norm, self.output = None, None
 
+    @functools.cached_property
+    def shape(self) -> ModelShape:
+        """This model's spec (spec/shapes.py), built once: init asks it for every parameter."""
+        return ModelShape.from_config(self.cfg)
+
     def embedding_modules(self) -> tuple[str, ...]:
         """Attribute names of the input embeddings (all live on the first pipeline stage)."""
-        return tuple(name for name, _ in ModelShape.from_config(self.cfg).architecture.embeddings)
+        return tuple(name for name, _ in self.shape.architecture.embeddings)
 
     # ---- closed-form counts (no module needed): spec/shapes.py, which the planner reads too ----
     @classmethod
@@ -157,7 +158,7 @@ class Transformer(nn.Module):
     # ---- layout-independent initialization ----
     def residual_projections(self) -> tuple[str, ...]:
         """Leaf names of the projections that write into the residual stream."""
-        return ModelShape.from_config(self.cfg).architecture.residual
+        return self.shape.architecture.residual
 
     def init_value(self, fqn: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The *global* initial value of parameter `fqn`, drawn from a generator seeded by (seed, fqn).

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.models.common import Attention, Transformer, is_moe_layer
+from shardwise.models.common import Attention, Transformer
 from shardwise.models.feed_forward import GELUMLP
 from shardwise.models.moe import MoE
 
@@ -33,7 +33,7 @@ class GPT(Transformer):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
-        self.layers = nn.ModuleList(GPTBlock(cfg, is_moe_layer(cfg, i)) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(GPTBlock(cfg, self.shape.is_moe_layer(i)) for i in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.models.common import Attention, RotaryEmbedding, Transformer, is_moe_layer
+from shardwise.models.common import Attention, RotaryEmbedding, Transformer
 from shardwise.models.feed_forward import SwiGLU
 from shardwise.models.moe import MoE
 
@@ -42,7 +42,7 @@ class Llama(Transformer):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(LlamaBlock(cfg, is_moe_layer(cfg, i)) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(LlamaBlock(cfg, self.shape.is_moe_layer(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

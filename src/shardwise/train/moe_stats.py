@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import ModelConfig
-from shardwise.models.common import is_moe_layer
 from shardwise.models.moe import MoE
 from shardwise.parallel.parallelize import canonical_fqn
+from shardwise.spec.shapes import ModelShape
 
 
 def moe_layers(model: nn.Module) -> dict[int, MoE]:
@@ -45,7 +45,8 @@ def gather(layers: dict[int, MoE], model_cfg: ModelConfig, group: "dist.ProcessG
     slots over the mean per expert: 1 = balanced), moe_expert_load (per expert, fraction of all
     routed slots, blocks summed)."""
     e = model_cfg.moe.num_experts
-    ids = [i for i in range(model_cfg.n_layers) if is_moe_layer(model_cfg, i)]
+    shape = ModelShape.from_config(model_cfg)
+    ids = [i for i in range(model_cfg.n_layers) if shape.is_moe_layer(i)]
     loads = torch.zeros(len(ids), e, dtype=torch.float64)
     extra = torch.zeros(4, dtype=torch.float64)  # dropped, aux sum, z sum, forwards
     for j, i in enumerate(ids):
