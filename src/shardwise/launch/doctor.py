@@ -24,6 +24,7 @@ from shardwise.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from shardwise.launch import nccl_log
 from shardwise.launch.local import check_nproc
 from shardwise.launch.nccl_log import FAIL, OK, SKIP, WARN
+from shardwise.plan.calibration import bandwidths
 
 RESULT_TAG = "SHARDWISE_DOCTOR_RESULT "
 # Docker's default /dev/shm is 64 MiB: NCCL's SHM transport and DataLoader workers need far more.
@@ -258,8 +259,8 @@ def run_allreduce(backend: str, nproc: int, extra_env: dict[str, str | None] | N
         return {**out, "ok": False, "error": why + (": " + " | ".join(tail)[-400:] if tail else "")}
     seconds = max(r["seconds"] for r in results)
     nbytes = results[0]["bytes"]
-    # Bus bandwidth as nccl-tests defines it: what each link carried in a ring all-reduce.
-    busbw = nbytes / seconds * 2 * (nproc - 1) / nproc / 1e9
+    # Bus bandwidth as nccl-tests defines it (the formula bench-comm and the planner's calibration use).
+    _, busbw = bandwidths("all_reduce", nproc, nbytes, seconds)
     return {**out, "ok": all(r["correct"] for r in results), "error": None if all(r["correct"] for r in results)
             else "all-reduce returned a wrong sum", "ms_per_op": round(seconds * 1e3, 3), "bytes": nbytes,
             "busbw_GBps": round(busbw, 2)}
