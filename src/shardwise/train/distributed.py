@@ -107,16 +107,22 @@ def _tasks_on_node(per_node: str, node_id: int) -> int | None:
         return None
 
 
+def _rank_variables(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The first launcher's variable names (a _RANK_VARIABLES row) that `env` carries, or None."""
+    return next((names for names in _RANK_VARIABLES if names[1] in env and names[3] in env), None)
+
+
 def launcher(env: Mapping[str, str]) -> str:
     """Who started this process: "torchrun", "openmpi", "pmi", "slurm", or "single" (nobody we know)."""
-    return next((names[0] for names in _RANK_VARIABLES if names[1] in env and names[3] in env), "single")
+    found = _rank_variables(env)
+    return found[0] if found else "single"
 
 
 def rank_env(env: Mapping[str, str], first_host: Callable[[str], str] = first_slurm_host) -> RankEnv:
     """This process's rank, local rank, world size and rendezvous address from its environment (pure:
     `first_host` expands a SLURM node list). Raises ConfigError when a multi-node job does not say
     where rank 0 is."""
-    found = next((names for names in _RANK_VARIABLES if names[1] in env and names[3] in env), None)
+    found = _rank_variables(env)
     if found is None:
         return RankEnv(0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", DEFAULT_PORT)), "single")
     source, rank_var, local_var, size_var, local_size_var = found
