@@ -33,10 +33,7 @@ from pathlib import Path
 
 from shardwise.errors import NOT_RESTARTABLE, ConfigError
 from shardwise.train import manifest as mf
-
-# torchrun's variable for the job's rendezvous id (train/distributed.py RUN_ID; not imported from there:
-# train/distributed.py is a worker module and the launcher imports this one before spawning).
-RUN_ID = "TORCHELASTIC_RUN_ID"
+from shardwise.train.distributed import RUN_ID  # torch is imported there only inside functions
 
 STATE_DIR = ".shardwise"
 __all__ = ["NOT_RESTARTABLE", "DirectoryLock", "check_cache_dir", "check_run_dirs", "lock_dirs", "lock_unless_parent_holds",
