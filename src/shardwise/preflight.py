@@ -59,9 +59,7 @@ def check_train(cfg: Config) -> None:
 def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     """The layout rules of spec/rules.py, trainer-only ones included, for `world_size` processes."""
     p = cfg.parallel
-    if p.zero not in (0, 1, 2, 3):
-        raise ConfigError("parallel.zero", f"must be 0, 1, 2 or 3, got {p.zero}",
-                          "0: DDP, 1: shard optimizer state, 2: + gradients, 3: + parameters (FSDP)")
+    raise_first([rules.zero_rule(p.zero)])  # before the axes: zero decides what dp_shard means
     _choice("parallel.pp_schedule", p.pp_schedule, SCHEDULES)
     _choice("parallel.pp_split", p.pp_split, PP_SPLITS)
     _positive("parallel.pp_virtual_stages", p.pp_virtual_stages)

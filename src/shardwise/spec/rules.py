@@ -105,10 +105,15 @@ def layout_rules(s: Any, lay: Layout, seq_len: int, global_batch: int, node_size
     yield from _some(choice("train.recompute", lay.recompute, RECOMPUTE, "recompute"))
 
 
+def zero_rule(zero: int) -> Violation | None:
+    if zero in (0, 1, 2, 3):
+        return None
+    return Violation("zero", "parallel.zero", f"must be 0, 1, 2 or 3, got {zero}",
+                     "0: DDP, 1: shard optimizer state, 2: + gradients, 3: + parameters (FSDP)")
+
+
 def data_parallel_rules(lay: Layout) -> Rules:
-    if lay.zero not in (0, 1, 2, 3):
-        yield Violation("zero", "parallel.zero", f"must be 0, 1, 2 or 3, got {lay.zero}",
-                        "0: DDP, 1: shard optimizer state, 2: + gradients, 3: + parameters (FSDP)")
+    yield from _some(zero_rule(lay.zero))
     if lay.zero == 0 and lay.dp_shard > 1:
         yield Violation("zero", "parallel.zero", f"zero=0 shards nothing, but dp_shard={lay.dp_shard}",
                         f"set parallel.zero to 1, 2 or 3 to shard over dp_shard, or move the {lay.dp_shard} "
