@@ -8,43 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-
-def _install_openmpi() -> str:
-    """mpirun's path, installing openmpi-bin first if needed (root only); pytest.skip with the reason."""
-    found = shutil.which("mpirun")
-    if found:
-        return found
-    if os.geteuid() != 0:
-        pytest.skip("mpirun is not installed and we are not root, so openmpi-bin cannot be installed: "
-                    "apt-get install openmpi-bin to run this test")
-    if not shutil.which("apt-get"):
-        pytest.skip("mpirun is not installed and there is no apt-get to install openmpi-bin with")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "openmpi-bin"]):
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"installing openmpi-bin failed: {' '.join(cmd)}: {e}")
-        if done.returncode != 0:
-            reason = f"installing openmpi-bin failed: {' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-500:]}"
-            print(reason)
-            pytest.skip(reason)
-    found = shutil.which("mpirun")
-    if not found:
-        pytest.skip("openmpi-bin was installed but mpirun is not on PATH")
-    return found
+from tests.debian import require_commands
 
 
 @pytest.fixture(scope="module")
 def mpirun() -> str:
-    return _install_openmpi()
+    return require_commands(["openmpi-bin"], ["mpirun"])["mpirun"]
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:

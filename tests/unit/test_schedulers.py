@@ -64,6 +64,12 @@ def test_bad_hosts_are_refused(hosts):
     (["mpirun", "--config", "run.toml", "--hosts", "a:8", "--export", "NCCL_DEBUG"], "--export"),
     (["mpirun", "--config", "run.toml", "--hosts", "a:3"], "train.global_batch"),  # 64 is not split over 3 ranks
     (["slurm", "--config", "run.toml", "--nodes", "0", "--gpus-per-node", "8"], "--nodes"),
+    (["slurm", "--config", "run.toml", "--nodes", "2"], "--gpus-per-node"),
+    (["slurm", "--config", "run.toml", "--nodes", "2", "--gpus-per-node", "8", "--procs-per-node", "2"],
+     "--procs-per-node"),
+    (["slurm", "--config", "run.toml", "--nodes", "2", "--procs-per-node", "0"], "--procs-per-node"),
+    (["slurm", "--config", "run.toml", "--nodes", "2", "--gpus-per-node", "8", "--wait"], "--wait"),
+    (["slurm", "--config", "run.toml", "--nodes", "1", "--procs-per-node", "3"], "train.global_batch"),
     (["slurm", "--config", "run.toml", "--nodes", "2", "--gpus-per-node", "8", "--time", "4 hours"], "--time"),
     (["qsub"], "launch"),
 ])
