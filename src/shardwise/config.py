@@ -129,6 +129,8 @@ class DataConfig:
     tokenizer: str = opt("bpe", '"bpe" (trained on the corpus and cached), "byte", or a path to a tokenizer.json.')
     text_key: str = opt("text", "Field holding the text in JSONL / Parquet records.")
     cache_dir: str = opt("~/.cache/shardwise", "Where trained tokenizers and token arrays are cached.")
+    num_workers: int = opt(0, "Background processes per rank that prepare the batches of the next steps (0: in the training "
+                              "process). The batches are the same for any count; ~cores / ranks - 1 is plenty.")
 
 
 @dataclass

@@ -83,6 +83,10 @@ def check_batch(cfg: Config, dims: ParallelDims) -> int:
     return t.global_batch // per_step
 
 
+def check_data(cfg: Config) -> None:
+    _positive("data.num_workers", cfg.data.num_workers, 0)
+
+
 def check_checkpoint(cfg: Config) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("checkpoint.every", cfg.checkpoint.every, 0)
@@ -100,6 +104,7 @@ def check(cfg: Config, world_size: int) -> ParallelDims:
     check_model(cfg)
     check_train(cfg)
     dims = check_parallel(cfg, world_size)
+    check_data(cfg)
     check_checkpoint(cfg)
     check_run(cfg)
     return dims

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from shardwise.config import DataConfig
 from shardwise.errors import ConfigError
 from shardwise.train import data as D
 from shardwise.train.data import TokenBatches, corpus_files, iter_documents, load_or_train_tokenizer, prepare_data, split_inputs_targets
+from shardwise.train.loader import BatchPrefetcher
 
 EXCLUDED = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
 
@@ -258,3 +260,26 @@ def test_too_small_corpus_and_resume_checks():
         with pytest.raises(ConfigError) as e:
             tb.check_state({**state, key: state[key] + 1})
         assert e.value.field == field
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_prefetched_batches_equal_direct_ones_for_any_worker_count(tmp_path, num_workers):
+    """train/loader.py: workers prepare steps ahead, in order; asking for another step restarts them there."""
+    np.save(tmp_path / "tokens.npy", (np.arange(20_000) % 300).astype(np.uint16))
+    tokens = np.load(tmp_path / "tokens.npy", mmap_mode="r")
+    tb = TokenBatches(tokens, 16, 8, seed=3)
+    prefetcher = BatchPrefetcher(tb, batch_rank=1, batch_size=2, micro_batch=2, num_workers=num_workers, total_steps=12)
+    try:
+        asked = [*range(4, 12), 6, 7, 0]  # a run resumed at 4, then a restart at 6, then one at 0
+        for step in asked:
+            got = prefetcher.micro_batches(step)
+            want = tb.local_micro_batches(step, 1, 2, 2)
+            assert len(got) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+        if num_workers:  # the batches really came from worker processes
+            assert prefetcher._iterator is not None and prefetcher._iterator._num_workers == num_workers
+    finally:
+        prefetcher.close()
+    # What a worker receives: the token file's path, not a copy of the corpus.
+    assert len(pickle.dumps(tb)) < 4096 < tokens.nbytes
+    clone = pickle.loads(pickle.dumps(tb))
+    assert isinstance(clone.tokens, np.memmap) and torch.equal(clone.global_batch_at(5), tb.global_batch_at(5))

@@ -151,7 +151,7 @@ def test_environment_report_and_steering_variables():
 
 
 def test_cpu_shm_and_memlock_checks(monkeypatch):
-    assert doctor.cpu_check(2, 16).status == OK and "~7 per process (2 ranks + 14 workers" in doctor.cpu_check(2, 16).detail
+    assert doctor.cpu_check(2, 16).status == OK and "data.num_workers=7 or less (2 ranks + 14 workers" in doctor.cpu_check(2, 16).detail
     assert doctor.cpu_check(8, 2).status == WARN
     assert doctor.shm_check("/nonexistent/shm").status == WARN
     monkeypatch.setattr(doctor, "SHM_MIN_BYTES", 1 << 62)

@@ -98,7 +98,7 @@ def cpu_check(nproc: int, cores: int) -> Check:
     # Each rank is one busy process; data-loader workers share what is left, so all of them together
     # should come to about the number of cores.
     workers = max(0, cores // nproc - 1)
-    detail = (f"{cores} core(s) for {nproc} process(es); data-loader workers: ~{workers} per process "
+    detail = (f"{cores} core(s) for {nproc} process(es); data-loader workers: data.num_workers={workers} or less "
               f"({nproc} ranks + {nproc * workers} workers ~ {cores} cores)")
     if nproc > cores:
         return Check("cpu", WARN, detail, f"{nproc} processes on {cores} cores oversubscribe the CPU: expect slow steps "

@@ -405,6 +405,11 @@ def split_inputs_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
+@dataclass(frozen=True)
+class _MappedTokens:
+    path: str  # a .npy token file, mapped read-only
+
+
 class TokenBatches:
     """Global batches of (seq_len+1)-token windows in a seeded order that no parallel layout changes.
 
@@ -455,21 +460,39 @@ class TokenBatches:
         windows = self.tokens[starts[:, None] + self._offsets[None, :]]
         return torch.from_numpy(windows.astype(np.int64))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Sent to data-loader workers (train/loader.py): a memory-mapped token file travels as its path and
+        is mapped again there, rather than pickled as a copy of the whole corpus."""
+        state = {**self.__dict__, "_perms": {}}  # the epoch permutations are cheap to draw again
+        if isinstance(self.tokens, np.memmap) and self.tokens.filename:
+            state["tokens"] = _MappedTokens(str(self.tokens.filename))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["tokens"], _MappedTokens):
+            state["tokens"] = np.load(state["tokens"].path, mmap_mode="r", allow_pickle=False)
+        self.__dict__.update(state)
+
+    def local_rows(self, step: int, batch_rank: int, batch_size: int) -> torch.Tensor:
+        """This batch rank's contiguous share of step's global batch, (global_batch / batch_size, seq_len + 1)."""
+        if batch_size < 1 or self.global_batch % batch_size:
+            raise ValueError(f"global_batch {self.global_batch} is not divisible by the batch size {batch_size}")
+        if not 0 <= batch_rank < batch_size:
+            raise ValueError(f"batch_rank {batch_rank} is outside [0, {batch_size})")
+        local = self.global_batch // batch_size
+        start = step * self.global_batch + batch_rank * local
+        return self._rows(start, start + local)
+
     def global_batch_at(self, step: int) -> torch.Tensor:
         """All B windows of a step, shape (global_batch, seq_len + 1), int64."""
         return self._rows(step * self.global_batch, (step + 1) * self.global_batch)
 
     def local_micro_batches(self, step: int, batch_rank: int, batch_size: int, micro_batch: int) -> list[torch.Tensor]:
         """This batch rank's contiguous share of the global batch, cut into micro-batches in order."""
-        if batch_size < 1 or self.global_batch % batch_size:
-            raise ValueError(f"global_batch {self.global_batch} is not divisible by the batch size {batch_size}")
-        local = self.global_batch // batch_size
-        if micro_batch < 1 or local % micro_batch:
-            raise ValueError(f"local batch {local} is not divisible by micro_batch {micro_batch}")
-        if not 0 <= batch_rank < batch_size:
-            raise ValueError(f"batch_rank {batch_rank} is outside [0, {batch_size})")
-        start = step * self.global_batch + batch_rank * local
-        return list(self._rows(start, start + local).split(micro_batch))
+        rows = self.local_rows(step, batch_rank, batch_size)
+        if micro_batch < 1 or len(rows) % micro_batch:
+            raise ValueError(f"local batch {len(rows)} is not divisible by micro_batch {micro_batch}")
+        return list(rows.split(micro_batch))
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,

@@ -42,6 +42,7 @@ from shardwise.train.control import Control
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
 from shardwise.train.distributed import default_device
 from shardwise.train.health import StepGuard, Verdict
+from shardwise.train.loader import BatchPrefetcher
 from shardwise.train.metrics import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
 from shardwise.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardwise.train.pipeline_chart import TimelineRecorder
@@ -82,6 +83,8 @@ class Trainer:
         self.run_id, self.restarted = run_id, restarted
         t = cfg.train
         self.batches = TokenBatches(self.data.tokens, t.seq_len, t.global_batch, t.seed)
+        self.loader = BatchPrefetcher(self.batches, self.batch_rank, self.dims.dp, t.micro_batch, cfg.data.num_workers,
+                                      t.steps, pin_memory=self.device.type == "cuda")
 
         with torch.device("meta"):
             model = build_model(cfg.model)
@@ -186,7 +189,7 @@ class Trainer:
 
     def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, Verdict]:
         t = self.cfg.train
-        micro = self.batches.local_micro_batches(self.step, self.batch_rank, self.dims.dp, t.micro_batch)
+        micro = self.loader.micro_batches(self.step)
         moe_stats.reset(self.moe_layers)
         moe_stats.set_aux_grad_scale(self.moe_layers, self.scaler.scale / self.accumulation)
         loss_sum = self._pipeline_forward_backward(micro) if self.pipeline is not None else self._accumulate(micro)
@@ -284,6 +287,7 @@ class Trainer:
             if self.cfg.run.save_final_model:
                 self.save_full_model(self.run_dir / "final_model.pt")
         finally:
+            self.loader.close()
             report.close()
         return losses
 

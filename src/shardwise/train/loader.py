@@ -1,0 +1,76 @@
+"""This rank's batches, prepared ahead of the step by `data.num_workers` background processes.
+
+A step's batch is a pure function of the step (train/data.py TokenBatches), so the workers cannot
+change what is trained: worker k of n prepares steps start+k, start+k+n, ... and torch's DataLoader
+hands them back in step order. Resuming starts the workers at the resumed step; a caller that asks
+for any other step than the next one (a test driving train_step by hand, a resume after the loader
+started) restarts them there. With 0 workers the batch is read in the training process, as before.
+
+torch's DataLoader is used rather than our own pool: it already watches its parent (a worker whose
+rank died exits), keeps the order, pins memory for CUDA copies, and shuts down with the iterator.
+Workers are forked (Linux's default): the token file is memory-mapped, so they share the page cache
+with the rank and start without importing anything; on another start method the memmap travels as its
+path (TokenBatches.__getstate__), never as a copy of the corpus.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from shardwise.train.data import TokenBatches
+
+# Batches each worker keeps ready (DataLoader's prefetch_factor): two steps per worker hides a slow read
+# behind the step before it without holding many batches in shared memory.
+PREFETCH_PER_WORKER = 2
+
+
+class _RankBatches(Dataset):
+    """Item `step`: this batch rank's rows of that step's global batch."""
+
+    def __init__(self, batches: TokenBatches, batch_rank: int, batch_size: int):
+        self.batches, self.batch_rank, self.batch_size = batches, batch_rank, batch_size
+
+    def __getitem__(self, step: int) -> torch.Tensor:
+        return self.batches.local_rows(step, self.batch_rank, self.batch_size)
+
+
+class BatchPrefetcher:
+    """micro_batches(step): this rank's micro-batches of a step, in order."""
+
+    def __init__(self, batches: TokenBatches, batch_rank: int, batch_size: int, micro_batch: int, num_workers: int,
+                 total_steps: int, pin_memory: bool = False):
+        self.batches, self.batch_rank, self.batch_size = batches, batch_rank, batch_size
+        self.micro_batch, self.num_workers, self.total_steps = micro_batch, num_workers, total_steps
+        self.pin_memory = pin_memory
+        self._loader: DataLoader | None = None
+        self._iterator: Iterator[torch.Tensor] | None = None
+        self._next_step = -1
+
+    def micro_batches(self, step: int) -> list[torch.Tensor]:
+        if self.num_workers == 0 or step >= self.total_steps:
+            return self.batches.local_micro_batches(step, self.batch_rank, self.batch_size, self.micro_batch)
+        if self._iterator is None or step != self._next_step:
+            self._start(step)
+        rows = next(self._iterator)
+        self._next_step += 1
+        if len(rows) % self.micro_batch:
+            raise ValueError(f"local batch {len(rows)} is not divisible by micro_batch {self.micro_batch}")
+        return list(rows.split(self.micro_batch))
+
+    def _start(self, step: int) -> None:
+        self.close()
+        # batch_size=None: each item is already a step's batch; the sampler is the steps left, in order.
+        self._loader = DataLoader(_RankBatches(self.batches, self.batch_rank, self.batch_size), batch_size=None,
+                                  sampler=range(step, self.total_steps), num_workers=self.num_workers,
+                                  prefetch_factor=PREFETCH_PER_WORKER, pin_memory=self.pin_memory)
+        self._iterator = iter(self._loader)
+        self._next_step = step
+
+    def close(self) -> None:
+        """Stop the workers now (they would also stop with the iterator's garbage collection)."""
+        iterator, self._iterator, self._loader = self._iterator, None, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's multi-process iterator
+        if shutdown is not None:
+            shutdown()

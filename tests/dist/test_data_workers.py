@@ -1,0 +1,73 @@
+"""`data.num_workers` end to end: 2 ranks train bitwise alike with 0 and 2 loader workers per rank, a run
+resumed with workers continues exactly like the uninterrupted one, and no worker outlives its run."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LAYOUT = ["--parallel.dp_shard=2", "--parallel.zero=1", "--train.micro_batch=2", "--train.steps=6",
+          "--train.log_every=1", "--checkpoint.keep=2"]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _train(common: list[str], run: Path, *extra: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--nproc", "2", *common, *LAYOUT, *extra,
+                           f"--run.dir={run}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    left = _naming(f"--run.dir={run}")
+    assert not left, f"processes of {run} outlived it: {left}"
+
+
+def _naming(argument: str) -> list[int]:
+    """Processes with `argument` on their command line: loader workers are forks of a rank, so theirs
+    names the run directory too."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and argument in (proc / "cmdline").read_bytes().decode(errors="replace").split("\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_the_leftover_check_sees_a_live_process(tmp_path):
+    argument = f"--run.dir={tmp_path}"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", argument])
+    try:
+        assert _naming(argument) == [sleeper.pid]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert _naming(argument) == []
+
+
+@pytest.fixture()
+def common(base_overrides) -> list[str]:
+    skip = {"train.steps", "train.micro_batch", "checkpoint.resume"}
+    return [f"--{k}={v}" for k, v in base_overrides if k not in skip]
+
+
+def test_worker_count_and_resume_do_not_change_training(common, tmp_path):
+    inline, workers, resumed = tmp_path / "inline", tmp_path / "workers", tmp_path / "resumed"
+    _train(common, inline, "--data.num_workers=0", "--checkpoint.every=3", "--checkpoint.resume=false")
+    _train(common, workers, "--data.num_workers=2", "--checkpoint.resume=false")
+    # Resume from the step-3 checkpoint of the inline run with 2 workers per rank: steps 4-6 again.
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(inline / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
+    _train(common, resumed, "--data.num_workers=2", "--checkpoint.resume=true")
+    expected = _losses(inline)
+    print("step  0 workers             2 workers             resumed at 3, 2 workers")
+    for step, loss in expected.items():
+        print(f"{step:>4}  {loss!r:<20}  {_losses(workers)[step]!r:<20}  {_losses(resumed).get(step, '')!r}")
+    assert sorted(expected) == list(range(1, 7))
+    assert _losses(workers) == expected  # bitwise
+    assert _losses(resumed) == {s: expected[s] for s in (4, 5, 6)}
