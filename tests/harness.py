@@ -12,6 +12,7 @@ import os
 import socket
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 PG_TIMEOUT_S = 60
@@ -86,3 +87,17 @@ def run_world(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600)
     if bad:
         raise RuntimeError(f"worker exit codes {[p.exitcode for p in procs]}")
     return [collected[r][1] for r in range(world_size)]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Processes whose command line mentions `text`: a rank's names its run directory (--config
+    RUN/config.toml), and its data-loader workers are forks of it, so theirs does too. Used to check
+    that nothing of a run outlives it."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import processes_mentioning
+
 LAYOUT = ["--parallel.dp_shard=2", "--parallel.zero=1", "--train.micro_batch=2", "--train.steps=6",
           "--train.log_every=1", "--checkpoint.keep=2"]
 
@@ -22,32 +24,19 @@ def _train(common: list[str], run: Path, *extra: str) -> None:
     done = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--nproc", "2", *common, *LAYOUT, *extra,
                            f"--run.dir={run}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    left = _naming(f"--run.dir={run}")
+    left = processes_mentioning(str(run))
     assert not left, f"processes of {run} outlived it: {left}"
 
 
-def _naming(argument: str) -> list[int]:
-    """Processes with `argument` on their command line: loader workers are forks of a rank, so theirs
-    names the run directory too."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and argument in (proc / "cmdline").read_bytes().decode(errors="replace").split("\0"):
-                found.append(int(proc.name))
-        except OSError:  # gone meanwhile
-            pass
-    return found
-
 
 def test_the_leftover_check_sees_a_live_process(tmp_path):
-    argument = f"--run.dir={tmp_path}"
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", argument])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--config", f"{tmp_path}/config.toml"])
     try:
-        assert _naming(argument) == [sleeper.pid]
+        assert processes_mentioning(str(tmp_path)) == [sleeper.pid]
     finally:
         sleeper.kill()
         sleeper.wait()
-    assert _naming(argument) == []
+    assert processes_mentioning(str(tmp_path)) == []
 
 
 @pytest.fixture()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import processes_mentioning
+
 ZERO3 = ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2"]
 
 
@@ -30,12 +32,14 @@ def _train(common, run: Path, *extra: str, timeout: int = 240) -> subprocess.Com
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
-def _start(common, run: Path, *extra: str) -> subprocess.Popen:
-    """A job in the background; its stdout and stderr go to files (a pipe nobody reads can fill up)."""
+def _start(common, run: Path, *extra: str, own_group: bool = False) -> subprocess.Popen:
+    """A job in the background; its stdout and stderr go to files (a pipe nobody reads can fill up).
+    own_group: in a process group of its own, as a terminal's foreground job is (Ctrl-C signals it all)."""
     run.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", *extra],
                             stdout=open(run.parent / f"{run.name}.out", "w"),
-                            stderr=open(run.parent / f"{run.name}.err", "w"), cwd=run.parent)
+                            stderr=open(run.parent / f"{run.name}.err", "w"), cwd=run.parent,
+                            start_new_session=own_group)
     proc.err_path = run.parent / f"{run.name}.err"
     return proc
 
@@ -80,6 +84,7 @@ def _children(pid: int) -> list[int]:
         except OSError:
             pass
     return out
+
 
 
 def _alive(pid: int) -> bool:
@@ -132,6 +137,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes_bitwise(common, tmp_pat
     reference = _train(common, tmp_path / "reference", *args)
     assert reference.returncode == 0, reference.stderr[-3000:]
     run = tmp_path / "stopped"
+    # With loader workers (data.num_workers): torchrun signals them too, and they must not end the rank.
+    args += ["--data.num_workers=2"]
     proc = _start(common, run, *args)
     _wait_for_step(run, 10, proc)
     proc.send_signal(signal.SIGTERM)
@@ -142,21 +149,29 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes_bitwise(common, tmp_pat
     assert len(lines) == 1 and lines[0].startswith("interrupted by SIGTERM after step "), lines
     stopped_at = int(lines[0].split("after step ")[1].split(":")[0])
     assert (run / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").is_file()
+    assert not processes_mentioning(str(run)), "a rank or loader worker outlived the run"
     resumed = _train(common, run, *args)
     assert resumed.returncode == 0 and f"at step {stopped_at}" in resumed.stdout, resumed.stderr[-3000:]
     assert _steps(run) == _steps(tmp_path / "reference")
 
 
-@pytest.mark.parametrize("sig,code,target", [(signal.SIGINT, 130, "launcher"), (signal.SIGUSR1, 143, "worker")])
+@pytest.mark.parametrize("sig,code,target", [(signal.SIGINT, 130, "launcher"), (signal.SIGUSR1, 143, "worker"),
+                                             (signal.SIGINT, 130, "group")])
 def test_other_stop_signals(common, tmp_path, sig, code, target):
+    """"group": the signal reaches the launcher's whole process group at once, as Ctrl-C in a terminal does."""
     run = tmp_path / "run"
-    proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1")
+    proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1",
+                  "--data.num_workers=2", own_group=target == "group")
     _wait_for_step(run, 5, proc)
-    os.kill(proc.pid if target == "launcher" else _children(proc.pid)[-1], sig)
+    if target == "group":
+        os.killpg(proc.pid, sig)
+    else:
+        os.kill(proc.pid if target == "launcher" else _children(proc.pid)[-1], sig)
     err = _finish(proc)
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err and len(_errors(err)) == 1, err
     assert list((run / "checkpoints").glob("step_*/manifest.json"))
+    assert not processes_mentioning(str(run)), "a rank or loader worker outlived the run"
 
 
 def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, tmp_path):
@@ -287,3 +302,24 @@ def test_corpus_files_are_read_by_content(common, tmp_path):
     bad = _train([c for c in common if not c.startswith("--data.path")], tmp_path / "bin", f"--data.path={blob}",
                  "--train.steps=2")
     assert bad.returncode == 2 and bad.stderr.startswith("error: data.path: ") and "is not text" in bad.stderr
+
+
+def test_loader_workers_outlast_stop_signals(common, tmp_path):
+    """torchrun stops a rank by signalling its whole process group, loader workers included, as SLURM's
+    --signal does a step's processes. torch's worker exits on such a SIGTERM and the rank then failed with
+    "DataLoader worker ... killed by signal" instead of checkpointing: the workers must ignore it."""
+    run = tmp_path / "run"
+    proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1",
+                  "--data.num_workers=2")
+    _wait_for_step(run, 5, proc)
+    workers = [w for rank in _children(proc.pid) for w in _children(rank)]
+    assert len(workers) == 4, workers  # 2 ranks x 2 loader workers
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        for w in workers:
+            os.kill(w, sig)
+    _wait_for_step(run, max(_steps(run)) + 10, proc)  # still training, on the same workers
+    assert all(_alive(w) for w in workers) and proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    err = _finish(proc)
+    assert proc.returncode == 143 and len(_errors(err)) == 1, err[-3000:]
+    assert not processes_mentioning(str(run)), "a rank or loader worker outlived the run"

@@ -14,12 +14,14 @@ path (TokenBatches.__getstate__), never as a copy of the corpus.
 """
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardwise.train.data import TokenBatches
+from shardwise.train.signals import STOP_SIGNALS, exit_with_parent
 
 # Batches each worker keeps ready (DataLoader's prefetch_factor): two steps per worker hides a slow read
 # behind the step before it without holding many batches in shared memory.
@@ -34,6 +36,20 @@ class _RankBatches(Dataset):
 
     def __getitem__(self, step: int) -> torch.Tensor:
         return self.batches.local_rows(step, self.batch_rank, self.batch_size)
+
+
+def _worker_init(_worker_id: int) -> None:
+    """A loader worker ignores the stop signals and dies with its rank.
+
+    torchrun signals a rank's whole process group, workers included, and torch's worker exits on a
+    SIGTERM that its parent did not send; the rank would then fail with "DataLoader worker killed"
+    instead of finishing the step and checkpointing (train/signals.py). The rank closes its workers
+    when it stops; PR_SET_PDEATHSIG ends them at once if it dies. The signals were blocked when the
+    worker was forked (BatchPrefetcher._start), so one sent meanwhile is discarded here, not fatal."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    exit_with_parent()
 
 
 class BatchPrefetcher:
@@ -64,8 +80,15 @@ class BatchPrefetcher:
         # batch_size=None: each item is already a step's batch; the sampler is the steps left, in order.
         self._loader = DataLoader(_RankBatches(self.batches, self.batch_rank, self.batch_size), batch_size=None,
                                   sampler=range(step, self.total_steps), num_workers=self.num_workers,
-                                  prefetch_factor=PREFETCH_PER_WORKER, pin_memory=self.pin_memory)
-        self._iterator = iter(self._loader)
+                                  prefetch_factor=PREFETCH_PER_WORKER, pin_memory=self.pin_memory,
+                                  worker_init_fn=_worker_init)
+        # The workers are forked here: with the stop signals blocked, so that they are born blocked (and
+        # ignore them once _worker_init runs); the rank receives any that arrive meanwhile on unblocking.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self._iterator = iter(self._loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self._next_step = step
 
     def close(self) -> None:
