@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,9 @@ def _train(common: list[str], run: Path, *extra: str) -> None:
 def test_the_leftover_check_sees_a_live_process(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--config", f"{tmp_path}/config.toml"])
     try:
+        deadline = time.monotonic() + 30  # until the child has exec'd (before, it is a copy of pytest)
+        while processes_mentioning(str(tmp_path)) != [sleeper.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert processes_mentioning(str(tmp_path)) == [sleeper.pid]
     finally:
         sleeper.kill()
