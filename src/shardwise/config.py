@@ -85,6 +85,10 @@ class TrainConfig:
     recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th '
                                       'block).')
     recompute_every: int = opt(2, 'For recompute_policy="layer": checkpoint every k-th transformer block.')
+    compile: bool | None = opt(None, "torch.compile each transformer block (unset: on for CUDA, off for CPU, where it does not "
+                                     "win yet).")
+    compile_backend: str = opt("inductor", '"inductor" (generated kernels) or "aot_eager" (traced and partitioned, no code '
+                                           'generation: quick to compile; the CPU tests use it).')
     seed: int = opt(0, "Seed for weight initialization and data order; identical for every layout.")
     log_every: int = opt(10, "Write metrics every this many steps (the progress bar updates every step).")
     tokens: int = opt(0, "Tokens to train on in total, for planning; 0 means steps x global_batch x seq_len.")

@@ -92,6 +92,12 @@ def train_and_record(cfg: Config, single_process: bool) -> None:
     """Train one case; rank 0 writes losses.json (final_model.pt comes from run.save_final_model)."""
     from shardwise.train.trainer import Trainer
 
+    if cfg.train.compile:
+        # A worker trains many cases: each starts from dynamo's empty cache, so no case's graphs or
+        # recompilations count against the next one's (dynamo's per-code recompile limit is 8).
+        import torch._dynamo
+
+        torch._dynamo.reset()
     trainer = Trainer(cfg, log=None, single_process=single_process)
     losses = trainer.train()
     if trainer.rank == 0:

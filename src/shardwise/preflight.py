@@ -12,7 +12,7 @@ from shardwise.config import Config
 from shardwise.errors import ConfigError, Violation
 from shardwise.spec import rules
 from shardwise.spec.dims import ParallelDims
-from shardwise.spec.layout import PP_SPLITS, PRECISIONS, RECOMPUTE, RECOMPUTE_POLICIES, Layout
+from shardwise.spec.layout import COMPILE_BACKENDS, PP_SPLITS, PRECISIONS, RECOMPUTE, RECOMPUTE_POLICIES, Layout
 from shardwise.spec.shapes import ModelShape
 from shardwise.spec.stages import SCHEDULES
 
@@ -42,6 +42,7 @@ def check_train(cfg: Config) -> None:
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.recompute", t.recompute, RECOMPUTE)
     _choice("train.recompute_policy", t.recompute_policy, RECOMPUTE_POLICIES)
+    _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
     for name in ("seq_len", "global_batch", "micro_batch", "steps", "recompute_every", "log_every", "max_skipped_steps"):
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.warmup_steps", t.warmup_steps, 0)
@@ -67,7 +68,8 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     layout = Layout.from_config(cfg, world_size)
     shape = ModelShape.from_config(cfg.model)
     raise_first(rules.layout_rules(shape, layout, cfg.train.seq_len, cfg.train.global_batch),
-                rules.pipeline_split_rules(p, cfg.model.n_layers))
+                rules.pipeline_split_rules(p, cfg.model.n_layers),
+                [rules.compile_rule(cfg.train.compile, dims.tp, shape.moe is not None)])
     return dims
 
 

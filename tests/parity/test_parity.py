@@ -19,7 +19,7 @@ import pytest
 
 from shardwise.parity import LOSS_RTOL, PARAM_ATOL, compare, parity_config, train_and_record
 from tests.harness import run_world
-from tests.parity.matrix import MATRIX, REFERENCES, Layout
+from tests.parity.matrix import COMPILE_FAMILY, MATRIX, REFERENCES, Layout
 
 BITWISE = {"recompute_full_single", "recompute_op_single"}
 
@@ -87,3 +87,15 @@ def test_capacity_dropping_is_counted_and_logged(runs):
         assert len(record["moe_expert_load"]) == 8 and abs(sum(record["moe_expert_load"]) - 1) < 1e-9
         assert record["moe_load_max"] >= 1 >= record["moe_load_min"] >= 0
         assert 0 < record["moe_aux_loss"] < 1  # 2 blocks x alpha 0.01 x ~1 (balanced = alpha per block)
+
+
+@pytest.mark.parametrize("layout", COMPILE_FAMILY, ids=lambda lay: lay.name)
+def test_compiled_blocks_do_not_recompile(runs, layout: Layout):
+    """train.compile: dynamo compiled graphs (compiled_graphs > 0; the counting first step runs eagerly,
+    train_step) and compiled none after the first steps: the count logged at steps 5, 10, 15, 20 is
+    constant. Parity itself is test_layout_matches_single_process (same 1e-5 bound: compiled kernels
+    and AOTAutograd's decompositions reorder fp32 sums like any other layout)."""
+    records = [json.loads(line) for line in (runs[layout.name] / "metrics.jsonl").read_text().splitlines()]
+    graphs = [r["compiled_graphs"] for r in records]
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    assert graphs[0] > 0 and len(set(graphs)) == 1, f"{layout.name}: compiled graphs per logged step {graphs}"

@@ -132,3 +132,25 @@ def test_console_script_exit_code(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert "parallel.zero" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("extra, field", [(["--parallel.tp=2"], "parallel.tp"),
+                                          (["--model.preset=tiny-moe", "--parallel.dp_shard=2", "--parallel.ep=2",
+                                            "--parallel.zero=3"], "model.moe")])
+def test_compile_is_refused_where_it_does_not_work_yet(extra, field):
+    """train.compile=true with TP or MoE: refused before spawning, naming why; unset, those layouts run
+    eagerly (parallel/compile.py compile_enabled)."""
+    from shardwise.config import load_config
+    from shardwise.errors import ConfigError
+    from shardwise.parallel.compile import compile_enabled
+    from shardwise.preflight import check
+
+    base = ["--model.preset=tiny", "--train.global_batch=8", "--train.micro_batch=4", *extra]
+    with pytest.raises(ConfigError) as e:
+        check(load_config(None, [*base, "--train.compile=true"]), 2)
+    assert e.value.field == "train.compile" and field in e.value.problem and e.value.fix
+    cfg = load_config(None, base)
+    dims = check(cfg, 2)
+    assert not compile_enabled(cfg, dims.tp, "cuda")
+    plain = load_config(None, ["--model.preset=tiny"])
+    assert compile_enabled(plain, 1, "cuda") and not compile_enabled(plain, 1, "cpu")

@@ -31,6 +31,7 @@ from torch import nn
 from shardwise.config import Config
 from shardwise.models.common import Transformer
 from shardwise.parallel.activation_checkpoint import apply_activation_checkpointing
+from shardwise.parallel.compile import apply_compile, compile_enabled
 from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from shardwise.parallel.expert import apply_expert_parallel, moe_modules
@@ -47,7 +48,7 @@ def canonical_fqn(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
-def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> None:
+def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, device_type: str) -> None:
     """In place, on the meta model: everything that must happen before parameters exist."""
     # PP split: done by build_pipeline before this (each stage arrives here as its own model).
     wrapper = dims.wrapper(cfg.parallel.zero)
@@ -65,6 +66,10 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config) -> No
         apply_expert_parallel(model, mesh.expert, dims, wrapper == "fsdp")
     apply_activation_checkpointing(model, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
+    if compile_enabled(cfg, dims.tp, device_type):
+        # After checkpointing (the recomputed region is traced with the block); before FSDP, whose
+        # hooks then run around the compiled block, outside the graph (parallel/compile.py).
+        apply_compile(model, cfg.train.compile_backend)
     if wrapper == "fsdp":
         apply_fsdp(model, mesh, dims, cfg.parallel, cfg.train.precision)
     elif wrapper == "replicate":
@@ -105,7 +110,7 @@ def _finish(model: nn.Module, dims: ParallelDims, cfg: Config) -> None:
 def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Config,
                          device: torch.device) -> nn.Module:
     """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
-    parallelize(model, dims, mesh, cfg)
+    parallelize(model, dims, mesh, cfg, device.type)
     materialize(model, device, cfg.train.seed)
     _finish(model, dims, cfg)
     if dims.wrapper(cfg.parallel.zero) == "ddp":
@@ -135,7 +140,7 @@ def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, 
         with torch.device("meta"):
             part = build_model(cfg.model)
         part.keep_only(layers[stage], embedding=stage == 0, head=stage == last)
-        parallelize(part, dims, mesh, cfg)
+        parallelize(part, dims, mesh, cfg, device.type)
         materialize(part, device, cfg.train.seed)
         _finish(part, dims, cfg)
         stages[stage] = part

@@ -16,6 +16,7 @@ RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_POLICIES = ("op", "layer")
 PP_SPLITS = ("even", "balanced")
 CP_MODES = ("ring", "ulysses")
+COMPILE_BACKENDS = ("inductor", "aot_eager")  # train.compile_backend (parallel/compile.py)
 
 
 @dataclass(frozen=True)

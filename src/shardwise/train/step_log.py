@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.parallel.comm_counter import describe_comm
+from shardwise.parallel.compile import compile_enabled, compiled_graphs
 from shardwise.parallel.precision import DynamicLossScaler
 from shardwise.spec.dims import ParallelDims
 from shardwise.train import moe_stats
@@ -52,6 +53,7 @@ class StepLog:
         self.cfg, self.dims, self.run_dir, self.rank, self.quiet = cfg, dims, run_dir, rank, quiet
         self.flops_per_token, self.guard, self.scaler = flops_per_token, guard, scaler
         self.moe_layers, self.moe_group = moe_layers, moe_group
+        self.device_type = device.type
         self.last_timeline: dict | None = None  # the newest recorded pipeline step, written at the end
         writer = rank == 0
         if writer:
@@ -101,6 +103,8 @@ class StepLog:
                 self.metrics.print(f"step {step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
                                    f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
                                    f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
+        if compile_enabled(self.cfg, self.dims.tp, self.device_type):
+            record["compiled_graphs"] = compiled_graphs()  # constant after the first steps: nothing recompiles
         if timeline is not None:
             record["pp_bubble_measured"] = timeline["bubble_measured"]
             record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]

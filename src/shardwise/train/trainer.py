@@ -25,6 +25,7 @@ from shardwise.config import Config
 from shardwise.errors import Diverged, Interrupted
 from shardwise.models import build_model
 from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names
+from shardwise.parallel.compile import compile_enabled
 from shardwise.parallel.context import zigzag_index
 from shardwise.parallel.data_parallel import gradient_group, gradient_sync, unwrap, zero1_group
 from shardwise.parallel.mesh import build_meshes
@@ -96,6 +97,7 @@ class Trainer:
         else:
             self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
         self.inner = unwrap(self.model)
+        self.compiled = compile_enabled(cfg, self.dims.tp, self.device.type)
         # How each micro-batch's gradients are reduced (DDP no_sync, FSDP2's flag, ...): data_parallel.py.
         self.gradient_sync = gradient_sync(self.model, self.dims, cfg.parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -170,7 +172,11 @@ class Trainer:
         they are the same every step, and counting slows the step it watches."""
         start = time.perf_counter()
         counting = self.comm_bytes is None
-        with CommCounter(self.group_axes) if counting else contextlib.nullcontext() as counter:
+        # The counting step runs the compiled blocks eagerly: dynamo declines a frame first called under a
+        # TorchDispatchMode (the counter) and then never compiles that code (measured, torch 2.13); the
+        # collectives, and so the bytes counted, are the same compiled or not.
+        eager = torch.compiler.set_stance("force_eager") if counting and self.compiled else contextlib.nullcontext()
+        with eager, CommCounter(self.group_axes) if counting else contextlib.nullcontext() as counter:
             loss_sum, grad_norm, lr, verdict = self._forward_backward_update()
         if counting:
             self.comm_bytes = counter.totals()

@@ -1,0 +1,51 @@
+"""torch.compile of each transformer block, in place (train.compile, train.compile_backend).
+
+Per block, not the whole model (torchtitan's choice, docs/architecture.md §4): every block has the same
+code and shapes, so one graph is compiled and reused by all of them (a whole-model graph would be
+n_layers times longer to compile), and the boundaries between blocks stay where FSDP2's per-block
+all-gather / reduce-scatter hooks and the pipeline's stage split need them.
+
+`Module.compile` compiles the module's call in place: no `_orig_mod` wrapper, so parameter names,
+checkpoints and the optimizer's groups are the same with and without compile.
+
+It runs after TP/SP, CP, EP and activation checkpointing (parallelize.py's order): dynamo then traces
+the block as it will run — DTensor ops, the checkpoint (a higher-order op, selective policies included)
+and the MoE routing. Where a block cannot be one graph, dynamo splits it and runs the rest eagerly
+(fullgraph=False), with the same numerics:
+- CP's ring / Ulysses attention (parallel/context.py) is an autograd.Function whose forward and
+  backward issue their own send/recv and all-to-all: the graph breaks around it (cp2 ring: 11
+  graphs for 2 blocks, compiled once, parity 1e-7).
+Not yet (refused when asked for, eager when train.compile is unset): TP (a torch 2.13 DTensor error in
+the backward at the compiled block's boundary) and MoE (router statistics are Python-side state):
+spec/rules.py compile_unsupported says why.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.config import Config
+from shardwise.spec.rules import compile_unsupported
+from shardwise.spec.shapes import ModelShape
+
+
+def compile_enabled(cfg: Config, tp: int, device_type: str) -> bool:
+    """train.compile: unset means on for CUDA and off for CPU, where inductor's generated kernels do not
+    beat eager PyTorch yet on the models we train there, and off where compile does not work yet
+    (spec/rules.py compile_unsupported; an explicit true there is refused before anything starts)."""
+    if compile_unsupported(tp, ModelShape.from_config(cfg.model).moe is not None) is not None:
+        return False
+    return device_type == "cuda" if cfg.train.compile is None else cfg.train.compile
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """Compile every block of `model` (a whole model or a pipeline stage) in place."""
+    for _, block in model.named_blocks():
+        block.compile(backend=backend, fullgraph=False)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far: constant after the first steps, or something
+    recompiles every step (metrics.jsonl `compiled_graphs`; tests/parity checks it)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
