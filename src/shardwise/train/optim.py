@@ -45,8 +45,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return out
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None) -> torch.optim.Optimizer:
-    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
+def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW over param_groups. `fused` (the trainer sets it on CUDA): one kernel per parameter group
+    instead of foreach's several per step (torch's fused AdamW, what torchtitan uses on GPUs); CPU keeps
+    foreach, so its numerics, tests and goldens stay as they were."""
+    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, **({"fused": True} if fused else {"foreach": True}))
     groups = param_groups(model, t.weight_decay)
     if zero1_group is not None:
         from shardwise.parallel.zero1 import ZeroOneOptimizer

@@ -102,7 +102,7 @@ class Trainer:
         self.gradient_sync = gradient_sync(self.model, self.dims, cfg.parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         zero1 = zero1_group(self.mesh, self.dims) if cfg.parallel.zero == 1 else None
-        self.optimizer = build_optimizer(self.inner, t, zero1)
+        self.optimizer = build_optimizer(self.inner, t, zero1, fused=self.device.type == "cuda")
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.world_group = dist.group.WORLD if distributed else None
