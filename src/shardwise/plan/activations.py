@@ -12,7 +12,8 @@ Our modules differ from that GPT in ways that change the constant, so the planne
 tests/dist/test_plan_validation.py): FlashAttention (SDPA) saves q, k, v, out and the log-sum-exp,
 never the s x s scores (no 5as/h term); there is no dropout; RMSNorm is written in Python and saves
 its input, rsqrt, the normalized tensor and its output; RoPE saves new q/k; SwiGLU saves 4 f-wide
-tensors; the loss saves fp32 log-softmax of the logits. The dtypes depend on the precision regime:
+tensors; the loss saves fp32 log-softmax of the logits (or, chunked, the logits and a log-sum-exp per
+token: spec/loss.py). The dtypes depend on the precision regime:
   fp32     every tensor 4 bytes;
   autocast bf16/fp16 compute with fp32 parameters (single process, DDP, ZeRO-1): the residual stream
            and norms stay fp32; every linear saves its own low-precision copy of its input and of its
@@ -150,12 +151,19 @@ def embedding_bytes_per_token(shape: ModelShape) -> float:
 
 
 @lru_cache(maxsize=1 << 14)
-def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> BlockActivations:
+def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, chunked_loss: bool = False) -> BlockActivations:
     """Final norm + output head + loss, per token: the norm's tensors, the head's input (and its weight
     copy under autocast), the fp32 log-softmax of the (vocab-sharded, loss-parallel) logits, int64
-    targets. The logits themselves are not saved (log_softmax keeps only its output)."""
-    per_token = _norm(shape, reg, tp if sp else 1, 1) + 4 * shape.vocab_size / tp + 8
-    fixed = 4.0  # the loss's total_weight scalar
+    targets. The logits themselves are not saved (log_softmax keeps only its output). The chunked loss
+    (spec/loss.py loss_is_chunked: a large micro-batch, no TP) keeps the logits in their own dtype plus
+    an fp32 log-sum-exp per token instead."""
+    if chunked_loss:
+        logit = 4 if reg == "fp32" else 2
+        per_token = _norm(shape, reg, 1, 1) + logit * shape.vocab_size + 4 + 8
+        fixed = 0.0
+    else:
+        per_token = _norm(shape, reg, tp if sp else 1, 1) + 4 * shape.vocab_size / tp + 8
+        fixed = 4.0  # the loss's total_weight scalar
     if reg == "autocast":
         fixed += 2 * shape.vocab_size * shape.dim / tp
     return BlockActivations(per_token, fixed)

@@ -41,6 +41,7 @@ from shardwise.plan import constants as C
 from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params
 from shardwise.plan.layout import Problem
 from shardwise.spec.layout import Layout
+from shardwise.spec.loss import loss_chunk_tokens, loss_is_chunked
 from shardwise.spec.sharding import zero1_owners
 
 GIB = 2**30
@@ -214,8 +215,10 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
     without its micro-batch size (the search asks for many micro-batch sizes of one layout)."""
     key = (core.tp, core.sp, core.cp, core.cp_mode if core.cp > 1 else "", core.recompute, core.recompute_policy,
            core.recompute_every, core.lowp_params)
-    (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     tokens = core.micro_batch * problem.seq_len / core.cp
+    # The loss switches to its chunked form above a micro-batch size (spec/loss.py): affine on each side.
+    key += (loss_is_chunked(tokens, problem.shape.vocab_size, core.tp),)
+    (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
 
@@ -227,7 +230,7 @@ def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tu
 
 def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float, float]:
     shape = problem.shape
-    tp, sp, cp, cp_mode, recompute, policy, every, lowp_params = key
+    tp, sp, cp, cp_mode, recompute, policy, every, lowp_params, chunked_loss = key
     reg = A.regime(problem.precision, lowp_params, problem.model_states)
     # Context parallelism changes what a plain block saves (activations.py cp_block_bytes_per_token,
     # cp_rope_bytes_per_block): the core's output copy, ring's fp32 output, Ulysses' repeated KV
@@ -257,7 +260,7 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
     if rank.embedding:
         embedding = A.embedding_bytes_per_token(shape) * tokens + A.gpt_positions_bytes(shape, problem.seq_len / cp)
     if rank.head:
-        hb = A.head_bytes(shape, reg, tp, sp)
+        hb = A.head_bytes(shape, reg, tp, sp, chunked_loss)
         head = hb.per_token * tokens + hb.fixed
     # RoPE slices are saved only by blocks that are not checkpointed (inside a checkpoint nothing but
     # the block input, and under "op" the matmul/SDPA outputs, is kept).
@@ -294,8 +297,14 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
     params, grads, opt, other, cpu, items = _states(problem, key, rank)
     if rank.head:
         # Transient at the loss: 16-bit logits + their fp32 copy (or the fp32 logits), vocab-sharded.
+        # The chunked loss (spec/loss.py): the logits' gradient in their dtype, and one chunk's fp32
+        # softmax and its gradient.
         tok = core.micro_batch * problem.seq_len / core.cp
-        logits = tok * problem.shape.vocab_size / core.tp * (6 if problem.low_precision else 4)
+        vocab = problem.shape.vocab_size
+        if loss_is_chunked(tok, vocab, core.tp):
+            logits = tok * vocab * (2 if problem.low_precision else 4) + 2 * 4 * loss_chunk_tokens(vocab) * vocab
+        else:
+            logits = tok * vocab / core.tp * (6 if problem.low_precision else 4)
         return params, grads, opt, other + logits, cpu, items + (("logits_transient", logits),)
     return params, grads, opt, other, cpu, items
 

@@ -44,6 +44,7 @@ from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split
 from shardwise.train.distributed import default_device
 from shardwise.train.health import StepGuard, Verdict
 from shardwise.train.loader import BatchPrefetcher
+from shardwise.train.loss import token_cross_entropy_sum
 from shardwise.train.metrics import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
 from shardwise.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardwise.train.pipeline_chart import TimelineRecorder
@@ -164,7 +165,9 @@ class Trainer:
     def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
         makes it the token mean over the global batch, identical to the reference."""
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / self.tokens_per_rank_step
+        if self.dims.tp > 1:  # vocab-sharded DTensor logits: loss_parallel's cross-entropy (_loss_context)
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / self.tokens_per_rank_step
+        return token_cross_entropy_sum(logits, targets) / self.tokens_per_rank_step
 
     def train_step(self, measure_memory: bool = False) -> StepResult:
         """One optimizer step; `measure_memory` records bytes by category while gradients exist.
