@@ -55,7 +55,28 @@ def test_run_safety_probes_smoke(tmp_path):
     assert not [r for r in rows if r.get("exit") == "probe error"], rows
 
 
+def test_gpu_throughput_smoke(tmp_path):
+    """On CPU (CI has no GPU): the four variants run and start from the same loss (same model, weights, batch)."""
+    data = _smoke("gpu_throughput.py", tmp_path / "gpu_throughput.json")
+    assert data["smoke"] is True and [r["variant"] for r in data["rows"]] == ["shardwise", "shardwise+compile", "plain",
+                                                                              "plain+compile"]
+    first = {r["first_loss"] for r in data["rows"]}
+    assert max(first) - min(first) <= 1e-5 * max(first), data["rows"]
+
+
+def test_gpu_throughput_without_a_gpu_says_so_and_exits_0():
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would measure (minutes) instead of saying there is none")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and "no GPU visible" in p.stdout, p.stdout + p.stderr
+
+
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one."""
-    smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py"}
+    smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
+              "gpu_throughput.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
