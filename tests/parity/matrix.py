@@ -226,17 +226,22 @@ MOE_FAMILY = [
                                                        "parallel.zero": 2}, reference="moe"),
 ]
 
-# train.compile: every block compiled (parallel/compile.py), one layout per family. aot_eager traces and
+# train.compile: every block compiled (parallel/compile.py), layouts of every family. aot_eager traces and
 # partitions like inductor (dynamo, AOTAutograd, the checkpoint and DTensor ops) without generating
 # code, so 9 layouts compile in seconds on 2 cores; one single-process case runs inductor itself.
 # log_every 5: metrics.jsonl's compiled_graphs at steps 5..20 must not grow (no recompilation).
-# TP and MoE do not compile yet (spec/rules.py compile_unsupported): refused, tested in tests/unit.
+# MoE does not compile yet (spec/rules.py compile_unsupported): refused, tested in tests/unit.
 _COMPILE = {"train.compile": True, "train.compile_backend": "aot_eager", "train.log_every": 5}
 COMPILE_FAMILY = [
     Layout("compile_single", 1, _COMPILE),
     Layout("compile_inductor_single", 1, {**_COMPILE, "train.compile_backend": "inductor"}),
     Layout("compile_recompute_full_single", 1, {**_COMPILE, "train.recompute": "full"}),
     Layout("compile_recompute_op_single", 1, {**_COMPILE, "train.recompute": "selective", "train.recompute_policy": "op"}),
+    Layout("compile_tp2", 2, {**_COMPILE, "parallel.tp": 2}),
+    Layout("compile_tp2_nosp_vocab509", 2, {**_COMPILE, "parallel.tp": 2, "parallel.sequence_parallel": False,
+                                            "model.vocab_size": 509}, reference="llama_v509"),
+    Layout("compile_tp2_zero3_dp2", 4, {**_COMPILE, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
+                                        "train.micro_batch": 4}),
     Layout("compile_ddp2", 2, {**_COMPILE, "parallel.dp_replicate": 2, "train.micro_batch": 4}),
     Layout("compile_zero3_dp2", 2, {**_COMPILE, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}),
     _pp("compile_pp2_1f1b", 2, 2, "1f1b", **{**_COMPILE, "parallel.pp": 2}),

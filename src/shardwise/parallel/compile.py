@@ -15,9 +15,10 @@ and the MoE routing. Where a block cannot be one graph, dynamo splits it and run
 - CP's ring / Ulysses attention (parallel/context.py) is an autograd.Function whose forward and
   backward issue their own send/recv and all-to-all: the graph breaks around it (cp2 ring: 11
   graphs for 2 blocks, compiled once, parity 1e-7).
-Not yet (refused when asked for, eager when train.compile is unset): TP (a torch 2.13 DTensor error in
-the backward at the compiled block's boundary) and MoE (router statistics are Python-side state):
-spec/rules.py compile_unsupported says why.
+TP/SP: the blocks compile with their DTensor collectives inside; the embedding's async output is
+waited for before block 0 (_wait_for_async_output). Not yet (refused when asked for, eager when
+train.compile is unset): MoE (router statistics are Python-side state): spec/rules.py
+compile_unsupported says why.
 """
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ from shardwise.spec.rules import compile_unsupported
 from shardwise.spec.shapes import ModelShape
 
 
-def compile_enabled(cfg: Config, tp: int, device_type: str) -> bool:
+def compile_enabled(cfg: Config, device_type: str) -> bool:
     """train.compile: unset means on for CUDA and off for CPU, where inductor's generated kernels do not
     beat eager PyTorch yet on the models we train there, and off where compile does not work yet
     (spec/rules.py compile_unsupported; an explicit true there is refused before anything starts)."""
-    if compile_unsupported(tp, ModelShape.from_config(cfg.model).moe is not None) is not None:
+    if compile_unsupported(ModelShape.from_config(cfg.model).moe is not None) is not None:
         return False
     return device_type == "cuda" if cfg.train.compile is None else cfg.train.compile
 
@@ -41,6 +42,20 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     """Compile every block of `model` (a whole model or a pipeline stage) in place."""
     for _, block in model.named_blocks():
         block.compile(backend=backend, fullgraph=False)
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings.register_forward_hook(_wait_for_async_output)
+
+
+def _wait_for_async_output(_module: nn.Module, _inputs, output):
+    """TP: the vocab-parallel embedding's output comes out of DTensor's async reduce-scatter as an
+    AsyncCollectiveTensor. Given to a compiled block as is, AOTAutograd unwraps it and the block's
+    input gradient bypasses DTensor's to_local backward, reaching the redistribute backward as a plain
+    tensor (AttributeError '_local_tensor', torch 2.13). A copy taken here, eagerly, waits for the
+    collective and keeps autograd's path through to_local (a view would still be an
+    AsyncCollectiveTensor): one (b, s/tp, h) copy per micro-batch."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def compiled_graphs() -> int:

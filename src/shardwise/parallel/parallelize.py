@@ -66,7 +66,7 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
         apply_expert_parallel(model, mesh.expert, dims, wrapper == "fsdp")
     apply_activation_checkpointing(model, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
-    if compile_enabled(cfg, dims.tp, device_type):
+    if compile_enabled(cfg, device_type):
         # After checkpointing (the recomputed region is traced with the block); before FSDP, whose
         # hooks then run around the compiled block, outside the graph (parallel/compile.py).
         apply_compile(model, cfg.train.compile_backend)

@@ -275,20 +275,17 @@ def split_backward_rule(schedule: str, zero: int, recompute: str, recompute_poli
     return None
 
 
-def compile_unsupported(tp: int, moe: bool) -> tuple[str, str] | None:
+def compile_unsupported(moe: bool) -> tuple[str, str] | None:
     """(field, why) when train.compile cannot run this layout yet (torch 2.13, found by the parity tests),
     else None. Unset train.compile leaves such layouts eager; an explicit true is refused."""
-    if tp > 1:
-        return ("parallel.tp", "a compiled tensor-parallel block hands its input a plain-tensor gradient where "
-                "DTensor's redistribute backward needs a DTensor (AttributeError '_local_tensor' at the second step)")
     if moe:
         return ("model.moe", "the MoE router's load statistics and aux-loss scale are Python state that a compiled "
                 "block bakes in: losses drift by 2e-3 within 20 steps and the block recompiles every step")
     return None
 
 
-def compile_rule(compile: bool | None, tp: int, moe: bool) -> Violation | None:
-    unsupported = compile_unsupported(tp, moe) if compile else None
+def compile_rule(compile: bool | None, moe: bool) -> Violation | None:
+    unsupported = compile_unsupported(moe) if compile else None
     if unsupported is None:
         return None
     field, why = unsupported

@@ -103,7 +103,7 @@ class StepLog:
                 self.metrics.print(f"step {step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
                                    f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
                                    f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
-        if compile_enabled(self.cfg, self.dims.tp, self.device_type):
+        if compile_enabled(self.cfg, self.device_type):
             record["compiled_graphs"] = compiled_graphs()  # constant after the first steps: nothing recompiles
         if timeline is not None:
             record["pp_bubble_measured"] = timeline["bubble_measured"]

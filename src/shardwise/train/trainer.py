@@ -98,7 +98,7 @@ class Trainer:
         else:
             self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
         self.inner = unwrap(self.model)
-        self.compiled = compile_enabled(cfg, self.dims.tp, self.device.type)
+        self.compiled = compile_enabled(cfg, self.device.type)
         # How each micro-batch's gradients are reduced (DDP no_sync, FSDP2's flag, ...): data_parallel.py.
         self.gradient_sync = gradient_sync(self.model, self.dims, cfg.parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
