@@ -230,7 +230,6 @@ MOE_FAMILY = [
 # partitions like inductor (dynamo, AOTAutograd, the checkpoint and DTensor ops) without generating
 # code, so 9 layouts compile in seconds on 2 cores; one single-process case runs inductor itself.
 # log_every 5: metrics.jsonl's compiled_graphs at steps 5..20 must not grow (no recompilation).
-# MoE does not compile yet (spec/rules.py compile_unsupported): refused, tested in tests/unit.
 _COMPILE = {"train.compile": True, "train.compile_backend": "aot_eager", "train.log_every": 5}
 COMPILE_FAMILY = [
     Layout("compile_single", 1, _COMPILE),
@@ -242,6 +241,13 @@ COMPILE_FAMILY = [
                                             "model.vocab_size": 509}, reference="llama_v509"),
     Layout("compile_tp2_zero3_dp2", 4, {**_COMPILE, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
                                         "train.micro_batch": 4}),
+    Layout("compile_moe_ep2_zero3", 2, {**_COMPILE, **_MOE, "parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero": 3},
+           reference="moe"),
+    _pp("compile_pp2_zero_bubble", 2, 2, "zero_bubble", **{**_COMPILE, "parallel.pp": 2}),
+    _pp("compile_pp2_zbv", 2, 2, "zbv", 2, **{**_COMPILE, "parallel.pp": 2}),
+    Layout("compile_cp2_ulysses", 2, {**_COMPILE, **_CP2, **_ULYSSES}),
+    Layout("compile_gpt_zero3_dp2", 2, {**_COMPILE, **_GPT, "parallel.dp_shard": 2, "parallel.zero": 3,
+                                        "train.micro_batch": 4}, reference="gpt"),
     Layout("compile_ddp2", 2, {**_COMPILE, "parallel.dp_replicate": 2, "train.micro_batch": 4}),
     Layout("compile_zero3_dp2", 2, {**_COMPILE, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}),
     _pp("compile_pp2_1f1b", 2, 2, "1f1b", **{**_COMPILE, "parallel.pp": 2}),

@@ -134,22 +134,12 @@ def test_console_script_exit_code(tmp_path):
     assert "parallel.zero" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_compile_is_refused_where_it_does_not_work_yet():
-    """train.compile=true with MoE: refused before spawning, naming why; unset, MoE runs eagerly
-    (parallel/compile.py compile_enabled). TP compiles (tests/parity COMPILE_FAMILY)."""
+def test_compile_default_follows_the_device():
+    """train.compile unset: on for CUDA, off for CPU; explicit values win (parallel/compile.py)."""
     from shardwise.config import load_config
-    from shardwise.errors import ConfigError
     from shardwise.parallel.compile import compile_enabled
-    from shardwise.preflight import check
 
-    moe = ["--model.preset=tiny-moe", "--train.global_batch=8", "--train.micro_batch=4", "--parallel.dp_shard=2",
-           "--parallel.ep=2", "--parallel.zero=3"]
-    with pytest.raises(ConfigError) as e:
-        check(load_config(None, [*moe, "--train.compile=true"]), 2)
-    assert e.value.field == "train.compile" and "model.moe" in e.value.problem and e.value.fix
-    assert not compile_enabled(load_config(None, moe), "cuda")
-    tp = load_config(None, ["--model.preset=tiny", "--parallel.tp=2", "--train.compile=true"])
-    check(tp, 2)
-    assert compile_enabled(tp, "cpu")
     plain = load_config(None, ["--model.preset=tiny"])
     assert compile_enabled(plain, "cuda") and not compile_enabled(plain, "cpu")
+    assert compile_enabled(load_config(None, ["--model.preset=tiny", "--train.compile=true"]), "cpu")
+    assert not compile_enabled(load_config(None, ["--model.preset=tiny", "--train.compile=false"]), "cuda")

@@ -15,32 +15,36 @@ and the MoE routing. Where a block cannot be one graph, dynamo splits it and run
 - CP's ring / Ulysses attention (parallel/context.py) is an autograd.Function whose forward and
   backward issue their own send/recv and all-to-all: the graph breaks around it (cp2 ring: 11
   graphs for 2 blocks, compiled once, parity 1e-7).
+- MoE: the feed-forward runs eagerly (apply_compile says why); attention and norms compile.
 TP/SP: the blocks compile with their DTensor collectives inside; the embedding's async output is
-waited for before block 0 (_wait_for_async_output). Not yet (refused when asked for, eager when
-train.compile is unset): MoE (router statistics are Python-side state): spec/rules.py
-compile_unsupported says why.
+waited for before block 0 (_wait_for_async_output).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from shardwise.config import Config
-from shardwise.spec.rules import compile_unsupported
-from shardwise.spec.shapes import ModelShape
+from shardwise.parallel.expert import moe_modules
 
 
 def compile_enabled(cfg: Config, device_type: str) -> bool:
-    """train.compile: unset means on for CUDA and off for CPU, where inductor's generated kernels do not
-    beat eager PyTorch yet on the models we train there, and off where compile does not work yet
-    (spec/rules.py compile_unsupported; an explicit true there is refused before anything starts)."""
-    if compile_unsupported(ModelShape.from_config(cfg.model).moe is not None) is not None:
-        return False
+    """train.compile: unset means on for CUDA and off for CPU, where compiling does not pay for itself
+    yet (benchmarks/gpu_throughput.py --device cpu: 1.07x eager in steady state on the tiny model, after
+    ~25 s of inductor compilation that a short CPU run does not earn back)."""
     return device_type == "cuda" if cfg.train.compile is None else cfg.train.compile
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:
     """Compile every block of `model` (a whole model or a pipeline stage) in place."""
     for _, block in model.named_blocks():
+        for moe in moe_modules(block):
+            # The MoE feed-forward runs eagerly inside the compiled block (a graph break on each side):
+            # its routing sizes buckets from the router's counts (data-dependent shapes) and it keeps
+            # load statistics and the aux-loss gradient scale as Python state (models/moe.py), which a
+            # graph would bake in: compiled, the loss drifted by 2e-3 in 20 steps and the block
+            # recompiled every step until dynamo's limit of 8. Attention and norms still compile.
+            moe.forward = torch.compiler.disable(moe.forward)
         block.compile(backend=backend, fullgraph=False)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings.register_forward_hook(_wait_for_async_output)

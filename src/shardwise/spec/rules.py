@@ -275,24 +275,6 @@ def split_backward_rule(schedule: str, zero: int, recompute: str, recompute_poli
     return None
 
 
-def compile_unsupported(moe: bool) -> tuple[str, str] | None:
-    """(field, why) when train.compile cannot run this layout yet (torch 2.13, found by the parity tests),
-    else None. Unset train.compile leaves such layouts eager; an explicit true is refused."""
-    if moe:
-        return ("model.moe", "the MoE router's load statistics and aux-loss scale are Python state that a compiled "
-                "block bakes in: losses drift by 2e-3 within 20 steps and the block recompiles every step")
-    return None
-
-
-def compile_rule(compile: bool | None, moe: bool) -> Violation | None:
-    unsupported = compile_unsupported(moe) if compile else None
-    if unsupported is None:
-        return None
-    field, why = unsupported
-    return Violation("compile", "train.compile", f"not yet with {field}: {why}",
-                     "leave train.compile unset or false for this layout (its blocks then run eagerly)", trainer_only=True)
-
-
 def pipeline_split_rules(p: Any, n_layers: int) -> Rules:
     """How the trainer is told to cut the blocks (parallel.pp_layers_per_stage, pp_split,
     pp_stage_speeds: spec/stages.py layers_per_stage). The planner cuts evenly."""

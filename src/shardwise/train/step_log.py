@@ -54,6 +54,8 @@ class StepLog:
         self.flops_per_token, self.guard, self.scaler = flops_per_token, guard, scaler
         self.moe_layers, self.moe_group = moe_layers, moe_group
         self.device_type = device.type
+        # Graphs this run compiled: dynamo's counter is per process, and a process may train several runs.
+        self.graphs_before = compiled_graphs() if compile_enabled(cfg, device.type) else 0
         self.last_timeline: dict | None = None  # the newest recorded pipeline step, written at the end
         writer = rank == 0
         if writer:
@@ -103,8 +105,8 @@ class StepLog:
                 self.metrics.print(f"step {step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
                                    f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
                                    f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
-        if compile_enabled(self.cfg, self.device_type):
-            record["compiled_graphs"] = compiled_graphs()  # constant after the first steps: nothing recompiles
+        if compile_enabled(self.cfg, self.device_type):  # constant after the first steps: nothing recompiles
+            record["compiled_graphs"] = compiled_graphs() - self.graphs_before
         if timeline is not None:
             record["pp_bubble_measured"] = timeline["bubble_measured"]
             record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
