@@ -80,7 +80,10 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1.")
     beta2: float = opt(0.95, "AdamW beta2.")
     grad_clip: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.")
-    precision: str = opt("fp32", '"fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling); master weights stay fp32.')
+    precision: str = opt("fp32", '"fp32", "bf16", "fp16" (dynamic loss scaling) or "fp8" (bf16 with FP8 GEMMs in the '
+                                 'linears of the blocks, torchao; GPUs with FP8, or emulated on CPU); master weights stay fp32.')
+    fp8_recipe: str = opt("tensorwise", 'For precision="fp8": "tensorwise" (one scale per tensor; FSDP2 gathers the weights in '
+                                        'FP8) or "rowwise" (one scale per row: more accurate, slower).')
     recompute: str = opt("none", '"none", "selective" or "full" activation checkpointing.')
     recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th '
                                       'block).')

@@ -12,7 +12,7 @@ from shardwise.config import Config
 from shardwise.errors import ConfigError, Violation
 from shardwise.spec import rules
 from shardwise.spec.dims import ParallelDims
-from shardwise.spec.layout import COMPILE_BACKENDS, PP_SPLITS, PRECISIONS, RECOMPUTE, RECOMPUTE_POLICIES, Layout
+from shardwise.spec.layout import COMPILE_BACKENDS, FP8_RECIPES, PP_SPLITS, PRECISIONS, RECOMPUTE, RECOMPUTE_POLICIES, Layout
 from shardwise.spec.shapes import ModelShape
 from shardwise.spec.stages import SCHEDULES
 
@@ -43,6 +43,7 @@ def check_train(cfg: Config) -> None:
     _choice("train.recompute", t.recompute, RECOMPUTE)
     _choice("train.recompute_policy", t.recompute_policy, RECOMPUTE_POLICIES)
     _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
+    _choice("train.fp8_recipe", t.fp8_recipe, FP8_RECIPES)
     for name in ("seq_len", "global_batch", "micro_batch", "steps", "recompute_every", "log_every", "max_skipped_steps"):
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.warmup_steps", t.warmup_steps, 0)
@@ -68,7 +69,7 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     layout = Layout.from_config(cfg, world_size)
     shape = ModelShape.from_config(cfg.model)
     raise_first(rules.layout_rules(shape, layout, cfg.train.seq_len, cfg.train.global_batch),
-                rules.pipeline_split_rules(p, cfg.model.n_layers))
+                rules.pipeline_split_rules(p, cfg.model.n_layers), [rules.fp8_rule(cfg.train.precision, dims.tp)])
     return dims
 
 

@@ -37,6 +37,14 @@ CASES = {
     # context parallel (parallel/context.py), against bf16_single: see test_bf16_context_parallel_tracks_bf16_single
     "bf16_cp2_ring": (2, {"train.precision": "bf16", "parallel.cp": 2}),
     "bf16_cp2_ulysses": (2, {"train.precision": "bf16", "parallel.cp": 2, "parallel.cp_mode": "ulysses"}),
+    # FP8 (parallel/float8.py; torchao's emulation on CPU): against fp32 like the others, and see test_fp8_*
+    "fp8_single": (1, {"train.precision": "fp8"}),
+    "fp8_rowwise_single": (1, {"train.precision": "fp8", "train.fp8_recipe": "rowwise"}),
+    "fp8_accum2_single": (1, {"train.precision": "fp8", "train.micro_batch": 4}),
+    # FSDP2 all-gathers the FP8 weights (tensorwise); micro-batch 4 = fp8_accum2_single's micro-batches
+    "fp8_zero3_dp2": (2, {"train.precision": "fp8", "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}),
+    "fp8_ddp2": (2, {"train.precision": "fp8", "parallel.dp_replicate": 2, "train.micro_batch": 4}),
+    "fp8_pp2": (2, {"train.precision": "fp8", "parallel.pp": 2, "train.micro_batch": 4}),
 }
 
 
@@ -107,3 +115,16 @@ def test_bf16_context_parallel_tracks_bf16_single(results, name):
     print(f"{name}: max relative |dloss| vs bf16_single over {STEPS} steps {worst:.2e}")
     assert worst < CP_BF16_RTOL, f"{name}: max relative |dloss| vs bf16_single {worst:.2e}"
     assert results[name]["master_fp32"], "master weights must stay fp32"
+
+
+@pytest.mark.parametrize("name", ["fp8_zero3_dp2", "fp8_ddp2", "fp8_pp2"])
+def test_fp8_layouts_track_fp8_single(results, name):
+    """FP8 under data and pipeline parallelism against one process with the same micro-batches
+    (fp8_accum2_single: 2 micro-batches of 4). Dynamic scaling takes each tensor's amax per micro-batch,
+    so equal micro-batches get equal scales and equal FP8 roundings; what remains is the layouts' fp32
+    and bf16 summation order, as in test_bf16_layouts_agree, amplified where a different sum moves an
+    amax and with it a whole tensor's rounding: bound 3e-3."""
+    ref, got = results["fp8_accum2_single"]["losses"], results[name]["losses"]
+    worst = max(abs(a - b) / b for a, b in zip(got, ref))
+    print(f"{name}: max relative |dloss| vs fp8_accum2_single over {STEPS} steps {worst:.2e}")
+    assert worst < 3e-3, f"{name}: max relative |dloss| vs fp8_accum2_single {worst:.2e}"

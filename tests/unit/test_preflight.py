@@ -96,7 +96,7 @@ BAD = [
     (["train", "--train.global_batch=10", "--train.micro_batch=4"], "train.global_batch", "not divisible"),
     (["train", "--parallel.dp_replicate=2", "--train.global_batch=6", "--train.micro_batch=2", "--nproc", "2"],
      "train.global_batch", "multiple of 4"),
-    (["train", "--train.precision=fp8"], "train.precision", "not one of"),
+    (["train", "--train.precision=fp4"], "train.precision", "not one of"),
     (["train", "--train.recompute=some"], "train.recompute", "not one of"),
     (["train", "--train.seq_len=4096"], "train.seq_len", "exceeds model.max_seq_len"),
     (["train", "--model.n_heads=5"], "model.n_heads", "not divisible by n_heads"),

@@ -1,6 +1,6 @@
 """Apply every parallelism to a model built on the meta device, in one fixed order:
 
-    PP split -> TP/SP -> CP -> EP -> activation checkpointing -> compile -> FSDP  (then init, then DDP)
+    PP split -> FP8 -> TP/SP -> CP -> EP -> activation checkpointing -> compile -> FSDP  (then init, then DDP)
 
 Why this order: pipeline splitting decides which blocks a rank owns, so it comes first; TP/SP, CP and
 EP rewrite modules inside a block and must see the plain modules; activation checkpointing wraps a
@@ -35,6 +35,7 @@ from shardwise.parallel.compile import apply_compile, compile_enabled
 from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from shardwise.parallel.expert import apply_expert_parallel, moe_modules
+from shardwise.parallel.float8 import apply_float8, check_fp8
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 from shardwise.spec.dims import ParallelDims
 from shardwise.spec.stages import layers_per_stage, stage_ids, stage_layers
@@ -52,6 +53,11 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
     """In place, on the meta model: everything that must happen before parameters exist."""
     # PP split: done by build_pipeline before this (each stage arrives here as its own model).
     wrapper = dims.wrapper(cfg.parallel.zero)
+    if cfg.train.precision == "fp8":
+        # First: the blocks' linears become torchao Float8Linears before TP, checkpointing, compile and
+        # FSDP wrap them (parallel/float8.py); FSDP2 then gathers their weights in FP8 (tensorwise).
+        check_fp8(device_type)
+        apply_float8(model, cfg.train.fp8_recipe, fsdp=wrapper == "fsdp", emulate=device_type != "cuda")
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], cfg.model, cfg.parallel.sequence_parallel)
     if dims.cp > 1:

@@ -10,7 +10,9 @@ from typing import Iterable
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The compute dtype of each train.precision; "fp8" computes in bf16 outside the GEMMs torchao converts
+# (parallel/float8.py), so autocast, FSDP2's param_dtype and pipeline boundaries use bf16 for it.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:

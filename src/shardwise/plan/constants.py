@@ -119,3 +119,7 @@ def family(device_name: str) -> str:
         if device_name.startswith(fam):
             return fam
     return device_name
+
+# FP8 dynamic scaling (torchao float8 training, tensorwise / rowwise): per element of a GEMM operand, an
+# amax pass reads the 16-bit tensor (2 B), the cast reads it again (2 B) and writes FP8 (1 B).
+FP8_CAST_BYTES = 5

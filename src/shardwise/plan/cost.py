@@ -140,8 +140,10 @@ def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[
 @lru_cache(maxsize=1 << 17)
 def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBatchTimes:
     dev = problem.cluster.device
-    peak = dev.peak_flops(problem.precision)
+    peak = dev.peak_flops(problem.compute_precision)  # attention, head, and every GEMM but FP8's
     elem = problem.compute_bytes
+    fp8 = problem.precision == "fp8"
+    peak8 = dev.peak_flops("fp8") if fp8 else peak
     tokens = max(1, lay.micro_batch * problem.seq_len // lay.cp)
     hbm = dev.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
     s = problem.shape
@@ -149,13 +151,22 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
     def block_fwd(moe: bool) -> tuple[float, float, float]:
-        gemm = sum(c * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem)
-                   for m, n, k, c in _block_gemms(problem, lay, tokens, moe))
+        gemms = _block_gemms(problem, lay, tokens, moe)
+        # FP8 (parallel/float8.py): the block's nn.Linears run at the FP8 peak with 1-byte operands; a MoE
+        # block's stacked experts and router stay bf16 (only its 3 attention GEMMs here are FP8).
+        converted = (3 if moe else len(gemms)) if fp8 else 0
+        gemm = sum(c * (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, m, n, k, 1) if i < converted
+                        else gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem))
+                   for i, (m, n, k, c) in enumerate(gemms))
         # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
         # holds tokens/cp queries against the whole sequence's keys.
         attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
         # Pointwise kernels: the forward's bytes (activations.pointwise_forward_bytes); backward ~2x.
         pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp, moe) * tokens / hbm
+        # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
+        # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
+        # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
+        pointwise += sum(c * C.FP8_CAST_BYTES * (m * k + k * n) for m, n, k, c in gemms[:converted]) / hbm
         return gemm, attn, pointwise
 
     g_d, a_d, e_d = block_fwd(False)
@@ -393,7 +404,7 @@ def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estima
     mem = mem if mem is not None else memory(problem, lay)
     t, breakdown, detail = step(problem, lay)
     cl = problem.cluster
-    peak = cl.device.peak_flops(problem.precision)
+    peak = cl.device.peak_flops(problem.compute_precision)  # MFU: FP8 runs count against the bf16 peak too
     flops_token = problem.shape.flops_per_token(problem.seq_len)
     tokens_step = problem.tokens_per_step
     source = "predicted"

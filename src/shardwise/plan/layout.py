@@ -18,7 +18,7 @@ from shardwise.plan import constants as C
 from shardwise.plan.calibration import AxisCalibration, load_calibration
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
-from shardwise.spec.layout import PRECISIONS, Layout
+from shardwise.spec.layout import PRECISIONS, Layout, compute_precision
 from shardwise.spec.shapes import ModelShape
 
 MODEL_STATES = ("shardwise", "mixed")
@@ -105,6 +105,11 @@ class Problem:
             cluster_cfg = replace(cluster_cfg, num_gpus=world, gpus_per_node=min(cluster_cfg.gpus_per_node, world))
         return cls(shape, Cluster.from_config(cluster_cfg), t.seq_len, t.global_batch, tokens, t.precision, states,
                    cfg.cluster.assume_mfu)
+
+    @property
+    def compute_precision(self) -> str:
+        """The dtype everything but FP8's GEMMs computes in: "fp8" computes in bf16 (parallel/float8.py)."""
+        return compute_precision(self.precision)
 
     @property
     def low_precision(self) -> bool:

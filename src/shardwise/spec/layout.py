@@ -11,7 +11,14 @@ from typing import Any
 
 from shardwise.spec.dims import data_parallel_wrapper, lowp_params, resolve_dp_shard
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe: torchao Float8LinearConfig recipe names
+
+
+def compute_precision(precision: str) -> str:
+    """The dtype a run computes in outside FP8's GEMMs, and the peak its MFU is measured against:
+    "fp8" computes in bf16, and counting it against the bf16 peak keeps its MFU comparable to bf16's."""
+    return "bf16" if precision == "fp8" else precision
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_POLICIES = ("op", "layer")
 PP_SPLITS = ("even", "balanced")

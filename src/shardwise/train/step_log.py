@@ -19,6 +19,7 @@ from shardwise.parallel.comm_counter import describe_comm
 from shardwise.parallel.compile import compile_enabled, compiled_graphs
 from shardwise.parallel.precision import DynamicLossScaler
 from shardwise.spec.dims import ParallelDims
+from shardwise.spec.layout import compute_precision
 from shardwise.train import moe_stats
 from shardwise.train.health import StepGuard
 from shardwise.train.metrics import MetricsLogger, mfu, tokens_per_s_per_device
@@ -62,7 +63,7 @@ class StepLog:
             run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLogger(run_dir, t.steps, start_step, is_writer=writer, progress=cfg.run.progress,
                                      tensorboard=cfg.run.tensorboard)
-        self.peak, peak_label = device_peak_flops(device.type, t.precision,
+        self.peak, peak_label = device_peak_flops(device.type, compute_precision(t.precision),
                                                   torch.cuda.get_device_name() if device.type == "cuda" else None)
         if not quiet:
             self.metrics.print(f"model: {cfg.model.arch} {num_params / 1e6:.2f}M params, layout "

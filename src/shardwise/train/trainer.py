@@ -99,6 +99,10 @@ class Trainer:
             self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
         self.inner = unwrap(self.model)
         self.compiled = compile_enabled(cfg, self.device.type)
+        if t.precision == "fp8":
+            fp8 = sum(type(m).__name__ == "Float8Linear" for m in self.inner.modules())
+            self.log(f"fp8: {fp8} linears in FP8 ({t.fp8_recipe} scaling), the output head and routers in bf16"
+                     + ("; emulated on CPU (torchao): for correctness, not speed" if self.device.type == "cpu" else ""))
         # How each micro-batch's gradients are reduced (DDP no_sync, FSDP2's flag, ...): data_parallel.py.
         self.gradient_sync = gradient_sync(self.model, self.dims, cfg.parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

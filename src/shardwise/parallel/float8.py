@@ -1,0 +1,106 @@
+"""FP8 training (train.precision = "fp8", train.fp8_recipe): torchao's float8 linears in the blocks.
+
+torchao (a well-kept PyTorch library, what torchtitan uses) swaps each selected nn.Linear for a
+Float8Linear: its input, weight and output gradient are scaled and cast to float8 (e4m3 forward; the
+recipe decides e4m3/e5m2 and the scale's granularity) and multiplied with torch._scaled_mm, which needs
+FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell). Everything else computes in bf16
+(parallel/precision.py DTYPES["fp8"]), and master weights stay fp32.
+
+Kept in bf16, as torchtitan does:
+- the output head (its logits feed the loss: the vocabulary's tail probabilities need more range
+  than e4m3's 3 mantissa bits give) and the MoE router (a top-k decision: a rounding that flips which
+  expert a token goes to is not a small error);
+- any linear whose dims are not multiples of 16 (torch._scaled_mm's requirement).
+Recipes: "tensorwise" (one dynamic scale per tensor; with FSDP2 the weights are all-gathered in FP8,
+half of bf16's bytes) and "rowwise" (one scale per row of each operand: more accurate, a little slower).
+
+On CPU the same conversion runs with torchao's emulation (fp8_unsupported), so FP8 runs, and its
+numerics are tested, without a GPU (tests/unit/test_float8.py; tests/parity).
+
+Order (parallelize.py): first, on the plain model, before every other step sees its modules.
+Tensor parallelism is not combined yet (torchao's float8 TP styles would have to replace ours, which
+do more than column/row splits: parallel/tensor.py); EP's stacked experts are not nn.Linear and stay bf16.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from shardwise.errors import ConfigError
+
+# The smallest compute capability with FP8 tensor cores (Ada Lovelace, sm_89).
+FP8_CAPABILITY = (8, 9)
+# Linears kept in bf16 by name (the last component of the module's name), see the module docstring.
+KEEP_BF16 = ("output", "router")
+
+
+def fp8_unsupported(device_type: str) -> str | None:
+    """Why FP8 training cannot run on this device, or None when it can. A CPU runs it with torchao's
+    emulation (the same scaling and float8 rounding, matmuls in higher precision): for developing and
+    testing on a laptop like every other feature, not for speed. A GPU without FP8 tensor cores is
+    refused: torch._scaled_mm has no kernel there, and emulating on a GPU would only be slower than bf16."""
+    import torch
+
+    if device_type == "cpu":
+        return None
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return f"FP8 matmuls need a GPU with FP8 tensor cores (or the CPU's emulation), not {device_type}"
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_CAPABILITY:
+        return (f"{torch.cuda.get_device_name()} has compute capability {capability[0]}.{capability[1]}; FP8 tensor "
+                f"cores need {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell)")
+    return None
+
+
+def check_fp8(device_type: str) -> None:
+    """A ConfigError (exit 2, before any process is spawned when the launcher calls it) if FP8 cannot run."""
+    why = fp8_unsupported(device_type)
+    if why is not None:
+        raise ConfigError("train.precision", f'"fp8": {why}', 'use train.precision="bf16" on this GPU')
+    try:
+        _import_float8()
+    except ImportError as e:
+        raise ConfigError("train.precision", f'"fp8" needs torchao, which does not import: {e}',
+                          "pip install torchao==0.18.0 (the version pyproject.toml pins)") from e
+
+
+def _import_float8():
+    """torchao.float8, imported quietly: on import torchao logs a warning for each optional compiled kernel
+    library its wheel carries for other CUDA builds ("Failed to load ..._C_cutlass_90a.abi3.so"), and
+    torch logs one for an Enum torchao registers; neither concerns float8 training, and a user should
+    not read them as errors. Only those two loggers, only during the import."""
+    import logging
+
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return float8
+
+
+def _convertible(module: nn.Module, fqn: str) -> bool:
+    if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] in KEEP_BF16:
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_float8(model: nn.Module, recipe: str, fsdp: bool, emulate: bool = False) -> list[str]:
+    """Convert the model's eligible linears in place; returns their names. `emulate` runs the FP8
+    arithmetic without FP8 hardware (torchao's emulation: for the CPU numerics tests only)."""
+    float8 = _import_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    updates = {"emulate": emulate}
+    if fsdp and recipe == "tensorwise":
+        # FSDP2 all-gathers the sharded weights already cast to FP8 (one scale per tensor is what makes
+        # a shard's cast agree with the whole weight's): half the bytes of a bf16 all-gather.
+        updates["enable_fsdp_float8_all_gather"] = True
+    config = dataclasses.replace(config, **updates)
+    converted = [fqn for fqn, module in model.named_modules() if _convertible(module, fqn)]
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=_convertible)
+    return converted
