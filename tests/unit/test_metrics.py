@@ -236,3 +236,38 @@ def test_read_metrics_keeps_last_record_per_step_and_skips_torn_line(tmp_path):
     out = tmp_path / "plots" / "curve.png"
     plot_loss_curve(path, out)
     assert out.stat().st_size > 1000
+
+
+def test_energy_meter_from_a_counter(monkeypatch, tmp_path):
+    """train/power.py: joules between logging steps from NVML's energy counter (a fake one here: no GPU),
+    as watts, J per trained token and a running kWh total, in metrics.jsonl; nothing without a reading."""
+    import json
+
+    import torch
+
+    from shardwise.config import load_config
+    from shardwise.train import power, step_log
+    from shardwise.train.trainer import Trainer
+
+    meter = power.EnergyMeter(iter([1000.0, 1600.0, 2800.0]).__next__)
+    first = meter.interval(tokens=300, seconds=2.0)
+    assert first == {"power_w": 300.0, "energy_j_per_token": 2.0, "energy_kwh": 600 / 3.6e6}
+    second = meter.interval(tokens=600, seconds=4.0)
+    assert second["energy_j_per_token"] == 2.0 and second["energy_kwh"] == 1800 / 3.6e6
+    assert power.EnergyMeter(None).interval(10, 1.0) == {} and not power.EnergyMeter(None).enabled
+    assert power.nvml_energy_reader(torch.device("cpu")) is None
+
+    counter = iter(range(0, 10**6, 50))  # 50 J per reading
+    monkeypatch.setattr(step_log, "nvml_energy_reader", lambda device: lambda: float(next(counter)))
+    cfg = load_config(None, ["--model.preset=tiny", "--model.vocab_size=512", "--data.tokenizer=byte",
+                             f"--data.path={tmp_path / 'corpus.txt'}", f"--data.cache_dir={tmp_path / 'cache'}",
+                             "--train.seq_len=16", "--train.global_batch=4", "--train.micro_batch=4", "--train.steps=4",
+                             "--train.log_every=2", f"--run.dir={tmp_path / 'run'}", "--run.progress=false",
+                             "--run.tensorboard=false", "--checkpoint.final=false", "--checkpoint.resume=false"])
+    (tmp_path / "corpus.txt").write_text("energy per token " * 200)
+    Trainer(cfg, log=None, single_process=True).train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:  # 50 J per logging interval of 2 steps x 64 tokens
+        assert r["energy_j_per_token"] == 50 / 128 and r["power_w"] > 0
+    assert records[-1]["energy_kwh"] == 100 / 3.6e6

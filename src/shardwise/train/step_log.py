@@ -25,6 +25,7 @@ from shardwise.train.health import StepGuard
 from shardwise.train.metrics import MetricsLogger, mfu, tokens_per_s_per_device
 from shardwise.train.peak_flops import device_peak_flops
 from shardwise.train.pipeline_chart import CHART_FILE, describe, write_timeline
+from shardwise.train.power import EnergyMeter, agreed, nvml_energy_reader
 
 
 @dataclass
@@ -49,12 +50,17 @@ class StepLog:
 
     def __init__(self, cfg: Config, dims: ParallelDims, *, run_dir: Path, rank: int, quiet: bool, start_step: int,
                  accumulation: int, num_params: int, flops_per_token: float, device: torch.device,
-                 guard: StepGuard, scaler: DynamicLossScaler, moe_layers: dict, moe_group: dist.ProcessGroup | None):
+                 guard: StepGuard, scaler: DynamicLossScaler, moe_layers: dict, moe_group: dist.ProcessGroup | None,
+                 energy_group: dist.ProcessGroup | None = None):
         t = cfg.train
         self.cfg, self.dims, self.run_dir, self.rank, self.quiet = cfg, dims, run_dir, rank, quiet
         self.flops_per_token, self.guard, self.scaler = flops_per_token, guard, scaler
         self.moe_layers, self.moe_group = moe_layers, moe_group
         self.device_type = device.type
+        # GPU energy (train/power.py): summed over ranks on logging steps, so every rank must have a reading.
+        self.energy = EnergyMeter(agreed(nvml_energy_reader(device), energy_group, device), device)
+        self.energy_group = energy_group
+        self.tokens_since_log, self.seconds_since_log = 0, 0.0
         # Graphs this run compiled: dynamo's counter is per process, and a process may train several runs.
         self.graphs_before = compiled_graphs() if compile_enabled(cfg, device.type) else 0
         self.last_timeline: dict | None = None  # the newest recorded pipeline step, written at the end
@@ -79,6 +85,8 @@ class StepLog:
         if r.comm_counted and not self.quiet and comm_bytes:
             self.metrics.print(f"communication per step on rank 0 (payload bytes): {describe_comm(comm_bytes)}")
         self.metrics.progress(step, r.loss, t.global_batch * t.seq_len / r.seconds)
+        self.tokens_since_log += t.global_batch * t.seq_len
+        self.seconds_since_log += r.seconds
         if r.skipped and not self.quiet:
             self.metrics.print(f"step {step}: loss {r.loss:g}, grad norm {r.grad_norm:g}: not finite, step skipped "
                                f"on every rank ({self.guard.in_a_row} in a row; the run stops at "
@@ -106,6 +114,9 @@ class StepLog:
                 self.metrics.print(f"step {step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
                                    f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
                                    f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
+        if self.energy.enabled:
+            record.update(self.energy.interval(self.tokens_since_log, self.seconds_since_log, self.energy_group))
+        self.tokens_since_log, self.seconds_since_log = 0, 0.0
         if compile_enabled(self.cfg, self.device_type):  # constant after the first steps: nothing recompiles
             record["compiled_graphs"] = compiled_graphs() - self.graphs_before
         if timeline is not None:

@@ -276,7 +276,8 @@ class Trainer:
         report = StepLog(self.cfg, self.dims, run_dir=self.run_dir, rank=self.rank, quiet=self.quiet,
                          start_step=self.step, accumulation=self.accumulation, num_params=self.num_params,
                          flops_per_token=self.flops_per_token, device=self.device, guard=self.guard,
-                         scaler=self.scaler, moe_layers=self.moe_layers, moe_group=self.world_group)
+                         scaler=self.scaler, moe_layers=self.moe_layers, moe_group=self.world_group,
+                         energy_group=self.world_group)
         losses: list[float] = []
         ckpt_every = self.cfg.checkpoint.every
         try:

@@ -1,0 +1,79 @@
+"""GPU energy per step: watts, joules per token and kWh, from NVML's energy counter (nvidia-ml-py).
+
+NVML's nvmlDeviceGetTotalEnergyConsumption is the board's energy in millijoules since the driver loaded
+(Volta and newer): the difference between two readings is what the GPU drew in between, with no
+sampling of instantaneous power and so no aliasing on short steps. Each rank reads its own GPU (found by
+UUID, so CUDA_VISIBLE_DEVICES and LOCAL_RANK mapping need no guessing); on logging steps the ranks sum
+their joules (one all-reduce of one number), so `energy_j_per_token` is the whole job's GPU energy per
+trained token and `energy_kwh` its running total; `power_w` is rank 0's own board, averaged over the
+interval. GPU boards only: CPU, memory, network and cooling
+are not in it. Without a GPU or without NVML the fields are simply absent (metrics.jsonl says nothing
+it did not measure).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+JOULES_PER_KWH = 3.6e6
+
+
+def nvml_energy_reader(device: torch.device) -> Callable[[], float] | None:
+    """A function returning this GPU's energy counter in joules, or None where there is none to read."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # not supported before Volta: NVMLError
+    except Exception:  # noqa: BLE001  (pynvml raises NVMLError subclasses; any of them means: no reading)
+        return None
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
+
+
+def agreed(reader: Callable[[], float] | None, group, device: torch.device) -> Callable[[], float] | None:
+    """The reader where every rank of `group` has one, else None everywhere: the ranks then agree
+    whether logging steps sum energy (a rank without a reading would leave the others waiting)."""
+    if group is None:
+        return reader
+    import torch.distributed as dist
+
+    have = torch.tensor([1 if reader is not None else 0], dtype=torch.int32, device=device)  # NCCL: on the GPU
+    dist.all_reduce(have, op=dist.ReduceOp.MIN, group=group)
+    return reader if int(have) == 1 else None
+
+
+class EnergyMeter:
+    """interval(tokens, seconds, group) on logging steps: the job's GPU energy since the previous call."""
+
+    def __init__(self, read_joules: Callable[[], float] | None, device: torch.device = torch.device("cpu")):
+        self.read, self.device = read_joules, device
+        self.last = read_joules() if read_joules is not None else 0.0
+        self.total_joules = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.read is not None
+
+    def interval(self, tokens: int, seconds: float, group=None) -> dict[str, float]:
+        """`tokens`: tokens the whole job trained since the previous call; `seconds`: the time it took."""
+        if self.read is None:
+            return {}
+        now = self.read()
+        joules = torch.tensor([now - self.last], dtype=torch.float64, device=self.device)
+        self.last = now
+        mine = float(joules)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(joules, group=group)
+        self.total_joules += float(joules)
+        return {"power_w": mine / seconds if seconds > 0 else 0.0,
+                "energy_j_per_token": float(joules) / max(1, tokens),
+                "energy_kwh": self.total_joules / JOULES_PER_KWH}
