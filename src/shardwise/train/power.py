@@ -52,8 +52,8 @@ def agreed(reader: Callable[[], float] | None, group, device: torch.device) -> C
 class EnergyMeter:
     """interval(tokens, seconds, group) on logging steps: the job's GPU energy since the previous call."""
 
-    def __init__(self, read_joules: Callable[[], float] | None, device: torch.device = torch.device("cpu")):
-        self.read, self.device = read_joules, device
+    def __init__(self, read_joules: Callable[[], float] | None, device: torch.device | None = None):
+        self.read, self.device = read_joules, device if device is not None else torch.device("cpu")
         self.last = read_joules() if read_joules is not None else 0.0
         self.total_joules = 0.0
 
