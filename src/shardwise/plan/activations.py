@@ -33,7 +33,7 @@ from functools import lru_cache
 
 from shardwise.spec.shapes import ModelShape
 
-REGIMES = ("fp32", "autocast", "lowp")
+REGIMES = ("fp32", "autocast", "autocast_fp8", "lowp")
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,14 @@ class BlockActivations:
 
 
 def regime(precision: str, fsdp: bool, model_states: str) -> str:
+    """fp32, autocast (fp32 parameters, 16-bit compute), autocast_fp8 (the same with torchao's float8
+    linears in the blocks: parallel/float8.py) or lowp (16-bit parameters; FP8's linears then save the
+    same 16-bit inputs a plain linear does, so lowp covers both)."""
     if precision == "fp32":
         return "fp32"
-    return "lowp" if fsdp or model_states == "mixed" else "autocast"
+    if fsdp or model_states == "mixed":
+        return "lowp"
+    return "autocast_fp8" if precision == "fp8" else "autocast"
 
 
 def _norm(shape: ModelShape, reg: str, res_div: float, consumers: int) -> float:
@@ -65,8 +70,10 @@ def _norm(shape: ModelShape, reg: str, res_div: float, consumers: int) -> float:
             return (4 * h + 4 + 4 * h) / res_div + 4 * h
         if reg == "autocast":
             return (4 * h + 4 + 4 * h) / res_div + consumers * 2 * h
+        if reg == "autocast_fp8":  # a Float8Linear saves the input it is given: y in fp32, one storage
+            return (4 * h + 4 + 4 * h) / res_div + 4 * h
         return (4 * h + 4 + 2 * h) / res_div + 2 * h
-    if reg == "fp32":
+    if reg in ("fp32", "autocast_fp8"):
         return (4 * h + 8) / res_div + 4 * h
     # LayerNorm is on autocast's fp32 list: under lowp its 16-bit input is upcast (a saved copy).
     return (4 * h + 8) / res_div + consumers * 2 * h
@@ -101,7 +108,9 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     fixed = 0.0
     if reg == "autocast":
         # One 16-bit copy of every (local) linear weight per micro-batch (models.common.Attention /
-        # SwiGLU / GELUMLP under torch.autocast).
+        # SwiGLU / GELUMLP under torch.autocast). Float8Linears (autocast_fp8) keep none: they save the
+        # fp32 parameter itself and cast again in backward (all of a block's linears, whose dims are
+        # multiples of 16 in every preset).
         fixed = 2 * _local_block_matmul(shape, tp, moe_layer)
     elif reg == "lowp" and shape.arch == "gpt":
         fixed = 2 * 2 * 4 * h  # two LayerNorms' fp32 casts of their 16-bit weight and bias
@@ -164,7 +173,7 @@ def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, chunked_loss: boo
     else:
         per_token = _norm(shape, reg, tp if sp else 1, 1) + 4 * shape.vocab_size / tp + 8
         fixed = 4.0  # the loss's total_weight scalar
-    if reg == "autocast":
+    if reg in ("autocast", "autocast_fp8"):  # the head is a plain linear under FP8 too
         fixed += 2 * shape.vocab_size * shape.dim / tp
     return BlockActivations(per_token, fixed)
 
@@ -242,7 +251,7 @@ def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_
     f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.load_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
     if shape.arch == "llama":
         norm = (20 * h + 2 * r * h + (12 * h if reg == "lowp" else 0)) / res_div
-        casts = 5 * 6 * h if reg == "autocast" else 0.0  # q, k, v inputs; w1, w3 inputs
+        casts = 5 * 6 * h if reg in ("autocast", "autocast_fp8") else 0.0  # q, k, v inputs; w1, w3 inputs
         rope = 10 * 4 * (h / tp + kv)
         mlp = 5 * a * f / tp
     else:

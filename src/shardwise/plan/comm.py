@@ -210,11 +210,21 @@ def _fsdp_collectives(problem: Problem, lay: Layout, rank: RankModel, m: int) ->
         root_gathers = 1
     else:
         block_gathers, syncs, root_gathers = m, (m if lay.zero == 3 else 1), m
+    block_bytes = blk_pad / n_blocks * param_bytes
+    fp8_tensors = 0
+    if problem.fp8_gathers(lay):
+        # FP8 all-gather (parallel/float8.py, tensorwise): the converted weights travel as 1 byte per
+        # element; each needs its amax all-reduced first (4 bytes per weight tensor and gather).
+        numel, fp8_tensors = shape.fp8_linears(bool(rank.moe_layers) and not rank.dense_layers)
+        block_bytes -= numel * (param_bytes - 1)
     out.append(Collective(sax, "all_gather", root_pad * param_bytes, root_gathers, "fwd", "root"))
-    out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, block_gathers * n_blocks, "fwd", "block"))
+    out.append(Collective(sax, "all_gather", block_bytes, block_gathers * n_blocks, "fwd", "block"))
     bwd_gathers = (1 if lay.pp > 1 else m) if lay.zero == 3 else 0
     if bwd_gathers:
-        out.append(Collective(sax, "all_gather", blk_pad / n_blocks * param_bytes, bwd_gathers * n_blocks, "bwd", "block"))
+        out.append(Collective(sax, "all_gather", block_bytes, bwd_gathers * n_blocks, "bwd", "block"))
+    if fp8_tensors:
+        out.append(Collective(sax, "all_reduce", 4.0, fp8_tensors * n_blocks * (block_gathers + bwd_gathers), "fwd",
+                              "fp8_amax"))
     out.append(Collective(sax, "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
     out.append(Collective(sax, "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
     if lay.dp_replicate > 1:

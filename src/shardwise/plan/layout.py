@@ -76,6 +76,7 @@ class Problem:
     precision: str
     model_states: str
     assume_mfu: float = 0.0
+    fp8_recipe: str = "tensorwise"  # train.fp8_recipe, read when precision is "fp8"
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Problem":
@@ -104,7 +105,11 @@ class Problem:
             world = pa.dp_replicate * max(1, pa.dp_shard) * pa.cp * pa.tp * pa.pp
             cluster_cfg = replace(cluster_cfg, num_gpus=world, gpus_per_node=min(cluster_cfg.gpus_per_node, world))
         return cls(shape, Cluster.from_config(cluster_cfg), t.seq_len, t.global_batch, tokens, t.precision, states,
-                   cfg.cluster.assume_mfu)
+                   cfg.cluster.assume_mfu, t.fp8_recipe)
+
+    def fp8_gathers(self, lay: Layout) -> bool:
+        """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""
+        return self.precision == "fp8" and self.fp8_recipe == "tensorwise" and lay.fsdp
 
     @property
     def compute_precision(self) -> str:

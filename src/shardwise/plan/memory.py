@@ -217,7 +217,7 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
            core.recompute_every, core.lowp_params)
     tokens = core.micro_batch * problem.seq_len / core.cp
     # The loss switches to its chunked form above a micro-batch size (spec/loss.py): affine on each side.
-    key += (loss_is_chunked(tokens, problem.shape.vocab_size, core.tp),)
+    key += (loss_is_chunked(tokens, problem.shape.vocab_size, core.tp), problem.fp8_gathers(core))
     (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
@@ -230,7 +230,7 @@ def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tu
 
 def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float, float]:
     shape = problem.shape
-    tp, sp, cp, cp_mode, recompute, policy, every, lowp_params, chunked_loss = key
+    tp, sp, cp, cp_mode, recompute, policy, every, lowp_params, chunked_loss, fp8_gathers = key
     reg = A.regime(problem.precision, lowp_params, problem.model_states)
     # Context parallelism changes what a plain block saves (activations.py cp_block_bytes_per_token,
     # cp_rope_bytes_per_block): the core's output copy, ring's fp32 output, Ulysses' repeated KV
@@ -240,7 +240,11 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
 
     def none_block(moe: bool) -> float:
         b = A.block_bytes(shape, reg, tp, sp, moe)
-        return (b.per_token + cp_per_token) * tokens + b.fixed + cp_fixed
+        # FP8 weights all-gathered by FSDP2 (tensorwise): a Float8Linear keeps the gathered FP8 weight and
+        # its transposed copy for backward, 2 bytes per converted element (measured with saved-tensor hooks;
+        # not modelled under recomputation, which no FP8 validation row covers yet).
+        fp8_weights = 2.0 * shape.fp8_linears(moe)[0] if fp8_gathers else 0.0
+        return (b.per_token + cp_per_token) * tokens + b.fixed + cp_fixed + fp8_weights
 
     def stored(mode: str, moe: bool) -> float:
         if mode == "full":

@@ -269,6 +269,13 @@ class ModelShape:
     def head_numel(self) -> int:
         return self.count(self.head_params())
 
+    def fp8_linears(self, moe: bool) -> tuple[int, int]:
+        """(weight elements, tensors) of one block's linears that FP8 converts (parallel/float8.py): every
+        2-D weight but the router and the stacked experts (which are not nn.Linear)."""
+        specs = [sp for sp in self.block_params(moe) if len(sp.shape) == 2 and sp.tp != "expert"
+                 and not sp.name.endswith("router.weight")]
+        return sum(sp.numel for sp in specs), len(specs)
+
     def block_matmul_numel(self, moe: bool, active: bool) -> int:
         """GEMM weights of one block; `active`: only the top_k experts a token visits (+ the router)."""
         return _block_matmul(self, moe, active)
