@@ -199,7 +199,8 @@ def test_predict_comm_bytes_hsdp_and_model_parallel_axes():
 
 def test_fp8_prices_the_blocks_gemms_at_the_fp8_peak():
     """train.precision="fp8": the blocks' linears at the FP8 peak with 1-byte operands, plus the casts'
-    bytes; attention, head and loss as bf16; memory as bf16; MFU against the bf16 peak. On the 886M
+    bytes; attention, head and loss as bf16; the same model states, fewer activations (no 16-bit weight
+    copies: tests/dist/test_plan_validation.py checks them on CPU); MFU against the bf16 peak. On the 886M
     model of the H100 runs it is faster than bf16 but far from the 2x of the peaks (attention, norms,
     the casts and the optimizer do not speed up). A GPU without FP8 (A100) is refused by its table."""
     model = ["--model.preset=small", "--model.dim=2048", "--model.n_layers=16", "--model.n_heads=16",
@@ -212,7 +213,8 @@ def test_fp8_prices_the_blocks_gemms_at_the_fp8_peak():
         est[precision] = evaluate(Problem.from_config(cfg), Layout.from_config(cfg, 1))
     speedup = est["bf16"].step_time_s / est["fp8"].step_time_s
     assert 1.0 < speedup < 1.5, speedup
-    assert est["fp8"].memory.total == est["bf16"].memory.total
+    a, b = est["fp8"].memory, est["bf16"].memory
+    assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer) and a.activations < b.activations
     assert est["fp8"].mfu == pytest.approx(est["bf16"].mfu * speedup)
     from shardwise.errors import ConfigError
 
