@@ -12,9 +12,11 @@ MFU = tokens/s x (6N + 12 L s h) / the datasheet peak of the device found (train
 on CPU a measured matmul peak).
 
     python benchmarks/gpu_throughput.py [--device auto|cuda|cpu] [--size 886m|tiny] [--steps 20] [--warmup 5]
-        [--micro-batch 8] [--seq-len 2048] [--precision bf16] [--compile-backend inductor]
+        [--micro-batch 8] [--seq-len 2048] [--precision bf16|fp8] [--compile-backend inductor]
         [--variants shardwise,shardwise+compile,plain,plain+compile] [--out F] [--smoke] [--model.k=v ...]
 
+--precision fp8: the shardwise variants train with FP8 linears (parallel/float8.py) and the plain loop
+stays bf16, so "vs plain" is FP8's speed-up over a bf16 loop; MFU still counts against the bf16 peak.
 Default size on CUDA: the LLaMA of the issue (886M parameters: dim 2048, 16 layers, 16/8 heads, ffn
 5632, vocab 32000, seq 2048, micro-batch 8, bf16). Without a GPU and without `--device cpu` it says so
 and exits 0. On CPU (`--device cpu`): the tiny preset widened to dim 128 x 4 layers, seq 128, batch 8,
@@ -50,6 +52,7 @@ from overhead import write_corpus  # noqa: E402  (the same fixed stdlib corpus)
 from shardwise.config import Config, build_config, parse_overrides  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models import build_model  # noqa: E402
+from shardwise.spec.layout import compute_precision  # noqa: E402
 from shardwise.train.data import TokenBatches, split_inputs_targets  # noqa: E402
 from shardwise.train.peak_flops import device_peak_flops  # noqa: E402
 from shardwise.train.trainer import Trainer  # noqa: E402
@@ -79,7 +82,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--precision", default=None, choices=["fp32", "bf16"])
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp8"],
+                   help="fp8: the shardwise variants train with FP8 linears; the plain loop stays bf16 (the baseline)")
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -133,7 +137,8 @@ class PlainLoop:
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                             {"params": rest, "weight_decay": 0.0}],
                                            lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, **fused)
-        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if t.precision == "bf16" \
+        # The plain loop has no FP8: under --precision fp8 it is the bf16 baseline FP8 is measured against.
+        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if t.precision in ("bf16", "fp8") \
             else contextlib.nullcontext
         self.max_norm = t.grad_clip
 
@@ -221,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {variant:18s} {r['tokens_per_s']:>12,.0f} tok/s  step {1e3 * r['step_s']:8.1f} ms  "
                       f"first loss {r['first_loss']:.5f}  (warm-up incl. compile {r['warmup_s']:.1f} s)", flush=True)
     precision = args.precision or size["precision"]
-    peak_flops, peak_label = device_peak_flops(device.type, precision, name if device.type == "cuda" else None)
+    # MFU against the compute dtype's peak: FP8 counts against bf16's, as the trainer does (spec/layout.py).
+    peak_flops, peak_label = device_peak_flops(device.type, compute_precision(precision),
+                                               name if device.type == "cuda" else None)
     rows = []
     for variant, runs in results.items():
         tps = statistics.mean(r["tokens_per_s"] for r in runs)
