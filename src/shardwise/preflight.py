@@ -69,7 +69,7 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     layout = Layout.from_config(cfg, world_size)
     shape = ModelShape.from_config(cfg.model)
     raise_first(rules.layout_rules(shape, layout, cfg.train.seq_len, cfg.train.global_batch),
-                rules.pipeline_split_rules(p, cfg.model.n_layers), [rules.fp8_rule(cfg.train.precision, dims.tp)])
+                rules.pipeline_split_rules(p, cfg.model.n_layers))
     return dims
 
 

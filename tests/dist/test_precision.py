@@ -45,6 +45,10 @@ CASES = {
     "fp8_zero3_dp2": (2, {"train.precision": "fp8", "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4}),
     "fp8_ddp2": (2, {"train.precision": "fp8", "parallel.dp_replicate": 2, "train.micro_batch": 4}),
     "fp8_pp2": (2, {"train.precision": "fp8", "parallel.pp": 2, "train.micro_batch": 4}),
+    # TP splits the Float8Linears; tensorwise scales are the whole DTensor's amax (parallel/float8.py)
+    "fp8_tp2": (2, {"train.precision": "fp8", "parallel.tp": 2}),
+    "fp8_zero3_dp2_tp2": (4, {"train.precision": "fp8", "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
+                              "train.micro_batch": 4}),
 }
 
 
@@ -117,14 +121,16 @@ def test_bf16_context_parallel_tracks_bf16_single(results, name):
     assert results[name]["master_fp32"], "master weights must stay fp32"
 
 
-@pytest.mark.parametrize("name", ["fp8_zero3_dp2", "fp8_ddp2", "fp8_pp2"])
+@pytest.mark.parametrize("name", ["fp8_zero3_dp2", "fp8_ddp2", "fp8_pp2", "fp8_tp2", "fp8_zero3_dp2_tp2"])
 def test_fp8_layouts_track_fp8_single(results, name):
-    """FP8 under data and pipeline parallelism against one process with the same micro-batches
-    (fp8_accum2_single: 2 micro-batches of 4). Dynamic scaling takes each tensor's amax per micro-batch,
+    """FP8 under data, pipeline and tensor parallelism against one process with the same micro-batches
+    (fp8_accum2_single: 2 micro-batches of 4; fp8_single, one of 8, for tp2). Dynamic scaling takes each tensor's amax per micro-batch,
     so equal micro-batches get equal scales and equal FP8 roundings; what remains is the layouts' fp32
     and bf16 summation order, as in test_bf16_layouts_agree, amplified where a different sum moves an
     amax and with it a whole tensor's rounding: bound 3e-3."""
-    ref, got = results["fp8_accum2_single"]["losses"], results[name]["losses"]
+    ref = results["fp8_single" if name == "fp8_tp2" else "fp8_accum2_single"]["losses"]  # tp2: micro-batch 8
+    got = results[name]["losses"]
     worst = max(abs(a - b) / b for a, b in zip(got, ref))
-    print(f"{name}: max relative |dloss| vs fp8_accum2_single over {STEPS} steps {worst:.2e}")
-    assert worst < 3e-3, f"{name}: max relative |dloss| vs fp8_accum2_single {worst:.2e}"
+    which = "fp8_single" if name == "fp8_tp2" else "fp8_accum2_single"
+    print(f"{name}: max relative |dloss| vs {which} over {STEPS} steps {worst:.2e}")
+    assert worst < 3e-3, f"{name}: max relative |dloss| vs {which} {worst:.2e}"

@@ -18,8 +18,12 @@ On CPU the same conversion runs with torchao's emulation (fp8_unsupported), so F
 numerics are tested, without a GPU (tests/unit/test_float8.py; tests/parity).
 
 Order (parallelize.py): first, on the plain model, before every other step sees its modules.
-Tensor parallelism is not combined yet (torchao's float8 TP styles would have to replace ours, which
-do more than column/row splits: parallel/tensor.py); EP's stacked experts are not nn.Linear and stay bf16.
+Tensor parallelism: the Float8Linears are split by our TP styles (parallel/tensor.py) like plain
+linears, and tensorwise scales are the amax of the whole DTensor, so every tp rank casts with the same
+scale a single process would (tests/dist/test_precision.py: fp8 tp2 tracks fp8 on one process). The SP
+all-gathers stay bf16: torchao's float8 TP styles, which gather in FP8, would have to replace ours,
+which do more than column / row splits. Where KV heads are replicated (n_kv_heads < tp), wk / wv take
+our own forward (ReplicatedKVColwise) and run in bf16. EP's stacked experts are not nn.Linear: bf16.
 """
 from __future__ import annotations
 

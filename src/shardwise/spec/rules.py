@@ -275,15 +275,6 @@ def split_backward_rule(schedule: str, zero: int, recompute: str, recompute_poli
     return None
 
 
-def fp8_rule(precision: str, tp: int) -> Violation | None:
-    """FP8 with TP: torchao's float8 linears under our TP styles are not wired yet (parallel/float8.py)."""
-    if precision == "fp8" and tp > 1:
-        return Violation("fp8", "train.precision", f'"fp8" is not combined with tensor parallelism yet (tp={tp})',
-                         'use train.precision="bf16" with TP, or FP8 with data / pipeline / context parallelism',
-                         trainer_only=True)
-    return None
-
-
 def pipeline_split_rules(p: Any, n_layers: int) -> Rules:
     """How the trainer is told to cut the blocks (parallel.pp_layers_per_stage, pp_split,
     pp_stage_speeds: spec/stages.py layers_per_stage). The planner cuts evenly."""
