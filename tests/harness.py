@@ -101,3 +101,11 @@ def processes_mentioning(text: str) -> list[int]:
         except OSError:  # gone meanwhile
             pass
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

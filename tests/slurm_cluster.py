@@ -17,18 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.harness import alive, free_port
+
 # Seconds for the daemons to come up and the node to register as idle (about 3 s on the 2-core CI machine).
 START_TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm_conf(root: Path, host: str, cpus: int, munge_socket: Path) -> str:
-    ctld, slurmd = _free_port(), _free_port()
+    ctld, slurmd = free_port(), free_port()
     return "\n".join([
         "ClusterName=shardwise-test",
         f"SlurmctldHost={host}(127.0.0.1)",
@@ -75,20 +71,10 @@ class LocalSlurm:
                 pass
         deadline = time.monotonic() + 30
         for pid in pids:
-            while time.monotonic() < deadline and _alive(pid):
+            while time.monotonic() < deadline and alive(pid):
                 time.sleep(0.1)
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie of ours (not reaped yet) counts as gone: daemons fork away, so this is rare.
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.is_file() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
 def start(root: Path, commands: dict[str, str]) -> LocalSlurm:

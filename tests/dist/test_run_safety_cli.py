@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import processes_mentioning
+from tests.harness import alive, processes_mentioning
 
 ZERO3 = ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2"]
 
@@ -87,12 +87,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -184,9 +178,9 @@ def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, t
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 5
-    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(w) for w in workers), "workers outlived their launcher"
+    assert not any(alive(w) for w in workers), "workers outlived their launcher"
     again = _train(common, run, "--train.steps=2")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "took over the lock" in again.stdout + again.stderr
@@ -219,7 +213,7 @@ def test_a_stopped_rank_is_diagnosed_and_the_job_ends(common, tmp_path):
         err = _finish(proc, timeout_s + 60)
     finally:
         for w in workers:
-            if _alive(w):
+            if alive(w):
                 os.kill(w, signal.SIGKILL)
     elapsed = time.monotonic() - start
     assert proc.returncode == 5, err[-3000:]
@@ -232,7 +226,7 @@ def test_a_stopped_rank_is_diagnosed_and_the_job_ends(common, tmp_path):
     assert re.search(r"longer than run\.collective_timeout_s in \w+ on (dp_shard|control) ", lines[0]), lines
     dump = (run / "stall" / "rank_0.txt").read_text()
     assert "where it waited:" in dump and "torch flight recorder" in dump and "#" in dump
-    assert not any(_alive(w) for w in workers), "a process was left behind"
+    assert not any(alive(w) for w in workers), "a process was left behind"
 
 
 def test_bad_directories_are_refused_before_spawning(common, tmp_path, read_only_dir):
@@ -321,7 +315,7 @@ def test_loader_workers_outlast_stop_signals(common, tmp_path):
         for w in workers:
             os.kill(w, sig)
     _wait_for_step(run, max(_steps(run)) + 10, proc)  # still training, on the same workers
-    assert all(_alive(w) for w in workers) and proc.poll() is None
+    assert all(alive(w) for w in workers) and proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     err = _finish(proc)
     assert proc.returncode == 143 and len(_errors(err)) == 1, err[-3000:]
