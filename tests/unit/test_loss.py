@@ -30,7 +30,7 @@ def test_chunked_equals_plain_cross_entropy(dtype):
     a, targets = _inputs(dtype)
     b = a.detach().clone().requires_grad_()
     plain = F.cross_entropy(a.float(), targets, reduction="sum")
-    chunked = token_cross_entropy_sum(b, targets, chunk_bytes)
+    chunked = token_cross_entropy_sum(b, targets, chunk_bytes=chunk_bytes)
     assert chunked.dtype == torch.float32
     assert abs(chunked.item() - plain.item()) <= 1e-6 * abs(plain.item())
     (plain * 0.5).backward()
@@ -52,6 +52,6 @@ def test_chunked_keeps_no_fp32_copy_of_bf16_logits():
     with ActivationMeter(exclude=[logits]) as plain:
         F.cross_entropy(logits.float(), targets, reduction="sum")
     with ActivationMeter() as chunked:
-        token_cross_entropy_sum(logits, targets, 64 * 4 * VOCAB)
+        token_cross_entropy_sum(logits, targets, chunk_bytes=64 * 4 * VOCAB)
     assert plain.bytes >= tokens * VOCAB * 4
     assert chunked.bytes <= tokens * VOCAB * 2 + tokens * (4 + 8)  # logits + lse + int64 targets

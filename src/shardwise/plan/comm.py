@@ -215,7 +215,10 @@ def _fsdp_collectives(problem: Problem, lay: Layout, rank: RankModel, m: int) ->
     if problem.fp8_gathers(lay):
         # FP8 all-gather (parallel/float8.py, tensorwise): the converted weights travel as 1 byte per
         # element; each needs its amax all-reduced first (4 bytes per weight tensor and gather).
-        numel, fp8_tensors = shape.fp8_linears(bool(rank.moe_layers) and not rank.dense_layers)
+        # Per block, as blk_pad: the rank's dense and MoE blocks convert different linears.
+        dense, moe = shape.fp8_linears(False), shape.fp8_linears(True) if rank.moe_layers else (0, 0)
+        numel = (rank.dense_layers * dense[0] + rank.moe_layers * moe[0]) / n_blocks
+        fp8_tensors = rank.dense_layers * dense[1] + rank.moe_layers * moe[1]
         block_bytes -= numel * (param_bytes - 1)
     out.append(Collective(sax, "all_gather", root_pad * param_bytes, root_gathers, "fwd", "root"))
     out.append(Collective(sax, "all_gather", block_bytes, block_gathers * n_blocks, "fwd", "block"))
@@ -223,8 +226,7 @@ def _fsdp_collectives(problem: Problem, lay: Layout, rank: RankModel, m: int) ->
     if bwd_gathers:
         out.append(Collective(sax, "all_gather", block_bytes, bwd_gathers * n_blocks, "bwd", "block"))
     if fp8_tensors:
-        out.append(Collective(sax, "all_reduce", 4.0, fp8_tensors * n_blocks * (block_gathers + bwd_gathers), "fwd",
-                              "fp8_amax"))
+        out.append(Collective(sax, "all_reduce", 4.0, fp8_tensors * (block_gathers + bwd_gathers), "fwd", "fp8_amax"))
     out.append(Collective(sax, "reduce_scatter", blk_pad / n_blocks * grad_bytes, syncs * n_blocks, "grad", "block"))
     out.append(Collective(sax, "reduce_scatter", root_pad * grad_bytes, syncs, "grad", "root"))
     if lay.dp_replicate > 1:

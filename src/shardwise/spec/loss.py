@@ -13,6 +13,6 @@ def loss_chunk_tokens(vocab: int, chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
-def loss_is_chunked(tokens: float, vocab: int, tp: int) -> bool:
+def loss_is_chunked(tokens: float, vocab: int, tp: int, chunk_bytes: int = LOSS_CHUNK_BYTES) -> bool:
     """Whether a rank's micro-batch of `tokens` tokens takes the chunked loss."""
-    return tp == 1 and tokens > loss_chunk_tokens(vocab)
+    return tp == 1 and tokens > loss_chunk_tokens(vocab, chunk_bytes)

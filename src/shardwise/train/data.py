@@ -405,6 +405,13 @@ def split_inputs_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
+def split_micro_batches(rows: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
+    """A rank's rows of a step, cut into micro-batches in order."""
+    if micro_batch < 1 or len(rows) % micro_batch:
+        raise ValueError(f"local batch {len(rows)} is not divisible by micro_batch {micro_batch}")
+    return list(rows.split(micro_batch))
+
+
 @dataclass(frozen=True)
 class _MappedTokens:
     path: str  # a .npy token file, mapped read-only
@@ -489,10 +496,7 @@ class TokenBatches:
 
     def local_micro_batches(self, step: int, batch_rank: int, batch_size: int, micro_batch: int) -> list[torch.Tensor]:
         """This batch rank's contiguous share of the global batch, cut into micro-batches in order."""
-        rows = self.local_rows(step, batch_rank, batch_size)
-        if micro_batch < 1 or len(rows) % micro_batch:
-            raise ValueError(f"local batch {len(rows)} is not divisible by micro_batch {micro_batch}")
-        return list(rows.split(micro_batch))
+        return split_micro_batches(self.local_rows(step, batch_rank, batch_size), micro_batch)
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,

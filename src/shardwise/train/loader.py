@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shardwise.train.data import TokenBatches
+from shardwise.train.data import TokenBatches, split_micro_batches
 from shardwise.train.signals import STOP_SIGNALS, exit_with_parent
 
 # Batches each worker keeps ready (DataLoader's prefetch_factor): two steps per worker hides a slow read
@@ -71,9 +71,7 @@ class BatchPrefetcher:
             self._start(step)
         rows = next(self._iterator)
         self._next_step += 1
-        if len(rows) % self.micro_batch:
-            raise ValueError(f"local batch {len(rows)} is not divisible by micro_batch {self.micro_batch}")
-        return list(rows.split(self.micro_batch))
+        return split_micro_batches(rows, self.micro_batch)
 
     def _start(self, step: int) -> None:
         self.close()

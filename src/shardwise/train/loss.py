@@ -18,17 +18,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardwise.spec.loss import LOSS_CHUNK_BYTES, loss_chunk_tokens
+from shardwise.spec.loss import LOSS_CHUNK_BYTES, loss_chunk_tokens, loss_is_chunked
 
 
-def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, chunk_bytes: int = LOSS_CHUNK_BYTES) -> torch.Tensor:
+def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tp: int = 1,
+                            chunk_bytes: int = LOSS_CHUNK_BYTES) -> torch.Tensor:
     """Sum over tokens of -log softmax(logits)[target], in fp32. logits (..., V), targets (...).
-    Chunked when the fp32 logits exceed chunk_bytes (spec/loss.py, which the planner reads too)."""
+    Chunked where spec/loss.py loss_is_chunked says (the planner's rule): never for TP's vocab-sharded
+    DTensor logits, whose cross-entropy loss_parallel computes (the trainer's _loss_context)."""
     flat, flat_targets = logits.flatten(0, -2), targets.flatten()
-    chunk = loss_chunk_tokens(flat.shape[-1], chunk_bytes)
-    if flat.shape[0] <= chunk:
+    vocab = flat.shape[-1]
+    if not loss_is_chunked(flat.shape[0], vocab, tp, chunk_bytes):
         return F.cross_entropy(flat.float(), flat_targets, reduction="sum")
-    return _ChunkedCrossEntropy.apply(flat, flat_targets, chunk)
+    return _ChunkedCrossEntropy.apply(flat, flat_targets, loss_chunk_tokens(vocab, chunk_bytes))
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

@@ -62,7 +62,8 @@ class StepLog:
         self.energy_group = energy_group
         self.tokens_since_log, self.seconds_since_log = 0, 0.0
         # Graphs this run compiled: dynamo's counter is per process, and a process may train several runs.
-        self.graphs_before = compiled_graphs() if compile_enabled(cfg, device.type) else 0
+        self.compiled = compile_enabled(cfg, device.type)
+        self.graphs_before = compiled_graphs() if self.compiled else 0
         self.last_timeline: dict | None = None  # the newest recorded pipeline step, written at the end
         writer = rank == 0
         if writer:
@@ -117,7 +118,7 @@ class StepLog:
         if self.energy.enabled:
             record.update(self.energy.interval(self.tokens_since_log, self.seconds_since_log, self.energy_group))
         self.tokens_since_log, self.seconds_since_log = 0, 0.0
-        if compile_enabled(self.cfg, self.device_type):  # constant after the first steps: nothing recompiles
+        if self.compiled:  # constant after the first steps: nothing recompiles
             record["compiled_graphs"] = compiled_graphs() - self.graphs_before
         if timeline is not None:
             record["pp_bubble_measured"] = timeline["bubble_measured"]

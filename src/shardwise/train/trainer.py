@@ -18,7 +18,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.config import Config
@@ -169,9 +168,7 @@ class Trainer:
     def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
         makes it the token mean over the global batch, identical to the reference."""
-        if self.dims.tp > 1:  # vocab-sharded DTensor logits: loss_parallel's cross-entropy (_loss_context)
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), reduction="sum") / self.tokens_per_rank_step
-        return token_cross_entropy_sum(logits, targets) / self.tokens_per_rank_step
+        return token_cross_entropy_sum(logits, targets, self.dims.tp) / self.tokens_per_rank_step
 
     def train_step(self, measure_memory: bool = False) -> StepResult:
         """One optimizer step; `measure_memory` records bytes by category while gradients exist.
