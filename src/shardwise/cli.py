@@ -28,6 +28,8 @@ commands:
            predict memory, step time, MFU and days of a layout on [cluster] (no GPU needed), or search for the best
   pipeline-chart RUN_DIR [--out chart.png] [--text]
            draw the measured pipeline schedule of a PP run (per-stage Gantt chart) with its bubble
+  export   --run-dir R [--step N] --hf OUT [--dtype float32|bfloat16]
+           write a checkpoint as a Hugging Face Llama directory (transformers loads it); the tokenizer too
   checkpoint verify DIR
            check every checkpoint in a run directory (or checkpoints/, or one step_N) against its
            manifest, without loading it; exit 1 if one is damaged
@@ -151,6 +153,21 @@ def _checkpoint(argv: list[str]) -> int:
         damaged += status == "DAMAGED"
     print(f"{len(results)} checked, {damaged} damaged")
     return 1 if damaged else 0
+
+
+def _export(argv: list[str]) -> int:
+    """`shardwise export --run-dir R [--step N] --hf OUT`: a checkpoint as a Hugging Face directory."""
+    from shardwise.train.export import export_hf
+
+    parser = argparse.ArgumentParser(prog="shardwise export")
+    parser.add_argument("--run-dir", required=True, help="the run.dir of a training run (or its checkpoints/ directory)")
+    parser.add_argument("--step", type=int, default=None, help="export this step's checkpoint (default: the newest intact one)")
+    parser.add_argument("--hf", required=True, metavar="OUT", help="new directory for config.json, *.safetensors, tokenizer")
+    parser.add_argument("--dtype", default="float32", help="float32 (the trained weights, exact), bfloat16 or float16")
+    parser.add_argument("--max-shard-size", type=float, default=5.0, metavar="GIB", help="split the weights into files of at most this")
+    args = parser.parse_args(argv)
+    export_hf(Path(args.run_dir), Path(args.hf), args.step, args.dtype, int(args.max_shard_size * 2**30))
+    return 0
 
 
 def _config(argv: list[str]) -> int:
@@ -323,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     commands = {"train": _train, "config": _config, "plan": _plan, "pipeline-chart": _pipeline_chart,
-                "checkpoint": _checkpoint}
+                "checkpoint": _checkpoint, "export": _export}
     from shardwise.parity import parity_main
 
     commands["parity"] = parity_main

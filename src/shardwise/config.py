@@ -65,6 +65,9 @@ class ModelConfig:
     rope_theta: float | None = opt(None, "RoPE base frequency, llama only (unset: the preset's, e.g. 500000 for llama3-*, else 10000).")
     moe: MoEConfig = field(default_factory=MoEConfig,
                            metadata={"doc": "Mixture of experts ([model.moe]); the preset's values fill unset keys."})
+    init_from: str = opt("", '"hf:DIR": start from the weights of a Hugging Face Llama checkpoint (DIR holds config.json '
+                             "and *.safetensors, sharded or not); the shape comes from its config.json (the preset is "
+                             "ignored) and each rank reads only its slices. Empty: random init from train.seed.")
 
 
 @dataclass
@@ -347,6 +350,13 @@ def build_config(toml: dict[str, Any] | None = None, overrides: list[tuple[str, 
     for key, value in overrides or []:
         _set(cfg, key, value, from_cli=True)
     resolve_model(cfg.model)
+    if cfg.model.init_from and cfg.data.tokenizer == "bpe":
+        # A pretrained model comes with its tokenizer: training a new BPE would scramble its embeddings.
+        from shardwise.spec.hf import hf_directory
+
+        tokenizer = hf_directory(cfg.model.init_from) / "tokenizer.json"
+        if tokenizer.is_file():
+            cfg.data.tokenizer = str(tokenizer)
     return cfg
 
 
@@ -355,9 +365,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def resolve_model(model: ModelConfig) -> None:
-    """Fill every unset model field from the preset (explicit keys win)."""
+    """Fill every unset model field from the preset (explicit keys win), or from the Hugging Face
+    config.json of model.init_from."""
     from shardwise.spec.presets import PRESETS
 
+    if model.init_from:
+        _resolve_from_hf(model)
     if model.preset not in PRESETS:
         raise ConfigError("model.preset", f"unknown preset {model.preset!r}", _nearest(model.preset, sorted(PRESETS)))
     for key, value in PRESETS[model.preset].items():
@@ -375,6 +388,26 @@ def resolve_model(model: ModelConfig) -> None:
     for key, default in MODEL_FALLBACKS.items():
         if getattr(model, key) is None:
             setattr(model, key, default)
+
+
+def _resolve_from_hf(model: ModelConfig) -> None:
+    """The shape is the checkpoint's: an explicit model key may only repeat it (max_seq_len may be
+    shorter: it sizes the RoPE table, not a weight); the preset is not used."""
+    from shardwise.spec import hf
+
+    directory = hf.hf_directory(model.init_from)
+    fields, tied = hf.model_fields(hf.read_hf_config(directory), str(directory / "config.json"))
+    hf.check_weights(directory, fields, tied)
+    for key, value in fields.items():
+        given = getattr(model, key)
+        if given is None or (key == "max_seq_len" and given <= value):
+            setattr(model, key, value if given is None else given)
+        elif given != value:
+            raise ConfigError(f"model.{key}", f"{given} differs from {value} in {directory / 'config.json'} "
+                              f"(model.init_from)", f"drop model.{key}: an imported model keeps its shape")
+    if model.moe.num_experts:
+        raise ConfigError("model.moe.num_experts", "a Llama checkpoint has dense MLPs", "drop model.moe.* with model.init_from")
+    model.moe.num_experts = 0
 
 
 # Values for model fields that neither the config nor the preset sets.

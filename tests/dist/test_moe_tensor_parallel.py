@@ -47,6 +47,7 @@ def _work(rank: int) -> dict:
 
     from shardwise.models import build_model
     from shardwise.models.moe import MoE
+    from shardwise.models.weights import RandomInit
     from shardwise.parallel.parallelize import materialize
     from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 
@@ -58,14 +59,14 @@ def _work(rank: int) -> dict:
         tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         with torch.device("meta"):
             ref = build_model(cfg)
-        materialize(ref, torch.device("cpu"), 0)
+        materialize(ref, torch.device("cpu"), RandomInit(ref, 0))
         want = _grads(ref, tokens, full)
         errors = {}
         for control in (False, True):
             with torch.device("meta"):
                 model = build_model(cfg)
             apply_tensor_parallel(model, mesh, cfg, sp)
-            materialize(model, torch.device("cpu"), 0)
+            materialize(model, torch.device("cpu"), RandomInit(model, 0))
             align_gradients_with_parameters(model)
             if control:
                 for m in model.modules():

@@ -65,8 +65,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
 
     def reset_buffers(self) -> None:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
+        # In fp32, exactly as Hugging Face's LlamaRotaryEmbedding computes them (and as the Llama models
+        # on the hub were trained): an imported model's logits then equal transformers' to the bit
+        # (tests/unit/test_hf_interop.py), where float64 tables differed by 1e-6 relative.
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=self.cos.device).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        angles = torch.outer(torch.arange(self.max_seq_len, device=self.cos.device).float(), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.cos.copy_(angles.cos().to(self.cos.dtype))
         self.sin.copy_(angles.sin().to(self.sin.dtype))

@@ -30,6 +30,7 @@ from torch import nn
 
 from shardwise.config import Config
 from shardwise.models.common import Transformer
+from shardwise.models.weights import WeightSource, weight_source
 from shardwise.parallel.activation_checkpoint import apply_activation_checkpointing
 from shardwise.parallel.compile import apply_compile, compile_enabled
 from shardwise.parallel.context import apply_context_parallel
@@ -84,25 +85,26 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
 
 
 @torch.no_grad()
-def materialize(model: Transformer, device: torch.device, seed: int) -> None:
+def materialize(model: Transformer, device: torch.device, source: WeightSource) -> None:
     """Allocate the (possibly sharded) parameters and give them layout-independent values.
 
-    Each parameter's *global* value comes from `init_value(fqn)`; a sharded parameter (DTensor)
-    keeps only its slice. No random number is ever drawn per shard (docs/architecture.md §3), so every layout
-    starts from the same weights as the single-device reference.
+    Each parameter's *global* value comes from `source` (models/weights.py: the name-seeded random init,
+    or a Hugging Face checkpoint); a sharded parameter (DTensor) asks only for its slice. No random
+    number is ever drawn per shard (docs/architecture.md §3), so every layout starts from the same
+    weights as the single-device reference.
     """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     model.to_empty(device=device)
     for name, param in model.named_parameters():
-        full = model.init_value(canonical_fqn(name), param.shape, seed)
+        fqn = canonical_fqn(name)
         if isinstance(param, DTensor):
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-            param.to_local().copy_(full[index])
+            param.to_local().copy_(source.value(fqn, param.shape, index))
         else:
-            param.copy_(full)
+            param.copy_(source.value(fqn, param.shape, None))
     model.reset_buffers()
 
 
@@ -117,7 +119,7 @@ def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Conf
                          device: torch.device) -> nn.Module:
     """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
     parallelize(model, dims, mesh, cfg, device.type)
-    materialize(model, device, cfg.train.seed)
+    materialize(model, device, weight_source(model, cfg.model.init_from, cfg.train.seed))
     _finish(model, dims, cfg)
     if dims.wrapper(cfg.parallel.zero) == "ddp":
         return apply_ddp(model, mesh, dims)
@@ -147,7 +149,7 @@ def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, 
             part = build_model(cfg.model)
         part.keep_only(layers[stage], embedding=stage == 0, head=stage == last)
         parallelize(part, dims, mesh, cfg, device.type)
-        materialize(part, device, cfg.train.seed)
+        materialize(part, device, weight_source(part, cfg.model.init_from, cfg.train.seed))
         _finish(part, dims, cfg)
         stages[stage] = part
     model = stages[min(stages)] if len(stages) == 1 else _union(stages, cfg)

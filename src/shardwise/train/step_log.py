@@ -75,7 +75,8 @@ class StepLog:
         if not quiet:
             self.metrics.print(f"model: {cfg.model.arch} {num_params / 1e6:.2f}M params, layout "
                                f"{dims.describe()} x{dims.world_size}, zero={cfg.parallel.zero}, accumulation "
-                               f"{accumulation}, peak {self.peak / 1e9:.1f} GFLOP/s ({peak_label})")
+                               f"{accumulation}, peak {self.peak / 1e9:.1f} GFLOP/s ({peak_label})"
+                               + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else ""))
 
     def after_step(self, r: StepResult, step: int, logging: bool, timeline: dict | None,
                    comm_bytes: dict[str, dict[str, int]], memory: dict[str, list[int]]) -> None:
