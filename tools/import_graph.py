@@ -30,7 +30,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("shardwise.parallel", "shardwise.plan"),
     ("shardwise.train",),
     ("shardwise.launch",),
-    ("shardwise.parity",),
+    ("shardwise.parity", "shardwise.infer"),
     ("shardwise.cli", "shardwise.__init__"),
 ]
 SEPARATE = {("shardwise.parallel", "shardwise.plan"), ("shardwise.plan", "shardwise.parallel"),

@@ -30,6 +30,9 @@ commands:
            draw the measured pipeline schedule of a PP run (per-stage Gantt chart) with its bubble
   export   --run-dir R [--step N] --hf OUT [--dtype float32|bfloat16]
            write a checkpoint as a Hugging Face Llama directory (transformers loads it); the tokenizer too
+  generate (--run-dir R [--step N] | --hf DIR) (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
+           [--greedy | --temperature T --top-p P --seed S] [--nproc N --parallel.tp=T --parallel.pp=P] [--json]
+           sample with a KV cache, on one process or tensor / pipeline parallel
   checkpoint verify DIR
            check every checkpoint in a run directory (or checkpoints/, or one step_N) against its
            manifest, without loading it; exit 1 if one is damaged
@@ -170,6 +173,12 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _generate(argv: list[str]) -> int:
+    from shardwise.infer.generate import generate_main
+
+    return generate_main(argv)
+
+
 def _config(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardwise config")
     parser.add_argument("--config", default=None)
@@ -251,10 +260,24 @@ def _plan(argv: list[str]) -> int:
                             help="write the best layout as a TOML `shardwise train` runs (no value: <run.dir>/plan/best.toml)")
         parser.add_argument("--allow-cross-node-tp", action="store_true", help="let tp span nodes")
         parser.add_argument("--allow-uneven-pp", action="store_true", help="allow n_layers not divisible by pp x virtual stages")
+    if action == "evaluate":  # --mode=decode: serving one tp x pp replica (plan/decode.py)
+        parser.add_argument("--mode", choices=("train", "decode"), default="train", help="plan a training step or serving")
+        parser.add_argument("--batch", type=int, default=1, help="--mode=decode: sequences decoded together")
+        parser.add_argument("--prompt-len", type=int, default=None, help="--mode=decode: prompt tokens (default train.seq_len)")
+        parser.add_argument("--max-new-tokens", type=int, default=128, help="--mode=decode: tokens generated per sequence")
     args, overrides = parser.parse_known_args(argv[1:])
     if args.assume_mfu is not None:
         overrides.append(f"--cluster.assume_mfu={args.assume_mfu}")
     cfg = load_config(args.config, overrides)
+    if getattr(args, "mode", "train") == "decode":
+        from shardwise.plan.decode import decode_estimate
+        from shardwise.plan.report import decode_text
+
+        if args.plot is not None:
+            raise ConfigError("--plot", "--mode=decode draws no figure", "drop --plot")
+        decode = decode_estimate(cfg, args.batch, args.prompt_len, args.max_new_tokens)
+        print(json.dumps(decode.to_json(), indent=2) if args.json else decode_text(decode), end="\n" if args.json else "")
+        return 0
     problem = Problem.from_config(cfg)
     if args.plot == "":
         args.plot = str(Path(cfg.run.dir) / "plan" / f"{action}.png")
@@ -348,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     commands["doctor"] = lambda rest: _launch_command("doctor", rest)
     commands["bench-comm"] = lambda rest: _launch_command("bench_comm", rest)
     commands["launch"] = lambda rest: _launch_command("schedulers", rest)
+    commands["generate"] = _generate
     if command not in commands:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

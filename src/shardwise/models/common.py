@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
+from shardwise.models.kv_cache import KVCache, LayerCache
 from shardwise.spec.shapes import ModelShape
 
 INIT_STD = 0.02  # GPT-2 / Megatron default initializer range.
@@ -43,7 +44,7 @@ class Attention(nn.Module):
         self.core = causal_attention
 
     def forward(self, x: torch.Tensor, rope: "RotaryEmbedding | None" = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, cache: "LayerCache | None" = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of the head count keeps the module correct when TP shards the heads.
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -51,7 +52,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = rope(q, positions), rope(k, positions)
-        out = self.core(q, k, v)
+        if cache is None:
+            out = self.core(q, k, v)
+        else:  # incremental decoding (models/kv_cache.py): attend over every cached key, masked
+            k, v = cache.update(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.owner.mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -76,9 +81,12 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(angles.sin().to(self.sin.dtype))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """`positions`: None (0..s-1), (s,) shared by the batch, or (b, s) per sequence (decoding)."""
         s = x.shape[-2]
         cos = self.cos[:s] if positions is None else self.cos[positions]
         sin = self.sin[:s] if positions is None else self.sin[positions]
+        if cos.dim() == 3:  # (b, s, hd) against x's (b, heads, s, hd)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
         return (x * cos + rotated * sin).to(x.dtype)
@@ -99,14 +107,21 @@ class Transformer(nn.Module):
     def block_kwargs(self) -> dict:
         return {}
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: "KVCache | None" = None,
+                last_only: bool = False) -> torch.Tensor:
         """`x` is token ids, or hidden states when this module is a pipeline stage that does not own
-        the embedding; a stage without the output head returns hidden states (see `keep_only`)."""
+        the embedding; a stage without the output head returns hidden states (see `keep_only`).
+        With `cache` (decoding, models/kv_cache.py) each block attends over its cached keys too;
+        `last_only` computes the logits of the last position only (what generation samples from)."""
         h = self.embed(x, positions) if self.tok_embeddings is not None else x
         extra = self.block_kwargs()
-        for layer in self.blocks():
+        for name, layer in self.named_blocks():
+            if cache is not None:
+                extra["cache"] = cache.layer(name)
             h = layer(h, positions=positions, **extra)
-        return h if self.output is None else self.output(self.norm(h))
+        if self.output is None:
+            return h
+        return self.output(self.norm(h[:, -1:] if last_only else h))
 
     def blocks(self) -> list[nn.Module]:
         """The blocks this module runs, in order."""

@@ -11,6 +11,7 @@ from torch import nn
 from shardwise.config import ModelConfig
 from shardwise.models.common import Attention, Transformer
 from shardwise.models.feed_forward import GELUMLP
+from shardwise.models.kv_cache import LayerCache
 from shardwise.models.moe import MoE
 
 
@@ -22,8 +23,8 @@ class GPTBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MoE(cfg) if moe else GELUMLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cache=cache)
         return x + self.mlp(self.mlp_norm(x))
 
 

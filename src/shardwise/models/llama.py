@@ -7,6 +7,7 @@ from torch import nn
 from shardwise.config import ModelConfig
 from shardwise.models.common import Attention, RotaryEmbedding, Transformer
 from shardwise.models.feed_forward import SwiGLU
+from shardwise.models.kv_cache import LayerCache
 from shardwise.models.moe import MoE
 
 
@@ -31,8 +32,9 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, positions)
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, positions, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.plan.cost import Estimate
+from shardwise.plan.decode import DecodeEstimate
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import GIB
 from shardwise.plan.search import SearchResult, why_lost
@@ -243,3 +244,37 @@ def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: 
         ax2.legend(fontsize=8)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def decode_text(est: DecodeEstimate) -> str:
+    """`plan evaluate --mode=decode`: memory per rank (KV cache included), prefill, per-token latency, per stage."""
+    from rich.table import Table
+
+    con = _console()
+    s = est.memory_stage
+    con.print("\n".join([
+        f"serving  tp{est.tp} x pp{est.pp} on {est.device}, {est.precision} ({est.bytes_per_element} B/element); "
+        f"batch {est.batch}, prompt {est.prompt_len}, {est.max_new_tokens} new tokens (average context {est.context_avg:g})",
+        f"achieved memory bandwidth {est.memory_bandwidth_gbps:g} GB/s, GEMM {est.gemm_flops_per_s / 1e12:.3g} TFLOP/s",
+        f"memory per GPU (stage {s.stage}): weights {s.weight_bytes / GIB:.2f} GiB + KV cache {s.kv_cache_bytes / GIB:.2f} GiB "
+        f"+ comm buffers {est.other_bytes / GIB:.2f} GiB = {est.total_bytes / GIB:.2f} GiB, "
+        f"{'fits' if est.fits else 'DOES NOT FIT'}: usable {est.capacity_bytes / GIB:.1f} GiB",
+    ]), soft_wrap=True)
+    k, unit = _time_unit(est.decode_s_per_token)  # decode columns
+    kp, unit_p = _time_unit(est.prefill_s)
+    t = Table(title="per pipeline stage (one TP rank): one decode step, and the prefill", title_justify="left")
+    for col in ("stage", "blocks", "weights GiB", "KV GiB", "step reads GiB", f"read {unit}", f"compute {unit}",
+                f"comm {unit}", f"step {unit}", f"prefill {unit_p}"):
+        t.add_column(col, justify="left" if col == "stage" else "right", no_wrap=col == "stage")
+    for st in est.stages:
+        holds = "+".join(name for name, has in (("emb", st.embedding), ("head", st.head)) if has)
+        t.add_row(f"{st.stage} {holds}".strip(), str(st.layers), f"{st.weight_bytes / GIB:.2f}", f"{st.kv_cache_bytes / GIB:.2f}",
+                  f"{st.decode_read_bytes / GIB:.2f}", f"{st.decode_memory_s * k:.3f}", f"{st.decode_compute_s * k:.3f}",
+                  f"{st.decode_comm_s * k:.3f}", f"{st.decode_s * k:.3f}", f"{st.prefill_s * kp:.3f}")
+    con.print(t)
+    con.print(f"prefill {est.prefill_s * kp:.3f} {unit_p} ({est.prefill_tokens_per_s:,.0f} tokens/s)  |  per-token latency "
+              f"{est.decode_s_per_token * k:.3f} {unit} (token broadcast {est.token_broadcast_s * k:.3f})  |  decode "
+              f"{est.decode_tokens_per_s:,.0f} tokens/s  |  whole generation {est.generate_s:.3g} s", soft_wrap=True)
+    if est.notes:
+        con.print("\n".join(f"note: {n}" for n in est.notes), soft_wrap=True)
+    return con.file.getvalue()

@@ -300,3 +300,22 @@ def pipeline_split_rules(p: Any, n_layers: int) -> Rules:
         if len(p.pp_stage_speeds) != p.pp or min(p.pp_stage_speeds) <= 0:
             yield Violation("pp split", "parallel.pp_stage_speeds", f"{list(p.pp_stage_speeds)} must give one positive "
                             f"relative speed per pipeline rank ({p.pp})", f"e.g. {[1.0] * p.pp}")
+
+
+# Serving (`shardwise generate`, `plan evaluate --mode=decode`) splits one model replica over tp x pp.
+SERVING_REFUSED_AXES = {"dp_replicate": "data parallelism is separate replicas", "dp_shard": "data parallelism is separate replicas",
+                        "cp": "context parallelism is not used for inference", "ep": "expert parallelism is not used for inference"}
+
+
+def serving_rules(s: Any, p: Any, prompt_len: int) -> Rules:
+    """One replica of model shape `s` over parallel.tp x parallel.pp (ParallelConfig `p`; dp_shard=-1
+    counts as 1): no other axis; TP without sequence parallelism (a decode step has one token per
+    sequence); blocks split evenly over pp, one stage per rank (infer/engine.py, plan/decode.py)."""
+    for axis, why in SERVING_REFUSED_AXES.items():
+        size = getattr(p, axis)
+        if size not in (1, -1) or (axis != "dp_shard" and size != 1):
+            yield Violation("serving axis", f"parallel.{axis}", f"serving runs one model replica on tp x pp ranks, got "
+                            f"{axis}={size}", f"set parallel.{axis}=1: {why}")
+    lay = Layout(tp=p.tp, pp=p.pp, sequence_parallel=False)
+    yield from tensor_parallel_rules(s, lay, prompt_len)
+    yield from pipeline_rules(s, lay)

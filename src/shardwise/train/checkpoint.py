@@ -375,6 +375,14 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """A checkpoint's weights only (no optimizer or trainer state) into `model`, whatever its layout:
+    DCP reads each rank's part of every tensor (generation, infer/engine.py)."""
+    state = {"model": get_model_state_dict(model)}
+    _dcp(dcp.load, state, path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    set_model_state_dict(model, state["model"])
+
+
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded fp32 weights on CPU (collective: every rank calls it; rank 0 gets the tensors)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

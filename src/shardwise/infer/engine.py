@@ -1,0 +1,169 @@
+"""Generation with a KV cache on one process, or tensor- and pipeline-parallel over several.
+
+Serving splits one model replica, never replicates it (data parallelism is separate replicas): each
+rank holds its pipeline stage's blocks (the training split, spec/stages.py), tensor-parallel as in
+training but without sequence parallelism (a decode step has one token per sequence). A step runs the
+stages one after another, hidden states sent point-to-point (torch.distributed send / recv): decoding
+is latency-bound, so the pipeline is not filled with micro-batches. The last stage picks the next
+tokens and broadcasts them to every rank, which all keep the same positions and masks.
+
+The weights come from a Hugging Face directory (models/weights.py: each rank reads its slices) or from
+a training run's checkpoint (DCP reshards it onto this layout).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import Config
+from shardwise.errors import ConfigError
+from shardwise.infer.sampling import Sampler
+from shardwise.models import ARCHS, build_model
+from shardwise.models.kv_cache import KVCache
+from shardwise.models.weights import weight_source
+from shardwise.parallel.mesh import build_meshes
+from shardwise.parallel.parallelize import materialize
+from shardwise.parallel.tensor import apply_tensor_parallel
+from shardwise.spec import rules
+from shardwise.spec.dims import ParallelDims
+from shardwise.spec.shapes import ModelShape
+from shardwise.spec.stages import layers_per_stage, stage_layers
+from shardwise.train.checkpoint import load_model_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Generation:
+    ids: list[list[int]]  # generated ids after each prompt (up to and including an end token)
+    prefill_tokens: int  # real (unpadded) prompt tokens
+    prefill_s: float
+    decode_tokens: int  # tokens produced by decode steps (after the first, which prefill produced)
+    decode_s: float
+    kv_cache_bytes: int  # this rank's allocated keys and values
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def serving_dims(cfg: Config, world: int, prompt_len: int = 1) -> ParallelDims:
+    """The tp x pp layout of `world` processes (spec/rules.py serving_rules, shared with the planner)."""
+    p = cfg.parallel
+    for violation in rules.serving_rules(ModelShape.from_config(cfg.model), p, prompt_len):
+        raise violation.error()
+    if p.tp * p.pp != world:
+        raise ConfigError("--nproc", f"{world} processes for tp={p.tp} x pp={p.pp}",
+                          f"use --nproc {p.tp * p.pp} (generation has no data-parallel axis)")
+    return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=p.tp, pp=p.pp, ep=1, world_size=world)
+
+
+class Engine:
+    """One rank's share of the model, ready to prefill and decode."""
+
+    def __init__(self, cfg: Config, device: torch.device, dtype: str = "float32", checkpoint: Path | None = None):
+        self.cfg, self.device = cfg, device
+        distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        world = dist.get_world_size() if distributed else 1
+        self.dims = serving_dims(cfg, world)
+        self.mesh = build_meshes(self.dims, device.type)
+        coords = self.dims.coordinates(self.rank)
+        self.pp_rank, self.pp = coords["pp"], self.dims.pp
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        if self.pp > 1:
+            # An even split, one stage per rank (serving_rules; the planner prices the same split).
+            p = dataclasses.replace(cfg.parallel, pp_virtual_stages=1, pp_split="even", pp_layers_per_stage=[],
+                                    pp_schedule="1f1b")
+            costs = ARCHS[cfg.model.arch].pipeline_costs(cfg.model, cfg.train.seq_len)
+            layers = stage_layers(layers_per_stage(p, cfg.model, cfg.train.seq_len, costs))
+            model.keep_only(layers[self.pp_rank], embedding=self.pp_rank == 0, head=self.pp_rank == self.pp - 1)
+            self.pp_group = self.mesh["pp"].get_group()
+        if self.dims.tp > 1:
+            apply_tensor_parallel(model, self.mesh["tp"], cfg.model, sequence_parallel=False)
+        materialize(model, device, weight_source(model, "" if checkpoint else cfg.model.init_from, cfg.train.seed))
+        if checkpoint is not None:
+            load_model_weights(checkpoint, model)
+        self.model = model.to(DTYPES[dtype]).eval()
+        self.dtype = DTYPES[dtype]
+        # A rank of the last stage decides the next tokens (its TP peers compute the same full logits).
+        self.last_rank = next(r for r in range(world) if self.dims.coordinates(r)["pp"] == self.pp - 1)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                last_only: bool = False) -> torch.Tensor | None:
+        """Logits (b, s or 1, vocab) on the last pipeline stage's ranks, None on the others."""
+        b, s = tokens.shape
+        if self.pp_rank == 0:
+            x = tokens.to(self.device)
+        else:
+            x = torch.empty(b, s, self.cfg.model.dim, dtype=self.dtype, device=self.device)
+            dist.recv(x, group=self.pp_group, group_src=self.pp_rank - 1)
+        out = self.model(x, positions, cache, last_only=last_only)
+        if self.pp_rank < self.pp - 1:
+            dist.send(out.contiguous(), group=self.pp_group, group_dst=self.pp_rank + 1)
+            return None
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+    def _share(self, ids: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized():
+            ids = ids.to(self.device)
+            dist.broadcast(ids, src=self.last_rank)
+        return ids.cpu()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
+                 eos_ids: set[int] | frozenset[int] = frozenset()) -> Generation:
+        """Left-pad the prompts, prefill them in one forward, then decode one token per step."""
+        b, longest = len(prompts), max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.cfg.model.max_seq_len:
+            raise ConfigError("--max-new-tokens", f"prompt ({longest}) + {max_new_tokens} new tokens exceed "
+                              f"model.max_seq_len = {self.cfg.model.max_seq_len}", "generate fewer tokens")
+        tokens = torch.zeros(b, longest, dtype=torch.long)
+        valid = torch.zeros(b, longest, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[i, longest - len(p):] = True
+        cache = KVCache(b, longest + max_new_tokens, self.device)
+        out: list[list[int]] = [[] for _ in prompts]
+        done = torch.zeros(b, dtype=torch.bool)
+        self._sync()
+        start = time.perf_counter()
+        step_tokens, step_valid = tokens, valid
+        prefill_s = 0.0
+        for step in range(max_new_tokens):
+            positions = cache.begin(step_valid.to(self.device))
+            logits = self.forward(step_tokens, positions, cache, last_only=True)
+            cache.end(step_tokens.shape[1])
+            chosen = sampler(logits[:, -1].float().cpu()) if logits is not None else torch.zeros(b, dtype=torch.long)
+            chosen = self._share(chosen)
+            for i in range(b):
+                if not done[i]:
+                    out[i].append(int(chosen[i]))
+                    done[i] = int(chosen[i]) in eos_ids
+            if step == 0:
+                self._sync()
+                prefill_s = time.perf_counter() - start
+                start = time.perf_counter()
+            if bool(done.all()):
+                break
+            step_tokens, step_valid = chosen[:, None], torch.ones(b, 1, dtype=torch.bool)
+        self._sync()
+        decode_s = time.perf_counter() - start
+        decode_steps = max(0, max(len(o) for o in out) - 1)
+        return Generation(out, int(valid.sum()), prefill_s, decode_steps * b, decode_s if decode_steps else 0.0,
+                          cache.nbytes())

@@ -1,0 +1,85 @@
+"""Key/value cache for incremental decoding: prefill the prompts once, then one token per step.
+
+Each attention layer appends its new keys and values and attends over everything cached, so a decode
+step costs one token's projections plus a read of the cache instead of recomputing the prefix (the
+"KV cache" of Pope et al. 2022, Efficiently Scaling Transformer Inference, §2.1). Model code with no
+parallelism in it: under tensor parallelism each rank's layers simply see (and cache) their own heads.
+
+Batches of prompts of different lengths are left-padded: every sequence's next token is then at the
+same cache index, and `valid` marks the padding, which no real token attends to. Positions (for RoPE
+or learned position embeddings) count real tokens only, so a padded prompt computes exactly what it
+would alone.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """One attention layer's keys and values, allocated on first use as (batch, local kv heads,
+    capacity, head_dim): the heads this rank holds, in the dtype the layer computes in."""
+
+    def __init__(self, owner: "KVCache"):
+        self.owner = owner
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's (b, heads, s, hd) keys and values; return every cached one so far."""
+        start, s = self.owner.length, k.shape[2]
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+        self.k[:, :, start:start + s] = k
+        self.v[:, :, start:start + s] = v
+        return self.k[:, :, :start + s], self.v[:, :, :start + s]
+
+
+class KVCache:
+    """Every layer's cache for one batch, plus the attention mask of the tokens being added.
+
+    Call `begin(valid)` before a forward over new tokens (prefill: the padded prompts; decode: one
+    token each) and `end()` after it."""
+
+    def __init__(self, batch: int, capacity: int, device: torch.device):
+        self.batch, self.capacity, self.device = batch, capacity, device
+        self.length = 0  # cache slots filled so far (the same for every sequence)
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # real token (not padding) per slot
+        self.mask: torch.Tensor | None = None
+        self.layers: dict[str, LayerCache] = {}
+
+    def layer(self, name: str) -> LayerCache:
+        if name not in self.layers:
+            self.layers[name] = LayerCache(self)
+        return self.layers[name]
+
+    def positions(self, valid: torch.Tensor) -> torch.Tensor:
+        """(b, s) position of each new token: the number of real tokens before it in its sequence."""
+        before = self.valid.sum(dim=1, keepdim=True)
+        return (before + valid.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    def begin(self, valid: torch.Tensor) -> torch.Tensor:
+        """Make room for `valid.shape[1]` new tokens; returns their positions. The mask lets query i see
+        key j when j is a real token at or before it; a padding query also sees itself, so its row
+        has one finite score (its output is never used, but NaN there would reach the real rows
+        through 0 x NaN in the next layer's attention)."""
+        s = valid.shape[1]
+        if self.length + s > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} tokens; {self.length + s} asked")
+        positions = self.positions(valid)
+        self.valid = torch.cat([self.valid, valid.to(self.device)], dim=1)
+        slots = torch.arange(self.length + s, device=self.device)
+        queries = torch.arange(self.length, self.length + s, device=self.device)
+        causal = slots[None, :] <= queries[:, None]  # (s, total)
+        self.mask = (causal[None] & self.valid[:, None, :]) | (slots[None, None, :] == queries[None, :, None])
+        self.mask = self.mask[:, None]  # (b, 1, s, total): broadcast over heads
+        return positions
+
+    def end(self, s: int) -> None:
+        self.length += s
+        self.mask = None
+
+    def nbytes(self) -> int:
+        """Bytes allocated for keys and values on this rank (the planner's kv-cache term)."""
+        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers.values() if c.k is not None)

@@ -1,0 +1,124 @@
+"""Generation on one process (infer/engine.py, models/kv_cache.py) against transformers and against itself.
+
+Greedy ids are compared exactly: imported logits equal transformers' bitwise (test_hf_interop.py), and
+a KV-cache step computes the same dot products as a full recomputation over the prefix (SDPA over the
+cached keys), so argmax picks the same token at every step. Random weights of std 0.2 make the logits
+far from ties (a near-tie would be the only way for exact ids to differ without a bug).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.cli import main
+from shardwise.config import load_config
+from shardwise.infer.engine import Engine
+from shardwise.infer.sampling import Sampler
+from shardwise.plan.decode import kv_cache_bytes
+from shardwise.spec.shapes import ModelShape
+from tests.hf_models import load_hf, save_random_llama  # skips the module without transformers
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [11, 12, 13], [250]]  # different lengths: left padding
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=["gqa", "mha"])
+def model_dir(request, tmp_path_factory) -> Path:
+    return save_random_llama(tmp_path_factory.mktemp(request.param) / "hf", request.param)
+
+
+def _engine(directory: Path) -> Engine:
+    cfg = load_config(None, [f"--model.init_from=hf:{directory}", "--data.tokenizer=byte"])
+    return Engine(cfg, torch.device("cpu"))
+
+
+def _recompute(engine: Engine, prompt: list[int], new: int) -> list[int]:
+    """Greedy decoding with no cache: the whole sequence through the model for every new token."""
+    seq = list(prompt)
+    for _ in range(new):
+        seq.append(int(engine.forward(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_kv_cache_equals_recomputation_and_transformers(model_dir):
+    engine = _engine(model_dir)
+    result = engine.generate(PROMPTS, NEW, Sampler())
+    hf = load_hf(model_dir)
+    for prompt, ids in zip(PROMPTS, result.ids):
+        assert len(ids) == NEW
+        assert ids == _recompute(engine, prompt, NEW)
+        alone = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+        assert alone[0, len(prompt):].tolist() == ids
+    # transformers' own batched, left-padded generation agrees too.
+    longest = max(map(len, PROMPTS))
+    tokens = torch.zeros(len(PROMPTS), longest, dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, p in enumerate(PROMPTS):
+        tokens[i, longest - len(p):], mask[i, longest - len(p):] = torch.tensor(p), 1
+    batched = hf.generate(tokens, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    assert batched[:, longest:].tolist() == result.ids
+
+
+def test_a_padded_prompt_decodes_as_it_would_alone(model_dir):
+    engine = _engine(model_dir)
+    together = engine.generate(PROMPTS, NEW, Sampler()).ids
+    assert [engine.generate([p], NEW, Sampler()).ids[0] for p in PROMPTS] == together
+
+
+def test_kv_cache_bytes_equal_the_planners_closed_form(model_dir):
+    engine = _engine(model_dir)
+    result = engine.generate(PROMPTS, NEW, Sampler())
+    shape = ModelShape.from_config(engine.cfg.model)
+    capacity = max(map(len, PROMPTS)) + NEW
+    assert result.kv_cache_bytes == kv_cache_bytes(shape, 1, shape.n_layers, len(PROMPTS), capacity, 4)
+    assert result.prefill_tokens == sum(map(len, PROMPTS)) and result.decode_tokens == (NEW - 1) * len(PROMPTS)
+
+
+def test_generation_stops_at_the_end_token(model_dir):
+    engine = _engine(model_dir)
+    ids = engine.generate(PROMPTS[:1], NEW, Sampler()).ids[0]
+    stop = ids[4]
+    cut = engine.generate(PROMPTS[:1], NEW, Sampler(), eos_ids={stop}).ids[0]
+    assert cut == ids[:ids.index(stop) + 1]
+
+
+def test_sampling_is_seeded_and_top_p_narrows_to_greedy():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    def draws(seed: int) -> list[list[int]]:
+        sampler = Sampler(False, 2.0, 0.95, seed=seed)
+        return [sampler(logits).tolist() for _ in range(5)]
+
+    assert draws(7) == draws(7)  # the same seed draws the same tokens
+    assert draws(7) != draws(8) and len({tuple(d) for d in draws(7)}) > 1  # and it is random
+    assert torch.equal(Sampler(False, 1.0, 1e-6, seed=3)(logits), logits.argmax(-1))  # only the top token survives
+    draws = torch.stack([Sampler(False, 1.0, 1.0, seed=s)(logits[:1]) for s in range(400)])
+    probs = torch.softmax(logits[0], -1)
+    top = int(probs.argmax())
+    assert abs((draws == top).float().mean().item() - probs[top].item()) < 0.08  # 400 draws: ~3.5 sigma
+
+
+def test_cli_generate_json_lines_and_bad_input(model_dir, capsys):
+    args = ["generate", "--hf", str(model_dir), "--prompt-ids", "5,17,33", "--prompt-ids", "11,12",
+            "--max-new-tokens", "6", "--ignore-eos", "--json"]
+    assert main(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(lines) == 2 and all(len(line["ids"]) == 6 for line in lines)
+    assert set(lines[0]) == {"ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert lines[0]["decode_tokens_per_s"] > 0
+    bad = {
+        ("--prompt-ids", "1,x"): "--prompt-ids",
+        ("--prompt-ids", "9999"): "within [0, 320)",
+        ("--prompt-ids", "1", "--max-new-tokens", "500"): "max_seq_len",
+        ("--prompt", "hello"): "no tokenizer.json",
+        ("--prompt-ids", "1", "--parallel.dp_shard=2", "--nproc", "2"): "separate replicas",
+        ("--prompt-ids", "1", "--parallel.tp=2"): "--nproc 2",
+        ("--prompt-ids", "1", "--parallel.tp=3", "--nproc", "3"): "parallel.tp",
+        ("--prompt-ids", "1", "--temperature", "0"): "--temperature",
+    }
+    for extra, words in bad.items():
+        assert main(["generate", "--hf", str(model_dir), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, (extra, err)
