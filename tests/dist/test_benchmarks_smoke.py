@@ -80,3 +80,11 @@ def test_every_benchmark_has_a_smoke_test():
     smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
               "gpu_throughput.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
+
+
+def test_decode_smoke(tmp_path):
+    """Generation runs and the planner's KV-cache bytes equal what the engine allocated."""
+    data = _smoke("decode.py", tmp_path / "decode.json")
+    assert data["smoke"] is True and len(data["rows"]) == 1
+    row = data["rows"][0]
+    assert row["kv_cache_bytes"] == row["predicted_kv_cache_bytes"] > 0 and row["decode_tokens_per_s"] > 0, row
