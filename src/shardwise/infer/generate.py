@@ -175,8 +175,10 @@ def run(request: Request) -> int:
         if args.json:
             print(json.dumps({"ids": ids, "text": text} | speed), flush=True)
         else:
-            shown = tok.decode(prompt) if tok is not None else ",".join(map(str, prompt))
-            print(f"{shown}\u2192{text if text is not None else ','.join(map(str, ids))}", flush=True)
+            if tok is not None:  # the continuation right after its prompt, as the model reads it
+                print(f"{tok.decode(prompt)}{text}", flush=True)
+            else:
+                print(f"{','.join(map(str, prompt))} -> {','.join(map(str, ids))}", flush=True)
     if not args.json:
         dims = engine.dims
         print(f"layout tp={dims.tp} x pp={dims.pp}, {dtype}: prefill {result.prefill_tokens} tokens in "
