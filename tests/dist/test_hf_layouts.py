@@ -4,8 +4,9 @@ Each rank reads only its slices of the .safetensors files (models/weights.py) an
 transformers' logits: within 1e-5 (the issue's bound). FSDP and PP compute every value as one device
 does (gathered weights; whole blocks per stage), so they are bitwise equal; tensor parallelism sums the
 row-parallel matmuls' partial products over ranks in another order, which moves fp32 logits of
-magnitude ~7 by ~1e-6. Greedy ids under TP and PP decoding (infer/engine.py, gloo) must equal
-transformers' generate(do_sample=False) exactly: a 1e-6 change cannot flip an argmax whose top two
+magnitude ~7 by up to 7.6e-6 here (~1e-6 relative: a few fp32 roundings of sums of 64-160 terms).
+Greedy ids under TP and PP decoding (infer/engine.py, gloo) must equal transformers'
+generate(do_sample=False) exactly: a 1e-6 relative change cannot flip an argmax whose top two
 logits are far apart, which std-0.2 random weights make overwhelmingly likely; a wrong mask, position or
 cache slot changes the ids within a few tokens.
 """
