@@ -125,10 +125,10 @@ def test_generate_cli_under_tp_and_pp(model_dir, reference):
 
 
 def test_continued_training_from_an_import_matches_across_layouts(model_dir):
-    """`shardwise parity` from the imported weights: TP=2 and ZeRO-3 over 2 ranks track one process."""
+    """`shardwise parity` from the imported weights: TP=2, ZeRO-3 and CP=2 over 2 ranks track one process."""
     out = subprocess.run([sys.executable, "-m", "shardwise.cli", "parity", "--nproc", "2", "--layout", "tp=2",
-                          "--layout", "dp_shard=2,zero=3", "--steps", "4", f"--model.init_from=hf:{model_dir}",
+                          "--layout", "dp_shard=2,zero=3", "--layout", "cp=2", "--steps", "4", f"--model.init_from=hf:{model_dir}",
                           "--data.tokenizer=byte", "--train.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("PASS") >= 2, out.stdout
+    assert out.stdout.count("PASS") == 3, out.stdout

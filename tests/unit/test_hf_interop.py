@@ -142,3 +142,18 @@ def test_train_from_import_then_export_loads_in_transformers(tmp_path):
     # Exporting again into the same directory is refused; nothing is overwritten.
     assert main(["export", "--run-dir", str(run), "--hf", str(out)]) == 2
     assert main(["export", "--run-dir", str(run), "--hf", str(tmp_path / "x"), "--step", "2"]) == 2
+
+
+def test_a_rank_reads_only_its_slice(tmp_path):
+    """What materialize asks for a sharded parameter: the slice's values, read from the file (safetensors'
+    lazy slicing), equal to the same slice of the whole tensor."""
+    from shardwise.models.weights import HuggingFaceWeights
+
+    directory = save_random_llama(tmp_path / "hf", max_shard_size="100KB")
+    source = HuggingFaceWeights(directory)
+    full = source.value("layers.1.feed_forward.w2.weight", torch.Size([64, 160]), None)
+    for index in [(slice(0, 64), slice(80, 160)), (slice(32, 64), slice(0, 160))]:  # TP row-wise; FSDP dim-0
+        part = source.value("layers.1.feed_forward.w2.weight", torch.Size([64, 160]), index)
+        assert part.shape == full[index].shape and torch.equal(part, full[index])
+    assert torch.equal(source.value("output.weight", torch.Size([320, 64]), None),
+                       load_hf(directory).lm_head.weight.detach())
