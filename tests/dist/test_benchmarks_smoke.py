@@ -78,7 +78,7 @@ def test_gpu_throughput_without_a_gpu_says_so_and_exits_0():
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one."""
     smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
-              "gpu_throughput.py"}
+              "gpu_throughput.py", "decode.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
 
 
