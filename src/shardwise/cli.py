@@ -26,6 +26,8 @@ commands:
            search   --config FILE.toml [--top 10] [--json] [--emit best.toml] [--plot out.png]
                     [--allow-cross-node-tp] [--allow-uneven-pp] [--assume-mfu X] [--section.key=value ...]
            predict memory, step time, MFU and days of a layout on [cluster] (no GPU needed), or search for the best
+           evaluate --mode=decode [--batch B --prompt-len P --max-new-tokens N]   serving one tp x pp replica
+           calibrate RUN_DIR... [--runs FILE.json] [--out calib.json]   fit the time model to measured runs
   pipeline-chart RUN_DIR [--out chart.png] [--text]
            draw the measured pipeline schedule of a PP run (per-stage Gantt chart) with its bubble
   export   --run-dir R [--step N] --hf OUT [--dtype float32|bfloat16]
@@ -242,6 +244,10 @@ def _plan(argv: list[str]) -> int:
     from shardwise.plan.search import search
     from shardwise.spec.layout import Layout
 
+    if argv and argv[0] == "calibrate":  # fit the planner to measured runs (plan/fit.py)
+        from shardwise.plan.fit import calibrate_main
+
+        return calibrate_main(argv[1:])
     if not argv or argv[0] not in ("evaluate", "search"):
         raise ConfigError("plan", f"expected 'evaluate' or 'search', got {argv[0] if argv else 'nothing'!r}",
                           "run `shardwise plan evaluate --config run.toml` or `shardwise plan search --config run.toml`")
@@ -291,7 +297,10 @@ def _plan(argv: list[str]) -> int:
         est = evaluate(problem, layout)
         refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
         if args.json:
-            print(json.dumps({**est.to_json(), "trainable": refusal is None, "trainer_refusal": refusal}, indent=2))
+            from shardwise.plan.goodput import run_cost
+
+            print(json.dumps({**est.to_json(), "cost": run_cost(problem, est).to_json(), "trainable": refusal is None,
+                              "trainer_refusal": refusal}, indent=2))
         else:
             print(evaluate_text(problem, est), end="")
             if refusal:

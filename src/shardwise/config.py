@@ -185,6 +185,17 @@ class ClusterConfig:
     calibration: str | None = opt(None, 'Path to a `shardwise bench-comm --out` JSON: its measured bus bandwidth and latency per '
                                         'mesh axis (fitted to the all-reduce points) replace the datasheet defaults for the '
                                         'collectives on those axes; unset or "" = none.')
+    # What a run costs (plan/goodput.py, `plan evaluate`'s cost block): price, failures, checkpoints.
+    price_per_gpu_hour: float = opt(0.0, "Price of one GPU-hour (any currency): `plan evaluate` prints GPU-hours x this; "
+                                         "0 = not priced (no cost printed, null in --json).")
+    failures_per_gpu_hour: float | None = opt(None, "Unexpected job interruptions per GPU-hour (job MTBF = 1 / (this x "
+                                                    "num_gpus)); unset: Llama 3's 419 in 54 days on 16,384 H100 = 1.97e-5 "
+                                                    "(arXiv 2407.21783 §3.3.4); 0 = no failures.")
+    checkpoint_save_s: float | None = opt(None, "Seconds one checkpoint save stops training; unset: the most loaded rank's "
+                                                "parameters + optimizer state at an assumed 2 GB/s per GPU "
+                                                "(plan/constants.py CHECKPOINT_WRITE_GBPS_PER_GPU).")
+    restart_s: float | None = opt(None, "Seconds from a failure to training again (re-schedule, start, load the checkpoint); "
+                                        "unset: an assumed 600 (plan/constants.py RESTART_S).")
 
 
 @dataclass

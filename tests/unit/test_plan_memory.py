@@ -1,6 +1,8 @@
 """spec/shapes.py, plan/activations.py, plan/memory.py against hand calculations and the real modules."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from shardwise.config import load_config
@@ -135,6 +137,12 @@ def test_activation_inventory_by_hand_fp32():
     Total 2 x 5400 x 256 + 2836 x 256 + RoPE tables 2 x 512 x 16 x 4 + loss scalar 4 = 3,556,356."""
     p, lay = tiny("--cluster.num_gpus=1", "--train.micro_batch=8")
     assert A.block_bytes(p.shape, "fp32", 1, False).per_token == 5400
+    # On a GPU, fp32 grouped-query attention runs SDPA's math backend (spec/layout.py attention_backend):
+    # per block per token 4 x (4h + heads x s) = 4 x (256 + 128) = 1536 instead of 784 (q, k, v, out, LSE):
+    # +752 x 2 blocks x 256 tokens.
+    assert p.attention == "math"
+    assert memory(p, lay).detail["activations_stored"] == 3_556_356 + 752 * 2 * 256
+    p = dataclasses.replace(p, attention="flash")  # what the CPU runs
     assert memory(p, lay).detail["activations_stored"] == 2 * 5400 * 256 + 2836 * 256 + 65536 + 4 == 3_556_356
 
 

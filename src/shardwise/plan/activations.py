@@ -81,15 +81,14 @@ def _norm(shape: ModelShape, reg: str, res_div: float, consumers: int) -> float:
 
 @lru_cache(maxsize=1 << 14)
 def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool = False,
-                capacity_factor: float | None = None) -> BlockActivations:
-    """Saved bytes of one block with no recomputation (see the module docstring for each term)."""
-    h, kv, nh = shape.dim, shape.kv_dim, shape.n_heads
+                capacity_factor: float | None = None, attention: str = "flash", seq_len: int = 0) -> BlockActivations:
+    """Saved bytes of one block with no recomputation (see the module docstring for each term);
+    `attention` is the SDPA backend (spec/layout.py attention_backend), `seq_len` the keys per query."""
+    h = shape.dim
     res_div = tp if sp else 1
     a = 4 if reg == "fp32" else 2          # activation element bytes
-    kv_local = max(kv / tp, shape.head_dim)  # KV heads replicate when tp > n_kv_heads
     per_token = _norm(shape, reg, res_div, 3) + _norm(shape, reg, res_div, 2 if shape.arch == "llama" else 1)
-    # Attention: q (new after RoPE for llama; a view of wq's output for gpt), k, v, SDPA out, fp32 LSE.
-    per_token += a * (h / tp + 2 * kv_local + h / tp) + 4 * nh / tp
+    per_token += attention_bytes(shape, a, tp, attention, seq_len)
     f = shape.expert_ffn if moe_layer else shape.ffn_dim
     mlp = (4 if shape.arch == "llama" else 2) * a * f / tp  # SwiGLU: w1 out, silu out, w3 out, product; GELU: fc out, gelu out
     if moe_layer and shape.moe is not None:
@@ -115,6 +114,21 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     elif reg == "lowp" and shape.arch == "gpt":
         fixed = 2 * 2 * 4 * h  # two LayerNorms' fp32 casts of their 16-bit weight and bias
     return BlockActivations(per_token, fixed)
+
+
+def attention_bytes(shape: ModelShape, a: int, tp: int, attention: str = "flash", seq_len: int = 0) -> float:
+    """Per token, what the attention core keeps for backward, by SDPA backend.
+    flash / efficient: q (new after RoPE for llama; a view of wq's output for gpt), k, v, the output
+      (whose (b, s, h) view wo saves too: one storage) and the fp32 log-sum-exp per head.
+    math (aten _scaled_dot_product_attention_math): the scaled q, the scaled k repeated to every query
+      head (GQA) and the repeated v (saved by the two matmuls), the softmax output — the s x s
+      probabilities, seq_len per head per query token — and wo's input, a copy (the math output is
+      (b, heads, s, d)-contiguous, so transpose + reshape copies it)."""
+    h, nh = shape.dim / tp, shape.n_heads / tp
+    if attention == "math":
+        return a * (4 * h + nh * seq_len)
+    kv_local = max(shape.kv_dim / tp, shape.head_dim)  # KV heads replicate when tp > n_kv_heads
+    return a * (2 * h + 2 * kv_local) + 4 * nh
 
 
 def _local_block_matmul(shape: ModelShape, tp: int, moe_layer: bool) -> float:

@@ -113,3 +113,23 @@ def load_calibration(path: str | Path) -> tuple[AxisCalibration, ...]:
         raise ConfigError("cluster.calibration", f"{path} has no all-reduce measurement",
                           "re-run `shardwise bench-comm` (it measures all-reduce on every axis)")
     return tuple(fit_axis(a, ranks[a], pts) for a, pts in by_axis.items())
+
+
+PLAN_SCHEMA = "shardwise-plan-calibration/1"  # written by `shardwise plan calibrate` (plan/fit.py)
+
+
+def read_plan_calibration(path: str | Path) -> float | None:
+    """The fitted eager pointwise HBM fraction of a `plan calibrate` file; None when `path` is another
+    kind of file (a bench-comm result), which load_calibration then reads and checks."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
+        return None
+    fraction = data.get("eager_pointwise_hbm_fraction")
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ConfigError("cluster.calibration", f"{p}: eager_pointwise_hbm_fraction must be within (0, 1], got {fraction!r}",
+                          "re-run `shardwise plan calibrate ... --out FILE`")
+    return float(fraction)

@@ -50,6 +50,51 @@ ATTENTION_FRACTION_DEFAULT = 0.35
 # FlashAttention with a causal mask skips the blocks above the diagonal: about half of the attention
 # FLOPs counted by the model FLOPs (which, like PaLM, do not discount the mask) are executed.
 CAUSAL_EXECUTED_FRACTION = 0.5
+# The math SDPA backend (fp32 grouped-query attention on CUDA, spec/layout.py attention_backend) moves
+# the s x s probabilities through memory this many times in forward: the QK^T GEMM writes them, the
+# causal mask is added in place (read + write), softmax reads and writes, the PV GEMM reads them
+# (aten _scaled_dot_product_attention_math, op by op). Backward is ~2x like the other kernels.
+MATH_ATTENTION_PASSES = 6
+
+# ---------------------------------------------------------------------------------------------------
+# Eager execution (train.compile = false)
+# ---------------------------------------------------------------------------------------------------
+# Kernels one block launches in eager mode, (forward, backward), by architecture and regime
+# (activations.regime; autocast_fp8 counted as autocast): every aten op but views, counted with a
+# TorchDispatchMode on the tiny presets (tests/kernel_counts.py; tests/unit/test_plan_kernels.py holds
+# this table to it). MoE blocks: (forward base, per local expert, backward base, per local expert): the
+# expert loop of models/moe.py. REST: the embedding, final norm, head and loss of a forward / backward.
+EAGER_BLOCK_KERNELS: dict[tuple[str, str], tuple[int, int]] = {
+    ("llama", "fp32"): (34, 62), ("llama", "autocast"): (48, 82), ("llama", "lowp"): (38, 67),
+    ("gpt", "fp32"): (12, 27), ("gpt", "autocast"): (28, 45), ("gpt", "lowp"): (12, 28),
+}
+EAGER_MOE_BLOCK_KERNELS: dict[tuple[str, str], tuple[int, int, int, int]] = {
+    ("llama", "fp32"): (64, 5, 76, 16), ("llama", "autocast"): (76, 10, 94, 21), ("llama", "lowp"): (72, 5, 86, 16),
+    ("gpt", "fp32"): (44, 3, 45, 9), ("gpt", "autocast"): (58, 6, 61, 12), ("gpt", "lowp"): (48, 3, 51, 9),
+}
+EAGER_REST_KERNELS: dict[tuple[str, str], tuple[int, int]] = {
+    ("llama", "fp32"): (10, 19), ("llama", "autocast"): (13, 22), ("llama", "lowp"): (13, 21),
+    ("gpt", "fp32"): (8, 8), ("gpt", "autocast"): (11, 11), ("gpt", "lowp"): (9, 8),
+}
+# GPU time each eager kernel adds beyond its work (launch and tail of a kernel the GPU runs one after
+# another): "a few microseconds" per launch (NVIDIA Technical Blog, "Getting Started with CUDA Graphs",
+# 2019: graphs exist to remove this per-kernel overhead). ASSUMED 3 us until benchmarks/kernels.py's
+# per-op overhead is measured on a GPU. Compiled blocks launch a few fused kernels and are not charged.
+EAGER_KERNEL_LAUNCH_S = 3e-6
+# Achieved fraction of HBM bandwidth of the eager pointwise kernels (activations.pointwise_forward_bytes,
+# op by op: norms' reductions, casts, RoPE's cat / neg, residual adds), below the streaming
+# HBM_FRACTION: FITTED to our own measured H100 runs (tests/fixtures/h100_runs.json, from
+# ../shared/gpu/h100-runs.json: one H100 SXM, torch 2.11, eager), not to any published run. What the
+# planner missed on those rows is proportional to the tokens (micro-batch 4 x 4 loses twice what 8 x 1
+# loses) and not to the GEMM time (fp32 loses little), i.e. to the pointwise traffic. Leave-one-out over
+# the six rows, each predicted by the constant fitted to the other five: docs/architecture.md §6 and
+# tests/unit/test_plan_h100.py. `benchmarks/kernels.py` measures copy / reduction / triad bandwidth on a
+# device; `shardwise plan calibrate` refits this from a cluster's own runs. Compiled runs keep
+# HBM_FRACTION (their fused kernels stream).
+EAGER_POINTWISE_HBM_FRACTION = 0.60
+# fp16's dynamic loss scaler (parallel/precision.py DynamicLossScaler.unscale_): per parameter, a
+# foreach multiply (read + write 4 B), isfinite (read 4 B, write a 1 B mask) and .all() over the mask (1 B).
+LOSS_SCALER_BYTES_PER_PARAM = 14.0
 
 # ---------------------------------------------------------------------------------------------------
 # Memory-bound work (norms, activations functions, RoPE, residual adds, optimizer, cross-entropy)
@@ -123,3 +168,30 @@ def family(device_name: str) -> str:
 # FP8 dynamic scaling (torchao float8 training, tensorwise / rowwise): per element of a GEMM operand, an
 # amax pass reads the 16-bit tensor (2 B), the cast reads it again (2 B) and writes FP8 (1 B).
 FP8_CAST_BYTES = 5
+
+# ===================================================================================================
+# What a run costs: power, failures, checkpoints (plan/goodput.py). Not part of the step-time model.
+# ===================================================================================================
+# Board power while the GPU waits (exposed communication, pipeline bubble, optimizer) as a fraction of
+# its TDP (spec/hardware.py Device.tdp_w); computing, it draws the TDP: P = TDP x (f + (1 - f) x busy).
+# ASSUMED 0.15: an idle H100 SXM board reads roughly 70-100 W of its 700 W in nvidia-smi (our reading of
+# commonly reported figures, not measured here); a GPU waiting inside a step stays clocked up with
+# NCCL kernels and HBM traffic, so it likely draws more — this is the low end. Compute at the full TDP
+# is the high end (training rarely holds the power limit). train/power.py measures what a run draws.
+IDLE_POWER_FRACTION = 0.15
+# Unexpected interruptions per GPU-hour when cluster.failures_per_gpu_hour is unset: Llama 3's
+# pre-training saw 419 unexpected interruptions in a 54-day snapshot on 16,384 H100 GPUs (Dubey et
+# al. 2024, "The Llama 3 Herd of Models", arXiv 2407.21783 §3.3.4; 47 planned ones not counted), i.e. a
+# job MTBF of 54 x 24 / 419 = 3.09 hours at 16,384 GPUs; they report > 90% effective training time.
+LLAMA3_INTERRUPTIONS = 419
+LLAMA3_SNAPSHOT_DAYS = 54
+LLAMA3_GPUS = 16384
+FAILURES_PER_GPU_HOUR = LLAMA3_INTERRUPTIONS / (LLAMA3_SNAPSHOT_DAYS * 24 * LLAMA3_GPUS)
+# Write bandwidth from one GPU's checkpoint shard to storage (cluster.checkpoint_save_s unset: the save
+# time is the most loaded rank's parameters + optimizer state over this), GB/s. ASSUMED 2 GB/s: a
+# parallel file system's per-client share when every rank writes at once; no measurement here.
+CHECKPOINT_WRITE_GBPS_PER_GPU = 2.0
+# Time from a failure to training again (cluster.restart_s unset): detection, re-scheduling the job,
+# process start-up, NCCL initialisation and loading the checkpoint. ASSUMED 10 minutes (Daly 2006 uses
+# R = 10 min in his worked examples; no measured figure of ours).
+RESTART_S = 600.0

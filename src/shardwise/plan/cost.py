@@ -137,6 +137,21 @@ def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[
     return out + [(tokens, f, h, ups), (tokens, h, f, 1)]
 
 
+def _kernel_key(s, reg: str) -> tuple[str, str]:
+    return s.arch, "autocast" if reg == "autocast_fp8" else reg
+
+
+def eager_block_kernels(s, reg: str, moe: bool, ep: int) -> tuple[int, int]:
+    """(forward, backward) kernels one block launches in eager mode (constants.EAGER_BLOCK_KERNELS; a MoE
+    block's count grows with its local experts)."""
+    key = _kernel_key(s, reg)
+    if moe and s.moe is not None:
+        fwd, fwd_e, bwd, bwd_e = C.EAGER_MOE_BLOCK_KERNELS[key]
+        local = max(1, s.moe.num_experts // ep)
+        return fwd + fwd_e * local, bwd + bwd_e * local
+    return C.EAGER_BLOCK_KERNELS[key]
+
+
 @lru_cache(maxsize=1 << 17)
 def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBatchTimes:
     dev = problem.cluster.device
@@ -146,6 +161,9 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     peak8 = dev.peak_flops("fp8") if fp8 else peak
     tokens = max(1, lay.micro_batch * problem.seq_len // lay.cp)
     hbm = dev.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
+    # Eager pointwise kernels, op by op, stream worse than a copy (constants.EAGER_POINTWISE_HBM_FRACTION).
+    eager_fraction = problem.cluster.pointwise_hbm_fraction or C.EAGER_POINTWISE_HBM_FRACTION  # plan calibrate's, if any
+    pointwise_bw = dev.memory_bandwidth_gbps * 1e9 * (eager_fraction if problem.eager else C.HBM_FRACTION)
     s = problem.shape
     attn_frac = _device_constant(C.ATTENTION_FRACTION, dev.name, C.ATTENTION_FRACTION_DEFAULT)
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
@@ -161,8 +179,16 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
         # holds tokens/cp queries against the whole sequence's keys.
         attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
+        if problem.attention == "math" and lay.cp == 1:
+            # The math backend (spec/layout.py attention_backend): two batched GEMMs over the whole s x s
+            # (the mask is applied after, nothing skipped) at GEMM speed, and the probabilities stream
+            # through memory C.MATH_ATTENTION_PASSES times (scores written, mask added in place, softmax
+            # read and written, read by the second GEMM).
+            mamf = _device_constant(C.MAMF_FRACTION, dev.name, C.MAMF_FRACTION_DEFAULT)
+            attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp / (peak * mamf)
+            attn += C.MATH_ATTENTION_PASSES * elem * tokens * problem.seq_len * s.n_heads / lay.tp / hbm
         # Pointwise kernels: the forward's bytes (activations.pointwise_forward_bytes); backward ~2x.
-        pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp, moe) * tokens / hbm
+        pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp, moe) * tokens / pointwise_bw
         # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
         # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
@@ -180,6 +206,12 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         loss = 3 * 4.0 * tokens * s.vocab_size / lay.tp / hbm  # logits -> fp32 -> log-softmax, and back
         fwd += head + loss
         bwd += 2 * head + loss
+    if problem.eager:  # constants.EAGER_KERNEL_LAUNCH_S per kernel the rank's eager forward / backward launches
+        dense, moe = eager_block_kernels(s, reg, False, lay.ep), eager_block_kernels(s, reg, True, lay.ep)
+        rest = C.EAGER_REST_KERNELS[_kernel_key(s, reg)] if (rank.head or rank.embedding) else (0, 0)
+        for i in (0, 1):
+            launches = (rank.dense_layers * dense[i] + rank.moe_layers * moe[i] + rest[i]) * C.EAGER_KERNEL_LAUNCH_S
+            fwd, bwd = (fwd + launches, bwd) if i == 0 else (fwd, bwd + launches)
     # Recomputation: full re-runs the forward of checkpointed blocks; "op" re-runs only the cheap ops.
     n_blocks = rank.layers
     per_block_fwd = (fwd_one if rank.dense_layers else g_m + a_m + e_m)
@@ -370,9 +402,11 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel) -> float:
     st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep))
     numel = st.optimizer / 8 if problem.model_states == "shardwise" or not problem.low_precision else st.optimizer / 12
     hbm = problem.cluster.device.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
+    # fp16: the loss scaler unscales and checks every gradient first (on the GPU, also under offload).
+    scaler = numel * C.LOSS_SCALER_BYTES_PER_PARAM / hbm if problem.precision == "fp16" else 0.0
     if lay.offload:
-        return numel * C.OPTIMIZER_BYTES_PER_PARAM / (C.HOST_MEMORY_GBPS_PER_GPU * 1e9)
-    return numel * C.OPTIMIZER_BYTES_PER_PARAM / hbm
+        return numel * C.OPTIMIZER_BYTES_PER_PARAM / (C.HOST_MEMORY_GBPS_PER_GPU * 1e9) + scaler
+    return numel * C.OPTIMIZER_BYTES_PER_PARAM / hbm + scaler
 
 
 def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> float:

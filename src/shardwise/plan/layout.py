@@ -15,10 +15,10 @@ from typing import Any
 
 from shardwise.errors import ConfigError, Violation
 from shardwise.plan import constants as C
-from shardwise.plan.calibration import AxisCalibration, load_calibration
+from shardwise.plan.calibration import AxisCalibration, load_calibration, read_plan_calibration
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
-from shardwise.spec.layout import PRECISIONS, Layout, compute_precision
+from shardwise.spec.layout import PRECISIONS, Layout, attention_backend, compute_precision
 from shardwise.spec.shapes import ModelShape
 
 MODEL_STATES = ("shardwise", "mixed")
@@ -38,6 +38,14 @@ class Cluster:
     # Measured per mesh axis (cluster.calibration, plan/calibration.py); () = the datasheet model only.
     calibration: tuple[AxisCalibration, ...] = ()
     calibration_path: str = ""
+    # Fitted by `shardwise plan calibrate` (plan/fit.py): eager pointwise kernels' HBM fraction; None = the
+    # built-in constants.EAGER_POINTWISE_HBM_FRACTION.
+    pointwise_hbm_fraction: float | None = None
+    # What a run costs (plan/goodput.py): None = unset, the planner's default (plan/constants.py).
+    price_per_gpu_hour: float = 0.0
+    failures_per_gpu_hour: float | None = None
+    checkpoint_save_s: float | None = None
+    restart_s: float | None = None
 
     def measured(self, axis: str) -> AxisCalibration | None:
         """The calibration of `axis` when `shardwise bench-comm` measured it, else None."""
@@ -56,11 +64,29 @@ class Cluster:
         for key in ("intra_node_gbps", "inter_node_gbps", "intra_node_latency_us", "inter_node_latency_us"):
             if getattr(c, key) < 0:
                 raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}", "0 takes the default")
+        fixes = {"price_per_gpu_hour": "0 = not priced", "failures_per_gpu_hour": "0 = no failures; unset = Llama 3's rate",
+                 "checkpoint_save_s": "unset = estimated from the checkpoint's bytes", "restart_s": "unset = an assumed 600 s"}
+        costs = {k: getattr(c, k, None) for k in fixes}
+        for key, v in costs.items():
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"cluster.{key}", f"must be a finite number >= 0, got {v}", fixes[key])
         path = getattr(c, "calibration", None) or ""
+        # cluster.calibration: one file or several, comma-separated: bench-comm results (links) and / or a
+        # `plan calibrate` result (the eager pointwise fraction).
+        links: tuple[AxisCalibration, ...] = ()
+        fraction = None
+        for one in (part.strip() for part in path.split(",") if part.strip()):
+            compute = read_plan_calibration(one)
+            if compute is None:
+                links += load_calibration(one)
+            else:
+                fraction = compute
         return cls(device, c.num_gpus, min(c.gpus_per_node, c.num_gpus),
                    c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps,
                    (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S,
-                   load_calibration(path) if path else (), path)
+                   links, path, pointwise_hbm_fraction=fraction, price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
+                   failures_per_gpu_hour=costs["failures_per_gpu_hour"], checkpoint_save_s=costs["checkpoint_save_s"],
+                   restart_s=costs["restart_s"])
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +103,12 @@ class Problem:
     model_states: str
     assume_mfu: float = 0.0
     fp8_recipe: str = "tensorwise"  # train.fp8_recipe, read when precision is "fp8"
+    # The SDPA kernel of the blocks (spec/layout.py attention_backend): the planner plans GPUs; the CPU
+    # validation replaces it with what runs there ("flash").
+    attention: str = "flash"
+    # train.compile resolved as the trainer does on a GPU (unset: compiled): eager forwards pay a cost per
+    # kernel (constants.EAGER_FORWARD_KERNEL_S).
+    eager: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Problem":
@@ -105,7 +137,8 @@ class Problem:
             world = pa.dp_replicate * max(1, pa.dp_shard) * pa.cp * pa.tp * pa.pp
             cluster_cfg = replace(cluster_cfg, num_gpus=world, gpus_per_node=min(cluster_cfg.gpus_per_node, world))
         return cls(shape, Cluster.from_config(cluster_cfg), t.seq_len, t.global_batch, tokens, t.precision, states,
-                   cfg.cluster.assume_mfu, t.fp8_recipe)
+                   cfg.cluster.assume_mfu, t.fp8_recipe, attention_backend("cuda", t.precision, shape.n_kv_heads != shape.n_heads),
+                   eager=t.compile is False)
 
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""

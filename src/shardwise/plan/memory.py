@@ -238,8 +238,11 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
     cp_per_token = A.cp_block_bytes_per_token(shape, reg, tp, cp, cp_mode)
     cp_fixed = A.cp_rope_bytes_per_block(shape, problem.seq_len, cp) if cp > 1 else 0.0
 
+    # The math SDPA backend (fp32 + GQA on CUDA) saves the s x s probabilities; CP runs its own attention.
+    attention = problem.attention if cp == 1 else "flash"
+
     def none_block(moe: bool) -> float:
-        b = A.block_bytes(shape, reg, tp, sp, moe)
+        b = A.block_bytes(shape, reg, tp, sp, moe, attention=attention, seq_len=problem.seq_len)
         # FP8 weights all-gathered by FSDP2 (tensorwise): a Float8Linear keeps the gathered FP8 weight and
         # its transposed copy for backward, 2 bytes per converted element (measured with saved-tensor hooks;
         # not modelled under recomputation, which no FP8 validation row covers yet).

@@ -7,6 +7,7 @@ from typing import Any
 
 from shardwise.plan.cost import Estimate
 from shardwise.plan.decode import DecodeEstimate
+from shardwise.plan.goodput import RunCost, run_cost
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import GIB
 from shardwise.plan.search import SearchResult, why_lost
@@ -121,6 +122,40 @@ def model_state_lines(problem: Problem, est: Estimate) -> list[str]:
             f"{_bytes(here, like=n * per)} on this layout's most loaded GPU"]
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.3g} min" if seconds < 7200 else f"{seconds / 3600:.3g} h"
+
+
+def _amount(x: float) -> str:
+    return _count(x) if x >= 1e3 else f"{x:.3g}"
+
+
+def cost_lines(rc: RunCost) -> list[str]:
+    """The cost block of `plan evaluate` (plan/goodput.py): GPU-hours and price, energy, failures and checkpoints."""
+    priced = (f"{_amount(rc.cost)} at {rc.price_per_gpu_hour:g} per GPU-hour ({_amount(rc.cost_with_failures)} with failures)"
+              if rc.cost is not None else "not priced (cluster.price_per_gpu_hour = 0)")
+    out = [f"cost     {_amount(rc.gpu_hours)} GPU-hours ({_amount(rc.gpu_hours_with_failures)} with failures)  |  {priced}"]
+    if rc.energy_kwh is not None:
+        energy = f"{rc.energy_kwh / 1e3:,.0f} MWh" if rc.energy_kwh >= 1e3 else f"{rc.energy_kwh:.3g} kWh"
+        out.append(f"energy   {rc.power_w_per_gpu:.0f} W per GPU (TDP {rc.tdp_w:g} W, busy {rc.busy_fraction * 100:.0f}% of the step, "
+                   f"waiting at {rc.idle_power_fraction:.0%} of TDP, assumed)  |  {energy} for the run, "
+                   f"{rc.energy_j_per_token:.3g} J/token (all GPUs; failures excluded)")
+    if rc.checkpoint_every_steps is None:
+        out.append("failures none (cluster.failures_per_gpu_hour = 0): no checkpoint or restart overhead")
+        return out
+    out += [f"failures MTBF {rc.mtbf_hours:.3g} h ({rc.failures_per_gpu_hour:.3g}/GPU-hour, {rc.failures_source}), "
+            f"{rc.expected_failures:,.0f} expected  |  checkpoint save {_duration(rc.checkpoint_save_s)} "
+            f"({rc.checkpoint_source}{f', {_bytes(rc.checkpoint_bytes_per_gpu)}/GPU' if rc.checkpoint_source == 'estimated' else ''})"
+            f", restart {_duration(rc.restart_s)} ({rc.restart_source})",
+            f"goodput  checkpoint every {_duration(rc.checkpoint_interval_s)} = checkpoint.every {rc.checkpoint_every_steps} "
+            f"(Young/Daly{', longer than the run' if rc.checkpoint_interval_s > rc.days * 86400 else ''})  |  "
+            f"overhead {rc.overhead * 100:.1f}%, goodput {rc.goodput * 100:.1f}%  |  "
+            f"{_days(rc.days_with_failures)} including failures"]
+    return out + ([f"note: {rc.note}"] if rc.note else [])
+
+
 def evaluate_text(problem: Problem, est: Estimate) -> str:
     from rich.table import Table
 
@@ -169,6 +204,7 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     con.print(f"tokens/s {est.tokens_per_s:,.0f}  |  model TFLOP/s per GPU {est.model_tflops_per_gpu:.1f}  |  "
               f"MFU {est.mfu * 100:.1f}% ({est.mfu_source})  |  {_days(est.days)} for {_tokens(problem.tokens)} tokens "
               f"({f'{est.days_6nd:.1f}' if est.days_6nd >= 0.1 else _days(est.days_6nd)} by the 6ND rule)", soft_wrap=True)
+    con.print("\n".join(cost_lines(run_cost(problem, est))), soft_wrap=True)
     con.print("\n".join(model_state_lines(problem, est)), soft_wrap=True)
     return con.file.getvalue()
 

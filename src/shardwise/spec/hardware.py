@@ -11,6 +11,10 @@ bandwidth (NVLink / Infinity Fabric; vendors quote the bidirectional sum, halved
 `inter_node_gbps` is the per-GPU network share of the vendor's reference platform (e.g. DGX H100:
 one 400 Gb/s ConnectX-7 per GPU = 50 GB/s). The planner may override both.
 
+`tdp_w` is the board's maximum power in watts as the same datasheets print it ("Max thermal design
+power (TDP)", NVIDIA; "total board power", AMD), the configurable maximum where a range is given; the
+planner's energy model (plan/goodput.py) scales it by the predicted busy fraction of a step.
+
 This module is pure Python (the spec floor): the planner uses the table without torch.
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Device:
     intra_node_gbps: float
     inter_node_gbps: float
     source: str
+    tdp_w: float = 0.0  # maximum board power, watts (datasheet, see `source`); 0 = unknown: no energy estimate
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype` ("fp32", "tf32", "bf16", "fp16", "fp8" or an alias)."""
@@ -55,42 +60,49 @@ _H200_DS = "NVIDIA H200 Tensor Core GPU datasheet (2024; sparse tensor-core figu
 # Never mutated: a module-level constant table.
 DEVICES: dict[str, Device] = {
     "a100-sxm-40gb": Device("a100-sxm-40gb", _A100_TFLOPS, 40.0, 1555.0, 300.0, 25.0,
-                            f"{_A100_DS}, A100 40GB SXM column; NVLink 600 GB/s bidirectional; {_DGX_A100_NET}"),
+                            f"{_A100_DS}, A100 40GB SXM column (max TDP 400 W); NVLink 600 GB/s bidirectional; "
+                            f"{_DGX_A100_NET}", tdp_w=400.0),
     "a100-sxm-80gb": Device("a100-sxm-80gb", _A100_TFLOPS, 80.0, 2039.0, 300.0, 25.0,
-                            f"{_A100_DS}, A100 80GB SXM column; NVLink 600 GB/s bidirectional; {_DGX_A100_NET}"),
+                            f"{_A100_DS}, A100 80GB SXM column (max TDP 400 W); NVLink 600 GB/s bidirectional; "
+                            f"{_DGX_A100_NET}", tdp_w=400.0),
     "a100-pcie-40gb": Device("a100-pcie-40gb", _A100_TFLOPS, 40.0, 1555.0, 300.0, 25.0,
-                             f"{_A100_DS}, A100 40GB PCIe column; NVLink bridge (GPU pairs only) 600 GB/s "
-                             "bidirectional; network assumes one 200 Gb/s NIC per GPU"),
+                             f"{_A100_DS}, A100 40GB PCIe column (max TDP 250 W); NVLink bridge (GPU pairs only) "
+                             "600 GB/s bidirectional; network assumes one 200 Gb/s NIC per GPU", tdp_w=250.0),
     "a100-pcie-80gb": Device("a100-pcie-80gb", _A100_TFLOPS, 80.0, 1935.0, 300.0, 25.0,
-                             f"{_A100_DS}, A100 80GB PCIe column; NVLink bridge (GPU pairs only) 600 GB/s "
-                             "bidirectional; network assumes one 200 Gb/s NIC per GPU"),
+                             f"{_A100_DS}, A100 80GB PCIe column (max TDP 300 W); NVLink bridge (GPU pairs only) "
+                             "600 GB/s bidirectional; network assumes one 200 Gb/s NIC per GPU", tdp_w=300.0),
     "h100-sxm-80gb": Device("h100-sxm-80gb", _H100_SXM_TFLOPS, 80.0, 3350.0, 450.0, 50.0,
-                            f"{_H100_DS}, H100 SXM column; NVLink 900 GB/s bidirectional; "
-                            "DGX H100: 8x 400 Gb/s ConnectX-7, one per GPU"),
+                            f"{_H100_DS}, H100 SXM column (max TDP up to 700 W, configurable); NVLink 900 GB/s "
+                            "bidirectional; DGX H100: 8x 400 Gb/s ConnectX-7, one per GPU", tdp_w=700.0),
     "h100-pcie-80gb": Device("h100-pcie-80gb",
                              {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5, "fp8": 1513.0},
                              80.0, 2000.0, 300.0, 25.0,
-                             f"{_H100_DS}, H100 PCIe column; NVLink bridge (GPU pairs only) 600 GB/s "
-                             "bidirectional; network assumes one 200 Gb/s NIC per GPU"),
+                             f"{_H100_DS}, H100 PCIe column (max TDP 300-350 W configurable: 350 W); NVLink bridge "
+                             "(GPU pairs only) 600 GB/s bidirectional; network assumes one 200 Gb/s NIC per GPU",
+                             tdp_w=350.0),
     "h100-nvl-94gb": Device("h100-nvl-94gb", _H100_NVL_TFLOPS, 94.0, 3900.0, 300.0, 50.0,
-                            f"{_H100_DS}, H100 NVL column (per GPU); NVLink bridge 600 GB/s bidirectional; "
-                            "network assumes one 400 Gb/s NIC per GPU"),
+                            f"{_H100_DS}, H100 NVL column (per GPU; max TDP 2x 350-400 W configurable: 400 W); "
+                            "NVLink bridge 600 GB/s bidirectional; network assumes one 400 Gb/s NIC per GPU",
+                            tdp_w=400.0),
     "h200-sxm-141gb": Device("h200-sxm-141gb", _H100_SXM_TFLOPS, 141.0, 4800.0, 450.0, 50.0,
-                             f"{_H200_DS}, H200 SXM column (same compute as H100 SXM); NVLink 900 GB/s "
-                             "bidirectional; DGX H200: 8x 400 Gb/s ConnectX-7, one per GPU"),
+                             f"{_H200_DS}, H200 SXM column (same compute as H100 SXM; max TDP up to 700 W, "
+                             "configurable); NVLink 900 GB/s bidirectional; DGX H200: 8x 400 Gb/s ConnectX-7, one per GPU",
+                             tdp_w=700.0),
     "h200-nvl-141gb": Device("h200-nvl-141gb", _H100_NVL_TFLOPS, 141.0, 4800.0, 450.0, 50.0,
-                             f"{_H200_DS}, H200 NVL column; 2/4-way NVLink bridge 900 GB/s bidirectional; "
-                             "network assumes one 400 Gb/s NIC per GPU"),
+                             f"{_H200_DS}, H200 NVL column (max TDP up to 600 W, configurable); 2/4-way NVLink bridge "
+                             "900 GB/s bidirectional; network assumes one 400 Gb/s NIC per GPU", tdp_w=600.0),
     "b200": Device("b200", {"fp32": 75.0, "tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},
                    180.0, 8000.0, 900.0, 50.0,
                    "NVIDIA DGX B200 / HGX B200 specifications (8-GPU totals: 36 PF FP16/BF16, 72 PF FP8, "
                    "18 PF TF32 with sparsity, 600 TF FP32, 1,440 GB HBM3e, 64 TB/s) divided by 8, sparse "
-                   "halved; NVLink 5 1.8 TB/s bidirectional; DGX B200: 8x 400 Gb/s ConnectX-7"),
+                   "halved; NVLink 5 1.8 TB/s bidirectional; DGX B200: 8x 400 Gb/s ConnectX-7; HGX B200: up "
+                   "to 1,000 W per GPU (the configuration these peaks are quoted at)", tdp_w=1000.0),
     "mi300x": Device("mi300x", {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
                      192.0, 5300.0, 448.0, 50.0,
                      "AMD Instinct MI300X accelerator datasheet (dense matrix peaks); AMD CDNA 3 white "
                      "paper: 7 Infinity Fabric links x 64 GB/s per direction (full mesh, 64 GB/s to each "
-                     "peer); network assumes one 400 Gb/s NIC per GPU"),
+                     "peer); network assumes one 400 Gb/s NIC per GPU; total board power 750 W peak (datasheet)",
+                     tdp_w=750.0),
 }
 
 _DTYPE_ALIASES = {

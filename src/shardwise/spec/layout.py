@@ -19,6 +19,22 @@ def compute_precision(precision: str) -> str:
     """The dtype a run computes in outside FP8's GEMMs, and the peak its MFU is measured against:
     "fp8" computes in bf16, and counting it against the bf16 peak keeps its MFU comparable to bf16's."""
     return "bf16" if precision == "fp8" else precision
+
+
+def attention_backend(device: str, precision: str, gqa: bool) -> str:
+    """Which kernel torch's scaled_dot_product_attention runs for our causal call (models/common.py
+    causal_attention) — "flash", "efficient" or "math" — a fact the planner needs for memory and time.
+
+    CPU: torch's CPU flash kernel takes fp32 and bf16 alike (what tests/dist/test_plan_validation.py
+    measures). CUDA: FlashAttention needs 16-bit inputs; in fp32 the memory-efficient kernel would run,
+    but it does not take enable_gqa (torch 2.11's sdp_utils: only the flash, cuDNN and math backends
+    accept grouped KV heads), so a grouped-query model in fp32 falls back to the math backend, which
+    materialises the s x s probabilities (the 17 GiB of the fp32 row in shared/gpu/h100-runs.json)."""
+    if device == "cpu" or precision != "fp32":
+        return "flash"
+    return "math" if gqa else "efficient"
+
+
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_POLICIES = ("op", "layer")
 PP_SPLITS = ("even", "balanced")

@@ -1,0 +1,153 @@
+"""`shardwise plan calibrate RUN_DIR... [--runs FILE.json] [--out calib.json]`: fit the planner to measured runs.
+
+What is fitted: the achieved HBM fraction of eager pointwise kernels (constants.EAGER_POINTWISE_HBM_FRACTION),
+the one time-model constant our own measurements set; everything else (GEMM and attention fractions,
+bandwidths, launch overhead, the byte inventories) stays as its datasheet / microbenchmark / closed form
+says. A predicted step is t = a + b / f in that fraction f (the pointwise bytes over f x bandwidth), so
+the fit is closed-form weighted least squares of the relative step-time error over the eager runs.
+
+A refit must not hide a structural error, so every run's residual is printed, before and after, with
+the memory residual (never fitted) and a leave-one-out column: each run predicted by the constant fitted
+to the others. Runs come from training run directories (config.toml + metrics.jsonl: the median step
+time of the logged steps after the first, and the CUDA peak allocated bytes when recorded) or from a
+table (tests/fixtures/h100_runs.json: base overrides, then per run its overrides and measurements).
+The output is read back by `--cluster.calibration=calib.json` (plan/layout.py Cluster.from_config).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import Config, build_config, load_toml, parse_overrides
+from shardwise.errors import ConfigError
+from shardwise.plan import constants as C
+from shardwise.plan.calibration import PLAN_SCHEMA as SCHEMA
+from shardwise.plan.cost import evaluate
+from shardwise.plan.layout import Problem
+from shardwise.spec.layout import Layout
+
+GIB = 2**30
+
+
+@dataclass
+class MeasuredRun:
+    name: str
+    cfg: Config
+    step_time_s: float
+    peak_bytes: float | None  # CUDA max_memory_allocated; None when not recorded (CPU runs)
+
+
+def run_from_dir(path: Path) -> MeasuredRun:
+    where = f"RUN_DIR {path}"
+    if not (path / "config.toml").is_file() or not (path / "metrics.jsonl").is_file():
+        raise ConfigError(where, "has no config.toml and metrics.jsonl", "give the run.dir of a `shardwise train` run")
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [r["step_time_s"] for r in records if isinstance(r.get("step_time_s"), (int, float))][1:]
+    if not times:
+        raise ConfigError(where, "logged fewer than two steps with a step time", "train longer (train.steps, train.log_every)")
+    peaks = [max(r.get("memory_per_rank_bytes", {}).get("max_memory_allocated") or [0]) for r in records]
+    cfg = build_config(load_toml(path / "config.toml"))
+    return MeasuredRun(path.name, cfg, statistics.median(times), max(peaks) or None)
+
+
+def runs_from_table(path: Path) -> list[MeasuredRun]:
+    try:
+        table = json.loads(path.read_text())
+        base = list(table["base"])
+        return [MeasuredRun(r["name"], build_config(None, parse_overrides(base + list(r["overrides"]))), float(r["step_time_s"]),
+                            float(r["peak_gib"]) * GIB if r.get("peak_gib") else None) for r in table["runs"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError("--runs", f"{path}: {e}", 'give {"base": [overrides], "runs": [{"name", "overrides", '
+                          '"step_time_s", "peak_gib"}]}') from None
+
+
+def predict(run: MeasuredRun, fraction: float | None = None) -> tuple[float, float, bool]:
+    """(step seconds, peak bytes, eager) the planner predicts for a run, with the eager pointwise
+    fraction `fraction` (None: the built-in constant or the run's own cluster.calibration)."""
+    problem = Problem.from_config(run.cfg)
+    if fraction is not None:
+        problem = replace(problem, cluster=replace(problem.cluster, pointwise_hbm_fraction=fraction))
+    est = evaluate(problem, Layout.from_config(run.cfg, problem.cluster.num_gpus))
+    return est.step_time_s, est.memory.total, problem.eager
+
+
+def _affine(run: MeasuredRun) -> tuple[float, float]:
+    """(a, b) of t = a + b x in x = 1 / fraction: exact, the pointwise time being bytes / (x^-1 bandwidth)."""
+    t1, _, _ = predict(run, 1.0)
+    t2, _, _ = predict(run, 0.5)
+    return 2 * t1 - t2, t2 - t1
+
+
+def fit_fraction(runs: list[MeasuredRun]) -> float | None:
+    """The fraction minimising sum(((a + b x) / t - 1)^2) over the eager runs; None without one."""
+    num = den = 0.0
+    for run in runs:
+        a, b = _affine(run)
+        num += b * (run.step_time_s - a) / run.step_time_s**2
+        den += b * b / run.step_time_s**2
+    if den <= 0 or num <= 0:
+        return None
+    return min(1.0, max(0.05, den / num))
+
+
+def calibrate(runs: list[MeasuredRun]) -> dict[str, Any]:
+    eager = [r for r in runs if predict(r)[2]]
+    fraction = fit_fraction(eager)
+    rows = []
+    for run in runs:
+        before, peak, is_eager = predict(run)
+        after = predict(run, fraction)[0] if fraction is not None else before
+        others = [r for r in eager if r is not run]
+        held_out = fit_fraction(others) if is_eager and others else None
+        loo = predict(run, held_out)[0] if held_out is not None else None
+        rows.append({"name": run.name, "eager": is_eager, "measured_step_s": run.step_time_s,
+                     "predicted_step_s": before, "fitted_step_s": after,
+                     "leave_one_out_fraction": held_out, "leave_one_out_step_s": loo,
+                     "step_error": before / run.step_time_s - 1, "fitted_step_error": after / run.step_time_s - 1,
+                     "leave_one_out_error": None if loo is None else loo / run.step_time_s - 1,
+                     "measured_peak_gib": None if run.peak_bytes is None else run.peak_bytes / GIB,
+                     "predicted_peak_gib": peak / GIB,
+                     "memory_error": None if run.peak_bytes is None else peak / run.peak_bytes - 1})
+    return {"schema": SCHEMA, "eager_pointwise_hbm_fraction": fraction,
+            "built_in_eager_pointwise_hbm_fraction": C.EAGER_POINTWISE_HBM_FRACTION, "runs": rows}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def calibration_text(result: dict[str, Any]) -> str:
+    f = result["eager_pointwise_hbm_fraction"]
+    lines = [f"eager pointwise HBM fraction: fitted {f:.3f} (built in {result['built_in_eager_pointwise_hbm_fraction']})"
+             if f is not None else "no eager run: nothing to fit (compiled runs are reported only)",
+             f"{'run':34} {'measured s':>10} {'built in':>9} {'fitted':>8} {'leave-one-out':>13} {'peak GiB':>9} {'memory':>8}"]
+    for r in result["runs"]:
+        peak = "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.2f}"
+        lines.append(f"{r['name'][:34]:34} {r['measured_step_s']:>10.4f} {_pct(r['step_error']):>9} "
+                     f"{_pct(r['fitted_step_error']):>8} {_pct(r['leave_one_out_error']):>13} {peak:>9} {_pct(r['memory_error']):>8}")
+    lines.append("errors: predicted / measured - 1; leave-one-out: fitted without that run; memory is never fitted")
+    return "\n".join(lines) + "\n"
+
+
+def calibrate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise plan calibrate")
+    parser.add_argument("run_dirs", nargs="*", help="run directories of `shardwise train` runs")
+    parser.add_argument("--runs", default=None, help="a table of measured runs (JSON: base overrides, per-run overrides)")
+    parser.add_argument("--out", default=None, help="write the calibration here (read back by --cluster.calibration=FILE)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    runs = [run_from_dir(Path(d)) for d in args.run_dirs] + (runs_from_table(Path(args.runs)) if args.runs else [])
+    if not runs:
+        raise ConfigError("RUN_DIR", "no run given", "pass run directories and/or --runs FILE.json")
+    result = calibrate(runs)
+    print(json.dumps(result, indent=2) if args.json else calibration_text(result), end="\n" if args.json else "")
+    if args.out:
+        if result["eager_pointwise_hbm_fraction"] is None:
+            raise ConfigError("--out", "nothing was fitted (no eager run)", "include runs trained with train.compile=false")
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}: use it with --cluster.calibration={args.out}")
+    return 0

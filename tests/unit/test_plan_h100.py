@@ -1,0 +1,94 @@
+"""The planner against our own measured H100 runs (tests/fixtures/h100_runs.json), and `plan calibrate`.
+
+The issue's bar: with no calibration file, every row within 10% step time and 10% peak memory; and
+each row within 10% when predicted by the constant fitted to the *other* rows (leave-one-out), so
+the one fitted constant (constants.EAGER_POINTWISE_HBM_FRACTION) is not simply absorbing each row.
+Measured today: step time -3.5% .. +3.5% built in, -4.2% .. +4.5% leave-one-out; memory -4.8% .. +8.8%.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.plan import constants as C
+from shardwise.plan.fit import calibrate, predict, runs_from_table
+from shardwise.spec.layout import attention_backend
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "h100_runs.json"
+STEP_RTOL = 0.10
+MEMORY_RTOL = 0.10
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    return calibrate(runs_from_table(FIXTURE))
+
+
+def test_every_h100_row_within_ten_percent_without_calibration(result):
+    assert len(result["runs"]) == 6
+    for row in result["runs"]:
+        assert row["eager"], row["name"]
+        assert abs(row["step_error"]) <= STEP_RTOL, row
+        assert abs(row["memory_error"]) <= MEMORY_RTOL, row
+
+
+def test_leave_one_out_predicts_each_row_from_the_others(result):
+    for row in result["runs"]:
+        assert abs(row["leave_one_out_error"]) <= STEP_RTOL, row
+        assert 0.4 < row["leave_one_out_fraction"] < 0.8, row  # stable: no single row decides it
+    assert result["eager_pointwise_hbm_fraction"] == pytest.approx(C.EAGER_POINTWISE_HBM_FRACTION, abs=0.01)
+
+
+def test_the_fp32_row_needs_the_math_attention_backend():
+    """Without the math backend's s x s probabilities the fp32 row's memory was 28% low."""
+    assert attention_backend("cuda", "fp32", gqa=True) == "math"
+    assert attention_backend("cuda", "fp32", gqa=False) == "efficient"
+    assert attention_backend("cuda", "bf16", gqa=True) == attention_backend("cpu", "fp32", gqa=True) == "flash"
+    run = next(r for r in runs_from_table(FIXTURE) if "fp32" in r.name)
+    _, peak, _ = predict(run)
+    assert abs(peak / run.peak_bytes - 1) <= MEMORY_RTOL
+
+
+def test_compiled_runs_are_not_charged_the_eager_terms():
+    run = runs_from_table(FIXTURE)[0]
+    eager, _, is_eager = predict(run)
+    run.cfg.train.compile = True
+    compiled, _, not_eager = predict(run)
+    assert is_eager and not not_eager and compiled < 0.85 * eager
+
+
+def test_calibrate_cli_writes_a_file_the_planner_reads(tmp_path, capsys):
+    out = tmp_path / "calib.json"
+    assert main(["plan", "calibrate", "--runs", str(FIXTURE), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "leave-one-out" in text and "fp32 mb4 gb4" in text
+    data = json.loads(out.read_text())
+    data["eager_pointwise_hbm_fraction"] = 0.3  # a worse fraction must slow eager predictions down
+    out.write_text(json.dumps(data))
+    base = ["plan", "evaluate", "--json", *json.loads(FIXTURE.read_text())["base"]]
+    assert main(base) == 0
+    before = json.loads(capsys.readouterr().out)["step_time_s"]
+    assert main(base + [f"--cluster.calibration={out}"]) == 0
+    after = json.loads(capsys.readouterr().out)["step_time_s"]
+    assert after > 1.2 * before
+    data["eager_pointwise_hbm_fraction"] = 1.5
+    out.write_text(json.dumps(data))
+    assert main(base + [f"--cluster.calibration={out}"]) == 2
+    assert "eager_pointwise_hbm_fraction" in capsys.readouterr().err
+
+
+def test_calibrate_reads_run_directories(tmp_path, capsys):
+    """A CPU run directory: parsed (median step time after the first logged step), reported, not fitted
+    (its config compiles on a GPU by default, so no eager term to fit)."""
+    run = tmp_path / "run"
+    assert main(["train", "--train.steps=4", "--train.log_every=1", "--train.seq_len=32", "--data.tokenizer=byte",
+                 "--model.vocab_size=320", f"--run.dir={run}", "--run.progress=false", "--run.tensorboard=false"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "calibrate", str(run), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["eager_pointwise_hbm_fraction"] is None and data["runs"][0]["measured_step_s"] > 0
+    assert main(["plan", "calibrate", str(run), "--out", str(tmp_path / "c.json")]) == 2
+    assert main(["plan", "calibrate", str(tmp_path)]) == 2
