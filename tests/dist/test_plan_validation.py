@@ -38,9 +38,10 @@ non-CP tp2 row's 128 B/token, -1.6%) and cp2_ring_pp2_1f1b (the shared int64 tok
 -0.2% at most).
 
 Selective "op" recomputation keeps the outputs of matmuls / SDPA inside torch's selective-checkpoint
-cache, where saved-tensor hooks cannot see them (the meter only sees the checkpoint's block inputs);
-the test adds them with a dispatch mode that counts the storages of those ops' outputs during the
-measured forward, so the planner is compared with everything that is really kept.
+cache, where saved-tensor hooks cannot see them; the trainer's meter counts them with a dispatch mode
+over the blocks' forward (train/metrics.py ActivationMeter cached_ops), so its number is everything
+really kept. Before that the meter reported the same bytes for full and selective recomputation
+(4.39 GiB on the H100 rows of tests/fixtures/h100_runs.json, whose peaks differ by 10 GiB).
 """
 from __future__ import annotations
 
@@ -153,63 +154,15 @@ def _config(base, overrides: dict, world: int, run_dir: str):
 
 def _measure(base, name: str, overrides: dict, world: int, run_dir: str) -> dict[str, list[int]]:
     """One optimizer step of the real trainer; bytes per category for every rank."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    from shardwise.parallel.activation_checkpoint import _SAVE_OPS
-    from shardwise.train.metrics import _storage_key
     from shardwise.train.trainer import Trainer
 
     trainer = Trainer(_config(base, overrides, world, run_dir), log=None)
-
-    class PolicySaved(TorchDispatchMode):
-        """Storages of the outputs of the ops selective "op" recomputation saves (inside blocks)."""
-
-        def __init__(self):
-            super().__init__()
-            self.seen: set = set()
-            self.bytes = 0
-            self.depth = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if self.depth and func in _SAVE_OPS:
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        key, nbytes = _storage_key(t)
-                        if key not in self.seen:
-                            self.seen.add(key)
-                            self.bytes += nbytes
-            return out
-
     if trainer.dims.pp > 1:  # a warm-up step: count a steady step's traffic (see the module docstring)
         trainer.train_step()
         trainer.comm_bytes = None
-    policy = PolicySaved()
-    selective_op = trainer.cfg.train.recompute == "selective" and trainer.cfg.train.recompute_policy == "op"
-    if selective_op:
-        inner_loss = trainer._loss
-
-        def measured_loss(inputs, targets):
-            if trainer.activation_bytes:  # only the measured (first) forward
-                return inner_loss(inputs, targets)
-            hooks = []
-            for block in trainer.inner.layers:
-                hooks.append(block.register_forward_pre_hook(lambda *_: setattr(policy, "depth", policy.depth + 1)))
-                hooks.append(block.register_forward_hook(lambda *_: setattr(policy, "depth", policy.depth - 1)))
-            with policy:
-                loss = inner_loss(inputs, targets)
-            for h in hooks:
-                h.remove()
-            return loss
-
-        trainer._loss = measured_loss
     trainer.train_step(measure_memory=True)
     record = {k: list(v) for k, v in trainer.last_memory.items()}
     record["comm"] = trainer.comm_bytes  # this rank's payload bytes per axis, first (PP: second) step
-    if selective_op:
-        record["activations"] = [a + policy.bytes for a in record["activations"]]  # one process only
     return record
 
 

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 # Ops whose outputs are expensive to recompute (GEMMs, attention): saved under selective "op".
-_SAVE_OPS = {
+SELECTIVE_SAVE_OPS = frozenset({
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
@@ -28,11 +28,11 @@ _SAVE_OPS = {
     # the sharded one, and re-gathering it is what Korthikanti et al. §5 accept for that memory.
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
-}
+})
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _op_selective_context():

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from shardwise.tensors import local_shard
 
@@ -127,8 +129,16 @@ class ActivationMeter:
     copies are new storages and count as activations (they are held until backward).
     """
 
-    def __init__(self, exclude: nn.Module | Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: nn.Module | Iterable[torch.Tensor] = (), cached_regions: Iterable[nn.Module] = (),
+                 cached_ops: frozenset = frozenset()):
+        """`cached_regions` / `cached_ops`: under selective "op" recomputation torch's checkpoint keeps
+        the outputs of `cached_ops` (matmuls, SDPA: parallel/activation_checkpoint.py) run inside those
+        modules in a cache of its own, where saved-tensor hooks cannot see them; a dispatch mode counts
+        their storages instead (they are kept until the block's backward, like any saved tensor)."""
         self.bytes = 0
+        self._regions, self._cached_ops = list(cached_regions), cached_ops
+        self._depth = 0
+        self._mode: Any = None
         self._module = exclude if isinstance(exclude, nn.Module) else None
         self._excluded: set[Hashable] = set()
         self._excluded_by: dict[Hashable, torch.Tensor] = {}
@@ -175,20 +185,57 @@ class ActivationMeter:
     def _unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def _count(self, t: torch.Tensor) -> None:
+        key, nbytes = _storage_key(t)
+        if key is None or key not in self._seen:
+            self._seen.add(key)
+            self.bytes += nbytes
+
+    def _enter_region(self, *_: Any) -> None:
+        self._depth += 1
+
+    def _leave_region(self, *_: Any) -> None:
+        self._depth -= 1
+
     def __enter__(self) -> ActivationMeter:
         self.bytes = 0
         self._seen.clear()
         if self._module is not None:
             self._handles = [m.register_forward_pre_hook(self._pre_forward) for m in self._module.modules()]
+        for region in self._regions:
+            self._handles += [region.register_forward_pre_hook(self._enter_region),
+                              region.register_forward_hook(self._leave_region)]
+        if self._cached_ops and self._regions:
+            self._mode = _CachedOutputs(self)
+            self._mode.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class _CachedOutputs(TorchDispatchMode):
+    """ActivationMeter's count of what selective checkpointing caches (see ActivationMeter.__init__)."""
+
+    def __init__(self, meter: ActivationMeter):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.meter._depth and func in self.meter._cached_ops:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.meter._count(t)
+        return out
 
 
 class _SavedActivation:

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardwise.config import Config
 from shardwise.errors import Diverged, Interrupted
 from shardwise.models import build_model
+from shardwise.parallel.activation_checkpoint import SELECTIVE_SAVE_OPS
 from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names
 from shardwise.parallel.compile import compile_enabled
 from shardwise.parallel.context import zigzag_index
@@ -214,6 +215,14 @@ class Trainer:
         self.scheduler.step()
         return loss_sum, grad_norm, lr, verdict
 
+    def _cached_by_checkpoint(self) -> dict:
+        """What selective "op" recomputation keeps outside autograd's saved tensors: the outputs of the
+        policy's ops in every block (ActivationMeter counts them; docs/architecture.md §5)."""
+        t = self.cfg.train
+        if t.recompute != "selective" or t.recompute_policy != "op":
+            return {}
+        return {"cached_regions": self.inner.blocks(), "cached_ops": SELECTIVE_SAVE_OPS}
+
     def _accumulate(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every micro-batch in turn (gradient accumulation); the loss sum."""
         loss_sum = torch.zeros((), device=self.device)
@@ -221,7 +230,7 @@ class Trainer:
             inputs, targets = (x.to(self.device, non_blocking=True) for x in self._cp_split(*split_inputs_targets(batch)))
             with self.gradient_sync.micro_batch(i, len(micro)), self._loss_context():
                 if self.activation_bytes == 0 and i == 0:
-                    with ActivationMeter(exclude=self.inner) as meter:
+                    with ActivationMeter(exclude=self.inner, **self._cached_by_checkpoint()) as meter:
                         loss = self._loss(inputs, targets)
                     self.activation_bytes = meter.bytes
                 else:
