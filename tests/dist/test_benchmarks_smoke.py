@@ -78,7 +78,7 @@ def test_gpu_throughput_without_a_gpu_says_so_and_exits_0():
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one."""
     smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
-              "gpu_throughput.py", "decode.py"}
+              "gpu_throughput.py", "decode.py", "kernels.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
 
 
@@ -88,3 +88,26 @@ def test_decode_smoke(tmp_path):
     assert data["smoke"] is True and len(data["rows"]) == 1
     row = data["rows"][0]
     assert row["kv_cache_bytes"] == row["predicted_kv_cache_bytes"] > 0 and row["decode_tokens_per_s"] > 0, row
+
+
+def test_kernels_smoke(tmp_path):
+    """Every section of the kernel microbenchmarks runs on CPU and measures something; SDPA names its backend."""
+    data = _smoke("kernels.py", tmp_path / "kernels.json")
+    assert data["smoke"] is True and data["device_type"] == "cpu"
+    gemm = data["gemm"]["rows"]
+    assert {r["kind"] for r in gemm} == {"fwd", "dgrad", "wgrad"} and all(r["flops"] > 0 for r in gemm), gemm
+    assert data["gemm"]["peak_flops"] > 0
+    ran = [r for r in data["sdpa"]["rows"] if r["backend"] is not None]
+    assert {r["requested"] for r in ran} >= {"default", "MATH"}, data["sdpa"]["rows"]
+    assert all(r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 for r in ran), ran
+    assert {r["backend"] for r in ran if r["requested"] == "MATH"} == {"MATH"}
+    default = data["sdpa"]["default_backend"]
+    assert default and all(v in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+                           for v in default.values()), default
+    assert all(r["gbps"] > 0 for r in data["bandwidth"]["rows"]) and len(data["bandwidth"]["rows"]) == 3
+    optim = [r for r in data["optimizer"]["rows"] if "step_s" in r]
+    assert optim and all(r["step_s"] > 0 for r in optim), data["optimizer"]["rows"]
+    eager = next(r for r in data["overhead"]["rows"] if r["mode"] == "eager")
+    assert eager["s_per_op"] > 0
+    compiled = next(r for r in data["overhead"]["rows"] if r["mode"].startswith("compiled"))
+    assert "smoke" in compiled["unavailable"], compiled  # compile is skipped in the smoke, with the reason
