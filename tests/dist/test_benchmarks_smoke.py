@@ -78,7 +78,7 @@ def test_gpu_throughput_without_a_gpu_says_so_and_exits_0():
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one."""
     smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
-              "gpu_throughput.py", "decode.py", "kernels.py"}
+              "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
 
 
@@ -111,3 +111,12 @@ def test_kernels_smoke(tmp_path):
     assert eager["s_per_op"] > 0
     compiled = next(r for r in data["overhead"]["rows"] if r["mode"].startswith("compiled"))
     assert "smoke" in compiled["unavailable"], compiled  # compile is skipped in the smoke, with the reason
+
+
+def test_plan_accuracy_smoke(tmp_path):
+    """kernels.py measures, two tiny CPU runs train, `plan calibrate` reports them; the trainer's memory
+    inventory is predicted exactly (memory is never fitted)."""
+    data = _smoke("plan_accuracy.py", tmp_path / "plan_accuracy.json")
+    rows = data["calibration"]["runs"]
+    assert data["smoke"] is True and len(rows) == 2 and all(r["eager"] and r["inventory"] for r in rows), rows
+    assert all(abs(r["memory_error"]) < 1e-6 and r["measured_step_s"] > 0 for r in rows), rows

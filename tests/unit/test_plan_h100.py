@@ -92,3 +92,32 @@ def test_calibrate_reads_run_directories(tmp_path, capsys):
     assert data["eager_pointwise_hbm_fraction"] is None and data["runs"][0]["measured_step_s"] > 0
     assert main(["plan", "calibrate", str(run), "--out", str(tmp_path / "c.json")]) == 2
     assert main(["plan", "calibrate", str(tmp_path)]) == 2
+
+
+def _kernels_json(tmp_path: Path, gemm_flops: float = 2e11, gbps: float = 40.0) -> Path:
+    """A minimal benchmarks/kernels.py result (the fields plan/calibration.py reads)."""
+    data = {"benchmark": "kernels", "device_type": "cpu",
+            "gemm": {"dtype": "fp32", "peak_flops": gemm_flops},
+            "bandwidth": {"rows": [{"kernel": "copy", "gbps": gbps}]},
+            "sdpa": {"rows": [{"requested": "default", "dtype": "fp32", "fwd_bwd_flops": 0.35 * gemm_flops}]},
+            "overhead": {"rows": [{"mode": "eager", "s_per_op": 2e-6}]},
+            "optimizer": {"rows": [{"impl": "foreach", "bytes_per_param_at_copy_bw": 100.0}]}}
+    path = tmp_path / f"kernels_{gemm_flops:g}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_cpu_is_planned_from_its_measured_rates_only(tmp_path, capsys):
+    base = ["plan", "evaluate", "--json", "--model.preset=small", "--train.seq_len=128", "--train.micro_batch=4",
+            "--train.global_batch=4", "--cluster.gpu=cpu", "--cluster.num_gpus=1"]
+    assert main(base) == 2
+    assert "kernels.py" in capsys.readouterr().err  # no datasheet for a CPU: how to measure it
+    assert main(base + [f"--cluster.calibration={_kernels_json(tmp_path)}"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert main(base + [f"--cluster.calibration={_kernels_json(tmp_path, gemm_flops=4e11)}"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    # GEMMs dominate this model: twice the measured GEMM rate takes most of the compute time off.
+    assert fast["breakdown_s"]["compute"] < 0.75 * slow["breakdown_s"]["compute"]
+    # The optimizer step: 100 B/param at 40 GB/s (the measured AdamW), not the GPU constant.
+    params = 7_149_824  # `small`: 7.15M
+    assert slow["breakdown_s"]["optimizer"] == pytest.approx(params * 100 / 40e9, rel=0.02)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,51 @@ def read_plan_calibration(path: str | Path) -> float | None:
         raise ConfigError("cluster.calibration", f"{p}: eager_pointwise_hbm_fraction must be within (0, 1], got {fraction!r}",
                           "re-run `shardwise plan calibrate ... --out FILE`")
     return float(fraction)
+
+
+@dataclass(frozen=True)
+class MeasuredDevice:
+    """A device's rates as `benchmarks/kernels.py` measured them: they replace the datasheet peaks and
+    the planner's achievable fractions (MAMF, HBM, attention, launch cost, optimizer bytes) for every
+    kernel class, so a CPU can be planned at all and a GPU with its own numbers."""
+
+    device_type: str                  # "cpu" or "cuda"
+    dtype: str                        # the GEMM dtype measured
+    gemm_flops: float                 # best square-matmul FLOP/s: the achievable GEMM peak
+    bandwidth_gbps: float             # streaming copy, read + write
+    attention_fraction: float         # SDPA forward + backward (causal half) over gemm_flops, default backend
+    eager_op_s: float                 # one tiny eager kernel, launch / dispatch overhead
+    optimizer_bytes_per_param: float  # AdamW step (foreach on CPU, fused on CUDA: what the trainer runs) at the copy rate
+
+    def as_device(self, base: Any) -> Any:
+        from dataclasses import replace
+
+        peaks = {key: self.gemm_flops / 1e12 for key in ("fp32", "tf32", "bf16", "fp16", "fp8")}
+        return replace(base, name=f"measured-{self.device_type}", peak_tflops=peaks, memory_bandwidth_gbps=self.bandwidth_gbps,
+                       source=f"measured by benchmarks/kernels.py ({self.dtype} GEMMs) on {base.name}")
+
+
+def read_measured_device(path: str | Path) -> MeasuredDevice | None:
+    """The rates of a benchmarks/kernels.py JSON; None when `path` is another kind of file."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("benchmark") != "kernels":
+        return None
+    try:
+        kind = data["device_type"]
+        peak = float(data["gemm"]["peak_flops"])
+        copy = next(r for r in data["bandwidth"]["rows"] if r["kernel"] == "copy")
+        sdpa = [r for r in data["sdpa"]["rows"] if r.get("requested") == "default" and r.get("fwd_bwd_flops")
+                and r.get("dtype") == data["gemm"]["dtype"]]
+        eager = next(r for r in data["overhead"]["rows"] if r["mode"] == "eager")
+        impl = "fused" if kind == "cuda" else "foreach"
+        optimizer = next(r for r in data["optimizer"]["rows"] if r["impl"] == impl)
+        return MeasuredDevice(kind, data["gemm"]["dtype"], peak, float(copy["gbps"]),
+                              statistics.median(float(r["fwd_bwd_flops"]) for r in sdpa) / peak,
+                              float(eager["s_per_op"]), float(optimizer["bytes_per_param_at_copy_bw"]))
+    except (KeyError, TypeError, ValueError, StopIteration, statistics.StatisticsError) as e:
+        raise ConfigError("cluster.calibration", f"{p}: an incomplete benchmarks/kernels.py result ({type(e).__name__}: {e})",
+                          "re-run `python benchmarks/kernels.py --out FILE` (not --smoke)") from None

@@ -94,15 +94,31 @@ def gemm_time(device_name: str, peak: float, hbm_gbps: float, m: int, n: int, k:
     but no faster than moving its operands through HBM (roofline)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    mamf = _device_constant(C.MAMF_FRACTION, device_name, C.MAMF_FRACTION_DEFAULT)
-    units = int(_device_constant(C.COMPUTE_UNITS, device_name, C.COMPUTE_UNITS_DEFAULT))  # type: ignore[arg-type]
-    tm, tn = math.ceil(m / C.GEMM_TILE_M), math.ceil(n / C.GEMM_TILE_N)
-    tile_eff = (m / (tm * C.GEMM_TILE_M)) * (n / (tn * C.GEMM_TILE_N))
-    tiles = tm * tn
-    wave_eff = tiles / (math.ceil(tiles / units) * units)
+    mamf = _mamf(device_name)
+    tile_eff = wave_eff = 1.0
+    if device_name != "measured-cpu":  # a CPU GEMM has no thread-block tiles or SM waves
+        units = int(_device_constant(C.COMPUTE_UNITS, device_name.removeprefix("measured-"), C.COMPUTE_UNITS_DEFAULT))
+        tm, tn = math.ceil(m / C.GEMM_TILE_M), math.ceil(n / C.GEMM_TILE_N)
+        tile_eff = (m / (tm * C.GEMM_TILE_M)) * (n / (tn * C.GEMM_TILE_N))
+        tiles = tm * tn
+        wave_eff = tiles / (math.ceil(tiles / units) * units)
     compute = 2.0 * m * n * k / (peak * mamf * tile_eff * wave_eff)
-    traffic = elem * (m * k + k * n + m * n) / (hbm_gbps * 1e9 * C.HBM_FRACTION)
+    traffic = elem * (m * k + k * n + m * n) / (hbm_gbps * 1e9 * _hbm_fraction(device_name))
     return max(compute, traffic)
+
+
+def _measured(name: str) -> bool:
+    """A device whose rates benchmarks/kernels.py measured (plan/calibration.py MeasuredDevice): its
+    peak and bandwidth are what is achieved, so no datasheet fraction applies."""
+    return name.startswith("measured-")
+
+
+def _mamf(name: str) -> float:
+    return 1.0 if _measured(name) else _device_constant(C.MAMF_FRACTION, name, C.MAMF_FRACTION_DEFAULT)
+
+
+def _hbm_fraction(name: str) -> float:
+    return 1.0 if _measured(name) else C.HBM_FRACTION
 
 
 @dataclass(frozen=True)
@@ -160,12 +176,16 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     fp8 = problem.precision == "fp8"
     peak8 = dev.peak_flops("fp8") if fp8 else peak
     tokens = max(1, lay.micro_batch * problem.seq_len // lay.cp)
-    hbm = dev.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
-    # Eager pointwise kernels, op by op, stream worse than a copy (constants.EAGER_POINTWISE_HBM_FRACTION).
-    eager_fraction = problem.cluster.pointwise_hbm_fraction or C.EAGER_POINTWISE_HBM_FRACTION  # plan calibrate's, if any
-    pointwise_bw = dev.memory_bandwidth_gbps * 1e9 * (eager_fraction if problem.eager else C.HBM_FRACTION)
+    hbm = dev.memory_bandwidth_gbps * 1e9 * _hbm_fraction(dev.name)
+    measured = problem.cluster.measured_device
+    # Eager pointwise kernels, op by op, stream worse than a copy (constants.EAGER_POINTWISE_HBM_FRACTION of
+    # the datasheet; a measured device: its measured copy rate), unless `plan calibrate` fitted a fraction.
+    eager_fraction = problem.cluster.pointwise_hbm_fraction or (1.0 if measured else C.EAGER_POINTWISE_HBM_FRACTION)
+    pointwise_bw = dev.memory_bandwidth_gbps * 1e9 * eager_fraction if problem.eager else hbm
     s = problem.shape
-    attn_frac = _device_constant(C.ATTENTION_FRACTION, dev.name, C.ATTENTION_FRACTION_DEFAULT)
+    attn_frac = measured.attention_fraction if measured else _device_constant(C.ATTENTION_FRACTION, dev.name,
+                                                                              C.ATTENTION_FRACTION_DEFAULT)
+    launch_s = measured.eager_op_s if measured else C.EAGER_KERNEL_LAUNCH_S
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
     def block_fwd(moe: bool) -> tuple[float, float, float]:
@@ -184,7 +204,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             # (the mask is applied after, nothing skipped) at GEMM speed, and the probabilities stream
             # through memory C.MATH_ATTENTION_PASSES times (scores written, mask added in place, softmax
             # read and written, read by the second GEMM).
-            mamf = _device_constant(C.MAMF_FRACTION, dev.name, C.MAMF_FRACTION_DEFAULT)
+            mamf = _mamf(dev.name)
             attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp / (peak * mamf)
             attn += C.MATH_ATTENTION_PASSES * elem * tokens * problem.seq_len * s.n_heads / lay.tp / hbm
         # Pointwise kernels: the forward's bytes (activations.pointwise_forward_bytes); backward ~2x.
@@ -206,11 +226,11 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         loss = 3 * 4.0 * tokens * s.vocab_size / lay.tp / hbm  # logits -> fp32 -> log-softmax, and back
         fwd += head + loss
         bwd += 2 * head + loss
-    if problem.eager:  # constants.EAGER_KERNEL_LAUNCH_S per kernel the rank's eager forward / backward launches
+    if problem.eager:  # launch_s per kernel the rank's eager forward / backward launches
         dense, moe = eager_block_kernels(s, reg, False, lay.ep), eager_block_kernels(s, reg, True, lay.ep)
         rest = C.EAGER_REST_KERNELS[_kernel_key(s, reg)] if (rank.head or rank.embedding) else (0, 0)
         for i in (0, 1):
-            launches = (rank.dense_layers * dense[i] + rank.moe_layers * moe[i] + rest[i]) * C.EAGER_KERNEL_LAUNCH_S
+            launches = (rank.dense_layers * dense[i] + rank.moe_layers * moe[i] + rest[i]) * launch_s
             fwd, bwd = (fwd + launches, bwd) if i == 0 else (fwd, bwd + launches)
     # Recomputation: full re-runs the forward of checkpointed blocks; "op" re-runs only the cheap ops.
     n_blocks = rank.layers
@@ -401,12 +421,15 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel) -> float:
     shard = lay.shard_group if lay.zero else 1
     st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep))
     numel = st.optimizer / 8 if problem.model_states == "shardwise" or not problem.low_precision else st.optimizer / 12
-    hbm = problem.cluster.device.memory_bandwidth_gbps * 1e9 * C.HBM_FRACTION
+    dev = problem.cluster.device
+    hbm = dev.memory_bandwidth_gbps * 1e9 * _hbm_fraction(dev.name)
+    measured = problem.cluster.measured_device
+    optimizer_bytes = measured.optimizer_bytes_per_param if measured else C.OPTIMIZER_BYTES_PER_PARAM
     # fp16: the loss scaler unscales and checks every gradient first (on the GPU, also under offload).
     scaler = numel * C.LOSS_SCALER_BYTES_PER_PARAM / hbm if problem.precision == "fp16" else 0.0
     if lay.offload:
-        return numel * C.OPTIMIZER_BYTES_PER_PARAM / (C.HOST_MEMORY_GBPS_PER_GPU * 1e9) + scaler
-    return numel * C.OPTIMIZER_BYTES_PER_PARAM / hbm + scaler
+        return numel * optimizer_bytes / (C.HOST_MEMORY_GBPS_PER_GPU * 1e9) + scaler
+    return numel * optimizer_bytes / hbm + scaler
 
 
 def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> float:

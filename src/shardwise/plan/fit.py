@@ -31,6 +31,7 @@ from shardwise.plan.layout import Problem
 from shardwise.spec.layout import Layout
 
 GIB = 2**30
+INVENTORY = ("params", "grads", "optimizer", "activations")
 
 
 @dataclass
@@ -38,7 +39,8 @@ class MeasuredRun:
     name: str
     cfg: Config
     step_time_s: float
-    peak_bytes: float | None  # CUDA max_memory_allocated; None when not recorded (CPU runs)
+    peak_bytes: float | None  # CUDA max_memory_allocated, or the trainer's inventory (`inventory`); None: not recorded
+    inventory: bool = False   # peak_bytes is params + grads + optimizer + activations (a CPU run), not the allocator's
 
 
 def run_from_dir(path: Path) -> MeasuredRun:
@@ -49,9 +51,16 @@ def run_from_dir(path: Path) -> MeasuredRun:
     times = [r["step_time_s"] for r in records if isinstance(r.get("step_time_s"), (int, float))][1:]
     if not times:
         raise ConfigError(where, "logged fewer than two steps with a step time", "train longer (train.steps, train.log_every)")
-    peaks = [max(r.get("memory_per_rank_bytes", {}).get("max_memory_allocated") or [0]) for r in records]
+    per_rank = [r.get("memory_per_rank_bytes", {}) for r in records]
+    peaks = [max(m.get("max_memory_allocated") or [0]) for m in per_rank]
+    # Without CUDA's allocator peak (a CPU run), the trainer's inventory: what the planner lists
+    # except its "other" (transient logits, buffers), compared as such (`inventory`).
+    inventory = [max(sum(m.get(k, [0])[r] for k in INVENTORY) for r in range(len(m.get("params", [0]))))
+                 for m in per_rank if m.get("params")]
     cfg = build_config(load_toml(path / "config.toml"))
-    return MeasuredRun(path.name, cfg, statistics.median(times), max(peaks) or None)
+    if max(peaks, default=0):
+        return MeasuredRun(path.name, cfg, statistics.median(times), max(peaks))
+    return MeasuredRun(path.name, cfg, statistics.median(times), max(inventory) if inventory else None, inventory=True)
 
 
 def runs_from_table(path: Path) -> list[MeasuredRun]:
@@ -72,7 +81,11 @@ def predict(run: MeasuredRun, fraction: float | None = None) -> tuple[float, flo
     if fraction is not None:
         problem = replace(problem, cluster=replace(problem.cluster, pointwise_hbm_fraction=fraction))
     est = evaluate(problem, Layout.from_config(run.cfg, problem.cluster.num_gpus))
-    return est.step_time_s, est.memory.total, problem.eager
+    # The trainer's inventory has the activations saved in forward, not the block a recomputation
+    # rematerialises during backward (the planner's recompute_working_set) nor the transient "other".
+    inventory = est.memory.total - est.memory.other - est.memory.detail.get("recompute_working_set", 0.0)
+    memory = inventory if run.inventory else est.memory.total
+    return est.step_time_s, memory, problem.eager
 
 
 def _affine(run: MeasuredRun) -> tuple[float, float]:
@@ -104,7 +117,7 @@ def calibrate(runs: list[MeasuredRun]) -> dict[str, Any]:
         others = [r for r in eager if r is not run]
         held_out = fit_fraction(others) if is_eager and others else None
         loo = predict(run, held_out)[0] if held_out is not None else None
-        rows.append({"name": run.name, "eager": is_eager, "measured_step_s": run.step_time_s,
+        rows.append({"name": run.name, "eager": is_eager, "inventory": run.inventory, "measured_step_s": run.step_time_s,
                      "predicted_step_s": before, "fitted_step_s": after,
                      "leave_one_out_fraction": held_out, "leave_one_out_step_s": loo,
                      "step_error": before / run.step_time_s - 1, "fitted_step_error": after / run.step_time_s - 1,
@@ -122,14 +135,16 @@ def _pct(x: float | None) -> str:
 
 def calibration_text(result: dict[str, Any]) -> str:
     f = result["eager_pointwise_hbm_fraction"]
-    lines = [f"eager pointwise HBM fraction: fitted {f:.3f} (built in {result['built_in_eager_pointwise_hbm_fraction']})"
+    lines = [f"eager pointwise HBM fraction: fitted {f:.3f} (built in: {result['built_in_eager_pointwise_hbm_fraction']} of a "
+             "datasheet bandwidth, 1.0 of a measured one)"
              if f is not None else "no eager run: nothing to fit (compiled runs are reported only)",
              f"{'run':34} {'measured s':>10} {'built in':>9} {'fitted':>8} {'leave-one-out':>13} {'peak GiB':>9} {'memory':>8}"]
     for r in result["runs"]:
-        peak = "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.2f}"
+        peak = "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.2f}" + ("*" if r["inventory"] else "")
         lines.append(f"{r['name'][:34]:34} {r['measured_step_s']:>10.4f} {_pct(r['step_error']):>9} "
                      f"{_pct(r['fitted_step_error']):>8} {_pct(r['leave_one_out_error']):>13} {peak:>9} {_pct(r['memory_error']):>8}")
-    lines.append("errors: predicted / measured - 1; leave-one-out: fitted without that run; memory is never fitted")
+    lines.append("errors: predicted / measured - 1; leave-one-out: fitted without that run; memory is never fitted "
+                 "(CUDA: the allocator's peak; CPU: the trainer's inventory, * after the GiB)")
     return "\n".join(lines) + "\n"
 
 

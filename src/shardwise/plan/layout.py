@@ -15,7 +15,13 @@ from typing import Any
 
 from shardwise.errors import ConfigError, Violation
 from shardwise.plan import constants as C
-from shardwise.plan.calibration import AxisCalibration, load_calibration, read_plan_calibration
+from shardwise.plan.calibration import (
+    AxisCalibration,
+    MeasuredDevice,
+    load_calibration,
+    read_measured_device,
+    read_plan_calibration,
+)
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
 from shardwise.spec.layout import PRECISIONS, Layout, attention_backend, compute_precision
@@ -41,6 +47,9 @@ class Cluster:
     # Fitted by `shardwise plan calibrate` (plan/fit.py): eager pointwise kernels' HBM fraction; None = the
     # built-in constants.EAGER_POINTWISE_HBM_FRACTION.
     pointwise_hbm_fraction: float | None = None
+    # Measured by benchmarks/kernels.py (cluster.calibration): replaces the datasheet rates; `device` is then
+    # its measured-* stand-in. Needed to plan a CPU.
+    measured_device: MeasuredDevice | None = None
     # What a run costs (plan/goodput.py): None = unset, the planner's default (plan/constants.py).
     price_per_gpu_hour: float = 0.0
     failures_per_gpu_hour: float | None = None
@@ -74,17 +83,27 @@ class Cluster:
         # cluster.calibration: one file or several, comma-separated: bench-comm results (links) and / or a
         # `plan calibrate` result (the eager pointwise fraction).
         links: tuple[AxisCalibration, ...] = ()
-        fraction = None
+        fraction = measured = None
         for one in (part.strip() for part in path.split(",") if part.strip()):
             compute = read_plan_calibration(one)
-            if compute is None:
-                links += load_calibration(one)
-            else:
+            kernels = read_measured_device(one) if compute is None else None
+            if compute is not None:
                 fraction = compute
+            elif kernels is not None:
+                measured = kernels
+            else:
+                links += load_calibration(one)
+        if measured is not None:
+            device = measured.as_device(device)
+        elif device.name == "cpu":
+            raise ConfigError("cluster.gpu", "a CPU has no datasheet rates to plan with",
+                              "measure them: `python benchmarks/kernels.py --device cpu --out kernels.json`, then "
+                              "--cluster.calibration=kernels.json")
         return cls(device, c.num_gpus, min(c.gpus_per_node, c.num_gpus),
                    c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps,
                    (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S,
-                   links, path, pointwise_hbm_fraction=fraction, price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
+                   links, path, pointwise_hbm_fraction=fraction, measured_device=measured,
+                   price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
                    failures_per_gpu_hour=costs["failures_per_gpu_hour"], checkpoint_save_s=costs["checkpoint_save_s"],
                    restart_s=costs["restart_s"])
 
@@ -136,9 +155,12 @@ class Problem:
             pa = cfg.parallel
             world = pa.dp_replicate * max(1, pa.dp_shard) * pa.cp * pa.tp * pa.pp
             cluster_cfg = replace(cluster_cfg, num_gpus=world, gpus_per_node=min(cluster_cfg.gpus_per_node, world))
-        return cls(shape, Cluster.from_config(cluster_cfg), t.seq_len, t.global_batch, tokens, t.precision, states,
-                   cfg.cluster.assume_mfu, t.fp8_recipe, attention_backend("cuda", t.precision, shape.n_kv_heads != shape.n_heads),
-                   eager=t.compile is False)
+        cluster = Cluster.from_config(cluster_cfg)
+        kind = cluster.measured_device.device_type if cluster.measured_device else "cuda"
+        return cls(shape, cluster, t.seq_len, t.global_batch, tokens, t.precision, states,
+                   cfg.cluster.assume_mfu, t.fp8_recipe, attention_backend(kind, t.precision, shape.n_kv_heads != shape.n_heads),
+                   # the trainer's default (train.compile unset): compiled on a GPU, eager on a CPU
+                   eager=t.compile is False or (t.compile is None and kind == "cpu"))
 
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""

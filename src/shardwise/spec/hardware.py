@@ -104,6 +104,11 @@ DEVICES: dict[str, Device] = {
                      "peer); network assumes one 400 Gb/s NIC per GPU; total board power 750 W peak (datasheet)",
                      tdp_w=750.0),
 }
+# cluster.gpu = "cpu": not a table entry (it has no datasheet peak PyTorch reaches). Planning one needs its
+# measured numbers (cluster.calibration = benchmarks/kernels.py's JSON; plan/layout.py refuses "cpu"
+# without them). Memory is the host's and not modelled: a large placeholder, so every layout "fits".
+CPU = Device("cpu", {}, 1024.0, 0.0, 0.0, 0.0, "a CPU: every rate measured by benchmarks/kernels.py "
+             "(--cluster.calibration=kernels.json)")
 
 _DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32",
@@ -143,9 +148,11 @@ def lookup(name: str) -> Device:
     key = name.strip().lower()
     if key in DEVICES:
         return DEVICES[key]
-    match = difflib.get_close_matches(key, list(DEVICES), n=1, cutoff=0.0)
+    if key == CPU.name:
+        return CPU
+    match = difflib.get_close_matches(key, [*DEVICES, CPU.name], n=1, cutoff=0.0)
     hint = f"did you mean '{match[0]}'? " if match else ""
-    raise ConfigError("cluster.gpu", f"unknown device {name!r}", f"{hint}valid names: {', '.join(DEVICES)}")
+    raise ConfigError("cluster.gpu", f"unknown device {name!r}", f"{hint}valid names: {', '.join(DEVICES)}, cpu")
 
 
 def match_cuda_name(cuda_name: str) -> str | None:
