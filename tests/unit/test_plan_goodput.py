@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -16,29 +17,8 @@ from shardwise.plan.report import evaluate_text
 from shardwise.spec.hardware import DEVICES
 from shardwise.spec.layout import Layout
 
-RUN_70B = """
-[model]
-preset = "llama3-70b"
-
-[train]
-seq_len = 8192
-global_batch = 512
-micro_batch = 1
-precision = "bf16"
-recompute = "selective"
-tokens = 2000000000000
-
-[parallel]
-dp_shard = 16
-zero = 1
-tp = 8
-pp = 8
-
-[cluster]
-gpu = "h100-sxm-80gb"
-num_gpus = 1024
-gpus_per_node = 8
-"""
+# llama3-70b on 1,024 H100s (the config the README's planner example uses)
+RUN_70B = (Path(__file__).resolve().parents[2] / "configs" / "plan-llama3-70b.toml").read_text()
 
 
 @pytest.fixture()
