@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from shardwise.config import load_config  # noqa: E402
 from shardwise.train.data import split_inputs_targets  # noqa: E402
-from shardwise.train.metrics import ActivationMeter  # noqa: E402
+from shardwise.train.memory_meter import ActivationMeter  # noqa: E402
 from shardwise.train.trainer import Trainer  # noqa: E402
 
 

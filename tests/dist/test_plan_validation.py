@@ -2,7 +2,7 @@
 we can measure here").
 
 For each layout of the tiny presets, the real Trainer runs one optimizer step with
-`measure_memory=True`; its per-rank record (train/metrics.py: local shards of params, grads and
+`measure_memory=True`; its per-rank record (train/memory_meter.py: local shards of params, grads and
 optimizer state; activations saved for backward by the first micro-batch, via saved-tensor hooks) is
 compared with `plan.memory.memory` for the same config. Each world size is forked once and runs all
 of its layouts.
@@ -39,7 +39,7 @@ non-CP tp2 row's 128 B/token, -1.6%) and cp2_ring_pp2_1f1b (the shared int64 tok
 
 Selective "op" recomputation keeps the outputs of matmuls / SDPA inside torch's selective-checkpoint
 cache, where saved-tensor hooks cannot see them; the trainer's meter counts them with a dispatch mode
-over the blocks' forward (train/metrics.py ActivationMeter cached_ops), so its number is everything
+over the blocks' forward (train/memory_meter.py ActivationMeter cached_ops), so its number is everything
 really kept. Before that the meter reported the same bytes for full and selective recomputation
 (4.39 GiB on the H100 rows of tests/fixtures/h100_runs.json, whose peaks differ by 10 GiB).
 """

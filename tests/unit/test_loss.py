@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from shardwise.spec.loss import loss_chunk_tokens
 from shardwise.train.loss import token_cross_entropy_sum
-from shardwise.train.metrics import ActivationMeter
+from shardwise.train.memory_meter import ActivationMeter
 
 VOCAB = 1000
 

@@ -7,17 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.train.metrics import (
-    ActivationMeter,
-    MetricsLogger,
-    PeakActivationMeter,
-    memory_by_category,
-    mfu,
-    plot_loss_curve,
-    read_metrics,
-    tensor_bytes,
-    tokens_per_s_per_device,
-)
+from shardwise.train.memory_meter import ActivationMeter, PeakActivationMeter, memory_by_category, tensor_bytes
+from shardwise.train.metrics import MetricsLogger, mfu, plot_loss_curve, read_metrics, tokens_per_s_per_device
 
 
 # ---- formulas ----

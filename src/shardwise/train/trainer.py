@@ -45,7 +45,7 @@ from shardwise.train.distributed import default_device
 from shardwise.train.health import StepGuard, Verdict
 from shardwise.train.loader import BatchPrefetcher
 from shardwise.train.loss import token_cross_entropy_sum
-from shardwise.train.metrics import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
+from shardwise.train.memory_meter import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
 from shardwise.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardwise.train.pipeline_chart import TimelineRecorder
 from shardwise.train.signals import StopRequest
@@ -342,7 +342,7 @@ class Trainer:
         bytes autograd holds saved for backward at once on this rank: every micro-batch in flight
         (forwarded, its backward not yet run; under split backward schedules until its weight pass),
         summed over all the stages this rank runs (interleaved / V schedules hold two or more), the
-        loss's saved tensors included (train/metrics.py PeakActivationMeter). It is what the
+        loss's saved tensors included (train/memory_meter.py PeakActivationMeter). It is what the
         planner's `activations_stored` predicts for a pipeline rank (plan/memory.py)."""
         mem = memory_by_category(self.inner, self.optimizer)
         mem["activations"] = self.activation_bytes
