@@ -94,15 +94,19 @@ def test_calibrate_reads_run_directories(tmp_path, capsys):
     assert main(["plan", "calibrate", str(tmp_path)]) == 2
 
 
-def _kernels_json(tmp_path: Path, gemm_flops: float = 2e11, gbps: float = 40.0) -> Path:
+def _kernels_json(tmp_path: Path, gemm_flops: float = 2e11, gbps: float = 40.0, selective_s: float | None = None) -> Path:
     """A minimal benchmarks/kernels.py result (the fields plan/calibration.py reads)."""
+    overhead = [{"mode": "eager", "s_per_op": 2e-6}]
+    if selective_s is not None:
+        overhead += [{"mode": "eager+autograd (fwd+bwd)", "s_per_op": 4e-6},
+                     {"mode": "selective checkpoint (fwd+recompute+bwd)", "s_per_op": 4e-6 + 3 * selective_s}]
     data = {"benchmark": "kernels", "device_type": "cpu",
             "gemm": {"dtype": "fp32", "peak_flops": gemm_flops},
             "bandwidth": {"rows": [{"kernel": "copy", "gbps": gbps}]},
             "sdpa": {"rows": [{"requested": "default", "dtype": "fp32", "fwd_bwd_flops": 0.35 * gemm_flops}]},
-            "overhead": {"rows": [{"mode": "eager", "s_per_op": 2e-6}]},
+            "overhead": {"rows": overhead},
             "optimizer": {"rows": [{"impl": "foreach", "bytes_per_param_at_copy_bw": 100.0}]}}
-    path = tmp_path / f"kernels_{gemm_flops:g}.json"
+    path = tmp_path / f"kernels_{gemm_flops:g}_{selective_s}.json"
     path.write_text(json.dumps(data))
     return path
 
@@ -121,3 +125,16 @@ def test_a_cpu_is_planned_from_its_measured_rates_only(tmp_path, capsys):
     # The optimizer step: 100 B/param at 40 GB/s (the measured AdamW), not the GPU constant.
     params = 7_149_824  # `small`: 7.15M
     assert slow["breakdown_s"]["optimizer"] == pytest.approx(params * 100 / 40e9, rel=0.02)
+
+
+def test_a_cpu_pays_the_selective_checkpoints_dispatch_per_op(tmp_path, capsys):
+    """Selective "op" recomputation on a CPU: every op of a block passes the policy's dispatch mode in
+    forward, recompute and backward, at the measured extra cost per op (10 us here): small llama fp32 =
+    4 blocks x (2 x 34 + 62) ops = 520 ops -> 5.2 ms more recompute."""
+    base = ["plan", "evaluate", "--json", "--model.preset=small", "--train.seq_len=128", "--train.micro_batch=4",
+            "--train.global_batch=4", "--cluster.gpu=cpu", "--cluster.num_gpus=1", "--train.recompute=selective"]
+    recompute = []
+    for selective_s in (None, 10e-6):
+        assert main(base + [f"--cluster.calibration={_kernels_json(tmp_path, selective_s=selective_s)}"]) == 0
+        recompute.append(json.loads(capsys.readouterr().out)["breakdown_s"]["recompute"])
+    assert recompute[1] - recompute[0] == pytest.approx(4 * (2 * 34 + 62) * 10e-6, rel=1e-6)

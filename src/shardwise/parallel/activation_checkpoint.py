@@ -35,7 +35,7 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _op_selective_context():
+def selective_op_context():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
@@ -49,7 +49,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, policy: str, eve
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         elif policy == "op":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
-                                         context_fn=partial(_op_selective_context))
+                                         context_fn=partial(selective_op_context))
         else:
             continue
         setattr(model.layers, name, wrapped)

@@ -149,6 +149,9 @@ class MeasuredDevice:
     attention_fraction: float         # SDPA forward + backward (causal half) over gemm_flops, default backend
     eager_op_s: float                 # one tiny eager kernel, launch / dispatch overhead
     optimizer_bytes_per_param: float  # AdamW step (foreach on CPU, fused on CUDA: what the trainer runs) at the copy rate
+    # Extra per op under selective "op" checkpointing, whose policy is a Python dispatch mode every op of a
+    # checkpointed block passes through (forward, recompute, backward); 0 when the file predates it.
+    selective_op_s: float = 0.0
 
     def as_device(self, base: Any) -> Any:
         from dataclasses import replace
@@ -176,9 +179,13 @@ def read_measured_device(path: str | Path) -> MeasuredDevice | None:
         eager = next(r for r in data["overhead"]["rows"] if r["mode"] == "eager")
         impl = "fused" if kind == "cuda" else "foreach"
         optimizer = next(r for r in data["optimizer"]["rows"] if r["impl"] == impl)
+        per_op = {r["mode"]: r.get("s_per_op") for r in data["overhead"]["rows"]}
+        # The chain's ops run forward, again in the recompute, and backward: 3 passes over the dispatch mode.
+        selective, autograd = per_op.get("selective checkpoint (fwd+recompute+bwd)"), per_op.get("eager+autograd (fwd+bwd)")
         return MeasuredDevice(kind, data["gemm"]["dtype"], peak, float(copy["gbps"]),
                               statistics.median(float(r["fwd_bwd_flops"]) for r in sdpa) / peak,
-                              float(eager["s_per_op"]), float(optimizer["bytes_per_param_at_copy_bw"]))
+                              float(eager["s_per_op"]), float(optimizer["bytes_per_param_at_copy_bw"]),
+                              max(0.0, selective - autograd) / 3 if selective and autograd else 0.0)
     except (KeyError, TypeError, ValueError, StopIteration, statistics.StatisticsError) as e:
         raise ConfigError("cluster.calibration", f"{p}: an incomplete benchmarks/kernels.py result ({type(e).__name__}: {e})",
                           "re-run `python benchmarks/kernels.py --out FILE` (not --smoke)") from None

@@ -241,6 +241,12 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         recompute = math.ceil(n_blocks / lay.recompute_every) * per_block_fwd
     elif lay.recompute == "selective":  # "op": the pointwise forward runs again
         recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
+        if measured is not None and measured.device_type == "cpu":
+            # A CPU runs the checkpoint policy's Python dispatch mode in line with the kernels (a GPU's host
+            # runs ahead of them): every op of a block passes it in forward, recompute and backward.
+            blocks = [eager_block_kernels(s, reg, False, lay.ep)] * rank.dense_layers
+            blocks += [eager_block_kernels(s, reg, True, lay.ep)] * rank.moe_layers
+            recompute += sum(2 * f + b for f, b in blocks) * measured.selective_op_s
     else:
         recompute = 0.0
     return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd, 2 * per_block_fwd, a_d)
