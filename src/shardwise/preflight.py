@@ -110,3 +110,21 @@ def check(cfg: Config, world_size: int) -> ParallelDims:
     check_checkpoint(cfg)
     check_run(cfg)
     return dims
+
+
+def check_serving(cfg: Config, world: int, prompt_len: int = 1) -> ParallelDims:
+    """Generation's layout (`shardwise generate`, infer/engine.py): one model replica over parallel.tp x
+    parallel.pp = `world` processes, under spec/rules.py serving_rules (the planner's decode mode too)."""
+    p = cfg.parallel
+    raise_first(rules.serving_rules(ModelShape.from_config(cfg.model), p, prompt_len))
+    if p.tp * p.pp != world:
+        raise ConfigError("--nproc", f"{world} processes for tp={p.tp} x pp={p.pp}",
+                          f"use --nproc {p.tp * p.pp} (generation has no data-parallel axis)")
+    return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=p.tp, pp=p.pp, ep=1, world_size=world)
+
+
+def check_generation_length(cfg: Config, longest_prompt: int, new_tokens: int) -> None:
+    """The prompts and what is generated after them fit the model's positions (the KV cache's size)."""
+    if longest_prompt + new_tokens > cfg.model.max_seq_len:
+        raise ConfigError("--max-new-tokens", f"the longest prompt ({longest_prompt}) + {new_tokens} new tokens exceed "
+                          f"model.max_seq_len = {cfg.model.max_seq_len}", "generate fewer tokens or shorten the prompt")

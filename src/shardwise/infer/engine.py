@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import Config
-from shardwise.errors import ConfigError
 from shardwise.infer.sampling import Sampler
 from shardwise.models import ARCHS, build_model
 from shardwise.models.kv_cache import KVCache
@@ -29,9 +28,7 @@ from shardwise.models.weights import weight_source
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import materialize
 from shardwise.parallel.tensor import apply_tensor_parallel
-from shardwise.spec import rules
-from shardwise.spec.dims import ParallelDims
-from shardwise.spec.shapes import ModelShape
+from shardwise.preflight import check_generation_length, check_serving
 from shardwise.spec.stages import layers_per_stage, stage_layers
 from shardwise.train.checkpoint import load_model_weights
 
@@ -56,17 +53,6 @@ class Generation:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def serving_dims(cfg: Config, world: int, prompt_len: int = 1) -> ParallelDims:
-    """The tp x pp layout of `world` processes (spec/rules.py serving_rules, shared with the planner)."""
-    p = cfg.parallel
-    for violation in rules.serving_rules(ModelShape.from_config(cfg.model), p, prompt_len):
-        raise violation.error()
-    if p.tp * p.pp != world:
-        raise ConfigError("--nproc", f"{world} processes for tp={p.tp} x pp={p.pp}",
-                          f"use --nproc {p.tp * p.pp} (generation has no data-parallel axis)")
-    return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=p.tp, pp=p.pp, ep=1, world_size=world)
-
-
 class Engine:
     """One rank's share of the model, ready to prefill and decode."""
 
@@ -75,7 +61,7 @@ class Engine:
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         world = dist.get_world_size() if distributed else 1
-        self.dims = serving_dims(cfg, world)
+        self.dims = check_serving(cfg, world)
         self.mesh = build_meshes(self.dims, device.type)
         coords = self.dims.coordinates(self.rank)
         self.pp_rank, self.pp = coords["pp"], self.dims.pp
@@ -130,9 +116,7 @@ class Engine:
                  eos_ids: set[int] | frozenset[int] = frozenset()) -> Generation:
         """Left-pad the prompts, prefill them in one forward, then decode one token per step."""
         b, longest = len(prompts), max(len(p) for p in prompts)
-        if longest + max_new_tokens > self.cfg.model.max_seq_len:
-            raise ConfigError("--max-new-tokens", f"prompt ({longest}) + {max_new_tokens} new tokens exceed "
-                              f"model.max_seq_len = {self.cfg.model.max_seq_len}", "generate fewer tokens")
+        check_generation_length(self.cfg, longest, max_new_tokens)
         tokens = torch.zeros(b, longest, dtype=torch.long)
         valid = torch.zeros(b, longest, dtype=torch.bool)
         for i, p in enumerate(prompts):

@@ -12,8 +12,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.config import Config, build_config, load_toml, parse_overrides
+from shardwise.config import Config, build_config, parse_overrides
 from shardwise.errors import ConfigError
+from shardwise.preflight import check_generation_length, check_serving
 from shardwise.spec.hf import HF_SCHEME
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -90,11 +91,10 @@ def resolve(argv: list[str], world: int | None = None) -> Request:
         checkpoint, tokenizer = None, directory / "tokenizer.json"
         eos = _hf_eos(directory)
     else:
-        from shardwise.train.export import find_checkpoint
+        from shardwise.train.export import find_checkpoint, run_toml
 
         checkpoint = find_checkpoint(Path(args.run_dir), args.step)
-        toml = load_toml(checkpoint / "config.toml")
-        toml.get("model", {}).pop("init_from", None)  # the checkpoint holds the weights now
+        toml = run_toml(checkpoint / "config.toml")
         toml.pop("parallel", None)  # the training layout does not apply: serving takes tp / pp from the command line
         cfg = build_config(toml, overrides)
         tokenizer = checkpoint / "tokenizer.json"
@@ -125,30 +125,21 @@ def resolve(argv: list[str], world: int | None = None) -> Request:
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}", "e.g. --max-new-tokens 32")
     longest = max(len(p) for p in prompts)
-    if longest + args.max_new_tokens > cfg.model.max_seq_len:
-        raise ConfigError("--max-new-tokens", f"the longest prompt ({longest}) + {args.max_new_tokens} new tokens exceed "
-                          f"model.max_seq_len = {cfg.model.max_seq_len}", "generate fewer tokens or shorten the prompt")
+    check_generation_length(cfg, longest, args.max_new_tokens)
     if args.temperature is not None and (args.greedy or args.temperature <= 0):
         raise ConfigError("--temperature", "needs a value > 0 and no --greedy", "use --greedy, or --temperature 0.8 --top-p 0.95")
     if not 0 < args.top_p <= 1:
         raise ConfigError("--top-p", f"must be within (0, 1], got {args.top_p}", "e.g. --top-p 0.95")
     from shardwise.launch.local import check_nproc
-    from shardwise.spec import rules
-    from shardwise.spec.shapes import ModelShape
 
     check_nproc(args.nproc)
-    for violation in rules.serving_rules(ModelShape.from_config(cfg.model), cfg.parallel, longest):
-        raise violation.error()
-    if cfg.parallel.tp * cfg.parallel.pp != args.nproc:
-        raise ConfigError("--nproc", f"{args.nproc} processes for tp={cfg.parallel.tp} x pp={cfg.parallel.pp}",
-                          f"use --nproc {cfg.parallel.tp * cfg.parallel.pp} (generation has no data-parallel axis)")
+    check_serving(cfg, args.nproc, longest)
     eos = set() if args.ignore_eos else ({args.eos_id} if args.eos_id is not None else eos)
     return Request(cfg, checkpoint, tokenizer_path, prompts, eos, args)
 
 
 def run(request: Request) -> int:
     """Generate on this process's share of the layout; rank 0 prints."""
-    import torch
     import torch.distributed as dist
 
     from shardwise.infer.engine import Engine
@@ -185,7 +176,6 @@ def run(request: Request) -> int:
               f"{result.prefill_s * 1e3:.1f} ms ({speed['prefill_tokens_per_s']:,.0f} tokens/s), decode "
               f"{result.decode_tokens} tokens in {result.decode_s * 1e3:.1f} ms ({speed['decode_tokens_per_s']:,.0f} "
               f"tokens/s), KV cache {result.kv_cache_bytes / 2**20:.2f} MiB on rank 0", flush=True)
-    del torch
     return 0
 
 

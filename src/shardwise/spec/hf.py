@@ -173,9 +173,9 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def weight_files(directory: Path) -> dict[str, Path]:
-    """Hugging Face name -> the .safetensors file holding it (sharded checkpoints name theirs in
-    model.safetensors.index.json; a directory of only .bin files is refused: pickle)."""
+def weight_shapes(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Hugging Face name -> (the .safetensors file holding it, its shape), from the files' headers (a
+    sharded checkpoint's files each hold some; a directory of only .bin files is refused: pickle)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(FIELD, f"{directory} holds no .safetensors file"
@@ -185,19 +185,22 @@ def weight_files(directory: Path) -> dict[str, Path]:
     out = {}
     for path in files:
         try:
-            names = _safetensors_header(path)
+            header = _safetensors_header(path)
         except (OSError, ValueError) as e:
             raise ConfigError(FIELD, f"cannot read {path}: {e}", "re-download or re-save the checkpoint") from None
-        out |= {name: path for name in names}
+        out |= {name: (path, tuple(meta["shape"])) for name, meta in header.items()}
     return out
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Hugging Face name -> the .safetensors file holding it."""
+    return {name: path for name, (path, _) in weight_shapes(directory).items()}
 
 
 def check_weights(directory: Path, fields: dict[str, Any], tied: bool) -> None:
     """Every weight the model needs is in DIR with its shape, and nothing else is (a weight we would
     ignore means an architecture we do not compute). Reads the files' headers only."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in sorted(set(weight_files(directory).values())):
-        shapes |= {name: tuple(meta["shape"]) for name, meta in _safetensors_header(path).items()}
+    shapes = {name: shape for name, (_, shape) in weight_shapes(directory).items()}
     # Older transformers versions saved RoPE's inv_freq buffer; it is recomputed from rope_theta.
     shapes = {name: shape for name, shape in shapes.items() if not name.endswith("rotary_emb.inv_freq")}
     expected = expected_shapes(fields, tied)

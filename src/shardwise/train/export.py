@@ -30,12 +30,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MODEL_PREFIX = "model."  # the trainer saves {"model": ..., "optim": ...}; DCP flattens the keys with "."
 
 
-def run_config(path: Path) -> Config:
-    """The config a checkpoint (or run directory) was trained with. model.init_from is dropped: the
-    resolved file names every model field, and the checkpoint no longer needs the files it started from."""
+def run_toml(path: Path) -> dict:
+    """A run's (or checkpoint's) config.toml, model.init_from dropped: the resolved file names every model
+    field, and the checkpoint no longer needs the files it started from."""
     toml = load_toml(path)
     toml.get("model", {}).pop("init_from", None)
-    return build_config(toml)
+    return toml
+
+
+def run_config(path: Path) -> Config:
+    """The config a checkpoint (or run directory) was trained with."""
+    return build_config(run_toml(path))
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
