@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,16 +80,21 @@ def fit_axis(axis: str, n: int, points: list[tuple[int, float]]) -> AxisCalibrat
     return AxisCalibration(axis, n, bus, lat / (2 * hops(n)), method)
 
 
-def read_results(path: str | Path) -> dict[str, Any]:
-    """The bench-comm JSON file, checked; ConfigError (field cluster.calibration) when it is not one."""
+def _read_json(path: str | Path) -> dict[str, Any]:
+    """A calibration file's JSON; ConfigError (field cluster.calibration) when it is missing or not JSON."""
     p = Path(path)
     where = "cluster.calibration"
     if not p.is_file():
         raise ConfigError(where, f"file not found: {p}", "write one with `shardwise bench-comm --nproc N --out bench.json`")
     try:
-        data = json.loads(p.read_text())
+        return json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(where, f"{p} is not JSON: {e}", "point it at a file written by `shardwise bench-comm --out`") from None
+
+
+def _checked_results(data: Any, p: str | Path) -> dict[str, Any]:
+    """`data`, checked to be a bench-comm result; ConfigError (field cluster.calibration) when it is not one."""
+    where = "cluster.calibration"
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("results"), list):
         raise ConfigError(where, f"{p} is not a bench-comm result (schema {SCHEMA!r})",
                           "point it at a file written by `shardwise bench-comm --out`")
@@ -101,9 +106,10 @@ def read_results(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_calibration(path: str | Path) -> tuple[AxisCalibration, ...]:
-    """Per axis with all-reduce measurements, its fitted bandwidth and latency (axis order of the file)."""
-    data = read_results(path)
+def load_calibration(path: str | Path, data: Any = None) -> tuple[AxisCalibration, ...]:
+    """Per axis with all-reduce measurements, its fitted bandwidth and latency (axis order of the file);
+    `data`: the file's JSON when the caller has read it already."""
+    data = _checked_results(_read_json(path) if data is None else data, path)
     by_axis: dict[str, list[tuple[int, float]]] = {}
     ranks: dict[str, int] = {}
     for r in data["results"]:
@@ -119,16 +125,8 @@ def load_calibration(path: str | Path) -> tuple[AxisCalibration, ...]:
 PLAN_SCHEMA = "shardwise-plan-calibration/1"  # written by `shardwise plan calibrate` (plan/fit.py)
 
 
-def read_plan_calibration(path: str | Path) -> float | None:
-    """The fitted eager pointwise HBM fraction of a `plan calibrate` file; None when `path` is another
-    kind of file (a bench-comm result), which load_calibration then reads and checks."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
-        return None
+def _plan_fraction(data: dict[str, Any], p: str | Path) -> float:
+    """The fitted eager pointwise HBM fraction of a `plan calibrate` file's JSON."""
     fraction = data.get("eager_pointwise_hbm_fraction")
     if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ConfigError("cluster.calibration", f"{p}: eager_pointwise_hbm_fraction must be within (0, 1], got {fraction!r}",
@@ -154,22 +152,15 @@ class MeasuredDevice:
     selective_op_s: float = 0.0
 
     def as_device(self, base: Any) -> Any:
-        from dataclasses import replace
-
+        """`base` (the table's entry for cluster.gpu) with these rates: named measured-<base> (plan/cost.py
+        then applies no datasheet fraction, and still finds the base's SM count)."""
         peaks = {key: self.gemm_flops / 1e12 for key in ("fp32", "tf32", "bf16", "fp16", "fp8")}
-        return replace(base, name=f"measured-{self.device_type}", peak_tflops=peaks, memory_bandwidth_gbps=self.bandwidth_gbps,
+        return replace(base, name=f"measured-{base.name}", peak_tflops=peaks, memory_bandwidth_gbps=self.bandwidth_gbps,
                        source=f"measured by benchmarks/kernels.py ({self.dtype} GEMMs) on {base.name}")
 
 
-def read_measured_device(path: str | Path) -> MeasuredDevice | None:
-    """The rates of a benchmarks/kernels.py JSON; None when `path` is another kind of file."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("benchmark") != "kernels":
-        return None
+def _measured_device(data: dict[str, Any], p: str | Path) -> MeasuredDevice:
+    """The rates of a benchmarks/kernels.py JSON."""
     try:
         kind = data["device_type"]
         peak = float(data["gemm"]["peak_flops"])
@@ -189,3 +180,28 @@ def read_measured_device(path: str | Path) -> MeasuredDevice | None:
     except (KeyError, TypeError, ValueError, StopIteration, statistics.StatisticsError) as e:
         raise ConfigError("cluster.calibration", f"{p}: an incomplete benchmarks/kernels.py result ({type(e).__name__}: {e})",
                           "re-run `python benchmarks/kernels.py --out FILE` (not --smoke)") from None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything cluster.calibration's files hold (one file or several, comma-separated)."""
+
+    links: tuple[AxisCalibration, ...] = ()          # `shardwise bench-comm`: per mesh axis
+    pointwise_hbm_fraction: float | None = None      # `shardwise plan calibrate`
+    measured_device: MeasuredDevice | None = None    # benchmarks/kernels.py
+
+
+def read_calibration(paths: str) -> Calibration:
+    """Each file is read once and taken by what it is: a `plan calibrate` result (its schema), a
+    benchmarks/kernels.py result (its "benchmark" key), else a bench-comm result (checked as one)."""
+    links: tuple[AxisCalibration, ...] = ()
+    fraction = measured = None
+    for path in (part.strip() for part in paths.split(",") if part.strip()):
+        data = _read_json(path)
+        if isinstance(data, dict) and data.get("schema") == PLAN_SCHEMA:
+            fraction = _plan_fraction(data, path)
+        elif isinstance(data, dict) and data.get("benchmark") == "kernels":
+            measured = _measured_device(data, path)
+        else:
+            links += load_calibration(path, data)
+    return Calibration(links, fraction, measured)

@@ -28,9 +28,9 @@ from shardwise.plan import constants as C
 from shardwise.plan.calibration import PLAN_SCHEMA as SCHEMA
 from shardwise.plan.cost import evaluate
 from shardwise.plan.layout import Problem
+from shardwise.plan.memory import GIB
 from shardwise.spec.layout import Layout
 
-GIB = 2**30
 INVENTORY = ("params", "grads", "optimizer", "activations")
 
 
@@ -88,33 +88,34 @@ def predict(run: MeasuredRun, fraction: float | None = None) -> tuple[float, flo
     return est.step_time_s, memory, problem.eager
 
 
-def _affine(run: MeasuredRun) -> tuple[float, float]:
-    """(a, b) of t = a + b x in x = 1 / fraction: exact, the pointwise time being bytes / (x^-1 bandwidth)."""
+def _affine(run: MeasuredRun) -> tuple[float, float, float]:
+    """(a, b, measured t) of the predicted step t = a + b x in x = 1 / fraction, from two predictions:
+    the pointwise time is its bytes over (fraction x bandwidth); exact where nothing overlaps that time
+    (FSDP's overlap window makes it piecewise: the fit then takes the secant)."""
     t1, _, _ = predict(run, 1.0)
     t2, _, _ = predict(run, 0.5)
-    return 2 * t1 - t2, t2 - t1
+    return 2 * t1 - t2, t2 - t1, run.step_time_s
 
 
-def fit_fraction(runs: list[MeasuredRun]) -> float | None:
-    """The fraction minimising sum(((a + b x) / t - 1)^2) over the eager runs; None without one."""
-    num = den = 0.0
-    for run in runs:
-        a, b = _affine(run)
-        num += b * (run.step_time_s - a) / run.step_time_s**2
-        den += b * b / run.step_time_s**2
+def fit_fraction(lines: list[tuple[float, float, float]]) -> float | None:
+    """The fraction minimising sum(((a + b x) / t - 1)^2) over the eager runs' (a, b, t); None without one."""
+    num = sum(b * (t - a) / t**2 for a, b, t in lines)
+    den = sum(b * b / t**2 for a, b, t in lines)
     if den <= 0 or num <= 0:
         return None
     return min(1.0, max(0.05, den / num))
 
 
 def calibrate(runs: list[MeasuredRun]) -> dict[str, Any]:
-    eager = [r for r in runs if predict(r)[2]]
-    fraction = fit_fraction(eager)
+    predicted = [predict(run) for run in runs]
+    # Each eager run's line once: the full fit and every leave-one-out fit reuse them.
+    lines = {i: _affine(run) for i, run in enumerate(runs) if predicted[i][2]}
+    fraction = fit_fraction(list(lines.values()))
     rows = []
-    for run in runs:
-        before, peak, is_eager = predict(run)
+    for i, run in enumerate(runs):
+        before, peak, is_eager = predicted[i]
         after = predict(run, fraction)[0] if fraction is not None else before
-        others = [r for r in eager if r is not run]
+        others = [line for j, line in lines.items() if j != i]
         held_out = fit_fraction(others) if is_eager and others else None
         loo = predict(run, held_out)[0] if held_out is not None else None
         rows.append({"name": run.name, "eager": is_eager, "inventory": run.inventory, "measured_step_s": run.step_time_s,

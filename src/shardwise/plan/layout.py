@@ -15,13 +15,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError, Violation
 from shardwise.plan import constants as C
-from shardwise.plan.calibration import (
-    AxisCalibration,
-    MeasuredDevice,
-    load_calibration,
-    read_measured_device,
-    read_plan_calibration,
-)
+from shardwise.plan.calibration import AxisCalibration, MeasuredDevice, read_calibration
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
 from shardwise.spec.layout import PRECISIONS, Layout, attention_backend, compute_precision
@@ -82,17 +76,8 @@ class Cluster:
         path = getattr(c, "calibration", None) or ""
         # cluster.calibration: one file or several, comma-separated: bench-comm results (links) and / or a
         # `plan calibrate` result (the eager pointwise fraction).
-        links: tuple[AxisCalibration, ...] = ()
-        fraction = measured = None
-        for one in (part.strip() for part in path.split(",") if part.strip()):
-            compute = read_plan_calibration(one)
-            kernels = read_measured_device(one) if compute is None else None
-            if compute is not None:
-                fraction = compute
-            elif kernels is not None:
-                measured = kernels
-            else:
-                links += load_calibration(one)
+        calibration = read_calibration(path)
+        measured = calibration.measured_device
         if measured is not None:
             device = measured.as_device(device)
         elif device.name == "cpu":
@@ -102,7 +87,8 @@ class Cluster:
         return cls(device, c.num_gpus, min(c.gpus_per_node, c.num_gpus),
                    c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps,
                    (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S,
-                   links, path, pointwise_hbm_fraction=fraction, measured_device=measured,
+                   calibration.links, path, pointwise_hbm_fraction=calibration.pointwise_hbm_fraction,
+                   measured_device=measured,
                    price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
                    failures_per_gpu_hour=costs["failures_per_gpu_hour"], checkpoint_save_s=costs["checkpoint_save_s"],
                    restart_s=costs["restart_s"])
