@@ -8,6 +8,8 @@ sharded into several .safetensors files.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -137,6 +139,14 @@ def test_train_from_import_then_export_loads_in_transformers(tmp_path):
         torch.testing.assert_close(theirs.eval()(tokens).logits, ours(tokens), atol=LOGITS_ATOL, rtol=0)
         trained = ours.layers[0].attention.wq.weight
         assert not torch.equal(trained, load_hf(directory).model.layers[0].self_attn.q_proj.weight)  # it trained
+    # Generating from the run's checkpoint (DCP fills the serving model) gives the exported model's greedy ids.
+    want = theirs.generate(torch.tensor([[5, 17, 33]]), do_sample=False, max_new_tokens=6, eos_token_id=None,
+                           pad_token_id=0)[0, 3:].tolist()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["generate", "--run-dir", str(run), "--prompt-ids", "5,17,33", "--max-new-tokens", "6",
+                     "--ignore-eos", "--json"]) == 0
+    assert json.loads(printed.getvalue().splitlines()[-1])["ids"] == want
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok("def f(x): return x")["input_ids"]) == "def f(x): return x"
     # Exporting again into the same directory is refused; nothing is overwritten.

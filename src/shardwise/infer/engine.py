@@ -77,7 +77,8 @@ class Engine:
             self.pp_group = self.mesh["pp"].get_group()
         if self.dims.tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"], cfg.model, sequence_parallel=False)
-        materialize(model, device, weight_source(model, "" if checkpoint else cfg.model.init_from, cfg.train.seed))
+        # From a checkpoint, DCP fills every weight: no initial values to draw first.
+        materialize(model, device, None if checkpoint else weight_source(model, cfg.model.init_from, cfg.train.seed))
         if checkpoint is not None:
             load_model_weights(checkpoint, model)
         self.model = model.to(DTYPES[dtype]).eval()

@@ -85,19 +85,20 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
 
 
 @torch.no_grad()
-def materialize(model: Transformer, device: torch.device, source: WeightSource) -> None:
+def materialize(model: Transformer, device: torch.device, source: WeightSource | None) -> None:
     """Allocate the (possibly sharded) parameters and give them layout-independent values.
 
     Each parameter's *global* value comes from `source` (models/weights.py: the name-seeded random init,
     or a Hugging Face checkpoint); a sharded parameter (DTensor) asks only for its slice. No random
     number is ever drawn per shard (docs/architecture.md §3), so every layout starts from the same
-    weights as the single-device reference.
+    weights as the single-device reference. `source=None` only allocates: the caller loads every value
+    (a checkpoint, infer/engine.py).
     """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     model.to_empty(device=device)
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters() if source is not None else ():
         fqn = canonical_fqn(name)
         if isinstance(param, DTensor):
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
