@@ -18,11 +18,14 @@ import tomllib
 from shardwise.errors import ConfigError
 
 
-def opt(default: Any, doc: str) -> Any:
-    """A dataclass field with a default and its documentation."""
+def opt(default: Any, doc: str, aliases: dict[bool, Any] | None = None) -> Any:
+    """A dataclass field with a default and its documentation. `aliases` maps the booleans a field
+    once took (TOML true/false, --key=true) to the values that replaced them, so old configs keep
+    working after a switch became a choice (parallel.offload)."""
+    meta = {"doc": doc, **({"aliases": aliases} if aliases else {})}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -130,7 +133,15 @@ class ParallelConfig:
                                          "e.g. [1, 3]; empty: use pp_split.")
     pp_stage_speeds: list[float] = opt([], "Relative speed of each pipeline rank for pp_split=balanced (heterogeneous "
                                        "clusters), e.g. [1.0, 2.0]; empty: all equal.")
-    offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer state on the CPU (FSDP, zero >= 2).")
+    offload: str = opt("none", '"none"; "cpu": parameters, gradients and optimizer state live in host memory (FSDP2 '
+                       'CPU offload, zero 2/3, any number of ranks, 1 included) and the optimizer step runs on the CPU; '
+                       '"nvme": as "cpu", with the optimizer state in files under offload_dir. true/false mean "cpu"/"none".',
+                       aliases={True: "cpu", False: "none"})
+    offload_dir: str = opt("", 'Directory on a local disk for offload="nvme" (each rank writes its optimizer state into a '
+                           "fresh subdirectory, removed when the run ends).")
+    linear_tiles: int = opt(1, "Memory-centric tiling: compute every block's MLP in this many tiles along its hidden "
+                               "(ffn) dim, one after another, so one tile's intermediates are live at a time and "
+                               "backward recomputes them per tile (1 = off).")
 
 
 @dataclass
@@ -279,6 +290,16 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
+def _alias(key: str, value: Any, aliases: dict[bool, Any]) -> Any:
+    """A field's former boolean spelling (TOML true/false, or true/false/on/off/1/0 on the command
+    line) as the value that replaced it; anything else unchanged."""
+    if isinstance(value, bool):
+        return aliases[value]
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return aliases[_parse_cli_value(key, value, bool)]
+    return value
+
+
 def _parse_cli_value(key: str, text: str, base: type) -> Any:
     if base is bool:
         low = text.lower()
@@ -314,6 +335,9 @@ def _set(cfg: Config, key: str, value: Any, from_cli: bool) -> None:
         for sub, v in value.items():
             _set(cfg, f"{key}.{sub}", v, from_cli)
         return
+    aliases = next(f.metadata.get("aliases") for f in dataclasses.fields(node) if f.name == name)
+    if aliases:
+        value = _alias(key, value, aliases)
     if not from_cli and isinstance(value, str) and _base_type(hint) is not str:
         # TOML is typed: a quoted number in a file is a mistake, not something to guess at.
         raise ConfigError(key, f"expected {_base_type(hint).__name__}, got the string {value!r}", "remove the quotes")

@@ -6,12 +6,14 @@ optimizer settings, checkpoint and run options.
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Iterable
 
 from shardwise.config import Config
 from shardwise.errors import ConfigError, Violation
 from shardwise.spec import rules
-from shardwise.spec.dims import ParallelDims
+from shardwise.spec.dims import OFFLOAD_TIERS, ParallelDims, offload_tier
 from shardwise.spec.layout import COMPILE_BACKENDS, FP8_RECIPES, PP_SPLITS, PRECISIONS, RECOMPUTE, RECOMPUTE_POLICIES, Layout
 from shardwise.spec.shapes import ModelShape
 from shardwise.spec.stages import SCHEDULES
@@ -65,6 +67,10 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     _choice("parallel.pp_schedule", p.pp_schedule, SCHEDULES)
     _choice("parallel.pp_split", p.pp_split, PP_SPLITS)
     _positive("parallel.pp_virtual_stages", p.pp_virtual_stages)
+    _choice("parallel.offload", offload_tier(p), OFFLOAD_TIERS)
+    _positive("parallel.linear_tiles", p.linear_tiles)
+    if offload_tier(p) == "nvme":
+        check_offload_dir(p.offload_dir)
     dims = ParallelDims.from_config(p, world_size)
     layout = Layout.from_config(cfg, world_size)
     shape = ModelShape.from_config(cfg.model)
@@ -87,6 +93,20 @@ def check_batch(cfg: Config, dims: ParallelDims) -> int:
 
 def check_data(cfg: Config) -> None:
     _positive("data.num_workers", cfg.data.num_workers, 0)
+
+
+def check_offload_dir(path: str) -> None:
+    """offload="nvme" writes the optimizer state under parallel.offload_dir: it must be a writable
+    directory. Its free space is checked where the files are created (parallel/offload.py reserves
+    them with posix_fallocate before the first step: a full disk is exit code 4 there, not mid-run)."""
+    if not path:
+        raise ConfigError("parallel.offload_dir", 'offload="nvme" needs a directory for the optimizer state',
+                          "set parallel.offload_dir to a directory on a local NVMe disk, e.g. /local_nvme/shardwise")
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise ConfigError("parallel.offload_dir", f"{where} is not a directory", "create it, or point to an existing one")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError("parallel.offload_dir", f"{where} is not writable by this user", "choose a writable directory")
 
 
 def check_checkpoint(cfg: Config) -> None:

@@ -15,7 +15,7 @@ def test_defaults_resolve_the_tiny_preset():
 def test_override_types_are_converted():
     cfg = load_config(overrides=["--train.lr=0.5", "--parallel.zero", "3", "--parallel.offload=true",
                                  "--data.path=/x/y", "--model.dim=128"])
-    assert cfg.train.lr == 0.5 and cfg.parallel.zero == 3 and cfg.parallel.offload is True
+    assert cfg.train.lr == 0.5 and cfg.parallel.zero == 3 and cfg.parallel.offload == "cpu"
     assert cfg.data.path == "/x/y" and cfg.model.dim == 128 and cfg.model.n_layers == 2
 
 
@@ -51,7 +51,7 @@ def test_every_key_has_documentation():
     ({"parallel": {"zero_stage": 3}}, "parallel.zero_stage", "parallel.zero"),
     ({"train": {"lr": "fast"}}, "train.lr", "remove the quotes"),
     ({"train": {"steps": 1.5}}, "train.steps", "int"),
-    ({"parallel": {"offload": 1}}, "parallel.offload", "bool"),
+    ({"parallel": {"offload": 1}}, "parallel.offload", "str"),
     ({"model": {"preset": "llama9"}}, "model.preset", "did you mean"),
 ])
 def test_bad_toml_names_the_field_and_a_fix(toml, field, hint):
@@ -66,7 +66,7 @@ def test_bad_overrides():
     with pytest.raises(ConfigError, match="no value"):
         parse_overrides(["--train.steps"])
     with pytest.raises(ConfigError, match="expected true/false"):
-        load_config(overrides=["--parallel.offload=maybe"])
+        load_config(overrides=["--run.progress=maybe"])
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(overrides=["--train.steps=abc"])
 
@@ -95,3 +95,12 @@ def test_preset_rope_theta_and_norm_eps_apply_unless_overridden():
     assert build_config({}, [("model.preset", "llama3-8b")]).model.rope_theta == 500000.0
     assert build_config({}, []).model.rope_theta == 10000.0 and build_config({}, []).model.norm_eps == 1e-5
     assert build_config({}, [("model.preset", "llama3-8b"), ("model.rope_theta", "1e4")]).model.rope_theta == 1e4
+
+
+@pytest.mark.parametrize("value, tier", [(True, "cpu"), (False, "none"), ("nvme", "nvme"), ("cpu", "cpu")])
+def test_offload_keeps_its_old_boolean_spelling(value, tier):
+    """parallel.offload was a switch and is now a tier: TOML true/false and --parallel.offload=true/false
+    still work and resolve to the tier they meant (config.py aliases)."""
+    assert build_config({"parallel": {"offload": value}}).parallel.offload == tier
+    text = str(value).lower() if isinstance(value, bool) else value
+    assert load_config(overrides=[f"--parallel.offload={text}"]).parallel.offload == tier

@@ -67,7 +67,7 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, pr
 
     kwargs = dict(mesh=dp_mesh(mesh, dims), mp_policy=fsdp_mp_policy(precision),
                   # Pinned host memory speeds up GPU<->CPU copies; it needs an accelerator to exist.
-                  offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if p.offload else OffloadPolicy())
+                  offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dims.offload else OffloadPolicy())
     reshard = p.zero == 3
     # Expert parallelism: experts get their own units over efsdp first, or are left out (expert.py).
     from shardwise.parallel.expert import shard_experts

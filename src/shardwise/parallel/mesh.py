@@ -41,6 +41,8 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes | None:
     axes = dims.enabled_axes()
     if not axes:
         return None
+    if dims.world_size == 1:
+        join_one_rank_group(device_type)
     root = init_device_mesh(device_type, tuple(getattr(dims, a) for a in axes), mesh_dim_names=tuple(axes))
     batch = None
     if dims.dp_replicate > 1 and dims.dp_shard > 1:
@@ -66,6 +68,17 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes | None:
     # create new communicators). Parity: tests/parity/matrix.py cp2_hsdp_2x2_zero3.
     hsdp = root["dp_replicate", shard_cp.mesh_dim_names[0]] if dims.dp_replicate > 1 else None
     return Meshes(root, batch, grad, shard_cp, hsdp, expert)
+
+
+def join_one_rank_group(device_type: str) -> None:
+    """A default process group of this process alone, for a one-process run that needs a mesh:
+    offload on one device is FSDP2 over a 1-rank dp_shard axis (spec/dims.py enabled_axes), and a
+    DeviceMesh is built on the default group. An in-memory HashStore suffices: there is no peer to
+    meet. Kept for the life of the process; a later one-process run reuses it."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def expert_axis_sizes(dims: ParallelDims) -> dict[str, int]:

@@ -16,6 +16,18 @@ from shardwise.errors import ConfigError, Violation
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
+
+
+def offload_tier(p: Any) -> str:
+    """parallel.offload as a tier name: the config maps the old true/false to "cpu"/"none" (config.py
+    aliases); a bool still arrives from objects built in code."""
+    value = getattr(p, "offload", "none")
+    if isinstance(value, bool):
+        return "cpu" if value else "none"
+    return value
+
+
 def resolve_dp_shard(p: Any, world_size: int, world_name: str = "world_size") -> int:
     """parallel.dp_shard with -1 (the rest of the world) resolved; every other axis validated >= 1.
     `p` is anything with dp_replicate, dp_shard, cp, tp, pp and ep (ParallelConfig)."""
@@ -34,15 +46,16 @@ def resolve_dp_shard(p: Any, world_size: int, world_name: str = "world_size") ->
     return dp_shard
 
 
-def data_parallel_wrapper(dp: int, cp: int, tp: int, pp: int, shard_group: int, zero: int) -> str:
+def data_parallel_wrapper(dp: int, cp: int, tp: int, pp: int, shard_group: int, zero: int, offload: bool = False) -> str:
     """Which data-parallel machinery a layout trains with (parallel/data_parallel.py applies it):
-    "fsdp"      ZeRO-2/3 as FSDP2 `fully_shard` (zero >= 2 and something to shard over: dp_shard x cp > 1);
+    "fsdp"      ZeRO-2/3 as FSDP2 `fully_shard` (zero >= 2 and something to shard over: dp_shard x cp > 1;
+                or CPU / NVMe offload, which FSDP2 does even over a shard group of one rank);
     "ddp"       DistributedDataParallel (zero 0/1) on a whole model of plain tensors;
     "replicate" FSDP2's `replicate` (zero 0/1) where parameters are DTensors (tp > 1) or the model is a
                 pipeline stage (pp > 1): DDP buckets plain tensors and cannot reduce DTensor gradients,
                 and the pipeline schedule drives FSDP2-family modules' gradient reduction itself;
     "none"      one data-parallel rank."""
-    if zero >= 2 and shard_group > 1:
+    if zero >= 2 and (shard_group > 1 or offload):
         return "fsdp"
     if dp * cp == 1:
         return "none"
@@ -86,6 +99,8 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    offload: bool = False  # parallel.offload is "cpu" or "nvme": FSDP2 keeps model states on the host
+
 
     @classmethod
     def from_config(cls, p: Any, world_size: int) -> "ParallelDims":
@@ -93,7 +108,8 @@ class ParallelDims:
         (world_rules: the product of the axes is the world size; ep_fold_rule)."""
         if world_size < 1:
             raise ConfigError("--nproc", f"must be >= 1, got {world_size}", "pass --nproc 1 or more")
-        dims = cls(p.dp_replicate, resolve_dp_shard(p, world_size), p.cp, p.tp, p.pp, p.ep, world_size)
+        dims = cls(p.dp_replicate, resolve_dp_shard(p, world_size), p.cp, p.tp, p.pp, p.ep, world_size,
+                   offload_tier(p) != "none")
         for violation in (*world_rules(dims, world_size, "world_size"), ep_fold_rule(dims)):
             if violation is not None:
                 raise violation.error()
@@ -119,14 +135,16 @@ class ParallelDims:
 
     def wrapper(self, zero: int) -> str:
         """The data-parallel machinery for parallel.zero = `zero` (data_parallel_wrapper)."""
-        return data_parallel_wrapper(self.dp, self.cp, self.tp, self.pp, self.shard_group, zero)
+        return data_parallel_wrapper(self.dp, self.cp, self.tp, self.pp, self.shard_group, zero, self.offload)
 
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}
 
     def enabled_axes(self) -> list[str]:
-        """Axes of size > 1, in mesh order: only these get a process group."""
-        return [a for a in AXES if getattr(self, a) > 1]
+        """Axes of size > 1, in mesh order: only these get a process group. Offload with a shard group of
+        one rank keeps dp_shard (size 1): FSDP2 needs a mesh to shard over, even a trivial one."""
+        one_rank_fsdp = self.offload and self.shard_group == 1
+        return [a for a in AXES if getattr(self, a) > 1 or (a == "dp_shard" and one_rank_fsdp)]
 
     def describe(self) -> str:
         parts = [f"{a}={getattr(self, a)}" for a in (*AXES, "ep") if getattr(self, a) > 1]

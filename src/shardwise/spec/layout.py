@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shardwise.spec.dims import data_parallel_wrapper, lowp_params, resolve_dp_shard
+from shardwise.spec.dims import data_parallel_wrapper, lowp_params, offload_tier, resolve_dp_shard
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe: torchao Float8LinearConfig recipe names
@@ -57,9 +57,11 @@ class Layout:
     recompute: str = "none"
     recompute_policy: str = "op"
     recompute_every: int = 2
-    offload: bool = False
+    offload: bool = False  # model states in host memory (parallel.offload "cpu" or "nvme")
     sequence_parallel: bool = True
     cp_mode: str = "ring"  # "ring" (pass-KV ring attention) or "ulysses" (all-to-all heads)
+    nvme: bool = False  # with offload: the optimizer state in files on a local disk (parallel.offload = "nvme")
+    linear_tiles: int = 1  # parallel.linear_tiles: the MLP computed in this many tiles (parallel/tiling.py)
 
     @classmethod
     def from_config(cls, cfg: Any, num_gpus: int) -> "Layout":
@@ -67,8 +69,9 @@ class Layout:
         p, t = cfg.parallel, cfg.train
         dp_shard = resolve_dp_shard(p, num_gpus, "num_gpus")
         return cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, p.zero, t.micro_batch, p.pp_schedule,
-                   p.pp_virtual_stages, t.recompute, t.recompute_policy, t.recompute_every, p.offload,
-                   bool(getattr(p, "sequence_parallel", True)), str(getattr(p, "cp_mode", "ring")))
+                   p.pp_virtual_stages, t.recompute, t.recompute_policy, t.recompute_every, offload_tier(p) != "none",
+                   bool(getattr(p, "sequence_parallel", True)), str(getattr(p, "cp_mode", "ring")),
+                   offload_tier(p) == "nvme", int(getattr(p, "linear_tiles", 1)))
 
     # ---- derived ----
     @property
@@ -92,7 +95,7 @@ class Layout:
     @property
     def wrapper(self) -> str:
         """"fsdp", "ddp", "replicate" or "none": spec/dims.py data_parallel_wrapper, as the trainer."""
-        return data_parallel_wrapper(self.dp, self.cp, self.tp, self.pp, self.shard_group, self.zero)
+        return data_parallel_wrapper(self.dp, self.cp, self.tp, self.pp, self.shard_group, self.zero, self.offload)
 
     @property
     def fsdp(self) -> bool:
@@ -128,7 +131,9 @@ class Layout:
             extra.append("rc-" + ("layer" if self.recompute == "selective" and self.recompute_policy == "layer" else
                                   "op" if self.recompute == "selective" else "full"))
         if self.offload:
-            extra.append("offload")
+            extra.append("offload-nvme" if self.nvme else "offload")
+        if self.linear_tiles > 1:
+            extra.append(f"tiles{self.linear_tiles}")
         if self.tp > 1 and not self.sequence_parallel:
             extra.append("no-sp")
         return f"{text} {' '.join(extra)}"
@@ -138,8 +143,9 @@ class Layout:
         return {
             "parallel": {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero, "tp": self.tp,
                          "pp": self.pp, "cp": self.cp, "ep": self.ep, "pp_schedule": self.schedule,
-                         "pp_virtual_stages": self.virtual_stages, "offload": self.offload,
-                         "sequence_parallel": self.sequence_parallel},
+                         "pp_virtual_stages": self.virtual_stages,
+                         "offload": ("nvme" if self.nvme else "cpu") if self.offload else "none",
+                         "linear_tiles": self.linear_tiles, "sequence_parallel": self.sequence_parallel},
             "train": {"micro_batch": self.micro_batch, "global_batch": problem.global_batch, "seq_len": problem.seq_len,
                       "recompute": self.recompute, "recompute_policy": self.recompute_policy,
                       "recompute_every": self.recompute_every, "precision": problem.precision},

@@ -118,12 +118,17 @@ def data_parallel_rules(lay: Layout) -> Rules:
         yield Violation("zero", "parallel.zero", f"zero=0 shards nothing, but dp_shard={lay.dp_shard}",
                         f"set parallel.zero to 1, 2 or 3 to shard over dp_shard, or move the {lay.dp_shard} "
                         "ranks to parallel.dp_replicate for plain DDP")
-    if lay.zero > 0 and lay.shard_group == 1:
+    # Offload runs FSDP2 even over one rank (spec/dims.py data_parallel_wrapper): that is ZeRO-Offload on
+    # one device, so zero 2/3 with a shard group of 1 is allowed there and nowhere else.
+    if lay.zero > 0 and lay.shard_group == 1 and not (lay.offload and lay.zero >= 2):
         yield Violation("zero", "parallel.zero", f"zero={lay.zero} shards over dp_shard x cp, which is 1",
-                        "set parallel.dp_shard > 1 (e.g. -1 for all ranks) or parallel.zero=0")
+                        "set parallel.dp_shard > 1 (e.g. -1 for all ranks), parallel.zero=0, or parallel.offload=cpu "
+                        "with zero=2/3 to keep model states in host memory on one device")
     if lay.offload and lay.zero < 2:
         yield Violation("offload", "parallel.offload", f"CPU offload needs FSDP (zero >= 2), got zero={lay.zero}",
-                        "set parallel.zero=2 or 3, or parallel.offload=false")
+                        "set parallel.zero=2 or 3, or parallel.offload=none")
+    if lay.nvme and not lay.offload:
+        yield Violation("offload", "parallel.offload", "the NVMe tier extends CPU offload", 'set parallel.offload="nvme"')
 
 
 def tensor_parallel_rules(s: Any, lay: Layout, seq_len: int, node_size: int = 0) -> Rules:
@@ -219,7 +224,7 @@ def expert_parallel_rules(s: Any, lay: Layout) -> Rules:
                         "put the data-parallel ranks in parallel.dp_shard instead", trainer_only=True)
     if lay.offload:
         yield Violation("ep with offload", "parallel.offload", "CPU offload with expert parallelism is not implemented "
-                        "(the experts are outside the offloaded FSDP units when efsdp = 1)", "set parallel.offload=false",
+                        "(the experts are outside the offloaded FSDP units when efsdp = 1)", "set parallel.offload=none",
                         trainer_only=True)
 
 

@@ -74,9 +74,18 @@ def memory_by_category(model: nn.Module, optimizer: torch.optim.Optimizer | None
     return {
         "params": tensor_bytes(params),
         "grads": tensor_bytes(p.grad for p in params if p.grad is not None),
-        "optimizer": tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer is not None else 0,
+        "optimizer": _resident_optimizer_bytes(optimizer),
         "buffers": tensor_bytes(model.buffers()),
     }
+
+
+def _resident_optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Optimizer state in memory; the NVMe tier (parallel/offload.py) says itself what it keeps resident
+    (its I/O buffers and step counters: the moments are in a file)."""
+    if optimizer is None:
+        return 0
+    resident = getattr(optimizer, "resident_bytes", None)
+    return resident() if resident is not None else tensor_bytes(optimizer_state_tensors(optimizer))
 
 
 def cuda_memory(device: torch.device | int | None = None) -> dict[str, int]:

@@ -45,12 +45,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return out
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW over param_groups. `fused` (the trainer sets it on CUDA): one kernel per parameter group
-    instead of foreach's several per step (torch's fused AdamW, what torchtitan uses on GPUs); CPU keeps
-    foreach, so its numerics, tests and goldens stay as they were."""
+def build_optimizer(model: nn.Module, t: TrainConfig, zero1_group=None, fused: bool = False,
+                    nvme_dir: str | None = None, rank: int = 0) -> torch.optim.Optimizer:
+    """AdamW over param_groups. `fused` (the trainer sets it on CUDA, and for offload, whose step runs on
+    the CPU): one kernel per parameter group instead of foreach's several per step (torch's fused
+    AdamW, what torchtitan uses on GPUs; on the CPU vectorised and multi-threaded); otherwise the CPU
+    keeps foreach, so its numerics, tests and goldens stay as they were. `nvme_dir`: the moments live
+    in a file there (parallel/offload.py, parallel.offload = "nvme"), bitwise the same steps as fused."""
     kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, **({"fused": True} if fused else {"foreach": True}))
     groups = param_groups(model, t.weight_decay)
+    if nvme_dir is not None:
+        from shardwise.parallel.offload import NvmeAdamW
+
+        return NvmeAdamW(groups, nvme_dir, rank=rank, **kwargs)
     if zero1_group is not None:
         from shardwise.parallel.zero1 import ZeroOneOptimizer
 

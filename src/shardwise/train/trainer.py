@@ -33,7 +33,7 @@ from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
 from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
 from shardwise.parallel.precision import DynamicLossScaler, autocast
 from shardwise.preflight import check, check_batch
-from shardwise.spec.dims import lowp_params
+from shardwise.spec.dims import lowp_params, offload_tier
 from shardwise.spec.stages import stage_of_parameter, stage_rank
 from shardwise.tensors import local_shard
 from shardwise.train import manifest as mf
@@ -107,7 +107,9 @@ class Trainer:
         self.gradient_sync = gradient_sync(self.model, self.dims, cfg.parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         zero1 = zero1_group(self.mesh, self.dims) if cfg.parallel.zero == 1 else None
-        self.optimizer = build_optimizer(self.inner, t, zero1, fused=self.device.type == "cuda")
+        tier = offload_tier(cfg.parallel)
+        self.optimizer = build_optimizer(self.inner, t, zero1, fused=self.device.type == "cuda" or tier != "none",
+                                         nvme_dir=cfg.parallel.offload_dir if tier == "nvme" else None, rank=self.rank)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.world_group = dist.group.WORLD if distributed else None
@@ -302,6 +304,8 @@ class Trainer:
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
                     self.save_checkpoint()
             report.write_pipeline_timeline()
+            if hasattr(self.optimizer, "stats"):  # the NVMe tier: what the disk achieved (parallel/offload.py)
+                self.log(self.optimizer.stats.line())
             if self.cfg.checkpoint.final and self.checkpoints_enabled():
                 self.save_checkpoint()
             if self.cfg.run.save_final_model:
@@ -309,6 +313,8 @@ class Trainer:
         finally:
             self.loader.close()
             report.close()
+            if hasattr(self.optimizer, "close"):  # the NVMe tier's files (checkpoints hold the state)
+                self.optimizer.close()
         return losses
 
     def _newest_good_checkpoint(self) -> Path | None:
