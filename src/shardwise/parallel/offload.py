@@ -126,7 +126,13 @@ class NvmeAdamW(torch.optim.AdamW):
         self.path = self.directory / "adamw_state.bin"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         if position:
-            os.posix_fallocate(self.fd, 0, position)  # ENOSPC here, before training, not in the middle of a step
+            try:  # ENOSPC here, before training, not in the middle of a step
+                os.posix_fallocate(self.fd, 0, position)
+            except OSError as e:
+                os.close(self.fd)
+                shutil.rmtree(self.directory, ignore_errors=True)
+                raise OSError(e.errno, f"{e.strerror} (reserving {position / 2**20:.1f} MiB of optimizer state for "
+                              'parallel.offload="nvme")', str(self.path)) from None
         # The whole file as one flat fp32 tensor, mapped shared: checkpoints read and write the state
         # through views of it (module doc); the step itself reads and writes with pread / pwrite.
         self.mapped = torch.from_file(str(self.path), shared=True, size=position // 4, dtype=torch.float32) \
@@ -135,7 +141,6 @@ class NvmeAdamW(torch.optim.AdamW):
         largest = max((sum(_local(p).numel() for p in chunk) for chunk in self.chunks), default=0)
         self.buffers = [torch.empty(2 * largest, dtype=torch.float32) for _ in range(2)]
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-nvme")
-        self.group_of = {id(p): g for g in self.param_groups for p in g["params"]}
 
     def _cut(self, params: list[nn.Parameter], chunk_bytes: int) -> list[list[nn.Parameter]]:
         chunks: list[list[nn.Parameter]] = [[]]
@@ -210,8 +215,10 @@ class NvmeAdamW(torch.optim.AdamW):
         self.stats.write_s += time.perf_counter() - begin
         self.stats.write_bytes += size
 
-    def _update(self, chunk: list[nn.Parameter], buffer: torch.Tensor) -> None:
-        """Fused AdamW on one chunk, its moments being views of `buffer` (the file's layout)."""
+    def _update(self, chunk: list[nn.Parameter], buffer: torch.Tensor, group_index: dict[int, int]) -> None:
+        """Fused AdamW on one chunk, its moments being views of `buffer` (the file's layout).
+        `group_index`: parameter id -> index in param_groups, taken at this step (load_state_dict
+        replaces the group dicts, and the LR scheduler writes into the current ones)."""
         from torch.optim.adamw import adamw
 
         by_group: dict[int, list[tuple]] = {}
@@ -223,10 +230,10 @@ class NvmeAdamW(torch.optim.AdamW):
             if p.grad is None:
                 continue
             local = _local(p)
-            by_group.setdefault(id(self.group_of[id(p)]), []).append(
+            by_group.setdefault(group_index[id(p)], []).append(
                 (local, _local(p.grad), avg.view(local.shape), sq.view(local.shape), self.state[p]["step"]))
-        for group in self.param_groups:
-            items = by_group.get(id(group))
+        for index, group in enumerate(self.param_groups):
+            items = by_group.get(index)
             if not items:
                 continue
             params, grads, avgs, sqs, steps = (list(x) for x in zip(*items))
@@ -240,6 +247,7 @@ class NvmeAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             for p in group["params"]:
                 self._ensure_state(p)
+        group_index = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         reads: dict[int, Future] = {}
         pending: list[Future] = []
         count = len(self.chunks)
@@ -250,7 +258,7 @@ class NvmeAdamW(torch.optim.AdamW):
                 begin = time.perf_counter()
                 reads.pop(i).result()
                 self.stats.wait_s += time.perf_counter() - begin
-                self._update(self.chunks[i], self.buffers[i % 2])
+                self._update(self.chunks[i], self.buffers[i % 2], group_index)
                 pending.append(self.io.submit(self._write, i, self.buffers[i % 2]))
                 if i + 2 < count:  # FIFO: chunk i is written before chunk i + 2 reuses its buffer
                     reads[i + 2] = self.io.submit(self._read, i + 2, self.buffers[i % 2])
