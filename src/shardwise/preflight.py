@@ -74,7 +74,8 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     dims = ParallelDims.from_config(p, world_size)
     layout = Layout.from_config(cfg, world_size)
     shape = ModelShape.from_config(cfg.model)
-    raise_first(rules.layout_rules(shape, layout, cfg.train.seq_len, cfg.train.global_batch),
+    raise_first(rules.layout_rules(shape, layout, cfg.train.seq_len, cfg.train.global_batch,
+                                   precision=cfg.train.precision),
                 rules.pipeline_split_rules(p, cfg.model.n_layers))
     return dims
 

@@ -67,6 +67,16 @@ DP_FAMILY = [
     Layout("zero1_2x2", 4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2}),
 ]
 
+# Memory-centric tiling (parallel/tiling.py): the MLPs in tiles along the ffn dim change only the order of
+# a sum, so they train like the reference to fp32 rounding; alone, under ZeRO-3 (the tiled Function
+# gets FSDP2's unsharded weights) and with CPU offload on one process (FSDP2 over a 1-rank mesh).
+TILES_FAMILY = [
+    Layout("linear_tiles4_single", 1, {"parallel.linear_tiles": 4}),
+    Layout("zero3_dp2_tiles2", 2, {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.linear_tiles": 2,
+                                   "train.micro_batch": 4}),
+    Layout("offload_zero3_single_tiles2", 1, {"parallel.offload": "cpu", "parallel.zero": 3, "parallel.linear_tiles": 2}),
+]
+
 _GPT = {"model.preset": "tiny-gpt", "model.vocab_size": 512}
 # The tiny preset has 4 query heads and 2 KV heads: tp=2 splits both, tp=4 replicates each KV head
 # on 2 ranks. Sequence parallelism is on unless a layout says otherwise.
@@ -254,4 +264,4 @@ COMPILE_FAMILY = [
     Layout("compile_cp2_ring", 2, {**_COMPILE, **_CP2}),
 ]
 
-MATRIX = DP_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY + MOE_FAMILY + COMPILE_FAMILY
+MATRIX = DP_FAMILY + TILES_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY + MOE_FAMILY + COMPILE_FAMILY

@@ -14,6 +14,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from shardwise.parallel.tiling import tiles_running
+
 # Ops whose outputs are expensive to recompute (GEMMs, attention): saved under selective "op".
 SELECTIVE_SAVE_OPS = frozenset({
     torch.ops.aten.mm.default,
@@ -32,7 +34,11 @@ SELECTIVE_SAVE_OPS = frozenset({
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # A tiled MLP's GEMMs (parallel/tiling.py) are recomputed by its own backward, tile by tile: caching
+    # them here would keep the ffn-wide tensors tiling drops.
+    if op in SELECTIVE_SAVE_OPS and not tiles_running():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_op_context():

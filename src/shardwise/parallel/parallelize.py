@@ -1,6 +1,7 @@
 """Apply every parallelism to a model built on the meta device, in one fixed order:
 
-    PP split -> FP8 -> TP/SP -> CP -> EP -> activation checkpointing -> compile -> FSDP  (then init, then DDP)
+    PP split -> FP8 -> TP/SP -> CP -> EP -> linear tiles -> activation checkpointing -> compile -> FSDP
+    (then init, then DDP)
 
 Why this order: pipeline splitting decides which blocks a rank owns, so it comes first; TP/SP, CP and
 EP rewrite modules inside a block and must see the plain modules; activation checkpointing wraps a
@@ -10,6 +11,11 @@ steps produced. DDP needs materialized parameters, so it wraps after initializat
 CP (parallel/context.py) swaps every attention core for ring / Ulysses attention over the cp axis. EP
 (parallel/expert.py) shards the stacked experts over the ep axis of its own (efsdp, ep) mesh before FSDP
 sees them.
+Linear tiles (parallel/tiling.py, parallel.linear_tiles > 1: ZeRO-Infinity's memory-centric tiling) swap
+every dense MLP's forward for one that runs in tiles along the hidden dim and recomputes each tile in
+backward. After TP / FP8 (it needs their plain nn.Linear weights; both are refused with tiling for now)
+and before checkpointing, compile and FSDP, which then wrap, trace and shard the tiled MLP like any other:
+its parameters keep their names, so FSDP units, checkpoints and init see the same model.
 
 3-D (PP x data parallel x TP): the pp axis is outermost. Every local stage is a pruned copy of the
 meta model (pipeline.py) and goes through `parallelize` on its own, so FSDP / replicate units end at
@@ -38,6 +44,7 @@ from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replic
 from shardwise.parallel.expert import apply_expert_parallel, moe_modules
 from shardwise.parallel.float8 import apply_float8, check_fp8
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
+from shardwise.parallel.tiling import apply_linear_tiles
 from shardwise.spec.dims import ParallelDims
 from shardwise.spec.stages import layers_per_stage, stage_ids, stage_layers
 
@@ -71,6 +78,9 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
             moe.stats_group = mesh["cp"].get_group()
     if dims.ep > 1:
         apply_expert_parallel(model, mesh.expert, dims, wrapper == "fsdp")
+    if cfg.parallel.linear_tiles > 1:
+        # After TP/CP/EP (the MLPs are final), before checkpointing / compile / FSDP wrap the blocks.
+        apply_linear_tiles(model, cfg.parallel.linear_tiles)
     apply_activation_checkpointing(model, cfg.train.recompute, cfg.train.recompute_policy,
                                    cfg.train.recompute_every)
     if compile_enabled(cfg, device_type):

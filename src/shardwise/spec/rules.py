@@ -83,16 +83,18 @@ def trainable_model_rules(m: Any, seq_len: int) -> Rules:
 
 # ---- one layout --------------------------------------------------------------------------------------
 def layout_rules(s: Any, lay: Layout, seq_len: int, global_batch: int, node_size: int = 0,
-                 even_pp: bool = False) -> Rules:
+                 even_pp: bool = False, precision: str | None = None) -> Rules:
     """Every rule of one layout of model shape `s` (spec/shapes.py ModelShape), in the order the
     planner counts them. The world size is checked by world_rules. Two constraints are the planner's
     choices rather than rules (the trainer runs either): `node_size` > 0 keeps tp inside a node of that
-    many devices, `even_pp` asks for an even pipeline split."""
+    many devices, `even_pp` asks for an even pipeline split. `precision` (train.precision; None: not
+    known) is read by the rules that depend on it (linear_tiles_rules)."""
     yield from data_parallel_rules(lay)
     yield from tensor_parallel_rules(s, lay, seq_len, node_size)
     yield from pipeline_rules(s, lay, even_pp)
     yield from context_parallel_rules(s, lay, seq_len)
     yield from expert_parallel_rules(s, lay)
+    yield from linear_tiles_rules(s, lay, precision)
     if lay.micro_batch < 1 or global_batch % (lay.micro_batch * lay.dp):
         yield Violation("batch", "train.global_batch",
                         f"global_batch({global_batch}) is not divisible by micro_batch({lay.micro_batch}) x "
@@ -226,6 +228,36 @@ def expert_parallel_rules(s: Any, lay: Layout) -> Rules:
         yield Violation("ep with offload", "parallel.offload", "CPU offload with expert parallelism is not implemented "
                         "(the experts are outside the offloaded FSDP units when efsdp = 1)", "set parallel.offload=none",
                         trainer_only=True)
+
+
+def linear_tiles_rules(s: Any, lay: Layout, precision: str | None = None) -> Rules:
+    """parallel.linear_tiles (parallel/tiling.py, memory-centric tiling of the dense MLPs): at least one
+    hidden unit per tile; combinations the tiled MLP does not implement yet are trainer_only (the
+    planner may still evaluate them). `precision` None (not known) skips the FP8 rule."""
+    tiles = lay.linear_tiles
+    if tiles == 1:
+        return
+    yield from _some(at_least("parallel.linear_tiles", tiles))
+    if tiles < 1:
+        return
+    if tiles > s.ffn_dim:
+        yield Violation("linear_tiles", "parallel.linear_tiles", f"linear_tiles={tiles} is more than the MLP's hidden "
+                        f"dim model.ffn_dim={s.ffn_dim}: a tile would hold no hidden unit",
+                        f"choose parallel.linear_tiles <= {s.ffn_dim} (a few tiles, e.g. 2-8, already cut the MLP's "
+                        "activations to its input)")
+    if lay.tp > 1:
+        yield Violation("linear_tiles with tp", "parallel.linear_tiles", f"linear_tiles={tiles} with tp={lay.tp} is not "
+                        "implemented yet (the tiled MLP needs plain, unsplit weights; TP makes them DTensors)",
+                        "set parallel.linear_tiles=1, or parallel.tp=1 (TP already splits the MLP's hidden dim over "
+                        "ranks)", trainer_only=True)
+    if precision == "fp8":
+        yield Violation("linear_tiles with fp8", "parallel.linear_tiles", f"linear_tiles={tiles} with train.precision="
+                        '"fp8" is not implemented yet (the tiled MLP would bypass the Float8Linear GEMMs)',
+                        'set parallel.linear_tiles=1, or train.precision="bf16"', trainer_only=True)
+    if s.moe is not None:
+        yield Violation("linear_tiles with moe", "parallel.linear_tiles", f"linear_tiles={tiles} with an MoE model "
+                        f"(model.moe.num_experts={s.moe.num_experts}) is not implemented yet (only dense MLPs are tiled)",
+                        "set parallel.linear_tiles=1, or model.moe.num_experts=0", trainer_only=True)
 
 
 # ---- pipeline schedules (torch.distributed.pipelining's own requirements) ---------------------------
