@@ -207,6 +207,9 @@ class ClusterConfig:
                                                 "(plan/constants.py CHECKPOINT_WRITE_GBPS_PER_GPU).")
     restart_s: float | None = opt(None, "Seconds from a failure to training again (re-schedule, start, load the checkpoint); "
                                         "unset: an assumed 600 (plan/constants.py RESTART_S).")
+    disk_gbps: float = opt(0.0, 'Local disk bandwidth per GPU in GB/s (read and write) for parallel.offload="nvme", as '
+                                "`shardwise doctor --disk DIR` measures it; 0 = a PCIe Gen4 NVMe drive per GPU "
+                                "(plan/constants.py NVME_READ_GBPS / NVME_WRITE_GBPS).")
 
 
 @dataclass

@@ -116,6 +116,60 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     return BlockActivations(per_token, fixed)
 
 
+def mlp_intermediates(shape: ModelShape) -> int:
+    """ffn-wide tensors a dense MLP saves for backward (`block_bytes`): SwiGLU's w1 output, silu output,
+    w3 output and their product (w2's input); GELU's fc output and gelu output (proj's input)."""
+    return 4 if shape.arch == "llama" else 2
+
+
+@lru_cache(maxsize=1 << 12)
+def tiled_mlp_delta(shape: ModelShape, reg: str) -> BlockActivations:
+    """What parallel.linear_tiles > 1 changes in a dense block's saved bytes without recomputation (add it
+    to `block_bytes`; tp = 1: tiles do not combine with TP, FP8 or MoE, spec/rules.py linear_tiles_rules).
+
+    The tiled MLP (parallel/tiling.py) is one autograd Function that saves only its input, cast to the
+    compute dtype (`xc`), and the weights, and recomputes each tile's up-projections and pointwise ops
+    in backward. Against the untiled block:
+      - the MLP's ffn-wide intermediates are no longer saved: - mlp_intermediates x a x f per token
+        (measured: tests/unit/test_linear_tiles.py test_measured_peak_activations_drop);
+      - the linears' saved inputs (`_norm`'s consumer term of the MLP's norm) become the one xc: the
+        same storage where x already is in the compute dtype (fp32; lowp), one 16-bit cast where each
+        linear saved its own under autocast — llama's w1 and w3 two casts of 2h: - 2h; gpt's fc one: 0;
+      - under autocast the MLP's 16-bit weight copies are made per tile inside the Function's forward
+        (no graph) and not kept: - 2 bytes x the MLP's weight elements per micro-batch (`fixed`).
+    The weights themselves are parameters (no new storage)."""
+    h, f = shape.dim, shape.ffn_dim
+    a = 4 if reg == "fp32" else 2
+    per_token = -mlp_intermediates(shape) * a * f
+    if shape.arch == "llama" and reg == "autocast":
+        per_token -= 2 * h
+    fixed = -2.0 * (3 if shape.arch == "llama" else 2) * h * f if reg == "autocast" else 0.0
+    return BlockActivations(per_token, fixed)
+
+
+def tiled_mlp_transient(shape: ModelShape, reg: str, tiles: int) -> float:
+    """Bytes per token live at once while the tiled MLP's backward works on one tile (tiling.py backward,
+    counted statement by statement): SwiGLU holds a = w1 x, b = w3 x, s = silu(a), dh = dy w2, da and
+    db (6 tile-wide tensors, ffn/tiles each, before `del`), GELU a = fc x, dy proj and da (3); plus dx,
+    accumulated over the tiles in fp32 (4h), and one tile's dx contribution (a h) before it is added.
+    The forward's tile transient is smaller (4 / 2 tile-wide tensors) and at a point of the step where
+    less is stored."""
+    a = 4 if reg == "fp32" else 2
+    wide = 6 if shape.arch == "llama" else 3
+    return wide * a * shape.ffn_dim / tiles + (4 + a) * shape.dim
+
+
+def tiled_selective_delta(shape: ModelShape, reg: str) -> float:
+    """Selective "op" checkpointing with tiles: its policy caches matmul outputs but not the tiled MLP's
+    (activation_checkpoint.py asks tiling.tiles_running), so the MLP's share of
+    `selective_op_block_bytes` — its up-projection outputs and its down-projection output, a x
+    (ups x f + h) per token — is not kept; the block's replay in backward reruns the tiled forward
+    instead (plan/cost.py)."""
+    a = 4 if reg == "fp32" else 2
+    ups = 2 if shape.arch == "llama" else 1
+    return -a * (ups * shape.ffn_dim + shape.dim)
+
+
 def attention_bytes(shape: ModelShape, a: int, tp: int, attention: str = "flash", seq_len: int = 0) -> float:
     """Per token, what the attention core keeps for backward, by SDPA backend.
     flash / efficient: q (new after RoPE for llama; a view of wq's output for gpt), k, v, the output

@@ -150,6 +150,9 @@ class MeasuredDevice:
     # Extra per op under selective "op" checkpointing, whose policy is a Python dispatch mode every op of a
     # checkpointed block passes through (forward, recompute, backward); 0 when the file predates it.
     selective_op_s: float = 0.0
+    # torch's fused AdamW on this device (the offload tiers' CPU step, parallel/offload.py), bytes/param at the
+    # copy rate; 0 when the file has no fused row (then optimizer_bytes_per_param is used).
+    fused_optimizer_bytes_per_param: float = 0.0
 
     def as_device(self, base: Any) -> Any:
         """`base` (the table's entry for cluster.gpu) with these rates: named measured-<base> (plan/cost.py
@@ -170,13 +173,15 @@ def _measured_device(data: dict[str, Any], p: str | Path) -> MeasuredDevice:
         eager = next(r for r in data["overhead"]["rows"] if r["mode"] == "eager")
         impl = "fused" if kind == "cuda" else "foreach"
         optimizer = next(r for r in data["optimizer"]["rows"] if r["impl"] == impl)
+        fused = next((r for r in data["optimizer"]["rows"] if r["impl"] == "fused" and "bytes_per_param_at_copy_bw" in r), None)
         per_op = {r["mode"]: r.get("s_per_op") for r in data["overhead"]["rows"]}
         # The chain's ops run forward, again in the recompute, and backward: 3 passes over the dispatch mode.
         selective, autograd = per_op.get("selective checkpoint (fwd+recompute+bwd)"), per_op.get("eager+autograd (fwd+bwd)")
         return MeasuredDevice(kind, data["gemm"]["dtype"], peak, float(copy["gbps"]),
                               statistics.median(float(r["fwd_bwd_flops"]) for r in sdpa) / peak,
                               float(eager["s_per_op"]), float(optimizer["bytes_per_param_at_copy_bw"]),
-                              max(0.0, selective - autograd) / 3 if selective and autograd else 0.0)
+                              max(0.0, selective - autograd) / 3 if selective and autograd else 0.0,
+                              float(fused["bytes_per_param_at_copy_bw"]) if fused else 0.0)
     except (KeyError, TypeError, ValueError, StopIteration, statistics.StatisticsError) as e:
         raise ConfigError("cluster.calibration", f"{p}: an incomplete benchmarks/kernels.py result ({type(e).__name__}: {e})",
                           "re-run `python benchmarks/kernels.py --out FILE` (not --smoke)") from None

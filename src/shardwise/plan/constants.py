@@ -76,6 +76,11 @@ EAGER_REST_KERNELS: dict[tuple[str, str], tuple[int, int]] = {
     ("llama", "fp32"): (10, 19), ("llama", "autocast"): (13, 22), ("llama", "lowp"): (13, 21),
     ("gpt", "fp32"): (8, 8), ("gpt", "autocast"): (11, 11), ("gpt", "lowp"): (9, 8),
 }
+# Kernels one tile of a tiled MLP launches (parallel.linear_tiles; parallel/tiling.py, counted statement by
+# statement, casts aside): forward SwiGLU mm, mm, silu, mul, mm, add_ = 6, GELU addmm, gelu, mm, add_ = 4;
+# backward SwiGLU mm x 2 (recompute), silu, mul, mm + copy_ (dw2), mm (dh), mul, silu_backward, mul,
+# mm + copy_ x 2 (dw1, dw3), (mm + add_) x 2 (dx) = 17, GELU 11. Not yet held to a TorchDispatchMode count.
+EAGER_TILE_KERNELS: dict[str, tuple[int, int]] = {"llama": (6, 17), "gpt": (4, 11)}
 # GPU time each eager kernel adds beyond its work (launch and tail of a kernel the GPU runs one after
 # another): "a few microseconds" per launch (NVIDIA Technical Blog, "Getting Started with CUDA Graphs",
 # 2019: graphs exist to remove this per-kernel overhead). ASSUMED 3 us until benchmarks/kernels.py's
@@ -142,6 +147,32 @@ PCIE_FRACTION = 0.80
 # memory bound): DGX H100 has 2 sockets x 8 channels DDR5-4800 = 614 GB/s for 8 GPUs = 77 GB/s;
 # ~65% achievable (STREAM-class) -> 50 GB/s. ASSUMED for every platform.
 HOST_MEMORY_GBPS_PER_GPU = 50.0
+# Host memory per GPU, for what offload keeps there (parameters, gradients, optimizer state): DGX H100 /
+# DGX H200 have 2 TB of system memory for 8 GPUs (NVIDIA DGX H100 datasheet, "System memory 2TB"; DGX
+# H200 the same), DGX A100 1 TB for 8 (DGX A100 datasheet, 1 TB standard, 2 TB optional), DGX B200
+# 2 TB for 8 (DGX B200 datasheet, up to 4 TB); read as GiB per GPU. Other platforms: ASSUMED as DGX H100.
+HOST_MEMORY_GIB_PER_GPU: dict[str, float] = {"a100": 128.0, "h100": 256.0, "h200": 256.0, "b200": 256.0}
+HOST_MEMORY_GIB_PER_GPU_DEFAULT = 256.0
+# Fraction of that usable by one rank's offloaded states: the OS, the data loader workers, pinned
+# staging buffers and the page cache need the rest. ASSUMED 0.80 (no measurement here).
+HOST_USABLE_FRACTION = 0.80
+# parallel.offload = "nvme" (parallel/offload.py NvmeAdamW): the AdamW moments, exp_avg + exp_avg_sq in
+# fp32 = 8 bytes per parameter of the rank's shard (offload.py STATE_BYTES_PER_ELEMENT), live in a file;
+# each step reads and writes all of it in chunks of DEFAULT_CHUNK_BYTES = 64 MiB of state (a tensor
+# larger than that is a chunk of its own), with one I/O thread and two chunk buffers in host memory.
+NVME_STATE_BYTES_PER_PARAM = 8
+NVME_CHUNK_BYTES = 64 * 2**20
+NVME_BUFFERS = 2
+# Local NVMe bandwidth per GPU for that file, GB/s, sequential. DGX H100 ships 8x 3.84 TB U.2 NVMe data
+# drives (NVIDIA DGX H100 datasheet: "Internal storage 30 TB (8x 3.84 TB) U.2 NVMe"), i.e. one PCIe Gen4
+# x4 drive per GPU; a data-centre Gen4 drive of that class (Samsung PM1733 U.2 3.84 TB product brief:
+# sequential read 7,000 MB/s, write 3,800 MB/s) is the per-GPU figure, when each rank's directory is on
+# its own drive or the 8 are striped (DGX OS mounts them as one RAID-0 /raid). 0.80 of it achieved with
+# 64 MiB buffered pread / pwrite (ASSUMED, like PCIE_FRACTION). cluster.disk_gbps (what `shardwise doctor
+# --disk DIR` measures) replaces both, already achieved.
+NVME_READ_GBPS = 7.0
+NVME_WRITE_GBPS = 3.8
+NVME_FRACTION = 0.80
 
 # ---------------------------------------------------------------------------------------------------
 # Memory

@@ -76,6 +76,9 @@ class Estimate:
             "memory_detail_gib": {k: round(v / 2**30, 3) if not k.startswith("inflight") else v
                                   for k, v in self.memory.detail.items()},
             "cpu_offload_gib": round(self.memory.cpu_bytes / 2**30, 3),
+            **({"host_gib": round(self.memory.cpu_bytes / 2**30, 3),
+                "host_capacity_gib": round(self.memory.host_capacity / 2**30, 3), "host_fits": self.memory.host_fits,
+                "nvme_gib": round(self.memory.disk_bytes / 2**30, 3)} if self.layout.offload else {}),
             "breakdown_s": dict(self.breakdown_s),
             "parallel": self.layout.__dict__.copy(),
         }
@@ -150,7 +153,16 @@ def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[
         return out
     f = math.ceil(s.ffn_dim / tp)
     ups = 2 if s.arch == "llama" else 1
+    if lay.linear_tiles > 1:  # parallel/tiling.py: torch.tensor_split's tiles, the first ffn % tiles one wider
+        return out + [g for f_t, n in _tile_widths(s.ffn_dim, lay.linear_tiles)
+                      for g in ((tokens, f_t, h, ups * n), (tokens, h, f_t, n))]
     return out + [(tokens, f, h, ups), (tokens, h, f, 1)]
+
+
+def _tile_widths(ffn: int, tiles: int) -> list[tuple[int, int]]:
+    """(hidden units of a tile, how many tiles that wide) of torch.tensor_split(ffn, tiles)."""
+    size, extra = divmod(ffn, tiles)
+    return [(w, n) for w, n in ((size + 1, extra), (size, tiles - extra)) if n and w]
 
 
 def _kernel_key(s, reg: str) -> tuple[str, str]:
@@ -216,6 +228,24 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         return gemm, attn, pointwise
 
     g_d, a_d, e_d = block_fwd(False)
+    # parallel.linear_tiles: the tiled MLP's backward recomputes every tile's up-projections (SwiGLU: w1 x
+    # and w3 x, 2 GEMMs of 2 x tokens x dim x ffn FLOPs in all; GELU: fc x, 1) and pointwise ops (SwiGLU's
+    # silu and product, GELU's gelu: their share of pointwise_forward_bytes, 5 a f / 2 a f per token), and
+    # sums the tiles' partial outputs (forward) and dx (backward) over the hidden dim: (tiles - 1) adds of a
+    # tokens x dim tensor, read twice and written once (in the block's pointwise bytes, so backward's 2x
+    # holds dx's). Under selective "op" the checkpoint's replay also reruns the tiled forward (tiling.py:
+    # its GEMMs are not cached), on top.
+    tile_rc = 0.0
+    if lay.linear_tiles > 1 and rank.dense_layers:
+        ups = 2 if s.arch == "llama" else 1
+        a = elem
+        tile_rc = sum(n * ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem)
+                      for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
+        tile_rc += (5 if s.arch == "llama" else 2) * a * s.ffn_dim * tokens / pointwise_bw
+        e_d += (lay.linear_tiles - 1) * 3 * a * s.dim * tokens / pointwise_bw
+        if problem.eager:  # each tile past the first launches its forward and backward kernels once more
+            fwd_k, bwd_k = C.EAGER_TILE_KERNELS[s.arch]
+            tile_rc += (lay.linear_tiles - 1) * (fwd_k + bwd_k) * launch_s
     g_m, a_m, e_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0)
     fwd_one = g_d + a_d + e_d
     bwd_one = 2 * (g_d + a_d + e_d)
@@ -241,6 +271,12 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         recompute = math.ceil(n_blocks / lay.recompute_every) * per_block_fwd
     elif lay.recompute == "selective":  # "op": the pointwise forward runs again
         recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
+        if lay.linear_tiles > 1:  # ... and the tiled MLP's forward GEMMs, which the policy does not cache
+            ups = 2 if s.arch == "llama" else 1
+            recompute += rank.dense_layers * sum(
+                n * ((ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem))
+                     + gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, s.dim, w, elem))
+                for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
         if measured is not None and measured.device_type == "cpu":
             # A CPU runs the checkpoint policy's Python dispatch mode in line with the kernels (a GPU's host
             # runs ahead of them): every op of a block passes it in forward, recompute and backward.
@@ -249,6 +285,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             recompute += sum(2 * f + b for f, b in blocks) * measured.selective_op_s
     else:
         recompute = 0.0
+    recompute += rank.dense_layers * tile_rc
     return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd, 2 * per_block_fwd, a_d)
 
 
@@ -334,9 +371,10 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
             comm["dp"] += t
     if fsdp_fwd or fsdp_bwd:
         comm["dp"] += _fsdp_exposed(fsdp_fwd, fsdp_bwd, mb, rank, m, place, cl, detail)
-    optimizer = _optimizer_time(problem, core, rank)
+    optimizer = _optimizer_time(problem, core, rank, detail)
     if core.offload:
-        optimizer += _offload_time(problem, core, rank, m)
+        detail["offload_copy_s"] = _offload_time(problem, core, rank, m)
+        optimizer += detail["offload_copy_s"]
     pp_send = 0.0
     if core.pp > 1:
         pp_send = time_of(Collective("pp", "send", pp_boundary_bytes(problem, core), 1, "p2p"), place, cl)
@@ -422,8 +460,17 @@ def _fsdp_exposed(fwd: list[Collective], bwd: list[Collective], mb: MicroBatchTi
     return exposed
 
 
-def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel) -> float:
-    """AdamW over this rank's (sharded) parameters, memory bound; grad clipping included."""
+def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel, detail: dict[str, float] | None = None) -> float:
+    """AdamW over this rank's (sharded) parameters, memory bound; grad clipping included.
+
+    Offload ("cpu"): the step runs in host memory (torch's fused CPU AdamW, train/optim.py) at
+    constants.HOST_MEMORY_GBPS_PER_GPU with the datasheet bytes per parameter; on a CPU device, at its
+    measured fused (else foreach) AdamW rate. "nvme" (parallel/offload.py NvmeAdamW) streams the moments,
+    8 B/param of the shard, in from the disk and back out every step in chunks, the I/O thread running
+    one chunk ahead of the update (two buffers): disk-bound, the thread is busy from the first read to
+    the last write, t_disk = 8n / read + 8n / write; CPU-bound, the updates run back to back after the
+    first chunk's read and before the last chunk's write. Step = max(t_disk, t_adamw + chunk / read +
+    chunk / write), chunk = min(8n, 64 MiB) (constants.NVME_CHUNK_BYTES)."""
     shard = lay.shard_group if lay.zero else 1
     st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep))
     numel = st.optimizer / 8 if problem.model_states == "shardwise" or not problem.low_precision else st.optimizer / 12
@@ -433,17 +480,38 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel) -> float:
     optimizer_bytes = measured.optimizer_bytes_per_param if measured else C.OPTIMIZER_BYTES_PER_PARAM
     # fp16: the loss scaler unscales and checks every gradient first (on the GPU, also under offload).
     scaler = numel * C.LOSS_SCALER_BYTES_PER_PARAM / hbm if problem.precision == "fp16" else 0.0
-    if lay.offload:
-        return numel * optimizer_bytes / (C.HOST_MEMORY_GBPS_PER_GPU * 1e9) + scaler
-    return numel * optimizer_bytes / hbm + scaler
+    if not lay.offload:
+        return numel * optimizer_bytes / hbm + scaler
+    if problem.cluster.device_is_host:  # the host is the device: its own measured fused AdamW
+        adamw = numel * (measured.fused_optimizer_bytes_per_param or optimizer_bytes) / hbm
+    else:  # a GPU's measured rates say nothing of its host: the datasheet bytes at the host's bandwidth
+        adamw = numel * C.OPTIMIZER_BYTES_PER_PARAM / (C.HOST_MEMORY_GBPS_PER_GPU * 1e9)
+    if detail is not None:
+        detail["offload_adamw_s"] = adamw
+    if not lay.nvme:
+        return adamw + scaler
+    moments = C.NVME_STATE_BYTES_PER_PARAM * numel
+    read, write = problem.cluster.disk_bytes_per_s()
+    disk = moments / read + moments / write
+    chunk = min(moments, C.NVME_CHUNK_BYTES)
+    if detail is not None:
+        detail["nvme_disk_s"] = disk
+        detail["nvme_bytes_per_step"] = 2 * moments
+    return max(disk, adamw + chunk / read + chunk / write) + scaler
 
 
 def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> float:
     """FSDP2 CPUOffloadPolicy: the fp32 shard is copied to the GPU before each all-gather (every
-    micro-batch) and the gradient shard back after each reduce-scatter, over PCIe; exposed."""
+    micro-batch; twice with ZeRO-3, whose backward gathers again) and the gradient shard back after
+    each reduce-scatter (ZeRO-2 with accumulation: once, on the last micro-batch), over PCIe; exposed.
+    A shard group of one rank (ZeRO-Offload on one device) copies the whole model's states so. On a
+    CPU device nothing moves: FSDP2's `.to(device)` of a tensor already there returns it (torch
+    Tensor.to), so the term is 0."""
+    if problem.cluster.device_is_host:
+        return 0.0
     shard = lay.shard_group
     st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep))
-    pcie = _device_constant(C.PCIE_GBPS, problem.cluster.device.name, 32.0) * 1e9 * C.PCIE_FRACTION
+    pcie = _device_constant(C.PCIE_GBPS, problem.cluster.device.name.removeprefix("measured-"), 32.0) * 1e9 * C.PCIE_FRACTION
     gathers = m * (2 if lay.zero == 3 else 1)
     syncs = m if lay.zero == 3 else 1
     return (st.params * gathers + st.grads * syncs) / pcie

@@ -49,6 +49,31 @@ class Cluster:
     failures_per_gpu_hour: float | None = None
     checkpoint_save_s: float | None = None
     restart_s: float | None = None
+    # parallel.offload = "nvme": the local disk's bandwidth per GPU, GB/s (cluster.disk_gbps, measured by
+    # `shardwise doctor --disk DIR`); 0 = the datasheet NVMe drive of constants.NVME_*.
+    disk_gbps: float = 0.0
+
+    @property
+    def device_is_host(self) -> bool:
+        """The planned device is the CPU itself (cluster.gpu = "cpu", measured): host memory is device
+        memory, so offload moves nothing off the device and copies nothing over a host link."""
+        return self.measured_device is not None and self.measured_device.device_type == "cpu"
+
+    def host_memory_bytes(self) -> float:
+        """Host memory one rank may fill with offloaded states (constants.HOST_MEMORY_GIB_PER_GPU x
+        HOST_USABLE_FRACTION); a CPU device: its own memory (offload keeps everything there)."""
+        if self.device_is_host:
+            return self.device.memory_gib * 2**30 * C.USABLE_MEMORY_FRACTION
+        gib = C.HOST_MEMORY_GIB_PER_GPU.get(C.family(self.device.name.removeprefix("measured-")),
+                                            C.HOST_MEMORY_GIB_PER_GPU_DEFAULT)
+        return gib * 2**30 * C.HOST_USABLE_FRACTION
+
+    def disk_bytes_per_s(self) -> tuple[float, float]:
+        """(read, write) bytes/s of the local disk for the NVMe tier: cluster.disk_gbps (measured, both
+        directions) or the datasheet drive at constants.NVME_FRACTION."""
+        if self.disk_gbps > 0:
+            return self.disk_gbps * 1e9, self.disk_gbps * 1e9
+        return C.NVME_READ_GBPS * 1e9 * C.NVME_FRACTION, C.NVME_WRITE_GBPS * 1e9 * C.NVME_FRACTION
 
     def measured(self, axis: str) -> AxisCalibration | None:
         """The calibration of `axis` when `shardwise bench-comm` measured it, else None."""
@@ -68,7 +93,8 @@ class Cluster:
             if getattr(c, key) < 0:
                 raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}", "0 takes the default")
         fixes = {"price_per_gpu_hour": "0 = not priced", "failures_per_gpu_hour": "0 = no failures; unset = Llama 3's rate",
-                 "checkpoint_save_s": "unset = estimated from the checkpoint's bytes", "restart_s": "unset = an assumed 600 s"}
+                 "checkpoint_save_s": "unset = estimated from the checkpoint's bytes", "restart_s": "unset = an assumed 600 s",
+                 "disk_gbps": "0 = a datasheet NVMe drive per GPU"}
         costs = {k: getattr(c, k, None) for k in fixes}
         for key, v in costs.items():
             if v is not None and not (math.isfinite(v) and v >= 0):
@@ -91,7 +117,7 @@ class Cluster:
                    measured_device=measured,
                    price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
                    failures_per_gpu_hour=costs["failures_per_gpu_hour"], checkpoint_save_s=costs["checkpoint_save_s"],
-                   restart_s=costs["restart_s"])
+                   restart_s=costs["restart_s"], disk_gbps=costs["disk_gbps"] or 0.0)
 
 
 @dataclass(frozen=True, eq=False)

@@ -28,6 +28,18 @@ tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="sh
      step with the whole stage unsharded, parameters and fp32 gradients (the schedule disables
      resharding after backward and reduce-scatters once, at its end). CPU offload moves the
      persistent shards to host memory.
+Offload (parallel.offload = "cpu" | "nvme"; FSDP2 CPUOffloadPolicy, also over a shard group of ONE rank:
+ZeRO-Offload on one device). Device: the FSDP working copies above (ZeRO-3: ~2 blocks + the root
+unsharded; ZeRO-2: the whole stage from forward to backward), one block's fp32 gradient before it
+is copied out, and a staging copy per unit gathered (FSDP2 FSDPParam.all_gather_inputs: the fp32 shard
+`.to(device)`, then its param_dtype cast, both freed after the gather): `offload_staging`, one
+block's worth. Host (`Memory.cpu_bytes`): the persistent shards of parameters, gradients and AdamW
+state. "nvme" (parallel/offload.py NvmeAdamW) moves the two moments, 8 bytes per parameter of the
+shard, to a file (`Memory.disk_bytes`); host memory keeps the step counters (4 B per tensor) and two
+chunk buffers, each holding the largest chunk of state: at most max(64 MiB, 8 B x the largest tensor)
+(constants.NVME_CHUNK_BYTES; the whole state when smaller). When the planned device is the CPU itself
+(cluster.gpu = "cpu") host memory IS device memory: offload moves nothing off it (the states stay in
+their categories, cpu_bytes = 0) and only "nvme" takes the moments out of memory.
 The fp16 loss scaler (parallel/precision.py DynamicLossScaler) keeps Python floats: no device bytes.
 Which layers and parameters (with their local and FSDP-shard sizes) a rank holds: plan/inventory.py.
 """
@@ -59,15 +71,21 @@ class Memory:
     capacity: float
     rank: str  # which pipeline rank is the most loaded: "first", "last" or "only"
     detail: dict[str, float] = field(default_factory=dict)
-    cpu_bytes: float = 0.0
+    cpu_bytes: float = 0.0        # host memory: offloaded parameters, gradients, optimizer state (and NVMe buffers)
+    disk_bytes: float = 0.0       # local disk: the AdamW moments of offload = "nvme"
+    host_capacity: float = float("inf")  # usable host memory per rank (Cluster.host_memory_bytes)
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.other
 
     @property
+    def host_fits(self) -> bool:
+        return self.cpu_bytes <= self.host_capacity
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.capacity
+        return self.total <= self.capacity and self.host_fits
 
     def gib(self) -> dict[str, float]:
         return {k: round(v / GIB, 3) for k, v in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
@@ -85,6 +103,7 @@ class StateBytes:
     unsharded_param_numel: float   # this rank's TP-local parameters, unsharded (FSDP working copies)
     block_numel: float             # one block's TP-local parameters (FSDP ZeRO-3 working set)
     root_numel: float              # embedding + head on this rank (FSDP root unit)
+    largest_numel: float = 0.0     # the largest local tensor's shard (NVMe chunk buffers)
 
 
 @lru_cache(maxsize=65536)
@@ -99,13 +118,17 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
     block_numel = root_numel = 0.0
     sizes_decay: list[int] = []
     sizes_other: list[int] = []
+    largest = 0.0
     for spec, repeat, in_block in rank_params(shape, rank):
         ls = local_shape(spec, shape, tp, ep)
         n = numel(ls)
         expert = spec.tp == "expert"
         group = ep_shard if expert else shard
         local += n * repeat
-        padded += (fsdp_shard_numel(ls, group, expert) if fsdp else n) * repeat
+        own = fsdp_shard_numel(ls, group, expert) if fsdp else n
+        padded += own * repeat
+        if repeat:
+            largest = max(largest, own)
         tensors += repeat
         if in_block:
             block_numel += n if repeat else 0
@@ -121,15 +144,16 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
         p = 2 * (local / n if zero >= 3 else local)
         g = 2 * (local / n if zero >= 2 else local)
         o = 12 * (local / n if zero >= 1 else local)
-        return StateBytes(p, g, o, tensors, local, local, block_numel, root_numel)
+        return StateBytes(p, g, o, tensors, local, local, block_numel, root_numel, largest)
     if fsdp:
         # Persistent padded shards; AdamW state matches the (unpadded on the last rank, padded-size on
         # rank 0 = the most loaded) local shard; + a 4-byte step per tensor.
-        return StateBytes(4 * padded, 4 * padded, 8 * padded + 4 * tensors, tensors, local, local, block_numel, root_numel)
+        return StateBytes(4 * padded, 4 * padded, 8 * padded + 4 * tensors, tensors, local, local, block_numel, root_numel,
+                          largest)
     opt = 8 * local + 4 * tensors
     if zero == 1 and shard > 1:
         opt = _zero1_most_loaded(tuple(sizes_decay), tuple(sizes_other), shard)
-    return StateBytes(4 * local, 4 * local, opt, tensors, local, local, block_numel, root_numel)
+    return StateBytes(4 * local, 4 * local, opt, tensors, local, local, block_numel, root_numel, largest)
 
 
 @lru_cache(maxsize=4096)
@@ -218,6 +242,8 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
     tokens = core.micro_batch * problem.seq_len / core.cp
     # The loss switches to its chunked form above a micro-batch size (spec/loss.py): affine on each side.
     key += (loss_is_chunked(tokens, problem.shape.vocab_size, core.tp), problem.fp8_gathers(core))
+    if core.linear_tiles > 1:  # keys (and so every cached number) of untiled layouts stay as they were
+        key += (core.linear_tiles,)
     (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
@@ -230,7 +256,8 @@ def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tu
 
 def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float, float]:
     shape = problem.shape
-    tp, sp, cp, cp_mode, recompute, policy, every, lowp_params, chunked_loss, fp8_gathers = key
+    tp, sp, cp, cp_mode, recompute, policy, every, lowp_params, chunked_loss, fp8_gathers = key[:10]
+    tiles = key[10] if len(key) > 10 else 1
     reg = A.regime(problem.precision, lowp_params, problem.model_states)
     # Context parallelism changes what a plain block saves (activations.py cp_block_bytes_per_token,
     # cp_rope_bytes_per_block): the core's output copy, ring's fp32 output, Ulysses' repeated KV
@@ -247,13 +274,16 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
         # its transposed copy for backward, 2 bytes per converted element (measured with saved-tensor hooks;
         # not modelled under recomputation, which no FP8 validation row covers yet).
         fp8_weights = 2.0 * shape.fp8_linears(moe)[0] if fp8_gathers else 0.0
-        return (b.per_token + cp_per_token) * tokens + b.fixed + cp_fixed + fp8_weights
+        # parallel.linear_tiles (dense MLPs only): the tiled MLP saves its input, not its intermediates.
+        t = A.tiled_mlp_delta(shape, reg) if tiles > 1 and not moe else A.BlockActivations(0.0, 0.0)
+        return (b.per_token + cp_per_token + t.per_token) * tokens + b.fixed + t.fixed + cp_fixed + fp8_weights
 
     def stored(mode: str, moe: bool) -> float:
-        if mode == "full":
+        if mode == "full":  # the block input only: tiles change nothing stored, only the working set below
             return A.full_recompute_block_bytes(shape, reg, tp, sp).per_token * tokens
         if mode == "selective":
-            return A.selective_op_block_bytes(shape, reg, tp, sp, moe).per_token * tokens
+            extra = A.tiled_selective_delta(shape, reg) if tiles > 1 and not moe else 0.0
+            return (A.selective_op_block_bytes(shape, reg, tp, sp, moe).per_token + extra) * tokens
         return none_block(moe)
 
     mode = recompute
@@ -277,6 +307,10 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
         rope = A.cp_stage_bytes(shape, problem.seq_len, cp_mode) if rank.layers and plain_blocks else 0.0
     # Recomputing a checkpointed block in backward rematerializes its full activations (one at a time).
     working = none_block(rank.moe_layers > 0) if mode != "none" and rank.layers else 0.0
+    if tiles > 1 and rank.dense_layers:
+        # The tiled MLP's backward recomputes one tile at a time: its intermediates are live on top of
+        # whatever is stored (and of the rematerialized block, whose MLP then holds only x).
+        working += A.tiled_mlp_transient(shape, reg, tiles) * tokens
     return blocks, embedding, head, rope, working
 
 
@@ -296,12 +330,13 @@ def _stages_with_layers(rank: RankModel, chunks: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 # the whole rank
 # ---------------------------------------------------------------------------------------------------
-def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float, float, tuple]:
-    """(params, grads, optimizer, other, cpu bytes, detail items) of one rank: everything but the
-    stored activations, which scale with the schedule's in-flight micro-batches."""
+def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float, float, tuple, float]:
+    """(params, grads, optimizer, other, cpu bytes, detail items, disk bytes) of one rank: everything but
+    the stored activations, which scale with the schedule's in-flight micro-batches."""
     key = (core.tp, core.ep, core.zero, core.dp_shard, core.cp, core.fsdp, core.offload, core.accumulation(problem) > 1,
-           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1), core.pp > 1)
-    params, grads, opt, other, cpu, items = _states(problem, key, rank)
+           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1), core.pp > 1,
+           core.offload and core.nvme)
+    params, grads, opt, other, cpu, items, disk = _states(problem, key, rank)
     if rank.head:
         # Transient at the loss: 16-bit logits + their fp32 copy (or the fp32 logits), vocab-sharded.
         # The chunked loss (spec/loss.py): the logits' gradient in their dtype, and one chunk's fp32
@@ -312,13 +347,13 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
             logits = tok * vocab * (2 if problem.low_precision else 4) + 2 * 4 * loss_chunk_tokens(vocab) * vocab
         else:
             logits = tok * vocab / core.tp * (6 if problem.low_precision else 4)
-        return params, grads, opt, other + logits, cpu, items + (("logits_transient", logits),)
-    return params, grads, opt, other, cpu, items
+        return params, grads, opt, other + logits, cpu, items + (("logits_transient", logits),), disk
+    return params, grads, opt, other, cpu, items, disk
 
 
 @lru_cache(maxsize=1 << 15)
-def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float, float, float, float, tuple]:
-    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes, pipelined = key
+def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float, float, float, float, tuple, float]:
+    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes, pipelined, nvme = key
     shard = dp_shard * cp
     st = model_state_bytes(problem, rank, tp, ep, zero, shard if zero else 1, max(1, shard // ep))
     detail: dict[str, float] = {}
@@ -346,20 +381,34 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
     elif fsdp and mixed and zero == 3:
         detail["fsdp_unsharded_params"] = (2 * st.block_numel + st.root_numel) * 2
         other += detail["fsdp_unsharded_params"]
-    cpu = 0.0
-    if offload:
+    cpu = disk = 0.0
+    if offload and nvme:
+        # The moments go to the file; the step counters and two chunk buffers stay in memory (module doc).
+        moments = C.NVME_STATE_BYTES_PER_PARAM * (opt / 12 if mixed else (opt - 4 * st.tensors) / 8)
+        buffers = C.NVME_BUFFERS * min(moments, max(C.NVME_CHUNK_BYTES, C.NVME_STATE_BYTES_PER_PARAM * st.largest_numel))
+        disk = moments
+        opt = opt - moments + buffers
+        detail["nvme_optimizer_state"] = moments
+        detail["nvme_buffers"] = buffers
+    device_is_host = problem.cluster.device_is_host
+    if offload and not device_is_host:
         cpu = params + grads + opt
         detail["offloaded_to_cpu"] = cpu
         params = grads = opt = 0.0
+        if fsdp and not mixed:
+            # FSDP2 copies each unit's fp32 shard to the device and casts it for the gather: one block's worth.
+            staging = st.block_numel / max(1, shard) * (4 + (param_dtype if param_dtype != 4 else 0))
+            detail["offload_staging"] = staging
+            other += staging
     comm = C.COMM_BUFFER_BYTES_PER_AXIS * comm_axes
     detail["comm_buffers"] = comm
     other += comm
-    return params, grads, opt, other, cpu, tuple(detail.items())
+    return params, grads, opt, other, cpu, tuple(detail.items()), disk
 
 
 def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, first: bool) -> Memory:
     core = core_layout(lay)
-    params, grads, opt, other, cpu, items = _states_and_other(problem, core, rank)
+    params, grads, opt, other, cpu, items, disk = _states_and_other(problem, core, rank)
     blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
     m, v = lay.accumulation(problem), lay.chunks_per_rank
     inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first)
@@ -372,7 +421,8 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
                    "activations_rope_tables": rope * stages, "inflight_microbatches": inflight,
                    "recompute_working_set": working, "activations_stored": stored})
     capacity = problem.cluster.device.memory_gib * GIB * C.USABLE_MEMORY_FRACTION
-    return Memory(params, grads, opt, stored + working, other, capacity, which, detail, cpu)
+    return Memory(params, grads, opt, stored + working, other, capacity, which, detail, cpu, disk,
+                  problem.cluster.host_memory_bytes() if lay.offload else float("inf"))
 
 
 def memory(problem: Problem, lay: Layout) -> Memory:
@@ -394,7 +444,7 @@ def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
     m = core.accumulation(problem)
     best = 0.0
     for rank, is_first in ((first, True), (last, False)) if core.pp > 1 else ((first, True),):
-        params, grads, opt, other, _, _ = _states_and_other(problem, core, rank)
+        params, grads, opt, other = _states_and_other(problem, core, rank)[:4]
         blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
         inflight = inflight_microbatches(schedule, core.pp, m, chunks, is_first)
         stored = stored_activations(blocks, embedding, head, rope, inflight,
@@ -408,6 +458,15 @@ def states_lower_bound(problem: Problem, core: Layout) -> float:
     model states and buffers on its most loaded rank): above the capacity, the whole structure is out."""
     first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
     return max(sum(_states_and_other(problem, core, r)[:4]) for r in ((first, last) if core.pp > 1 else (first,)))
+
+
+def host_bytes(problem: Problem, core: Layout) -> float:
+    """Host memory the most loaded rank's offloaded states take (0 without offload): what the search
+    holds against Cluster.host_memory_bytes to choose between "cpu" and "nvme"."""
+    if not core.offload:
+        return 0.0
+    first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
+    return max(_states_and_other(problem, core, r)[4] for r in ((first, last) if core.pp > 1 else (first,)))
 
 
 def capacity_bytes(problem: Problem) -> float:

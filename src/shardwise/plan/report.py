@@ -156,6 +156,37 @@ def cost_lines(rc: RunCost) -> list[str]:
     return out + ([f"note: {rc.note}"] if rc.note else [])
 
 
+def offload_lines(problem: Problem, est: Estimate) -> list[str]:
+    """Where offload puts the model states (host memory, local disk) and what it and tiling cost a step."""
+    lay, mem, d = est.layout, est.memory, est.detail
+    out = []
+    if lay.offload and problem.cluster.device_is_host:
+        out.append("offload  the device is the CPU: host and device are the same memory, so offload moves nothing off the "
+                   "device (no host link to cross; FSDP2's copies to the device are no-ops)"
+                   + ("; nvme moves the AdamW moments to disk" if lay.nvme else ""))
+    elif lay.offload:
+        host = problem.cluster.host_memory_bytes()
+        out.append(f"host     {mem.cpu_bytes / GIB:.2f} GiB of host memory per GPU (parameters, gradients, "
+                   f"{'step counters and NVMe buffers' if lay.nvme else 'optimizer state'}): "
+                   f"{'fits' if mem.host_fits else 'DOES NOT FIT'} in {host / GIB:.1f} GiB usable "
+                   f"(constants.HOST_MEMORY_GIB_PER_GPU x HOST_USABLE_FRACTION)"
+                   + ("" if mem.host_fits or lay.nvme else '; parallel.offload="nvme" keeps the AdamW moments on disk'))
+        out.append(f"copies   {d.get('offload_copy_s', 0.0) * 1e3:.1f} ms per step over the host link (fp32 parameter shards "
+                   f"to the device per gather, gradient shards back), CPU AdamW {d.get('offload_adamw_s', 0.0) * 1e3:.1f} ms")
+    if lay.offload and lay.nvme:
+        read, write = problem.cluster.disk_bytes_per_s()
+        source = "cluster.disk_gbps" if problem.cluster.disk_gbps else "datasheet NVMe drive x NVME_FRACTION"
+        out.append(f"disk     {mem.disk_bytes / GIB:.2f} GiB of AdamW moments in parallel.offload_dir; "
+                   f"{d.get('nvme_bytes_per_step', 0.0) / 1e9:.2f} GB read + written per step at {read / 1e9:.2g} / "
+                   f"{write / 1e9:.2g} GB/s ({source}) = {d.get('nvme_disk_s', 0.0) * 1e3:.0f} ms, overlapped with the "
+                   "CPU AdamW chunk by chunk")
+    if lay.linear_tiles > 1:
+        out.append(f"tiles    every dense MLP in {lay.linear_tiles} tiles: only its input is saved; backward recomputes "
+                   f"the up-projections tile by tile (in the recompute term); one tile's working set is in the "
+                   f"activations' working set")
+    return out
+
+
 def evaluate_text(problem: Problem, est: Estimate) -> str:
     from rich.table import Table
 
@@ -174,23 +205,32 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     t.add_column("what", overflow="fold")
     d = mem.detail
     mixed = problem.model_states == "mixed" and problem.low_precision
+    offloaded = lay.offload and not problem.cluster.device_is_host
+    nvme = (f"AdamW moments on disk (nvme), {d.get('nvme_buffers', 0) / scale:.2f} of chunk buffers + step counters "
+            "in memory") if lay.offload and lay.nvme else ""
     notes = {
-        "params": "offloaded to CPU" if lay.offload else ("local shard" if lay.zero >= 3 or lay.fsdp else "replicated over dp"),
-        "grads": "offloaded to CPU" if lay.offload else ("local shard" if lay.fsdp else
-                                                          "full, 16-bit" if mixed else "full, fp32 DDP buckets"),
-        "optimizer": "offloaded to CPU" if lay.offload else ("sharded over dp_shard" if lay.zero >= 1 else "replicated"),
+        "params": "offloaded to CPU" if offloaded else ("local shard" if lay.zero >= 3 or lay.fsdp else "replicated over dp"),
+        "grads": "offloaded to CPU" if offloaded else ("local shard" if lay.fsdp else
+                                                        "full, 16-bit" if mixed else "full, fp32 DDP buckets"),
+        "optimizer": "offloaded to CPU" + (f"; {nvme}" if nvme else "") if offloaded else
+                     nvme or ("sharded over dp_shard" if lay.zero >= 1 else "replicated"),
         "activations": f"{d.get('inflight_microbatches', 1):.3g} in-flight micro-batch(es) of {lay.micro_batch} seq; "
                        f"stored {d.get('activations_stored', 0) / scale:.2f} + recompute working set "
                        f"{d.get('recompute_working_set', 0) / scale:.2f}",
         "other": ", ".join(f"{k.replace('_', ' ')} {v / scale:.2f}" for k, v in d.items()
-                           if k in ("fsdp_unsharded_params", "fsdp_unsharded_grads", "logits_transient", "comm_buffers")),
+                           if k in ("fsdp_unsharded_params", "fsdp_unsharded_grads", "offload_staging", "logits_transient",
+                                    "comm_buffers")),
     }
     for key, label in MEMORY_ROWS:
         t.add_row(label, f"{getattr(mem, key) / scale:.2f}", notes[key])
     t.add_row("total", f"{mem.total / scale:.2f}",
               f"{'fits' if mem.fits else 'DOES NOT FIT'}: usable {mem.capacity / GIB:.1f} of {problem.cluster.device.memory_gib:g} GiB"
-              + (f"; {mem.cpu_bytes / GIB:.2f} GiB on the host" if mem.cpu_bytes else ""))
+              + (f"; {mem.cpu_bytes / GIB:.2f} GiB on the host" if mem.cpu_bytes else "")
+              + (f"; {mem.disk_bytes / GIB:.2f} GiB on disk" if mem.disk_bytes else "")
+              + ("" if mem.host_fits else " (host memory)"))
     con.print(t)
+    if lay.offload or lay.linear_tiles > 1:
+        con.print("\n".join(offload_lines(problem, est)), soft_wrap=True)
     tt = Table(title="step time", title_justify="left")
     tt.add_column("term")
     k, unit = _time_unit(est.step_time_s)
