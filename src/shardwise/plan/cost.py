@@ -490,7 +490,9 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel, detail: dict
         detail["offload_adamw_s"] = adamw
     if not lay.nvme:
         return adamw + scaler
-    moments = C.NVME_STATE_BYTES_PER_PARAM * numel
+    # the moments without the 4-byte step counters (which stay in memory), as plan/memory.py counts them
+    mixed = problem.model_states == "mixed" and problem.low_precision
+    moments = C.NVME_STATE_BYTES_PER_PARAM * (st.optimizer / 12 if mixed else (st.optimizer - 4 * st.tensors) / 8)
     read, write = problem.cluster.disk_bytes_per_s()
     disk = moments / read + moments / write
     chunk = min(moments, C.NVME_CHUNK_BYTES)

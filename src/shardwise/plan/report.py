@@ -254,6 +254,8 @@ def search_text(problem: Problem, result: SearchResult, top: int) -> str:
 
     con = _console(130)
     con.print("\n".join(problem_lines(problem)), soft_wrap=True)
+    if result.note:
+        con.print(result.note, soft_wrap=True)
     t = Table(title=f"top {min(top, len(result.ranked))} layouts by step time", title_justify="left")
     k, unit = _time_unit(max((e.step_time_s for e in result.ranked[:top]), default=1.0))
     for col, just in (("#", "right"), ("layout", "left"), (f"step {unit}", "right"), ("tokens/s", "right"), ("MFU", "right"),
@@ -278,6 +280,7 @@ def search_json(problem: Problem, result: SearchResult, top: int) -> dict[str, A
         "top": [e.to_json() for e in result.ranked[:top]],
         "considered": result.considered, "feasible": result.feasible, "search_seconds": result.seconds,
         "pruned": dict(result.pruned.most_common()),
+        "needs": result.needs, "note": result.note,
     }
 
 

@@ -11,6 +11,13 @@ Order of work, cheapest test first, so a 405B model on 16,384 GPUs searches in w
   4. only then the step time (cost.evaluate) of what fits.
 "Why the rest lost" reports the prune counts and, for the runners-up, the breakdown term that
 separates each from the winner.
+
+Offload and linear tiles only trade time for memory: they are proposed only when no layout without
+them fits (a second pass, `SearchResult.needs` says so), one device included (ZeRO-Offload over a
+1-rank shard group). Offload's tier: "cpu" when the rank's states fit the host memory
+(Cluster.host_memory_bytes), else "nvme" (the AdamW moments on disk). Tiles: 2, 4, 8 (the fewest that
+fit: more only shrink the working set, at a GEMM-efficiency cost), dense MLPs, no TP / FP8 / MoE
+(what the trainer implements, spec/rules.py linear_tiles_rules).
 """
 from __future__ import annotations
 
@@ -21,11 +28,12 @@ from dataclasses import dataclass, field
 
 from shardwise.plan.cost import Estimate, compute_lower_bound, evaluate, step_seconds
 from shardwise.plan.layout import Problem, check_layout
-from shardwise.plan.memory import capacity_bytes, peak_bytes, states_lower_bound
+from shardwise.plan.memory import capacity_bytes, host_bytes, peak_bytes, states_lower_bound
 from shardwise.spec.layout import Layout
 from shardwise.spec.rules import microbatch_rule
 
 RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
+TILE_OPTIONS = (2, 4, 8)  # parallel.linear_tiles tried when nothing fits without it
 
 
 @dataclass
@@ -36,6 +44,14 @@ class SearchResult:
     considered: int = 0
     feasible: int = 0                            # candidates that fit (timed or bounded out)
     seconds: float = 0.0
+    needs: str = ""                              # "offload", "tiling" or "offload/tiling": nothing fits without
+
+    @property
+    def note(self) -> str:
+        """The line saying why the ranked layouts offload or tile ("" when plain layouts fit)."""
+        if not self.needs:
+            return ""
+        return f"nothing fits without {self.needs}; these layouts need it (offload and tiling only trade time for memory)"
 
     @property
     def best(self) -> Estimate | None:
@@ -76,45 +92,19 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
            near: int = 5) -> SearchResult:
     """Every layout of `problem` on its cluster, pruned and ranked; see the module docstring."""
     start = time.perf_counter()
-    s, cl = problem.shape, problem.cluster
-    n = cl.num_gpus
     capacity = capacity_bytes(problem)
     pruned: Counter = Counter()
     candidates: list[tuple[float, float, Layout, str, int]] = []  # (compute lower bound, peak bytes, ...)
-    considered = 0
-    for tp in divisors(n):
-        for cp in divisors(n // tp):
-            for pp in divisors(n // (tp * cp)):
-                dp = n // (tp * cp * pp)
-                schedules = _schedules(pp, s.n_layers, allow_uneven_pp, max_virtual)
-                local_batch = problem.global_batch // dp if problem.global_batch % dp == 0 else 0
-                variants = len(schedules) * len(RECOMPUTE_MODES) * max(1, len(divisors(local_batch)) if local_batch else 1)
-                base = Layout(dp_replicate=dp, tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
-                bad = check_layout(problem, base, allow_cross_node_tp, allow_uneven_pp)
-                if bad is not None and bad.reason not in ("microbatches < pp", "zero"):
-                    splits = len(_dp_splits(dp, max_split_options))
-                    considered += variants * splits
-                    pruned[bad.reason] += variants * splits
-                    continue
-                eps = divisors(s.moe.num_experts) if s.moe is not None else [1]
-                fitted: set[tuple] = set()
-                for off in ((False, True) if offload else (False,)):
-                    for dp_rep, dp_shard, zero in _dp_splits(dp, max_split_options):
-                        if off and zero < 2:
-                            continue
-                        for ep in eps:
-                            key = (dp_rep, dp_shard, zero, ep)
-                            considered += variants
-                            if (dp_shard * cp) % ep or (ep > 1 and s.moe is None):
-                                pruned["ep"] += variants
-                                continue
-                            if off and key in fitted:
-                                pruned["dominated: fits without offload"] += variants
-                                continue
-                            struct = dict(dp_replicate=dp_rep, dp_shard=dp_shard, zero=zero, ep=ep, offload=off,
-                                          tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
-                            if _search_structure(problem, struct, local_batch, schedules, capacity, pruned, candidates):
-                                fitted.add(key)
+    considered = _enumerate(problem, False, False, allow_cross_node_tp, allow_uneven_pp, max_virtual, max_split_options,
+                            sequence_parallel, capacity, pruned, candidates)
+    needs = ""
+    tiles = _tiles_possible(problem)
+    if not candidates and (offload or tiles):
+        # Nothing fits as it is: the second pass adds offload and / or linear tiles (module doc).
+        considered += _enumerate(problem, offload, tiles, allow_cross_node_tp, allow_uneven_pp, max_virtual,
+                                 max_split_options, sequence_parallel, capacity, pruned, candidates)
+        used = {(c[2].offload, c[2].linear_tiles > 1) for c in candidates}
+        needs = "/".join(w for w, on in (("offload", any(o for o, _ in used)), ("tiling", any(t for _, t in used))) if on)
     # Branch and bound: time the fitting candidates in order of their compute-only lower bound, and stop
     # once that bound exceeds the k-th best step time found (k = top + near): the rest cannot rank.
     candidates.sort(key=lambda c: c[0])
@@ -139,7 +129,88 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
             families.add(_family(f[2]))
             shown.append(f)
     ranked = [evaluate(problem, core.with_(schedule=sch, virtual_stages=v)) for _, _, core, sch, v in shown]
-    return SearchResult(ranked, [(f[0], f[1]) for f in found], pruned, considered, len(candidates), time.perf_counter() - start)
+    return SearchResult(ranked, [(f[0], f[1]) for f in found], pruned, considered, len(candidates), time.perf_counter() - start,
+                        needs)
+
+
+def _tiles_possible(problem: Problem) -> bool:
+    """linear tiles as the trainer runs them: dense MLPs, not FP8 (tp = 1 is checked per layout)."""
+    return problem.shape.moe is None and problem.precision != "fp8"
+
+
+def _enumerate(problem: Problem, offload: bool, tiles: bool, allow_cross_node_tp: bool, allow_uneven_pp: bool,
+               max_virtual: int, max_split_options: int, sequence_parallel: bool, capacity: float, pruned: Counter,
+               candidates: list) -> int:
+    """Every axis structure of the cluster into `candidates` (what fits); returns how many variants were
+    considered. Plain (offload and tiles False): as before the memory-saving options existed. Else only
+    the structures that offload and / or tile (the plain ones did not fit)."""
+    s, cl = problem.shape, problem.cluster
+    n = cl.num_gpus
+    considered = 0
+    rescue = offload or tiles
+    # (offload tier, tiles) options of one structure, cheapest first; plain only in the first pass.
+    options = [("none", 1)] if not rescue else \
+        [(tier, t) for t in ((1,) + (TILE_OPTIONS if tiles else ())) for tier in ("none", "offload" if offload else "")
+         if tier and (tier, t) != ("none", 1)]
+    for tp in divisors(n):
+        for cp in divisors(n // tp):
+            for pp in divisors(n // (tp * cp)):
+                dp = n // (tp * cp * pp)
+                schedules = _schedules(pp, s.n_layers, allow_uneven_pp, max_virtual)
+                local_batch = problem.global_batch // dp if problem.global_batch % dp == 0 else 0
+                variants = len(schedules) * len(RECOMPUTE_MODES) * max(1, len(divisors(local_batch)) if local_batch else 1)
+                base = Layout(dp_replicate=dp, tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel)
+                splits = _dp_splits(dp, max_split_options)
+                if rescue and dp == 1 and cp == 1:
+                    splits = splits + [(1, 1, 2), (1, 1, 3)]  # ZeRO-Offload on one data-parallel rank
+                bad = check_layout(problem, base, allow_cross_node_tp, allow_uneven_pp)
+                if bad is not None and bad.reason not in ("microbatches < pp", "zero"):
+                    considered += variants * len(splits) * len(options)
+                    pruned[bad.reason] += variants * len(splits) * len(options)
+                    continue
+                eps = divisors(s.moe.num_experts) if s.moe is not None else [1]
+                fitted: set[tuple] = set()
+                for tier, t in options:
+                    for dp_rep, dp_shard, zero in splits:
+                        if tier == "offload" and zero < 2 or t > 1 and tp > 1 or (dp_shard * cp == 1 and zero and tier == "none"):
+                            continue
+                        for ep in eps:
+                            key = (dp_rep, dp_shard, zero, ep)
+                            considered += variants
+                            if (dp_shard * cp) % ep or (ep > 1 and s.moe is None):
+                                pruned["ep"] += variants
+                                continue
+                            if tier == "offload" and (key, "none", t) in fitted:
+                                pruned["dominated: fits without offload"] += variants
+                                continue
+                            if t > 1 and any((key, tier, fewer) in fitted for fewer in (1,) + TILE_OPTIONS if fewer < t):
+                                pruned["dominated: fits with fewer tiles"] += variants
+                                continue
+                            struct = dict(dp_replicate=dp_rep, dp_shard=dp_shard, zero=zero, ep=ep, offload=tier != "none",
+                                          tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel, linear_tiles=t)
+                            if tier == "offload" and not _offload_tier(problem, struct, pruned, variants):
+                                continue
+                            if _search_structure(problem, struct, local_batch, schedules, capacity, pruned, candidates):
+                                fitted.add((key, tier, t))
+    return considered
+
+
+def _offload_tier(problem: Problem, struct: dict, pruned: Counter, variants: int) -> bool:
+    """Sets struct["nvme"]: "cpu" when the rank's offloaded states fit the host memory, else "nvme" when
+    they fit with the moments on disk; False (pruned) when neither does. A CPU device (the host is the
+    device) gains nothing from "cpu": only "nvme" moves anything out of its memory."""
+    host = problem.cluster.host_memory_bytes()
+    lower = Layout(micro_batch=1, recompute="full", **struct)
+    if not problem.cluster.device_is_host and host_bytes(problem, lower) <= host:
+        struct["nvme"] = False
+        return True
+    if host_bytes(problem, lower.with_(nvme=True)) <= host:
+        struct["nvme"] = True
+        if not problem.cluster.device_is_host:
+            pruned["offload=cpu over host memory: nvme instead"] += variants
+        return True
+    pruned["host memory > capacity (offload)"] += variants
+    return False
 
 
 class _Bound:
