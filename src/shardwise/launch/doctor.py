@@ -1,5 +1,6 @@
 """`shardwise doctor [--json] [--nproc N]`: is this machine ready for a distributed run, and which path
-would NCCL take?
+would NCCL take? `shardwise doctor --disk DIR [--disk-mib N]`: how fast is the disk under DIR for
+parallel.offload = "nvme" (and the `--cluster.disk_gbps` to plan with)?
 
 It reports versions, devices, cores, /dev/shm, locked memory, InfiniBand ports and the NCCL_* / UCX_*
 variables in effect, then runs a short all-reduce in fresh processes: NCCL on GPUs (with NCCL_DEBUG=INFO
@@ -340,6 +341,60 @@ def diagnose(nproc: int | None) -> dict:
             "versions": facts, "devices": gpus, "cpu_cores": cpu_cores(), "infiniband": ib_ports, "environment": nccl_env, **run}
 
 
+DISK_CHUNK_BYTES = 64 << 20  # what parallel/offload.py reads and writes at a time (DEFAULT_CHUNK_BYTES)
+
+
+def disk_bandwidth(directory: str | Path, mib: int = 256) -> dict:
+    """Write `mib` MiB into a fresh file under `directory` in 64 MiB pwrite calls and fsync it (the write
+    rate, to the device), drop the file's pages from the page cache (posix_fadvise DONTNEED: clean pages
+    go, no root needed) and read it back in 64 MiB preadv calls (the read rate); the file is removed.
+    `effective_gbps` is the one rate that moves equal bytes in and out in the same time, 2 / (1/r + 1/w):
+    the NVMe tier reads and writes 8 bytes per parameter each step, so it is cluster.disk_gbps."""
+    where = Path(directory).expanduser()
+    if not where.is_dir():
+        raise ConfigError("--disk", f"{where} is not a directory", "pass a directory on the disk to measure")
+    size = max(1, mib) << 20
+    chunk = min(DISK_CHUNK_BYTES, size)
+    buffer = bytearray(os.urandom(1 << 20) * (chunk >> 20)) if chunk >= 1 << 20 else bytearray(os.urandom(chunk))
+    view = memoryview(buffer)
+    fd, path = tempfile.mkstemp(prefix="shardwise-doctor-disk-", dir=where)
+    try:
+        begin = time.perf_counter()
+        for offset in range(0, size, chunk):
+            n = min(chunk, size - offset)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[done:n], offset + done)
+        os.fsync(fd)
+        write_s = time.perf_counter() - begin
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        begin = time.perf_counter()
+        for offset in range(0, size, chunk):
+            n = min(chunk, size - offset)
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[done:n]], offset + done)
+                if got == 0:
+                    raise OSError(f"{path}: unexpected end of file")
+                done += got
+        read_s = time.perf_counter() - begin
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    read, write = size / read_s / 1e9, size / write_s / 1e9
+    effective = 2.0 / (1.0 / read + 1.0 / write)
+    return {"directory": str(where), "bytes": size, "write_gbps": write, "read_gbps": read, "effective_gbps": effective,
+            "planner_flag": f"--cluster.disk_gbps={effective:.3g}"}
+
+
+def render_disk(result: dict) -> str:
+    return (f"disk {result['directory']}: wrote {result['bytes'] / 2**20:.0f} MiB at {result['write_gbps']:.3g} GB/s (fsync), "
+            f"read it back at {result['read_gbps']:.3g} GB/s (page cache dropped)\n"
+            f"plan offload=\"nvme\" with {result['planner_flag']} (reads and writes equal bytes per step: "
+            "2 / (1/read + 1/write))")
+
+
 def render_text(report: dict) -> str:
     width = max(len(c["name"]) for c in report["checks"])
     lines = [f"shardwise doctor: {report['nproc']} process(es), {report['backend']} "
@@ -360,7 +415,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardwise doctor", description="check this machine for a distributed run")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--nproc", type=int, default=None, help="processes for the all-reduce (default: visible GPUs, or 2 on CPU)")
+    parser.add_argument("--disk", default=None, metavar="DIR",
+                        help='only measure the disk under DIR for parallel.offload="nvme" (write + fsync, read back)')
+    parser.add_argument("--disk-mib", type=int, default=256, help="MiB to write and read for --disk (default 256)")
     args = parser.parse_args(argv)
+    if args.disk is not None:
+        if args.disk_mib < 1:
+            raise ConfigError("--disk-mib", f"must be >= 1, got {args.disk_mib}", "e.g. --disk-mib 256")
+        result = disk_bandwidth(args.disk, args.disk_mib)
+        print(json.dumps(result, indent=2) if args.json else render_disk(result), flush=True)
+        return EXIT_OK
     if args.nproc is not None:
         check_nproc(args.nproc)  # bad input fails here, before torch is imported or anything is spawned
     report = diagnose(args.nproc)
