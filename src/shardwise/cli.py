@@ -41,7 +41,8 @@ commands:
   bench-comm --nproc N [--config FILE.toml] [--sizes 1K:16M] [--json] [--out b.json] [--plot b.png]  busbw per mesh axis
   launch   mpirun --config FILE.toml --hosts a:8,b:8 [--export NAME=VALUE] [--section.key=value ...]  print the mpirun command
   launch   slurm --config FILE.toml --nodes N --gpus-per-node G [--partition P --time T --account A] [--out F.sbatch] [--submit]
-  doctor   [--json] [--nproc N]   check this machine (devices, /dev/shm, ulimit -l, InfiniBand, NCCL_*) and run a test all-reduce
+  doctor   [--json] [--nproc N] [--disk DIR]   check this machine (devices, /dev/shm, ulimit -l, InfiniBand,
+           NCCL_*) and run a test all-reduce; --disk DIR: its read/write GB/s (offload="nvme")
 
 shardwise --version prints the version; shardwise <command> --help the command's options.
 

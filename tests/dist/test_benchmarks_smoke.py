@@ -75,10 +75,21 @@ def test_gpu_throughput_without_a_gpu_says_so_and_exits_0():
     assert p.returncode == 0 and "no GPU visible" in p.stdout, p.stdout + p.stderr
 
 
+def test_offload_smoke(tmp_path):
+    """none / cpu / nvme / tiles each train, reach the same loss (offload and tiling change no math beyond
+    rounding), the nvme run reports its disk traffic, and the planner predicted every run."""
+    data = _smoke("offload.py", tmp_path / "offload.json")
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert data["smoke"] is True and list(rows) == ["none", "cpu", "nvme", "tiles"]
+    assert all(r["peak_rss_bytes"] > 0 and r["step_time_s"] > 0 and "predicted_resident_bytes" in r for r in rows.values())
+    assert abs(rows["cpu"]["loss"] - rows["none"]["loss"]) <= 1e-4 and rows["cpu"]["loss"] == rows["nvme"]["loss"]
+    assert rows["nvme"]["nvme_io"].startswith("nvme offload:") and rows["nvme"]["predicted_disk_bytes"] > 0
+
+
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one."""
     smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
-              "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py"}
+              "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
 
 

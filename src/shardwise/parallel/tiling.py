@@ -20,7 +20,7 @@ SliceBackward would allocate a zero tensor of the full weight per tile).
 Cost: backward recomputes the up-projection GEMMs of every tile: +2 GEMMs of b*s*dim*ffn for SwiGLU
 (w1, w3), +1 for GELU (fc), plus the pointwise ops: +2/9 (SwiGLU: 3 forward + 6 backward GEMMs) or
 +1/6 (GELU: 2 + 4) of the MLP's training FLOPs. Under train.recompute = "selective" with policy "op" the
-block's replay also reruns the tiled forward (see _tiles_running). In exchange the activations the MLP keeps for backward drop to x alone
+block's replay also reruns the tiled forward (see tiles_running). In exchange the activations the MLP keeps for backward drop to x alone
 (b*s*dim), and the peak working memory of the MLP to one tile's b*s*ffn/tiles tensors. Smaller tiles
 mean smaller GEMMs (lower efficiency on a GPU); the numbers are equal up to fp32 rounding (only the
 order of the summation over the ffn dim changes).
@@ -42,10 +42,6 @@ train.precision = "fp8" (Float8Linear GEMMs would be bypassed), MoE models.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,29 +49,18 @@ from torch.autograd.function import once_differentiable
 
 from shardwise.models.feed_forward import GELUMLP, SwiGLU
 
-_STATE = threading.local()
-
-
-@contextlib.contextmanager
-def _tiles_running() -> Iterator[None]:
-    """Marks the tiled forward's own ops. Selective "op" recomputation (parallel/activation_checkpoint.py)
-    would otherwise cache every tile's GEMM outputs (w1 x, w3 x, and the partial down-projections), the
-    ffn-wide tensors tiling exists to drop, and more than the untiled MLP's; its policy asks
-    `tiles_running()` and recomputes them instead. The price, measured (tests/unit/test_linear_tiles.py):
-    the checkpoint's replay of the block in backward reruns the tiled forward (its saved tensors are
-    packed when the Function returns, so torch's early stop cannot end the replay before it), i.e. under
-    selective "op" the MLP's forward GEMMs run once more on top of the Function's own recomputation;
-    under train.recompute = "full" the replay happens untiled too."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
-
 
 def tiles_running() -> bool:
-    """Inside a tiled MLP's forward (on this thread)."""
-    return getattr(_STATE, "depth", 0) > 0
+    """Whether an op runs inside a tiled MLP's forward, for selective "op" recomputation
+    (parallel/activation_checkpoint.py), which would otherwise cache every tile's GEMM outputs (w1 x, w3 x,
+    and the partial down-projections): the ffn-wide tensors tiling exists to drop, and more than the
+    untiled MLP's. An autograd.Function's forward runs with grad mode off, and nothing else in a block
+    does, so grad mode tells without any state of our own. The price, measured
+    (tests/unit/test_linear_tiles.py): the checkpoint's replay of the block in backward reruns the tiled
+    forward (its saved tensors are packed when the Function returns, so torch's early stop cannot end
+    the replay before it), i.e. under selective "op" the MLP's forward GEMMs run once more on top of the
+    Function's own recomputation; under train.recompute = "full" the replay happens untiled too."""
+    return not torch.is_grad_enabled()
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -104,7 +89,7 @@ class _TiledSwiGLUFunction(torch.autograd.Function):
         xc = x if x.dtype == dtype else x.to(dtype)  # the input itself when no cast (what compile traces)
         ctx.save_for_backward(xc, w1, w3, w2)
         ctx.tiles, ctx.x_dtype = tiles, x.dtype
-        with torch.autocast(x.device.type, enabled=False), _tiles_running():
+        with torch.autocast(x.device.type, enabled=False):
             out = None
             for r1, r3, c2 in zip(torch.tensor_split(w1, tiles, 0), torch.tensor_split(w3, tiles, 0),
                                   torch.tensor_split(w2, tiles, 1)):
@@ -160,7 +145,7 @@ class _TiledGELUMLPFunction(torch.autograd.Function):
         xc = x if x.dtype == dtype else x.to(dtype)  # the input itself when no cast (what compile traces)
         ctx.save_for_backward(xc, fc_w, fc_b, proj_w, proj_b)
         ctx.tiles, ctx.x_dtype = tiles, x.dtype
-        with torch.autocast(x.device.type, enabled=False), _tiles_running():
+        with torch.autocast(x.device.type, enabled=False):
             biases = torch.tensor_split(fc_b, tiles, 0) if fc_b is not None else (None,) * tiles
             out = None
             for r, rb, c in zip(torch.tensor_split(fc_w, tiles, 0), biases, torch.tensor_split(proj_w, tiles, 1)):

@@ -18,7 +18,7 @@ from shardwise.config import Config
 from shardwise.parallel.comm_counter import describe_comm
 from shardwise.parallel.compile import compile_enabled, compiled_graphs
 from shardwise.parallel.precision import DynamicLossScaler
-from shardwise.spec.dims import ParallelDims
+from shardwise.spec.dims import ParallelDims, offload_tier
 from shardwise.spec.layout import compute_precision
 from shardwise.train import moe_stats
 from shardwise.train.health import StepGuard
@@ -76,6 +76,8 @@ class StepLog:
             self.metrics.print(f"model: {cfg.model.arch} {num_params / 1e6:.2f}M params, layout "
                                f"{dims.describe()} x{dims.world_size}, zero={cfg.parallel.zero}, accumulation "
                                f"{accumulation}, peak {self.peak / 1e9:.1f} GFLOP/s ({peak_label})"
+                               + (f", offload {offload_tier(cfg.parallel)}" if offload_tier(cfg.parallel) != "none" else "")
+                               + (f", MLP in {cfg.parallel.linear_tiles} tiles" if cfg.parallel.linear_tiles > 1 else "")
                                + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else ""))
 
     def after_step(self, r: StepResult, step: int, logging: bool, timeline: dict | None,
