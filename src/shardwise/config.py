@@ -139,6 +139,15 @@ class ParallelConfig:
                        aliases={True: "cpu", False: "none"})
     offload_dir: str = opt("", 'Directory on a local disk for offload="nvme" (each rank writes its optimizer state into a '
                            "fresh subdirectory, removed when the run ends).")
+    grad_compression: str = opt("none", 'Compress gradients before shardwise all-reduces them over data parallelism: "none", '
+                                '"bf16", "int8" (per-bucket scale, error feedback), "topk" (keep grad_compression_ratio '
+                                'of the entries, error feedback) or "powersgd" (rank powersgd_rank, Vogels et al. 2019).')
+    grad_compression_ratio: float = opt(0.01, 'Fraction of the gradient entries grad_compression="topk" sends (0 < r <= 1).')
+    powersgd_rank: int = opt(4, 'Rank of the low-rank factors of grad_compression="powersgd".')
+    powersgd_warmup_steps: int = opt(10, 'Optimizer steps of plain all-reduce before PowerSGD starts (its warm-up, as in '
+                                         'Vogels et al. 2019 and torch\'s PowerSGDState.start_powerSGD_iter).')
+    tp_mode: str = opt("1d", '"1d": Megatron tensor parallelism over tp ranks; "2d": SUMMA on a q x q grid of the tp = q^2 '
+                             "ranks (Xu & You, Colossal-AI 2-D): activations and weights both partitioned.")
     linear_tiles: int = opt(1, "Memory-centric tiling: compute every block's MLP in this many tiles along its hidden "
                                "(ffn) dim, one after another, so one tile's intermediates are live at a time and "
                                "backward recomputes them per tile (1 = off).")

@@ -62,6 +62,10 @@ class Layout:
     cp_mode: str = "ring"  # "ring" (pass-KV ring attention) or "ulysses" (all-to-all heads)
     nvme: bool = False  # with offload: the optimizer state in files on a local disk (parallel.offload = "nvme")
     linear_tiles: int = 1  # parallel.linear_tiles: the MLP computed in this many tiles (parallel/tiling.py)
+    grad_compression: str = "none"  # parallel.grad_compression: none | bf16 | int8 | topk | powersgd
+    grad_compression_ratio: float = 0.01  # parallel.grad_compression_ratio (topk's kept fraction)
+    powersgd_rank: int = 4  # parallel.powersgd_rank
+    tp_mode: str = "1d"  # parallel.tp_mode: "1d" (Megatron) or "2d" (SUMMA on a q x q grid)
 
     @classmethod
     def from_config(cls, cfg: Any, num_gpus: int) -> "Layout":
@@ -71,7 +75,9 @@ class Layout:
         return cls(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep, p.zero, t.micro_batch, p.pp_schedule,
                    p.pp_virtual_stages, t.recompute, t.recompute_policy, t.recompute_every, offload_tier(p) != "none",
                    bool(getattr(p, "sequence_parallel", True)), str(getattr(p, "cp_mode", "ring")),
-                   offload_tier(p) == "nvme", int(getattr(p, "linear_tiles", 1)))
+                   offload_tier(p) == "nvme", int(getattr(p, "linear_tiles", 1)),
+                   str(getattr(p, "grad_compression", "none")), float(getattr(p, "grad_compression_ratio", 0.01)),
+                   int(getattr(p, "powersgd_rank", 4)), str(getattr(p, "tp_mode", "1d")))
 
     # ---- derived ----
     @property
@@ -145,7 +151,9 @@ class Layout:
                          "pp": self.pp, "cp": self.cp, "ep": self.ep, "pp_schedule": self.schedule,
                          "pp_virtual_stages": self.virtual_stages,
                          "offload": ("nvme" if self.nvme else "cpu") if self.offload else "none",
-                         "linear_tiles": self.linear_tiles, "sequence_parallel": self.sequence_parallel},
+                         "linear_tiles": self.linear_tiles, "sequence_parallel": self.sequence_parallel,
+                         "grad_compression": self.grad_compression, "grad_compression_ratio": self.grad_compression_ratio,
+                         "powersgd_rank": self.powersgd_rank, "tp_mode": self.tp_mode},
             "train": {"micro_batch": self.micro_batch, "global_batch": problem.global_batch, "seq_len": problem.seq_len,
                       "recompute": self.recompute, "recompute_policy": self.recompute_policy,
                       "recompute_every": self.recompute_every, "precision": problem.precision},
