@@ -7,7 +7,7 @@ come out as {axis: {kind: bytes}} for one step.
 
 Bytes are the *payload*: the size of the full logical buffer of a call, as one rank sees it —
 all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the unsharded input;
-broadcast / all-to-all / send / recv: the tensor. The planner predicts the same quantities
+broadcast / reduce / all-to-all / send / recv: the tensor. The planner predicts the same quantities
 (shardwise.plan.comm.predict_comm_bytes) and converts them into the bytes a ring algorithm puts on
 each link (shardwise.plan.comm.wire_bytes).
 """
@@ -36,7 +36,7 @@ _KINDS = {
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
     "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "broadcast_": "broadcast", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
+    "broadcast_": "broadcast", "reduce_": "reduce", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
     "send": "send", "recv_": "recv", "recv_any_source_": "recv",
 }
 # For these the counted buffer is the output (the gathered tensor), which is the first argument.
@@ -76,6 +76,11 @@ def axis_names(mesh) -> dict[str, str]:
         for view in (getattr(mesh, "dp_cp", None), getattr(mesh, "dp_shard_cp", None)):
             if view is not None:
                 names.setdefault(view.get_group().group_name, view.mesh_dim_names[0])
+        # 2-D tensor parallelism's grid axes (parallel/mesh.py build_tp_grid).
+        grid = getattr(mesh, "tp_grid", None)
+        if grid is not None:
+            for axis in grid.mesh_dim_names:
+                names[grid[axis].get_group().group_name] = axis
         # The expert mesh's own groups (parallel/expert.py builds them apart from the root's).
         expert = getattr(mesh, "expert", None)
         if expert is not None:

@@ -6,6 +6,7 @@ runs without any process group).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -29,6 +30,7 @@ class Meshes:
     dp_shard_cp: object | None = None
     hsdp_cp: object | None = None
     expert: object | None = None  # the (efsdp, ep) expert mesh (build_expert_mesh); None without EP
+    tp_grid: object | None = None  # tp_mode "2d": the (tp_row, tp_col) q x q grid over the tp axis (build_tp_grid)
 
     def __getitem__(self, names):
         return self.root[names]
@@ -51,8 +53,9 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes | None:
     elif dims.dp > 1:
         batch = root["dp_replicate" if dims.dp_replicate > 1 else "dp_shard"]
     expert = build_expert_mesh(dims, device_type)
+    grid = build_tp_grid(root, dims)
     if dims.cp == 1:
-        return Meshes(root, batch, expert=expert)
+        return Meshes(root, batch, expert=expert, tp_grid=grid)
     # CP ranks hold the same weights but see other tokens: gradients are averaged over
     # dp_replicate x dp_shard x cp and model states sharded over dp_shard x cp (torchtitan's
     # "dp_cp" / "dp_shard_cp"). A flattened view of one non-trivial axis is that axis (DeviceMesh
@@ -67,7 +70,17 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes | None:
     # warns will be deprecated; it reuses the existing groups (a fresh 2-D DeviceMesh would
     # create new communicators). Parity: tests/parity/matrix.py cp2_hsdp_2x2_zero3.
     hsdp = root["dp_replicate", shard_cp.mesh_dim_names[0]] if dims.dp_replicate > 1 else None
-    return Meshes(root, batch, grad, shard_cp, hsdp, expert)
+    return Meshes(root, batch, grad, shard_cp, hsdp, expert, grid)
+
+
+def build_tp_grid(root, dims: ParallelDims):
+    """tp_mode "2d": the tp axis unflattened row-major into a (tp_row, tp_col) = (q, q) mesh (a grid row
+    is q consecutive tp ranks), kept in the root mesh's family so FSDP2 composes dp with it; None
+    otherwise. Its axes get process groups of their own (parallel/tensor2d.py)."""
+    if dims.tp_mode != "2d" or dims.tp == 1:
+        return None
+    q = math.isqrt(dims.tp)
+    return root._unflatten("tp", (q, q), ("tp_row", "tp_col"))["tp_row", "tp_col"]
 
 
 def join_one_rank_group(device_type: str) -> None:

@@ -44,6 +44,7 @@ from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replic
 from shardwise.parallel.expert import apply_expert_parallel, moe_modules
 from shardwise.parallel.float8 import apply_float8, check_fp8
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
+from shardwise.parallel.tensor2d import apply_tensor_parallel_2d
 from shardwise.parallel.tiling import apply_linear_tiles
 from shardwise.spec.dims import ParallelDims
 from shardwise.spec.stages import layers_per_stage, stage_ids, stage_layers
@@ -66,7 +67,9 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
         # FSDP wrap them (parallel/float8.py); FSDP2 then gathers their weights in FP8 (tensorwise).
         check_fp8(device_type)
         apply_float8(model, cfg.train.fp8_recipe, fsdp=wrapper == "fsdp", emulate=device_type != "cuda")
-    if dims.tp > 1:
+    if dims.tp > 1 and dims.tp_mode == "2d":
+        apply_tensor_parallel_2d(model, mesh.tp_grid)  # SUMMA on the q x q grid (parallel/tensor2d.py)
+    elif dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], cfg.model, cfg.parallel.sequence_parallel)
     if dims.cp > 1:
         # After TP: the attention core then sees this rank's heads; before checkpointing, so a

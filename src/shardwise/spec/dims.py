@@ -100,7 +100,7 @@ class ParallelDims:
     ep: int
     world_size: int
     offload: bool = False  # parallel.offload is "cpu" or "nvme": FSDP2 keeps model states on the host
-
+    tp_mode: str = "1d"  # parallel.tp_mode: "2d" runs the tp ranks as a q x q SUMMA grid (parallel/tensor2d.py)
 
     @classmethod
     def from_config(cls, p: Any, world_size: int) -> "ParallelDims":
@@ -109,7 +109,7 @@ class ParallelDims:
         if world_size < 1:
             raise ConfigError("--nproc", f"must be >= 1, got {world_size}", "pass --nproc 1 or more")
         dims = cls(p.dp_replicate, resolve_dp_shard(p, world_size), p.cp, p.tp, p.pp, p.ep, world_size,
-                   offload_tier(p) != "none")
+                   offload_tier(p) != "none", str(getattr(p, "tp_mode", "1d")))
         for violation in (*world_rules(dims, world_size, "world_size"), ep_fold_rule(dims)):
             if violation is not None:
                 raise violation.error()

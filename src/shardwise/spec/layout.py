@@ -91,7 +91,7 @@ class Layout:
     @property
     def sp(self) -> bool:
         """Sequence parallelism is on when asked for and there is a TP axis to shard over."""
-        return self.sequence_parallel and self.tp > 1
+        return self.sequence_parallel and self.tp > 1 and self.tp_mode != "2d"  # 2-D: not applicable
 
     @property
     def shard_group(self) -> int:
@@ -140,7 +140,9 @@ class Layout:
             extra.append("offload-nvme" if self.nvme else "offload")
         if self.linear_tiles > 1:
             extra.append(f"tiles{self.linear_tiles}")
-        if self.tp > 1 and not self.sequence_parallel:
+        if self.tp > 1 and self.tp_mode == "2d":
+            extra.append("tp2d")
+        elif self.tp > 1 and not self.sequence_parallel:
             extra.append("no-sp")
         return f"{text} {' '.join(extra)}"
 

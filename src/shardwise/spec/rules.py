@@ -12,6 +12,7 @@ Inputs are duck-typed: `m` is anything with the model's shape fields (ModelConfi
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator
 
 from shardwise.errors import Violation
@@ -91,6 +92,7 @@ def layout_rules(s: Any, lay: Layout, seq_len: int, global_batch: int, node_size
     known) is read by the rules that depend on it (linear_tiles_rules)."""
     yield from data_parallel_rules(lay)
     yield from tensor_parallel_rules(s, lay, seq_len, node_size)
+    yield from tensor_parallel_2d_rules(s, lay, node_size, precision)
     yield from pipeline_rules(s, lay, even_pp)
     yield from context_parallel_rules(s, lay, seq_len)
     yield from expert_parallel_rules(s, lay)
@@ -134,9 +136,10 @@ def data_parallel_rules(lay: Layout) -> Rules:
 
 
 def tensor_parallel_rules(s: Any, lay: Layout, seq_len: int, node_size: int = 0) -> Rules:
-    """Heads, KV heads and every ffn dim must split evenly over tp (parallel/tensor.py)."""
+    """Heads, KV heads and every ffn dim must split evenly over tp (parallel/tensor.py). 2-D TP has
+    its own rules (tensor_parallel_2d_rules)."""
     tp = lay.tp
-    if tp == 1:
+    if tp == 1 or getattr(lay, "tp_mode", "1d") == "2d":
         return
     if tp > s.n_heads:
         yield Violation("heads % tp", "parallel.tp", f"tp={tp} is larger than model.n_heads={s.n_heads}: a rank would own no head",
@@ -165,6 +168,54 @@ def tensor_parallel_rules(s: Any, lay: Layout, seq_len: int, node_size: int = 0)
     if node_size and tp > node_size:
         yield Violation("tp > gpus_per_node", "parallel.tp", f"tp({tp}) spans nodes of {node_size} GPUs",
                         "keep tp <= cluster.gpus_per_node (or pass --allow-cross-node-tp)")
+
+
+TP_MODES = ("1d", "2d")
+
+
+def tensor_parallel_2d_rules(s: Any, lay: Layout, node_size: int = 0, precision: str | None = None) -> Rules:
+    """parallel.tp_mode="2d" (parallel/tensor2d.py: SUMMA on a q x q grid, tp = q^2): the grid, the
+    splits it needs (heads, KV heads, dim, ffn dim by columns; the micro-batch by rows), and what
+    is not implemented yet (trainer_only: the planner still prices those layouts). sequence_parallel
+    does not apply (the grid already splits activations by batch rows and hidden columns) and is
+    ignored. `precision` None (not known) skips the precision rule."""
+    yield from _some(choice("parallel.tp_mode", lay.tp_mode, TP_MODES, "tp_mode"))
+    if lay.tp_mode != "2d":
+        return
+    tp, q = lay.tp, math.isqrt(max(lay.tp, 0))
+    if tp < 4 or q * q != tp:
+        yield Violation("tp2d grid", "parallel.tp", f'tp_mode="2d" arranges the tp ranks in a q x q grid, so tp must be a '
+                        f"perfect square >= 4, got tp={tp}", 'choose parallel.tp = 4, 9, 16, ... or tp_mode="1d"')
+        return
+    for field, value in (("model.n_heads", s.n_heads), ("model.n_kv_heads", s.n_kv_heads), ("model.dim", s.dim),
+                         ("model.ffn_dim", s.ffn_dim)):
+        if value % q:
+            yield Violation("tp2d split", field, f'tp_mode="2d" splits {field.split(".")[1]} over the q={q} grid columns, '
+                            f"but {field}={value} is not divisible by {q}",
+                            f"choose {field} divisible by {q}, or another parallel.tp / tp_mode")
+    if lay.micro_batch % q:
+        yield Violation("tp2d split", "train.micro_batch", f'tp_mode="2d" splits each micro-batch\'s sequences over the '
+                        f"q={q} grid rows, but micro_batch={lay.micro_batch} is not divisible by {q}",
+                        f"choose train.micro_batch divisible by {q}")
+    if node_size and tp > node_size:
+        yield Violation("tp > gpus_per_node", "parallel.tp", f"tp({tp}) spans nodes of {node_size} GPUs",
+                        "keep tp <= cluster.gpus_per_node (or pass --allow-cross-node-tp)")
+    missing = [(lay.pp > 1, "parallel.pp", f"pp={lay.pp}", "set parallel.pp=1"),
+               (lay.cp > 1, "parallel.cp", f"cp={lay.cp}", "set parallel.cp=1"),
+               (lay.ep > 1 or s.moe is not None, "parallel.ep", "expert parallelism / an MoE model",
+                "set parallel.ep=1 and model.moe.num_experts=0"),
+               (s.arch != "llama", "model.arch", f"arch={s.arch!r} (biases, GELU MLP, learned positions)",
+                'use a llama model'),
+               (lay.zero >= 1, "parallel.zero", f"zero={lay.zero} (ZeRO-1 / FSDP over 2-D sharded parameters)",
+                "set parallel.zero=0 (data parallelism over parallel.dp_replicate)"),
+               (lay.linear_tiles > 1, "parallel.linear_tiles", f"linear_tiles={lay.linear_tiles}",
+                "set parallel.linear_tiles=1"),
+               (precision not in (None, "fp32", "bf16"), "train.precision", f"precision={precision!r}",
+                'set train.precision="fp32" or "bf16"')]
+    for refused, field, what, fix in missing:
+        if refused:
+            yield Violation("tp2d not implemented", field, f'tp_mode="2d" with {what} is not implemented yet',
+                            f'{fix}, or tp_mode="1d"', trainer_only=True)
 
 
 def pipeline_rules(s: Any, lay: Layout, even_pp: bool = False) -> Rules:

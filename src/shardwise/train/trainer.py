@@ -32,6 +32,7 @@ from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
 from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
 from shardwise.parallel.precision import DynamicLossScaler, autocast
+from shardwise.parallel.tensor2d import Grid, cross_entropy_sum, vocab_offset
 from shardwise.preflight import check, check_batch
 from shardwise.spec.dims import lowp_params, offload_tier
 from shardwise.spec.stages import stage_of_parameter, stage_rank
@@ -98,6 +99,8 @@ class Trainer:
         else:
             self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
         self.inner = unwrap(self.model)
+        self.grid = Grid(self.mesh.tp_grid) if self.mesh is not None and self.mesh.tp_grid is not None else None
+        self.vocab_offset = vocab_offset(self.inner) if self.grid is not None else 0
         self.compiled = compile_enabled(cfg, self.device.type)
         if t.precision == "fp8":
             fp8 = sum(type(m).__name__ == "Float8Linear" for m in self.inner.modules())
@@ -161,7 +164,7 @@ class Trainer:
         """With TP the logits stay vocab-sharded: cross-entropy and its backward run under
         loss_parallel, which reduces the max / sum-exp / target logit over tp instead of gathering
         the (b, s, V) logits."""
-        return loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
+        return loss_parallel() if self.dims.tp > 1 and self.dims.tp_mode == "1d" else contextlib.nullcontext()
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(self.cfg.train.precision, self.device.type):
@@ -170,7 +173,10 @@ class Trainer:
 
     def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
-        makes it the token mean over the global batch, identical to the reference."""
+        makes it the token mean over the global batch, identical to the reference. 2-D TP: this rank's
+        logits block, the micro-batch's sum on every tp rank (parallel/tensor2d.py)."""
+        if self.grid is not None:
+            return cross_entropy_sum(self.grid, logits, targets, self.vocab_offset) / self.tokens_per_rank_step
         return token_cross_entropy_sum(logits, targets, self.dims.tp) / self.tokens_per_rank_step
 
     def train_step(self, measure_memory: bool = False) -> StepResult:
