@@ -140,7 +140,7 @@ class ParallelConfig:
     offload_dir: str = opt("", 'Directory on a local disk for offload="nvme" (each rank writes its optimizer state into a '
                            "fresh subdirectory, removed when the run ends).")
     grad_compression: str = opt("none", 'Compress gradients before shardwise all-reduces them over data parallelism: "none", '
-                                '"bf16", "int8" (per-bucket scale, error feedback), "topk" (keep grad_compression_ratio '
+                                '"bf16", "int8" (a scale per 1024 entries, error feedback), "topk" (keep grad_compression_ratio '
                                 'of the entries, error feedback) or "powersgd" (rank powersgd_rank, Vogels et al. 2019).')
     grad_compression_ratio: float = opt(0.01, 'Fraction of the gradient entries grad_compression="topk" sends (0 < r <= 1).')
     powersgd_rank: int = opt(4, 'Rank of the low-rank factors of grad_compression="powersgd".')

@@ -76,7 +76,8 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     shape = ModelShape.from_config(cfg.model)
     raise_first(rules.layout_rules(shape, layout, cfg.train.seq_len, cfg.train.global_batch,
                                    precision=cfg.train.precision),
-                rules.pipeline_split_rules(p, cfg.model.n_layers))
+                rules.pipeline_split_rules(p, cfg.model.n_layers),
+                [rules.powersgd_warmup_rule(p.grad_compression, p.powersgd_warmup_steps)])
     if dims.tp_mode == "2d" and cfg.train.compile:
         raise ConfigError("train.compile", 'tp_mode="2d" with compiled blocks is not implemented yet (the SUMMA '
                           "autograd Functions call c10d collectives, which dynamo does not trace)",

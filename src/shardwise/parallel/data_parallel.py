@@ -65,7 +65,7 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, pr
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    kwargs = dict(mesh=dp_mesh(mesh, dims), mp_policy=fsdp_mp_policy(precision),
+    kwargs = dict(mesh=dp_mesh(mesh, dims), mp_policy=fsdp_mp_policy(precision, p.grad_compression),
                   # Pinned host memory speeds up GPU<->CPU copies; it needs an accelerator to exist.
                   offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dims.offload else OffloadPolicy())
     reshard = p.zero == 3
@@ -80,7 +80,7 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig, pr
     fully_shard(model, reshard_after_forward=False, **kwargs)
 
 
-def apply_replicate(model: nn.Module, mesh, precision: str) -> None:
+def apply_replicate(model: nn.Module, mesh, precision: str, grad_compression: str = "none") -> None:
     """DDP for layouts whose parameters are DTensors (tp > 1) and for pipeline stages.
     DistributedDataParallel buckets plain tensors and cannot reduce DTensor gradients, so these
     layouts use PyTorch's FSDP2-based
@@ -88,20 +88,26 @@ def apply_replicate(model: nn.Module, mesh, precision: str) -> None:
     nothing sharded."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    mp_policy = fsdp_mp_policy(precision)
+    mp_policy = fsdp_mp_policy(precision, grad_compression)
     for block in model.blocks():
         replicate(block, mesh=gradient_mesh(mesh), mp_policy=mp_policy)
     replicate(model, mesh=gradient_mesh(mesh), mp_policy=mp_policy)
 
 
-def apply_ddp(model: nn.Module, mesh, dims: ParallelDims) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh, dims: ParallelDims, p: ParallelConfig | None = None) -> nn.Module:
     """DDP over every data-parallel rank (for ZeRO-1 too: gradients are all-reduced, only the
     optimizer state is sharded). Buckets of 25 MB overlap the all-reduce with backward. Buffers
-    (RoPE tables) are computed identically on every rank, so they are not re-synced each forward."""
+    (RoPE tables) are computed identically on every rank, so they are not re-synced each forward.
+    parallel.grad_compression registers its communication hook (parallel/grad_compression.py); the
+    hook's state, which checkpoints save, is the wrapper's `grad_compression_state` (None when stateless)."""
+    from shardwise.parallel.grad_compression import register_compression
+
     device = next(model.parameters()).device
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         model, process_group=gradient_group(mesh), bucket_cap_mb=25, forward_sync_buffers=False,
         gradient_as_bucket_view=True, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.grad_compression_state = register_compression(model, ddp, gradient_group(mesh), p) if p is not None else None
+    return ddp
 
 
 def zero1_group(mesh, dims: ParallelDims) -> "dist.ProcessGroup":

@@ -93,7 +93,7 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
     if wrapper == "fsdp":
         apply_fsdp(model, mesh, dims, cfg.parallel, cfg.train.precision)
     elif wrapper == "replicate":
-        apply_replicate(model, mesh, cfg.train.precision)
+        apply_replicate(model, mesh, cfg.train.precision, cfg.parallel.grad_compression)
     # "ddp" wraps after materialize (build_parallel_model); "none" needs nothing.
 
 
@@ -136,7 +136,7 @@ def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Conf
     materialize(model, device, weight_source(model, cfg.model.init_from, cfg.train.seed))
     _finish(model, dims, cfg)
     if dims.wrapper(cfg.parallel.zero) == "ddp":
-        return apply_ddp(model, mesh, dims)
+        return apply_ddp(model, mesh, dims, cfg.parallel)
     return model
 
 

@@ -21,13 +21,16 @@ def autocast(precision: str, device_type: str) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=device_type, dtype=DTYPES[precision])
 
 
-def fsdp_mp_policy(precision: str):
-    """Gather parameters in the low dtype (half the all-gather bytes), reduce gradients in fp32."""
+def fsdp_mp_policy(precision: str, grad_compression: str = "none"):
+    """Gather parameters in the low dtype (half the all-gather bytes), reduce gradients in fp32 — or
+    in bf16 with parallel.grad_compression="bf16", the one compression FSDP2's reduce-scatter, HSDP's
+    all-reduce and `replicate` offer (spec/rules.py grad_compression_rules refuses the others)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    reduce = torch.bfloat16 if grad_compression == "bf16" else torch.float32
     if precision == "fp32":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(reduce_dtype=reduce if grad_compression == "bf16" else None)
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=reduce)
 
 
 class DynamicLossScaler:

@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 from shardwise.plan import constants as C
 from shardwise.plan.activations import regime
 from shardwise.plan.calibration import AxisCalibration
+from shardwise.plan.compression import compress_collectives
 from shardwise.plan.inventory import FsdpUnits, RankModel, fsdp_units, owned_chunks, param_tensors, pipeline_rank
 from shardwise.plan.layout import Cluster, Problem, axis_placement
 from shardwise.spec.layout import Layout
@@ -155,7 +156,8 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     m = lay.accumulation(problem)
     out: list[Collective] = []
     if lay.dp * lay.cp > 1:
-        out += _fsdp_collectives(problem, lay, rank, m) if lay.fsdp else _ddp_collectives(problem, lay, rank)
+        dp = _fsdp_collectives(problem, lay, rank, m) if lay.fsdp else _ddp_collectives(problem, lay, rank)
+        out += compress_collectives(dp, problem, lay, rank)  # parallel.grad_compression: plan/compression.py
     # The activations of one micro-batch on this rank (TP, CP, EP payloads).
     tokens = lay.micro_batch * problem.seq_len / lay.cp
     act = problem.compute_bytes

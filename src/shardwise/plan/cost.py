@@ -38,6 +38,7 @@ from functools import lru_cache
 from shardwise.plan import activations as A
 from shardwise.plan import constants as C
 from shardwise.plan.comm import Collective, data_and_model_collectives, placements, pp_boundary_bytes, time_of
+from shardwise.plan.compression import compression_seconds
 from shardwise.plan.inventory import RankModel, pipeline_ranks
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes
@@ -371,6 +372,9 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
             comm["dp"] += t
     if fsdp_fwd or fsdp_bwd:
         comm["dp"] += _fsdp_exposed(fsdp_fwd, fsdp_bwd, mb, rank, m, place, cl, detail)
+    if core.grad_compression != "none":  # encode / decode of the gradients (plan/compression.py), not hidden
+        detail["grad_compression_compute_s"] = compression_seconds(problem, core, rank)
+        comm["dp"] += detail["grad_compression_compute_s"]
     optimizer = _optimizer_time(problem, core, rank, detail)
     if core.offload:
         detail["offload_copy_s"] = _offload_time(problem, core, rank, m)

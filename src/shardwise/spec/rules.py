@@ -16,6 +16,7 @@ import math
 from typing import Any, Iterator
 
 from shardwise.errors import Violation
+from shardwise.spec.compression import METHODS as COMPRESSION_METHODS
 from shardwise.spec.dims import ep_fold_rule, world_rules  # noqa: F401  (the world's rules live with the dims)
 from shardwise.spec.layout import CP_MODES, RECOMPUTE, Layout
 from shardwise.spec.shapes import ARCH_NAMES
@@ -97,6 +98,7 @@ def layout_rules(s: Any, lay: Layout, seq_len: int, global_batch: int, node_size
     yield from context_parallel_rules(s, lay, seq_len)
     yield from expert_parallel_rules(s, lay)
     yield from linear_tiles_rules(s, lay, precision)
+    yield from grad_compression_rules(lay)
     if lay.micro_batch < 1 or global_batch % (lay.micro_batch * lay.dp):
         yield Violation("batch", "train.global_batch",
                         f"global_batch({global_batch}) is not divisible by micro_batch({lay.micro_batch}) x "
@@ -309,6 +311,47 @@ def linear_tiles_rules(s: Any, lay: Layout, precision: str | None = None) -> Rul
         yield Violation("linear_tiles with moe", "parallel.linear_tiles", f"linear_tiles={tiles} with an MoE model "
                         f"(model.moe.num_experts={s.moe.num_experts}) is not implemented yet (only dense MLPs are tiled)",
                         "set parallel.linear_tiles=1, or model.moe.num_experts=0", trainer_only=True)
+
+
+def grad_compression_rules(lay: Layout) -> Rules:
+    """parallel.grad_compression (parallel/grad_compression.py): the values, then where each method can
+    run. DDP (zero 0/1 without tp / pp) takes any method through its communication hooks. FSDP2 (zero
+    2/3, HSDP included) and its `replicate` (tp > 1 or pp > 1) reduce in MixedPrecisionPolicy's
+    reduce_dtype, so bf16 only: torch 2.13 has no hook that replaces their reduce-scatter or all-reduce
+    (FSDPModule.set_all_reduce_hook runs *after* native HSDP's all-reduce; replacing it would mean 1-D
+    FSDP plus a hand-written replicate all-reduce, not implemented)."""
+    method = lay.grad_compression
+    yield from _some(choice("parallel.grad_compression", method, COMPRESSION_METHODS, "grad_compression"))
+    if method == "topk" and not 0 < lay.grad_compression_ratio <= 1:
+        yield Violation("grad_compression_ratio", "parallel.grad_compression_ratio",
+                        f"topk keeps this fraction of the entries; must be within (0, 1], got {lay.grad_compression_ratio}",
+                        "use e.g. 0.01 (1% of the entries) or 0.1")
+    if method == "powersgd":
+        yield from _some(at_least("parallel.powersgd_rank", lay.powersgd_rank))
+    if method not in ("int8", "topk", "powersgd") or lay.wrapper in ("ddp", "none"):
+        return
+    if lay.wrapper == "fsdp":
+        what = (f"HSDP (zero={lay.zero}, dp_replicate={lay.dp_replicate}) reduce-scatters gradient shards and all-reduces "
+                "them over dp_replicate" if lay.dp_replicate > 1 else
+                f"FSDP2 (zero={lay.zero}) reduce-scatters the gradients")
+        fix = 'set parallel.grad_compression="bf16" (FSDP2 reduces in bf16), or parallel.zero=0 / 1 (DDP) for ' + method
+    else:
+        what = f"FSDP2's replicate (the data-parallel wrapper of tp={lay.tp} / pp={lay.pp} layouts) all-reduces the gradients"
+        fix = 'set parallel.grad_compression="bf16" (replicate reduces in bf16), or parallel.tp=1 and parallel.pp=1 (DDP)'
+    yield Violation("grad_compression", "parallel.grad_compression",
+                    f"{what} with no communication hook to put {method} in (torch 2.13: only its reduce dtype can "
+                    "change; set_all_reduce_hook runs after HSDP's all-reduce, not instead of it)", fix, trainer_only=True)
+
+
+def powersgd_warmup_rule(method: str, warmup: int) -> Violation | None:
+    """torch's PowerSGDState refuses start_powerSGD_iter <= 1 with error feedback or warm start (both on
+    here): DDP rebuilds its buckets after the first iteration, and its per-bucket state must be
+    created on the rebuilt ones."""
+    if method != "powersgd" or warmup >= 2:
+        return None
+    return Violation("powersgd_warmup_steps", "parallel.powersgd_warmup_steps", f"must be >= 2, got {warmup}: torch's "
+                     "PowerSGD with error feedback starts after DDP has rebuilt its buckets (after step 1)",
+                     "set parallel.powersgd_warmup_steps to 2 or more (Vogels et al. 2019 warm up for a few epochs' worth)")
 
 
 # ---- pipeline schedules (torch.distributed.pipelining's own requirements) ---------------------------

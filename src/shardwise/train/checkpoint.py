@@ -4,6 +4,11 @@ Layout of one checkpoint:  <dir>/step_00000100/
     DCP shards + .metadata     model and optimizer state, keyed by parameter FQN (reshardable)
     trainer_state.json         step, LR scheduler, loss scaler, data position, skipped-step counts
     rng/rank_<r>.pt            each rank's RNG state (tensors only; loaded with weights_only=True)
+    rank_state/rank_<r>.pt     each rank's own training state, when it has one: gradient compression's
+                               error-feedback residuals / PowerSGD state (parallel/grad_compression.py).
+                               Per rank and meaningful only on the same layout, like the RNG: a file per
+                               rank, not DCP (which dedups and reshards by key); tensors, ints and strings
+                               only, loaded with weights_only=True
     tokenizer.json, config.toml
     manifest.json              written last: size and SHA-256 of every file (train/manifest.py)
 
@@ -57,6 +62,7 @@ from shardwise.train.control import Control
 # the stages overwrite each other's groups in the checkpoint.
 FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 TRAINER_STATE = "trainer_state.json"
+RANK_STATE = "rank_state"
 # What DCP pickles into `.metadata` (torch 2.13): its metadata dataclasses, torch.Size, dtypes, layouts
 # (by name, through torch.serialization._get_layout) and the checkpoint's path.
 _METADATA_GLOBALS = {
@@ -206,7 +212,7 @@ class CheckpointManager:
 
     # ---- save ----
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-             extra_files: dict[str, Path], manifest: dict) -> Path:
+             extra_files: dict[str, Path], manifest: dict, rank_state: dict | None = None) -> Path:
         final = self.directory / mf.step_dir_name(step)
         # A final save right after a periodic one of the same step: that state is on disk already.
         if self.control.max([float(mf.is_complete(final))])[0]:
@@ -233,6 +239,11 @@ class CheckpointManager:
             torch.save(_rng_state(), buf)
             (tmp / "rng").mkdir(exist_ok=True)
             (tmp / "rng" / f"rank_{self.rank}.pt").write_bytes(buf.getvalue())
+            if rank_state is not None:
+                buf = io.BytesIO()
+                torch.save(rank_state, buf)
+                (tmp / RANK_STATE).mkdir(exist_ok=True)
+                (tmp / RANK_STATE / f"rank_{self.rank}.pt").write_bytes(buf.getvalue())
             if self.rank == 0:
                 (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
                 for name, src in extra_files.items():
@@ -360,6 +371,12 @@ class CheckpointManager:
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=True))
         return json.loads((path / TRAINER_STATE).read_text())
+
+
+def read_rank_state(path: Path, rank: int) -> dict | None:
+    """This rank's rank_state file of checkpoint `path` (verified with the rest before loading), or None."""
+    file = path / RANK_STATE / f"rank_{rank}.pt"
+    return torch.load(file, weights_only=True) if file.is_file() else None
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -61,6 +61,7 @@ class StepLog:
         self.energy = EnergyMeter(agreed(nvml_energy_reader(device), energy_group, device), device)
         self.energy_group = energy_group
         self.tokens_since_log, self.seconds_since_log = 0, 0.0
+        self.comm_counted_step: int | None = None
         # Graphs this run compiled: dynamo's counter is per process, and a process may train several runs.
         self.compiled = compile_enabled(cfg, device.type)
         self.graphs_before = compiled_graphs() if self.compiled else 0
@@ -86,6 +87,8 @@ class StepLog:
         logging or skipped steps the metrics record. `timeline` is the step's pipeline summary when it
         was recorded (rank 0), `memory` the newest bytes per category and rank."""
         t = self.cfg.train
+        if r.comm_counted:
+            self.comm_counted_step = step  # named in the records: with PowerSGD the first step after its warm-up
         if r.comm_counted and not self.quiet and comm_bytes:
             self.metrics.print(f"communication per step on rank 0 (payload bytes): {describe_comm(comm_bytes)}")
         self.metrics.progress(step, r.loss, t.global_batch * t.seq_len / r.seconds)
@@ -111,6 +114,8 @@ class StepLog:
         record.update({f"mem_{k}_bytes": v[self.rank] for k, v in memory.items()})
         record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in comm_bytes.items()})
         record["comm_bytes_per_step"] = comm_bytes
+        if self.comm_counted_step is not None:
+            record["comm_counted_step"] = self.comm_counted_step
         record["memory_per_rank_bytes"] = memory
         if self.moe_layers or self.cfg.model.moe.num_experts:
             record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.moe_group))

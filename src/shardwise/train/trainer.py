@@ -28,6 +28,7 @@ from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_name
 from shardwise.parallel.compile import compile_enabled
 from shardwise.parallel.context import zigzag_index
 from shardwise.parallel.data_parallel import gradient_group, gradient_sync, unwrap, zero1_group
+from shardwise.parallel.grad_compression import add_hook_bytes, checkpoint_state, restore_state, steady_state_step
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
 from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
@@ -39,7 +40,7 @@ from shardwise.spec.stages import stage_of_parameter, stage_rank
 from shardwise.tensors import local_shard
 from shardwise.train import manifest as mf
 from shardwise.train import moe_stats
-from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state
+from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state, read_rank_state
 from shardwise.train.control import Control
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
 from shardwise.train.distributed import default_device
@@ -129,6 +130,10 @@ class Trainer:
             self.group_axes[self.control.group_name] = CONTROL_AXIS
         self.moe_layers = moe_stats.moe_layers(self.inner)
         self.comm_bytes: dict[str, dict[str, int]] | None = None
+        # Which step counts the collectives: the first in steady state (after PowerSGD's warm-up of
+        # plain all-reduces: parallel/grad_compression.py), and its checkpointed state.
+        self.comm_count_step = steady_state_step(cfg.parallel, self.dims)
+        self.grad_compression = getattr(self.model, "grad_compression_state", None)
         self.last_memory: dict[str, list[int]] = {}
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep,
                                              self.control, self.log)
@@ -184,7 +189,7 @@ class Trainer:
         The first step a Trainer runs also counts the bytes of every collective (per axis, per kind):
         they are the same every step, and counting slows the step it watches."""
         start = time.perf_counter()
-        counting = self.comm_bytes is None
+        counting = self.comm_bytes is None and self.step >= self.comm_count_step
         # The counting step runs the compiled blocks eagerly: dynamo declines a frame first called under a
         # TorchDispatchMode (the counter) and then never compiles that code (measured, torch 2.13); the
         # collectives, and so the bytes counted, are the same compiled or not.
@@ -192,7 +197,7 @@ class Trainer:
         with eager, CommCounter(self.group_axes) if counting else contextlib.nullcontext() as counter:
             loss_sum, grad_norm, lr, verdict = self._forward_backward_update()
         if counting:
-            self.comm_bytes = counter.totals()
+            self.comm_bytes = add_hook_bytes(counter.totals(), self.grad_compression, self.group_axes)
         if measure_memory:
             self.last_memory = self.memory_per_rank()
         self.optimizer.zero_grad(set_to_none=True)
@@ -302,7 +307,7 @@ class Trainer:
                 timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
                 diverged = self.guard.record(self.step, r.skipped)
-                report.after_step(r, self.step, logging_step, timeline, self.comm_bytes, self.last_memory)
+                report.after_step(r, self.step, logging_step, timeline, self.comm_bytes or {}, self.last_memory)
                 if diverged:
                     raise Diverged(self._divergence_message(r), report=self.rank == 0)
                 if r.stop_code:
@@ -392,7 +397,7 @@ class Trainer:
                     "layout": self.dims.describe(), "world_size": self.dims.world_size}
         path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
                                      {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml"},
-                                     manifest)
+                                     manifest, checkpoint_state(self.grad_compression, self.cfg.parallel, self.dims.describe()))
         self.log(f"checkpoint: saved step {self.step} to {path}")
         return path
 
@@ -418,6 +423,9 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.guard.load_state_dict(state.get("guard", {}))
         self.step = state["step"]
+        note = restore_state(self.grad_compression, self.cfg.parallel, self.dims.describe(), read_rank_state(path, self.rank))
+        if note:
+            self.log(f"checkpoint: {note}")
         self.log(f"checkpoint: {'restarted and ' if self.restarted else ''}resumed from {path} at step {self.step}")
 
     def save_full_model(self, path: Path) -> None:
