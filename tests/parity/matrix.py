@@ -264,4 +264,16 @@ COMPILE_FAMILY = [
     Layout("compile_cp2_ring", 2, {**_COMPILE, **_CP2}),
 ]
 
-MATRIX = DP_FAMILY + TILES_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY + MOE_FAMILY + COMPILE_FAMILY
+# 2-D tensor parallelism (parallel/tensor2d.py): SUMMA on a 2 x 2 grid (4 sequences per grid row), with
+# accumulation (1 sequence per row), a vocabulary q does not divide, full recompute, and x DDP-style
+# data parallelism (FSDP2 replicate over dp_replicate): 8 processes.
+_TP2D = {"parallel.tp": 4, "parallel.tp_mode": "2d"}
+TP2D_FAMILY = [
+    Layout("tp4_2d", 4, _TP2D),
+    Layout("tp4_2d_accum4", 4, {**_TP2D, "train.micro_batch": 2}),
+    Layout("tp4_2d_vocab509", 4, {**_TP2D, "model.vocab_size": 509}, reference="llama_v509"),
+    Layout("tp4_2d_recompute_full", 4, {**_TP2D, "train.recompute": "full"}),
+    Layout("tp4_2d_ddp2", 8, {**_TP2D, "parallel.dp_replicate": 2, "train.micro_batch": 4}),
+]
+
+MATRIX = DP_FAMILY + TILES_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY + MOE_FAMILY + COMPILE_FAMILY + TP2D_FAMILY
