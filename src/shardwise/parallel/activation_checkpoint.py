@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shardwise.parallel.tiling import tiles_running
+from shardwise.parallel.tiling import TiledGELUMLP, TiledSwiGLU, TileScope
 
 # Ops whose outputs are expensive to recompute (GEMMs, attention): saved under selective "op".
 SELECTIVE_SAVE_OPS = frozenset({
@@ -33,16 +33,27 @@ SELECTIVE_SAVE_OPS = frozenset({
 })
 
 
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _save_matmuls(scope: TileScope | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     # A tiled MLP's GEMMs (parallel/tiling.py) are recomputed by its own backward, tile by tile: caching
-    # them here would keep the ffn-wide tensors tiling drops.
-    if op in SELECTIVE_SAVE_OPS and not tiles_running():
+    # them here would keep the ffn-wide tensors tiling drops (`scope`: the block's tiled MLP is running).
+    if op in SELECTIVE_SAVE_OPS and not (scope is not None and scope.active):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_op_context():
-    return create_selective_checkpoint_contexts(_save_matmuls)
+def selective_op_context(scope: TileScope | None = None):
+    return create_selective_checkpoint_contexts(partial(_save_matmuls, scope))
+
+
+def _tile_scope(block: nn.Module) -> TileScope | None:
+    """A TileScope shared by `block`'s tiled MLPs and its checkpoint policy, or None without tiles."""
+    tiled = [m for m in block.modules() if isinstance(m, (TiledSwiGLU, TiledGELUMLP))]
+    if not tiled:
+        return None
+    scope = TileScope()
+    for module in tiled:
+        module.tile_scope = scope
+    return scope
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, policy: str, every: int) -> None:
@@ -55,7 +66,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, policy: str, eve
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         elif policy == "op":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
-                                         context_fn=partial(selective_op_context))
+                                         context_fn=partial(selective_op_context, _tile_scope(block)))
         else:
             continue
         setattr(model.layers, name, wrapped)

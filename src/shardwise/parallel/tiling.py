@@ -20,7 +20,7 @@ SliceBackward would allocate a zero tensor of the full weight per tile).
 Cost: backward recomputes the up-projection GEMMs of every tile: +2 GEMMs of b*s*dim*ffn for SwiGLU
 (w1, w3), +1 for GELU (fc), plus the pointwise ops: +2/9 (SwiGLU: 3 forward + 6 backward GEMMs) or
 +1/6 (GELU: 2 + 4) of the MLP's training FLOPs. Under train.recompute = "selective" with policy "op" the
-block's replay also reruns the tiled forward (see tiles_running). In exchange the activations the MLP keeps for backward drop to x alone
+block's replay also reruns the tiled forward (see TileScope). In exchange the activations the MLP keeps for backward drop to x alone
 (b*s*dim), and the peak working memory of the MLP to one tile's b*s*ffn/tiles tensors. Smaller tiles
 mean smaller GEMMs (lower efficiency on a GPU); the numbers are equal up to fp32 rounding (only the
 order of the summation over the ffn dim changes).
@@ -42,6 +42,9 @@ train.precision = "fp8" (Float8Linear GEMMs would be bypassed), MoE models.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,17 +53,37 @@ from torch.autograd.function import once_differentiable
 from shardwise.models.feed_forward import GELUMLP, SwiGLU
 
 
-def tiles_running() -> bool:
-    """Whether an op runs inside a tiled MLP's forward, for selective "op" recomputation
-    (parallel/activation_checkpoint.py), which would otherwise cache every tile's GEMM outputs (w1 x, w3 x,
-    and the partial down-projections): the ffn-wide tensors tiling exists to drop, and more than the
-    untiled MLP's. An autograd.Function's forward runs with grad mode off, and nothing else in a block
-    does, so grad mode tells without any state of our own. The price, measured
-    (tests/unit/test_linear_tiles.py): the checkpoint's replay of the block in backward reruns the tiled
-    forward (its saved tensors are packed when the Function returns, so torch's early stop cannot end
-    the replay before it), i.e. under selective "op" the MLP's forward GEMMs run once more on top of the
-    Function's own recomputation; under train.recompute = "full" the replay happens untiled too."""
-    return not torch.is_grad_enabled()
+class TileScope:
+    """Whether a tiled MLP's forward is running, for the selective "op" checkpoint policy of the block
+    that holds it (parallel/activation_checkpoint.py), which would otherwise cache every tile's GEMM
+    outputs (w1 x, w3 x, and the partial down-projections): the ffn-wide tensors tiling exists to drop,
+    and more than the untiled MLP's. One object per checkpointed block, shared by the block's policy and
+    its tiled MLP (no module state): the MLP enters it around its forward, the policy reads `active`.
+    The price, measured (tests/unit/test_linear_tiles.py): the checkpoint's replay of the block in
+    backward reruns the tiled forward (its saved tensors are packed when the Function returns, so
+    torch's early stop cannot end the replay before it), i.e. under selective "op" the MLP's forward
+    GEMMs run once more on top of the Function's own recomputation; under train.recompute = "full"
+    the replay happens untiled too."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+def _scope(module: nn.Module) -> contextlib.AbstractContextManager:
+    scope = getattr(module, "tile_scope", None)
+    return scope.running() if scope is not None else contextlib.nullcontext()
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -205,7 +228,8 @@ class TiledSwiGLU(SwiGLU):
     tiles: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _TiledSwiGLUFunction.apply(x, self.w1.weight, self.w3.weight, self.w2.weight, self.tiles)
+        with _scope(self):
+            return _TiledSwiGLUFunction.apply(x, self.w1.weight, self.w3.weight, self.w2.weight, self.tiles)
 
 
 class TiledGELUMLP(GELUMLP):
@@ -214,7 +238,9 @@ class TiledGELUMLP(GELUMLP):
     tiles: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _TiledGELUMLPFunction.apply(x, self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias, self.tiles)
+        with _scope(self):
+            return _TiledGELUMLPFunction.apply(x, self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias,
+                                               self.tiles)
 
 
 _TILED = {SwiGLU: TiledSwiGLU, GELUMLP: TiledGELUMLP, TiledSwiGLU: TiledSwiGLU, TiledGELUMLP: TiledGELUMLP}

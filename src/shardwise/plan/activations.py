@@ -161,7 +161,7 @@ def tiled_mlp_transient(shape: ModelShape, reg: str, tiles: int) -> float:
 
 def tiled_selective_delta(shape: ModelShape, reg: str) -> float:
     """Selective "op" checkpointing with tiles: its policy caches matmul outputs but not the tiled MLP's
-    (activation_checkpoint.py asks tiling.tiles_running), so the MLP's share of
+    (activation_checkpoint.py asks the block's tiling.TileScope), so the MLP's share of
     `selective_op_block_bytes` — its up-projection outputs and its down-projection output, a x
     (ups x f + h) per token — is not kept; the block's replay in backward reruns the tiled forward
     instead (plan/cost.py)."""
