@@ -89,7 +89,7 @@ def test_offload_smoke(tmp_path):
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one."""
     smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
-              "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py"}
+              "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
 
 
@@ -131,3 +131,12 @@ def test_plan_accuracy_smoke(tmp_path):
     rows = data["calibration"]["runs"]
     assert data["smoke"] is True and len(rows) == 2 and all(r["eager"] and r["inventory"] for r in rows), rows
     assert all(abs(r["memory_error"]) < 1e-6 and r["measured_step_s"] > 0 for r in rows), rows
+
+
+def test_grad_compression_smoke(tmp_path):
+    """Every method trains on 2 processes; the trainer's counted bytes are the planner's closed forms."""
+    data = _smoke("grad_compression.py", tmp_path / "grad_compression.json")
+    rows = {r["method"]: r for r in data["rows"]}
+    assert data["smoke"] is True and set(rows) == {"none", "bf16", "int8", "topk", "powersgd"}, rows
+    assert all(r["comm_bytes_per_step"] == r["planned_bytes_per_step"] for r in rows.values()), rows
+    assert rows["bf16"]["ratio_to_none"] == 0.5 and rows["powersgd"]["counted_step"] == 3, rows
