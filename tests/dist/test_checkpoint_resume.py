@@ -35,6 +35,8 @@ SAME_LAYOUT = {
         "tp2_ddp2_nosp": {"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.sequence_parallel": "false",
                           "train.micro_batch": 4},
         "pp2_tp2": {"parallel.pp": 2, "parallel.tp": 2, "train.micro_batch": 2},
+        # 2-D tensor parallelism (SUMMA on a 2 x 2 grid): every parameter a DTensor on the grid mesh
+        "tp4_2d": {"parallel.tp": 4, "parallel.tp_mode": "2d"},
         "pp2_zero1_dp2": {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 2},
         "cp2_ring_zero3_dp2": {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
         # MoE x EP x TP: experts are 2-D DTensors (Shard(0) over ep, the ffn dim over tp)
