@@ -54,9 +54,10 @@ from shardwise.plan.calibration import AxisCalibration
 from shardwise.plan.compression import compress_collectives
 from shardwise.plan.inventory import FsdpUnits, RankModel, fsdp_units, owned_chunks, param_tensors, pipeline_rank
 from shardwise.plan.layout import Cluster, Problem, axis_placement
+from shardwise.plan.tp2d import comm_bytes_per_step, grid_q, recompute_bytes_per_step, summa_calls
 from shardwise.spec.layout import Layout
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send", "recv")
 
 
 class Collective(NamedTuple):
@@ -164,7 +165,9 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     # Fraction of blocks whose forward is replayed in backward.
     rc_frac = (1.0 / lay.recompute_every if lay.recompute == "selective" and lay.recompute_policy == "layer"
                else 1.0 if lay.recompute == "full" else 0.0)
-    if lay.tp > 1:
+    if lay.tp > 1 and lay.tp_mode == "2d":
+        out += _tp2d_collectives(problem, lay, rank, _residual_bytes(problem, lay), rc_frac, m)
+    elif lay.tp > 1:
         out += _tp_collectives(problem, lay, rank, tokens, act, _residual_bytes(problem, lay), rc_frac, m)
     # CP / EP collectives are not in selective "op"'s save list: replayed like a full recompute.
     rc_other = 1.0 if lay.recompute == "selective" and lay.recompute_policy == "op" else rc_frac
@@ -180,7 +183,7 @@ def _ddp_collectives(problem: Problem, lay: Layout, rank: RankModel) -> list[Col
     per optimizer step; ZeRO-1 adds each owner's broadcast of its updated parameters over the shard
     group (module doc)."""
     mixed, param_bytes, grad_bytes = _state_dtypes(problem)
-    units = fsdp_units(problem.shape, lay.tp, lay.ep, lay.shard_group, rank)
+    units = fsdp_units(problem.shape, lay.tp, lay.ep, lay.shard_group, rank, lay.tp_mode)
     local = units.blk + units.root + units.exp
     out = [Collective(batch_axis(lay), "all_reduce", local * grad_bytes, 1, "grad", "grads")]
     if lay.zero == 1 and lay.shard_group > 1:
@@ -194,7 +197,7 @@ def _fsdp_collectives(problem: Problem, lay: Layout, rank: RankModel, m: int) ->
     and under EP the stacked experts' own units (`_expert_fsdp_collectives`)."""
     shape = problem.shape
     _, param_bytes, grad_bytes = _state_dtypes(problem)
-    units = fsdp_units(shape, lay.tp, lay.ep, lay.shard_group, rank)
+    units = fsdp_units(shape, lay.tp, lay.ep, lay.shard_group, rank, lay.tp_mode)
     blk_pad, root_pad = units.blk_pad, units.root_pad
     sax = shard_axis(lay)
     out: list[Collective] = []
@@ -393,6 +396,46 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     return out
 
 
+def _tp2d_collectives(problem: Problem, lay: Layout, rank: RankModel, grad_bytes: int, rc_frac: float,
+                      m: int) -> list[Collective]:
+    """2-D TP (parallel/tensor2d.py, SUMMA on the q x q grid): plan/tp2d.py comm_bytes_per_step's
+    payload per grid axis ("tp_col": a grid row, activations; "tp_row": a grid column, weights) and
+    kind, for this pipeline rank's blocks / embedding / head, as Collectives whose calls x payload are
+    those bytes exactly (the calls, summa_calls, give the latency term; a call's payload is the mean).
+    SUMMA moves X, W, dX and dW blocks in the compute dtype; the norms' and embedding's weight
+    gradients in the parameters' (`grad_bytes`). Recomputed blocks (rc_frac) broadcast their forward
+    again (tp2d.recompute_bytes_per_step)."""
+    s, L, act = problem.shape, rank.layers, problem.compute_bytes
+    total = comm_bytes_per_step(s, lay.tp, lay.micro_batch, problem.seq_len, m, act, act, grad_bytes,
+                                L, rank.embedding, rank.head)
+    calls = summa_calls(s, lay.tp, L, rank.head)
+    norms, tensors = 2 * L + (1 if rank.head else 0), param_tensors(s, rank)
+    out: list[Collective] = []
+    for axis in ("tp_col", "tp_row"):
+        for kind in ("broadcast", "reduce"):
+            n = calls[axis][kind] * m
+            if total[axis][kind] and kind == "broadcast":  # forward and backward, half each
+                out += [Collective(axis, kind, total[axis][kind] / n, n / 2, phase, "summa") for phase in ("fwd", "bwd")]
+            elif total[axis][kind]:
+                out.append(Collective(axis, kind, total[axis][kind] / n, n, "bwd", "summa"))
+        # Per micro-batch: the row's norm sums (forward and backward) and the loss's 3; the column's norm
+        # and embedding weight gradients and the loss scalar. Once per step: the gradient norm, 4 B per tensor.
+        grad_norm = 4.0 * tensors
+        n_ar = m * ((2 * norms + (3 if rank.head else 0)) if axis == "tp_col" else
+                    (norms + (1 if rank.embedding else 0) + (1 if rank.head else 0)))
+        if n_ar:
+            out.append(Collective(axis, "all_reduce", (total[axis]["all_reduce"] - grad_norm) / n_ar, n_ar, "fwd", "norms"))
+        out.append(Collective(axis, "all_reduce", 4.0, tensors, "step", "grad_norm"))
+    if rc_frac and L:
+        rc = recompute_bytes_per_step(s, lay.tp, lay.micro_batch, problem.seq_len, m, L * rc_frac, act, act)
+        for axis, kinds in rc.items():
+            for kind, b in kinds.items():
+                per_block = grid_q(lay.tp) * (4 if axis == "tp_col" else 7) if kind == "broadcast" else 2  # calls / block
+                n = per_block * L * m * rc_frac
+                out.append(Collective(axis, kind, b / n, n, "recompute", "summa"))
+    return out
+
+
 def counted_axis(axis: str, lay: Layout) -> str:
     """The name the trainer's counter gives the group of `axis`: a flattened CP view with one
     non-trivial member axis is that axis's own process group (parallel/mesh.py build_meshes), and with
@@ -469,7 +512,10 @@ def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluste
         return t + (2 if kind == "all_reduce" else 1) * hops * alpha
     if kind == "all_to_all":
         return (g - 1) / n * payload / b_intra + (n - g) / n * payload / b_inter + hops * alpha
-    if kind == "broadcast":
+    if kind in ("broadcast", "reduce"):
+        # Pipelined chain / ring broadcast: each rank forwards the whole buffer once. A reduce (2-D TP's
+        # SUMMA, plan/tp2d.py) is the same chain run backwards (NCCL runs both as rings), so it is timed
+        # as a broadcast of its payload.
         return payload / (b_inter if k > 1 else b_intra) + hops * alpha
     raise ValueError(f"unknown collective kind {kind!r}")
 
@@ -483,7 +529,7 @@ def measured_time(kind: str, payload: float, n: int, cal: AxisCalibration) -> fl
         return 0.0
     if kind in ("send", "recv"):
         return payload / cal.bus_bytes_per_s + cal.hop_latency_s
-    wire = payload if kind == "broadcast" else wire_bytes(kind, payload, n)
+    wire = payload if kind in ("broadcast", "reduce") else wire_bytes(kind, payload, n)
     return wire / cal.bus_bytes_per_s + (2 if kind == "all_reduce" else 1) * math.ceil(math.log2(n)) * cal.hop_latency_s
 
 

@@ -60,6 +60,7 @@ class Estimate:
     days_6nd: float
     mfu_source: str = "predicted"
     detail: dict[str, float] = field(default_factory=dict)
+    tp2d_bytes: dict[str, dict[str, float]] = field(default_factory=dict)  # 2-D TP: payload per grid axis and kind
 
     @property
     def fits(self) -> bool:
@@ -82,6 +83,7 @@ class Estimate:
                 "nvme_gib": round(self.memory.disk_bytes / 2**30, 3)} if self.layout.offload else {}),
             "breakdown_s": dict(self.breakdown_s),
             "parallel": self.layout.__dict__.copy(),
+            **({"tp2d_bytes_per_step": self.tp2d_bytes} if self.tp2d_bytes else {}),
         }
 
 
@@ -221,7 +223,8 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp / (peak * mamf)
             attn += C.MATH_ATTENTION_PASSES * elem * tokens * problem.seq_len * s.n_heads / lay.tp / hbm
         # Pointwise kernels: the forward's bytes (activations.pointwise_forward_bytes); backward ~2x.
-        pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp, moe) * tokens / pointwise_bw
+        # 2-D TP splits every activation tp ways, as SP does the norms' and residual's (sp=True below).
+        pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp or lay.tp_mode == "2d", moe) * tokens / pointwise_bw
         # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
         # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
@@ -294,6 +297,8 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
 # step
 # ---------------------------------------------------------------------------------------------------
 def _axis_group(axis: str) -> str:
+    if axis in ("tp_row", "tp_col"):  # 2-D TP's grid axes: timed and exposed as TP
+        return "tp"
     return "dp" if axis in ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp", "efsdp") else axis
 
 
@@ -476,7 +481,7 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel, detail: dict
     first chunk's read and before the last chunk's write. Step = max(t_disk, t_adamw + chunk / read +
     chunk / write), chunk = min(8n, 64 MiB) (constants.NVME_CHUNK_BYTES)."""
     shard = lay.shard_group if lay.zero else 1
-    st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep))
+    st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep), lay.tp_mode)
     numel = st.optimizer / 8 if problem.model_states == "shardwise" or not problem.low_precision else st.optimizer / 12
     dev = problem.cluster.device
     hbm = dev.memory_bandwidth_gbps * 1e9 * _hbm_fraction(dev.name)
@@ -516,7 +521,7 @@ def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> flo
     if problem.cluster.device_is_host:
         return 0.0
     shard = lay.shard_group
-    st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep))
+    st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep), lay.tp_mode)
     pcie = _device_constant(C.PCIE_GBPS, problem.cluster.device.name.removeprefix("measured-"), 32.0) * 1e9 * C.PCIE_FRACTION
     gathers = m * (2 if lay.zero == 3 else 1)
     syncs = m if lay.zero == 3 else 1
@@ -557,4 +562,11 @@ def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estima
     # token, attention ignored, at the same MFU.
     six_nd_rate = cl.num_gpus * peak * mfu / (6.0 * problem.shape.num_params)
     days_6nd = problem.tokens / six_nd_rate / C.SECONDS_PER_DAY
-    return Estimate(lay, mem, t, breakdown, tokens_per_s, tflops, mfu, days, days_6nd, source, detail)
+    tp2d: dict[str, dict[str, float]] = {}
+    if lay.tp > 1 and lay.tp_mode == "2d":  # the first pipeline rank's, per grid axis (plan/tp2d.py)
+        for c in data_and_model_collectives(problem, lay, pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank,
+                                                                         lay.schedule)[0]):
+            if c.axis in ("tp_col", "tp_row"):
+                tp2d.setdefault(c.axis, {}).setdefault(c.kind, 0.0)
+                tp2d[c.axis][c.kind] += c.total
+    return Estimate(lay, mem, t, breakdown, tokens_per_s, tflops, mfu, days, days_6nd, source, detail, tp2d)

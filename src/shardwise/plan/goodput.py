@@ -80,7 +80,8 @@ def checkpoint_bytes(problem: Problem, lay: Layout) -> float:
     first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
     out = 0.0
     for rank in (first, last) if lay.pp > 1 else (first,):
-        st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard if lay.zero else 1, max(1, shard // lay.ep))
+        st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard if lay.zero else 1, max(1, shard // lay.ep),
+                               lay.tp_mode)
         out = max(out, st.params + st.optimizer)
     return out
 

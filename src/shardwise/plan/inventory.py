@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+from shardwise.plan.tp2d import grid_q
 from shardwise.spec.shapes import ModelShape, ParamSpec
 from shardwise.spec.stages import V_SHAPED
 
@@ -85,9 +86,11 @@ def rank_params(shape: ModelShape, rank: RankModel) -> tuple[tuple[ParamSpec, in
     return tuple(out)
 
 
-def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int) -> tuple[int, ...]:
+def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int, tp_mode: str = "1d") -> tuple[int, ...]:
     """The tensor-/expert-parallel local shape of one parameter (before data-parallel sharding)."""
     s = spec.shape
+    if tp_mode == "2d" and tp > 1 and spec.tp != "expert":
+        return local_shape_2d(spec, tp)
     if spec.tp == "col":
         if spec.name.endswith(("wk.weight", "wv.weight", "wk.bias", "wv.bias")) and tp > shape.n_kv_heads:
             return s  # all KV heads, replicated (parallel/tensor.py ReplicatedKVColwise keeps the whole weight)
@@ -100,6 +103,19 @@ def local_shape(spec: ParamSpec, shape: ModelShape, tp: int, ep: int) -> tuple[i
         e, d1, d2 = s
         return (e // ep, math.ceil(d1 / tp), d2) if d1 != shape.dim else (e // ep, d1, math.ceil(d2 / tp))
     return s
+
+
+def local_shape_2d(spec: ParamSpec, tp: int) -> tuple[int, ...]:
+    """parallel/tensor2d.py's local block on the q x q grid (DTensor splits: the first ranks get
+    ceil(dim / q)): a linear or the head (out, in) split q ways on both dims (q^2 blocks), the token
+    embedding (V, h) by hidden columns only (replicated over the grid rows: V·h/q per rank), a norm's
+    (h,) weight by columns (plan/tp2d.py param_elements_2d)."""
+    q, s = grid_q(tp), spec.shape
+    if len(s) == 1:
+        return (math.ceil(s[0] / q),)
+    if spec.tp == "vocab" and spec.name.startswith("tok_embeddings"):
+        return (s[0], math.ceil(s[1] / q))
+    return (math.ceil(s[0] / q), math.ceil(s[1] / q)) + s[2:]
 
 
 def numel(s: tuple[int, ...]) -> int:
@@ -141,7 +157,7 @@ class FsdpUnits(NamedTuple):
 
 
 @lru_cache(maxsize=1 << 14)
-def fsdp_units(shape: ModelShape, tp: int, ep: int, n: int, rank: RankModel) -> FsdpUnits:
+def fsdp_units(shape: ModelShape, tp: int, ep: int, n: int, rank: RankModel, tp_mode: str = "1d") -> FsdpUnits:
     """The FSDP units of `rank` sharded over n = dp_shard x cp ranks. Without EP the stacked experts
     are ordinary block parameters (padded over the n shard ranks like any other). With ep > 1
     parallel/expert.py takes them out of the dense units: with efsdp = n / ep == 1 FSDP ignores them
@@ -152,7 +168,7 @@ def fsdp_units(shape: ModelShape, tp: int, ep: int, n: int, rank: RankModel) -> 
     efsdp = max(1, n // ep)
     blk = blk_pad = root = root_pad = exp = exp_pad = 0.0
     for spec, repeat, in_block in rank_params(shape, rank):
-        ls = local_shape(spec, shape, tp, ep)
+        ls = local_shape(spec, shape, tp, ep, tp_mode)
         expert_unit = spec.tp == "expert" and ep > 1
         group = efsdp if expert_unit else n
         full, pad = numel(ls) * repeat, fsdp_shard_numel(ls, group, False) * group * repeat

@@ -240,6 +240,12 @@ def axis_placement(lay: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]
     # outside ep: stride ep x ep's stride.
     groups["efsdp"] = max(1, lay.dp_shard * lay.cp // lay.ep)
     strides["efsdp"] = strides["ep"] * lay.ep
+    if lay.tp > 1 and lay.tp_mode == "2d":
+        # 2-D TP's q x q grid, row-major over the tp ranks (parallel/mesh.py build_tp_grid): "tp_col" (a
+        # grid row) is q consecutive ranks, "tp_row" (a grid column) q ranks q apart.
+        q = math.isqrt(lay.tp)
+        groups["tp_col"], strides["tp_col"] = q, strides["tp"]
+        groups["tp_row"], strides["tp_row"] = q, strides["tp"] * q
     for axis, n in groups.items():
         st = strides[axis]
         if n == 1:

@@ -52,6 +52,7 @@ from shardwise.plan import activations as A
 from shardwise.plan import constants as C
 from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params
 from shardwise.plan.layout import Problem
+from shardwise.plan.tp2d import activation_fraction
 from shardwise.spec.layout import Layout
 from shardwise.spec.loss import loss_chunk_tokens, loss_is_chunked
 from shardwise.spec.sharding import zero1_owners
@@ -108,8 +109,9 @@ class StateBytes:
 
 @lru_cache(maxsize=65536)
 def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero: int, shard: int,
-                      ep_shard: int) -> StateBytes:
-    """Parameters, gradients and optimizer state one rank holds (before offload), see module doc."""
+                      ep_shard: int, tp_mode: str = "1d") -> StateBytes:
+    """Parameters, gradients and optimizer state one rank holds (before offload), see module doc.
+    tp_mode "2d": the local blocks of parallel/tensor2d.py (inventory.local_shape_2d)."""
     shape = problem.shape
     mixed = problem.model_states == "mixed" and problem.low_precision
     fsdp = zero >= 2 and shard > 1
@@ -120,7 +122,7 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
     sizes_other: list[int] = []
     largest = 0.0
     for spec, repeat, in_block in rank_params(shape, rank):
-        ls = local_shape(spec, shape, tp, ep)
+        ls = local_shape(spec, shape, tp, ep, tp_mode)
         n = numel(ls)
         expert = spec.tp == "expert"
         group = ep_shard if expert else shard
@@ -244,6 +246,8 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
     key += (loss_is_chunked(tokens, problem.shape.vocab_size, core.tp), problem.fp8_gathers(core))
     if core.linear_tiles > 1:  # keys (and so every cached number) of untiled layouts stay as they were
         key += (core.linear_tiles,)
+    if grid2d(core):  # 2-D TP (a str: never read as the tile count)
+        key += ("2d",)
     (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
@@ -257,8 +261,10 @@ def _activation_terms(problem: Problem, key: tuple, rank: RankModel) -> tuple[tu
 def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float) -> tuple[float, float, float, float, float]:
     shape = problem.shape
     tp, sp, cp, cp_mode, recompute, policy, every, lowp_params, chunked_loss, fp8_gathers = key[:10]
-    tiles = key[10] if len(key) > 10 else 1
+    tiles = next((k for k in key[10:] if isinstance(k, int)), 1)
     reg = A.regime(problem.precision, lowp_params, problem.model_states)
+    if "2d" in key[10:]:
+        return _activations_2d(problem, reg, tp, recompute, policy, every, rank, tokens)
     # Context parallelism changes what a plain block saves (activations.py cp_block_bytes_per_token,
     # cp_rope_bytes_per_block): the core's output copy, ring's fp32 output, Ulysses' repeated KV
     # heads, and RoPE's gathered cos/sin rows instead of slices of the whole tables.
@@ -314,6 +320,48 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
     return blocks, embedding, head, rope, working
 
 
+def grid2d(lay: Layout) -> bool:
+    """2-D tensor parallelism (parallel/tensor2d.py) on this layout."""
+    return lay.tp > 1 and lay.tp_mode == "2d"
+
+
+def _activations_2d(problem: Problem, reg: str, tp: int, recompute: str, policy: str, every: int, rank: RankModel,
+                    tokens: float) -> tuple[float, float, float, float, float]:
+    """`_activations_at` under 2-D TP: every tensor a block saves is this rank's b/q sequences x h/q
+    hidden columns (the heads H/q and KV heads KV/q for attention, local per sequence and head; the
+    SUMMA calls save only their local X and W blocks), so a block keeps plan/tp2d.py
+    activation_fraction("2d", tp) = 1/tp of what it keeps on one device, recomputed or not. The head:
+    the final norm and the head's input likewise 1/tp; the loss (tensor2d.py _VocabCrossEntropy) saves
+    the logits block [b/q, s, V/q] in its dtype and, per own token (T/q), int64 local targets, a bool
+    mask and fp32 max and log-sum-exp (21 B). Embedding indices and the RoPE tables as in 1-D. Dense
+    llama only (spec/rules.py), the compute ("flash" or "math") as problem.attention."""
+    shape, frac = problem.shape, activation_fraction("2d", tp)
+    q = tp ** 0.5
+
+    def block(mode: str) -> float:
+        if mode == "full":
+            return A.full_recompute_block_bytes(shape, reg, 1, False).per_token * tokens * frac
+        if mode == "selective":
+            return A.selective_op_block_bytes(shape, reg, 1, False).per_token * tokens * frac
+        b = A.block_bytes(shape, reg, 1, False, attention=problem.attention, seq_len=problem.seq_len)
+        return (b.per_token * tokens + b.fixed) * frac
+
+    if recompute == "selective" and policy == "layer":
+        blocks = sum(block("full" if i % every == 0 else "none") for i in range(rank.layers))
+    else:
+        blocks = rank.layers * block(recompute)
+    embedding = A.embedding_bytes_per_token(shape) * tokens if rank.embedding else 0.0
+    head = 0.0
+    if rank.head:
+        logit = 4 if reg == "fp32" else 2
+        head = (A._norm(shape, reg, 1, 1) * frac + logit * shape.vocab_size / tp + 21 / q) * tokens
+        head += 2.0 * shape.vocab_size * shape.dim / tp if reg in ("autocast", "autocast_fp8") else 0.0
+    plain_blocks = recompute == "none" or (recompute == "selective" and policy == "layer" and every > 1 and rank.layers > 1)
+    rope = A.rope_table_bytes(shape) if rank.layers and plain_blocks else 0.0
+    working = block("none") if recompute != "none" and rank.layers else 0.0
+    return blocks, embedding, head, rope, working
+
+
 def stored_activations(blocks: float, embedding: float, head: float, rope: float, inflight: float,
                        head_inflight: float, stages: int) -> float:
     """Saved bytes at the rank's peak: blocks (and the embedding: 8 B/token, counted at the rank's
@@ -334,8 +382,9 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
     """(params, grads, optimizer, other, cpu bytes, detail items, disk bytes) of one rank: everything but
     the stored activations, which scale with the schedule's in-flight micro-batches."""
     key = (core.tp, core.ep, core.zero, core.dp_shard, core.cp, core.fsdp, core.offload, core.accumulation(problem) > 1,
-           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1), core.pp > 1,
-           core.offload and core.nvme)
+           # 2-D TP communicates on the grid's two axes (tp_row, tp_col) instead of tp
+           sum(1 for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(core, a) > 1) + grid2d(core), core.pp > 1,
+           core.offload and core.nvme) + (("2d",) if grid2d(core) else ())
     params, grads, opt, other, cpu, items, disk = _states(problem, key, rank)
     if rank.head:
         # Transient at the loss: 16-bit logits + their fp32 copy (or the fp32 logits), vocab-sharded.
@@ -343,7 +392,9 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
         # softmax and its gradient.
         tok = core.micro_batch * problem.seq_len / core.cp
         vocab = problem.shape.vocab_size
-        if loss_is_chunked(tok, vocab, core.tp):
+        if grid2d(core):  # the logits block [b/q, s, V/q] and its fp32 copy (tensor2d.py _VocabCrossEntropy)
+            logits = tok * vocab / core.tp * (6 if problem.low_precision else 4)
+        elif loss_is_chunked(tok, vocab, core.tp):
             logits = tok * vocab * (2 if problem.low_precision else 4) + 2 * 4 * loss_chunk_tokens(vocab) * vocab
         else:
             logits = tok * vocab / core.tp * (6 if problem.low_precision else 4)
@@ -353,9 +404,9 @@ def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[
 
 @lru_cache(maxsize=1 << 15)
 def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float, float, float, float, tuple, float]:
-    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes, pipelined, nvme = key
+    tp, ep, zero, dp_shard, cp, fsdp, offload, accumulating, comm_axes, pipelined, nvme = key[:11]
     shard = dp_shard * cp
-    st = model_state_bytes(problem, rank, tp, ep, zero, shard if zero else 1, max(1, shard // ep))
+    st = model_state_bytes(problem, rank, tp, ep, zero, shard if zero else 1, max(1, shard // ep), *key[11:])
     detail: dict[str, float] = {}
     params, grads, opt = st.params, st.grads, st.optimizer
     other = 0.0

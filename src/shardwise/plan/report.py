@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from shardwise.plan.goodput import RunCost, run_cost
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import GIB
 from shardwise.plan.search import SearchResult, why_lost
+from shardwise.spec.layout import Layout
 
 MEMORY_ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
                ("activations", "activations"), ("other", "other"))
@@ -108,6 +110,32 @@ def calibration_lines(problem: Problem, lay: Any = None) -> list[str]:
     return out
 
 
+def tp_bytes(problem: Problem, lay: Layout) -> dict[str, dict[str, float]]:
+    """Payload bytes per step of the TP axes (tp, or 2-D's tp_col / tp_row) by kind, on the first
+    pipeline rank (plan/comm.py)."""
+    from shardwise.plan.comm import collectives
+
+    out: dict[str, dict[str, float]] = {}
+    for c in collectives(problem, lay):
+        if c.axis in ("tp", "tp_col", "tp_row") and c.total > 0:
+            kinds = out.setdefault(c.axis, {})
+            kinds[c.kind] = kinds.get(c.kind, 0.0) + c.total
+    return out
+
+
+def tp2d_lines(problem: Problem, lay: Layout) -> list[str]:
+    """2-D TP: the payload per grid axis and kind (plan/tp2d.py comm_bytes_per_step), and what 1-D TP
+    over the same tp ranks would move."""
+    if lay.tp == 1 or lay.tp_mode != "2d":
+        return []
+    per_axis = tp_bytes(problem, lay)
+    one_d = sum(sum(k.values()) for k in tp_bytes(problem, lay.with_(tp_mode="1d")).values())
+    names = {"tp_col": "tp_col (grid rows: activations)", "tp_row": "tp_row (grid columns: weights)"}
+    parts = [f"{names[a]} " + ", ".join(f"{k} {_bytes(v)}" for k, v in kinds.items()) for a, kinds in per_axis.items()]
+    total = sum(sum(k.values()) for k in per_axis.values())
+    return [f"tp2d     bytes per step: {'; '.join(parts)}; total {_bytes(total)} (1-D TP on {lay.tp} ranks: {_bytes(one_d)})"]
+
+
 def model_state_lines(problem: Problem, est: Estimate) -> list[str]:
     """The textbook totals: params + grads + optimizer of the whole model, and per GPU of one model
     replica when only the model-parallel axes (tp x pp, ep for experts) split them (no ZeRO)."""
@@ -192,8 +220,11 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
 
     con = _console()
     lay = est.layout
+    q = math.isqrt(lay.tp)
+    mode = f"2-D TP on a {q} x {q} grid" if lay.tp > 1 and lay.tp_mode == "2d" else \
+        f"sequence parallel {'on' if lay.sp else 'off'}"
     out = problem_lines(problem) + [f"layout   {lay.describe()}  (accumulation / micro-batches {lay.accumulation(problem)}, "
-                                    f"sequence parallel {'on' if lay.sp else 'off'})"] + calibration_lines(problem, lay)[1:]
+                                    f"{mode})"] + calibration_lines(problem, lay)[1:] + tp2d_lines(problem, lay)
     con.print("\n".join(out), soft_wrap=True)
     mem = est.memory
     where = {"first": "first pipeline stage", "last": "last pipeline stage", "only": "every rank"}[mem.rank]

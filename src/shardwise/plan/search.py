@@ -12,6 +12,11 @@ Order of work, cheapest test first, so a 405B model on 16,384 GPUs searches in w
 "Why the rest lost" reports the prune counts and, for the runners-up, the breakdown term that
 separates each from the winner.
 
+2-D tensor parallelism (tp_mode="2d", SUMMA on a q x q grid, tp = q^2) is one more structure per
+perfect-square tp where the trainer runs it (spec/rules.py tensor_parallel_2d_rules, its trainer_only
+refusals included: dp_replicate only, no pp / cp / ep / ZeRO, dense llama, fp32 / bf16), with
+micro-batches divisible by q; it competes on the same step time.
+
 Offload and linear tiles only trade time for memory: they are proposed only when no layout without
 them fits (a second pass, `SearchResult.needs` says so), one device included (ZeRO-Offload over a
 1-rank shard group). Offload's tier: "cpu" when the rank's states fit the host memory
@@ -22,13 +27,16 @@ fit: more only shrink the working set, at a GEMM-efficiency cost), dense MLPs, n
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from shardwise.errors import Violation
 from shardwise.plan.cost import Estimate, compute_lower_bound, evaluate, step_seconds
 from shardwise.plan.layout import Problem, check_layout
 from shardwise.plan.memory import capacity_bytes, host_bytes, peak_bytes, states_lower_bound
+from shardwise.spec import rules
 from shardwise.spec.layout import Layout
 from shardwise.spec.rules import microbatch_rule
 
@@ -89,14 +97,15 @@ def _schedules(pp: int, n_layers: int, allow_uneven: bool, max_virtual: int) -> 
 
 def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, allow_uneven_pp: bool = False,
            max_virtual: int = 4, max_split_options: int = 3, offload: bool = True, sequence_parallel: bool = True,
-           near: int = 5) -> SearchResult:
-    """Every layout of `problem` on its cluster, pruned and ranked; see the module docstring."""
+           near: int = 5, tp2d: bool = True) -> SearchResult:
+    """Every layout of `problem` on its cluster, pruned and ranked; see the module docstring. `tp2d`
+    False leaves 2-D tensor parallelism out."""
     start = time.perf_counter()
     capacity = capacity_bytes(problem)
     pruned: Counter = Counter()
     candidates: list[tuple[float, float, Layout, str, int]] = []  # (compute lower bound, peak bytes, ...)
     considered = _enumerate(problem, False, False, allow_cross_node_tp, allow_uneven_pp, max_virtual, max_split_options,
-                            sequence_parallel, capacity, pruned, candidates)
+                            sequence_parallel, capacity, pruned, candidates, tp2d)
     needs = ""
     tiles = _tiles_possible(problem)
     if not candidates and (offload or tiles):
@@ -140,10 +149,11 @@ def _tiles_possible(problem: Problem) -> bool:
 
 def _enumerate(problem: Problem, offload: bool, tiles: bool, allow_cross_node_tp: bool, allow_uneven_pp: bool,
                max_virtual: int, max_split_options: int, sequence_parallel: bool, capacity: float, pruned: Counter,
-               candidates: list) -> int:
+               candidates: list, tp2d: bool = True) -> int:
     """Every axis structure of the cluster into `candidates` (what fits); returns how many variants were
-    considered. Plain (offload and tiles False): as before the memory-saving options existed. Else only
-    the structures that offload and / or tile (the plain ones did not fit)."""
+    considered. Plain (offload and tiles False): as before the memory-saving options existed, plus 2-D
+    TP's structures (`_search_2d`). Else only the structures that offload and / or tile (the plain ones
+    did not fit)."""
     s, cl = problem.shape, problem.cluster
     n = cl.num_gpus
     considered = 0
@@ -163,6 +173,9 @@ def _enumerate(problem: Problem, offload: bool, tiles: bool, allow_cross_node_tp
                 splits = _dp_splits(dp, max_split_options)
                 if rescue and dp == 1 and cp == 1:
                     splits = splits + [(1, 1, 2), (1, 1, 3)]  # ZeRO-Offload on one data-parallel rank
+                if tp2d and not rescue and cp == 1 and pp == 1:
+                    considered += _search_2d(problem, tp, dp, local_batch, schedules, capacity, allow_cross_node_tp,
+                                             allow_uneven_pp, pruned, candidates)
                 bad = check_layout(problem, base, allow_cross_node_tp, allow_uneven_pp)
                 if bad is not None and bad.reason not in ("microbatches < pp", "zero"):
                     considered += variants * len(splits) * len(options)
@@ -193,6 +206,32 @@ def _enumerate(problem: Problem, offload: bool, tiles: bool, allow_cross_node_tp
                             if _search_structure(problem, struct, local_batch, schedules, capacity, pruned, candidates):
                                 fitted.add((key, tier, t))
     return considered
+
+
+def _search_2d(problem: Problem, tp: int, dp: int, local_batch: int, schedules: list[tuple[str, int]], capacity: float,
+               allow_cross_node_tp: bool, allow_uneven_pp: bool, pruned: Counter, candidates: list) -> int:
+    """tp_mode="2d" (parallel/tensor2d.py) on tp = q^2 ranks, as the trainer runs it: data parallelism over
+    dp_replicate only (zero 0), no pp / cp / ep, dense llama, fp32 / bf16 — every rule of
+    spec/rules.py tensor_parallel_2d_rules, the trainer_only ones included, must pass (the planner never
+    proposes a layout the trainer refuses); micro-batches divisible by q. Returns the variants considered."""
+    q = math.isqrt(tp)
+    if tp < 4 or q * q != tp:
+        return 0
+    mbs = [mb for mb in divisors(local_batch) if mb % q == 0] if local_batch else []
+    variants = len(schedules) * len(RECOMPUTE_MODES) * max(1, len(mbs))
+    probe = Layout(dp_replicate=dp, tp=tp, micro_batch=mbs[0] if mbs else q, tp_mode="2d")
+    node = 0 if allow_cross_node_tp else problem.cluster.gpus_per_node
+    bad = next(iter(rules.tensor_parallel_2d_rules(problem.shape, probe, node, problem.precision)), None)
+    if bad is None:
+        bad = check_layout(problem, probe, allow_cross_node_tp, allow_uneven_pp)
+    if bad is None and not mbs:
+        bad = Violation("tp2d split", "train.micro_batch", "no micro-batch divisible by q", "")
+    if bad is not None:
+        pruned[f"{bad.reason} (2-D TP)"] += variants
+        return variants
+    struct = dict(dp_replicate=dp, dp_shard=1, zero=0, ep=1, offload=False, tp=tp, cp=1, pp=1, tp_mode="2d")
+    _search_structure(problem, struct, local_batch, schedules, capacity, pruned, candidates, q)
+    return variants
 
 
 def _offload_tier(problem: Problem, struct: dict, pruned: Counter, variants: int) -> bool:
@@ -233,11 +272,11 @@ class _Bound:
 
 
 def _family(lay: Layout) -> tuple:
-    return (lay.tp, lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.zero, lay.recompute, lay.offload)
+    return (lay.tp, lay.tp_mode, lay.pp > 1, lay.cp > 1, lay.ep > 1, lay.zero, lay.recompute, lay.offload)
 
 
 def _search_structure(problem: Problem, struct: dict, local_batch: int, schedules: list[tuple[str, int]],
-                      capacity: float, pruned: Counter, candidates: list) -> bool:
+                      capacity: float, pruned: Counter, candidates: list, mb_multiple: int = 1) -> bool:
     """Micro-batch x recompute x schedule variants of one axis layout that fit, with their compute-only
     lower bound, appended to `candidates`; True if any fits.
 
@@ -245,9 +284,9 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
     schedule) where a cheaper mode (none < selective < full) already fits — it only adds work;
     likewise offload for a structure that fits without it (search()); and search() never times a
     candidate whose compute alone exceeds the k-th best step time (`_Bound`)."""
-    mbs = divisors(local_batch)
+    mbs = [mb for mb in divisors(local_batch) if mb % mb_multiple == 0]  # 2-D TP: micro-batches divisible by q
     n_var = len(schedules) * len(RECOMPUTE_MODES) * len(mbs)
-    lower = Layout(micro_batch=1, recompute="full", **struct)
+    lower = Layout(micro_batch=mbs[0] if mbs else 1, recompute="full", **struct)
     if states_lower_bound(problem, lower) > capacity:
         pruned["memory > capacity (model states)"] += n_var
         return False

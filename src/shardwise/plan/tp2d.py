@@ -39,21 +39,63 @@ def summa_groups(s: Any) -> list[tuple[int, int]]:
 
 
 def comm_bytes_per_step(s: Any, tp: int, micro_batch: int, seq_len: int, accumulation: int = 1,
-                        act_bytes: int = FP32, param_bytes: int = FP32) -> dict[str, dict[str, int]]:
-    """{axis: {kind: payload bytes}} of one training step of 2-D TP (train.recompute = "none")."""
+                        act_bytes: int = FP32, param_bytes: int = FP32, grad_bytes: int | None = None,
+                        layers: int | None = None, embedding: bool = True, head: bool = True) -> dict[str, dict[str, int]]:
+    """{axis: {kind: payload bytes}} of one training step of 2-D TP (train.recompute = "none").
+
+    `act_bytes` / `param_bytes`: what SUMMA broadcasts and reduces (activations and their gradients /
+    weights and weight gradients: the compute dtype, autocast casts before the broadcast);
+    `grad_bytes` (default param_bytes): the norms' and the embedding's weight gradients, all-reduced in
+    the parameters' dtype (fp32 under autocast). `layers` / `embedding` / `head`: the share of the model
+    one rank holds (default all of it; the planner passes a pipeline rank's)."""
     q = grid_q(tp)
     T = micro_batch * seq_len
-    groups = summa_groups(s) * s.n_layers + [(s.dim, s.vocab_size)]
-    norms = 2 * s.n_layers + 1
+    L = s.n_layers if layers is None else layers
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
+    groups = summa_groups(s) * L + ([(s.dim, s.vocab_size)] if head else [])
+    norms = 2 * L + (1 if head else 0)
     row_bcast = sum(2 * T * i // q * act_bytes for i, _ in groups)
     row_reduce = sum(T * i // q * act_bytes for i, _ in groups)
-    row_ar = norms * 2 * (T // q) * FP32 + 3 * (T // q) * FP32
+    row_ar = norms * 2 * (T // q) * FP32 + (3 * (T // q) * FP32 if head else 0)
     col_bcast = sum(2 * i * o // q * param_bytes for i, o in groups)
     col_reduce = sum(i * o // q * param_bytes for i, o in groups)
-    col_ar = norms * (s.dim // q) * param_bytes + s.vocab_size * s.dim // q * param_bytes + FP32
-    m, norm = accumulation, (9 * s.n_layers + 3) * FP32
+    col_ar = (norms * (s.dim // q) * grad_bytes + (s.vocab_size * s.dim // q * grad_bytes if embedding else 0)
+              + (FP32 if head else 0))
+    m, norm = accumulation, param_tensors_2d(s, L, embedding, head) * FP32
     return {"tp_col": {"broadcast": m * row_bcast, "reduce": m * row_reduce, "all_reduce": m * row_ar + norm},
             "tp_row": {"broadcast": m * col_bcast, "reduce": m * col_reduce, "all_reduce": m * col_ar + norm}}
+
+
+def param_tensors_2d(s: Any, layers: int, embedding: bool = True, head: bool = True) -> int:
+    """Parameter tensors of a llama rank (each reduces its gradient norm on both grid axes): 9 per block
+    (7 linears, 2 norms), the embedding, the final norm and the head."""
+    return 9 * layers + (1 if embedding else 0) + (2 if head else 0)
+
+
+def recompute_bytes_per_step(s: Any, tp: int, micro_batch: int, seq_len: int, accumulation: int, layers: float,
+                             act_bytes: int = FP32, param_bytes: int = FP32) -> dict[str, dict[str, float]]:
+    """What re-running the forward of `layers` checkpointed blocks adds (full recompute): per block and
+    micro-batch the forward's broadcasts of every SUMMA call (X along the row, W along the column:
+    half of each call's broadcasts) and its 2 norms' forward all-reduce of T/q fp32. Not counted by
+    tests/dist/test_tp2d.py (recompute "none"): the forward's own terms, repeated."""
+    q = grid_q(tp)
+    T = micro_batch * seq_len
+    m = accumulation * layers
+    return {"tp_col": {"broadcast": m * sum(T * i // q * act_bytes for i, _ in summa_groups(s)),
+                       "all_reduce": m * 2 * (T // q) * FP32},
+            "tp_row": {"broadcast": m * sum(i * o // q * param_bytes for i, o in summa_groups(s))}}
+
+
+def summa_calls(s: Any, tp: int, layers: int, head: bool = True) -> dict[str, dict[str, int]]:
+    """Collective calls per micro-batch behind `comm_bytes_per_step`'s broadcasts and reduces (for the
+    latency term): each SUMMA call runs q steps; forward and dW each broadcast X once per step along the
+    row, forward and dX each broadcast every weight of the call once per step along the column, dX and
+    dW reduce once per step (the weights' dW partials concatenated)."""
+    q = grid_q(tp)
+    calls = 4 * layers + (1 if head else 0)
+    weights = 7 * layers + (1 if head else 0)  # q,k,v | o | w1,w3 | w2 (+ head)
+    return {"tp_col": {"broadcast": 2 * q * calls, "reduce": q * calls},
+            "tp_row": {"broadcast": 2 * q * weights, "reduce": q * calls}}
 
 
 def comm_bytes_1d(s: Any, tp: int, micro_batch: int, seq_len: int, accumulation: int = 1, act_bytes: int = FP32) -> int:
