@@ -4,10 +4,10 @@ Bytes convention (shared with the trainer's counter): per rank, per optimizer st
 ("dp_replicate", "dp_shard", "dp" = the flattened dp_replicate x dp_shard group, "tp", "cp", "pp",
 "ep", "efsdp") and per collective kind, the *payload* = the size of the full logical buffer of each call:
 all_reduce: the tensor; all_gather: the gathered output; reduce_scatter: the unsharded input;
-broadcast: the tensor; all_to_all: the input; send / recv: the tensor. `wire_bytes` converts a
-payload into what a rank actually sends with the ring algorithms (Thakur et al. 2005, "Optimization of
-collective communication operations in MPICH"; Patarasuk & Yuan 2009 for the bandwidth-optimal ring
-all-reduce 2(n-1)/n S).
+broadcast / reduce: the tensor; all_to_all: the input; send / recv: the tensor. plan/collective_time.py
+`wire_bytes` converts a payload into what a rank actually sends with the ring algorithms (Thakur et al.
+2005, "Optimization of collective communication operations in MPICH"; Patarasuk & Yuan 2009 for the
+bandwidth-optimal ring all-reduce 2(n-1)/n S), and `time_of` prices the calls.
 
 What this codebase issues (parallel/data_parallel.py, train/trainer.py, train/optim.py):
   DDP (zero 0, and zero 1's gradient sync): one all_reduce of every fp32 gradient over the batch group
@@ -46,35 +46,23 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, NamedTuple
+from typing import Any
 
-from shardwise.plan import constants as C
 from shardwise.plan.activations import regime
-from shardwise.plan.calibration import AxisCalibration
+from shardwise.plan.collective_time import (  # noqa: F401  (re-exported: plan/cost.py, decode.py, tests)
+    KINDS,
+    Collective,
+    collective_time,
+    measured_time,
+    placements,
+    time_of,
+    wire_bytes,
+)
 from shardwise.plan.compression import compress_collectives
 from shardwise.plan.inventory import FsdpUnits, RankModel, fsdp_units, owned_chunks, param_tensors, pipeline_rank
-from shardwise.plan.layout import Cluster, Problem, axis_placement
+from shardwise.plan.layout import Problem
 from shardwise.plan.tp2d import comm_bytes_per_step, grid_q, recompute_bytes_per_step, summa_calls
 from shardwise.spec.layout import Layout
-
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send", "recv")
-
-
-class Collective(NamedTuple):
-    """`calls` calls of one collective of `payload` bytes each on `axis`. `phase` tells the time model
-    how it overlaps: fwd / bwd (per micro-batch, inside the compute), recompute, grad (the gradient
-    sync that overlaps the last backward), step (after the backward: exposed), p2p."""
-
-    axis: str
-    kind: str
-    payload: float
-    calls: float
-    phase: str
-    unit: str = ""  # what it moves ("block", "root", "grads", ...), for the FSDP overlap rule
-
-    @property
-    def total(self) -> float:
-        return self.payload * self.calls
 
 
 def batch_axis(lay: Layout) -> str:
@@ -469,84 +457,3 @@ def predict_comm_bytes(cfg: Any, dims: Any = None, rank: int = 0) -> dict[str, d
         if c.total > 0:
             totals[counted_axis(c.axis, lay)][c.kind] += c.total
     return {axis: {kind: int(round(v)) for kind, v in kinds.items()} for axis, kinds in totals.items()}
-
-
-# ---------------------------------------------------------------------------------------------------
-# wire bytes and time
-# ---------------------------------------------------------------------------------------------------
-def wire_bytes(kind: str, payload: float, n: int) -> float:
-    """Bytes one rank sends for one call with the ring algorithms: all_reduce 2(n-1)/n S; all_gather
-    and reduce_scatter (n-1)/n S; all_to_all (n-1)/n S; broadcast (pipelined ring) and send S."""
-    if n <= 1 and kind not in ("send", "recv"):
-        return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n * payload
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n * payload
-    if kind == "recv":
-        return 0.0
-    return float(payload)
-
-
-def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluster: Cluster) -> float:
-    """Seconds for one call on a group with `per_node` ranks in each of `nodes` nodes.
-
-    Hierarchical (two-level) algorithms: the intra-node part moves its ring share over NVLink, the
-    inter-node part moves 1/per_node of the buffer per GPU over that GPU's own NIC (NCCL rings /
-    trees span nodes with one NIC per GPU; 2D schemes as Mikami et al. 2018, arXiv 1811.05233). The
-    latency term is log2(n) hops (trees / PAT) at the slowest level's per-hop latency.
-    """
-    n = per_node * nodes
-    if n <= 1 or payload <= 0:
-        return 0.0
-    b_intra = cluster.intra_gbps * 1e9 * C.BUS_FRACTION_INTRA
-    b_inter = cluster.inter_gbps * 1e9 * C.BUS_FRACTION_INTER
-    g, k = per_node, nodes
-    alpha = cluster.inter_latency_s if k > 1 else cluster.intra_latency_s
-    if kind in ("send", "recv"):
-        return payload / (b_inter if k > 1 else b_intra) + alpha
-    hops = math.ceil(math.log2(n))
-    if kind in ("all_reduce", "all_gather", "reduce_scatter"):
-        # Ring wire bytes inside the node over NVLink, then between nodes for this GPU's 1/g share.
-        t = wire_bytes(kind, payload, g) / b_intra + wire_bytes(kind, payload / g, k) / b_inter
-        return t + (2 if kind == "all_reduce" else 1) * hops * alpha
-    if kind == "all_to_all":
-        return (g - 1) / n * payload / b_intra + (n - g) / n * payload / b_inter + hops * alpha
-    if kind in ("broadcast", "reduce"):
-        # Pipelined chain / ring broadcast: each rank forwards the whole buffer once. A reduce (2-D TP's
-        # SUMMA, plan/tp2d.py) is the same chain run backwards (NCCL runs both as rings), so it is timed
-        # as a broadcast of its payload.
-        return payload / (b_inter if k > 1 else b_intra) + hops * alpha
-    raise ValueError(f"unknown collective kind {kind!r}")
-
-
-def measured_time(kind: str, payload: float, n: int, cal: AxisCalibration) -> float:
-    """Seconds for one call on an axis `shardwise bench-comm` measured (cluster.calibration): the same
-    ring wire bytes and log2(n) hops as `collective_time`, over the measured bus bandwidth and per-hop
-    latency instead of link x BUS_FRACTION and LATENCY_*_S. busbw already folds in whatever topology
-    the axis had (nccl-tests doc/PERFORMANCE.md), so there is no intra / inter split."""
-    if n <= 1 or payload <= 0:
-        return 0.0
-    if kind in ("send", "recv"):
-        return payload / cal.bus_bytes_per_s + cal.hop_latency_s
-    wire = payload if kind in ("broadcast", "reduce") else wire_bytes(kind, payload, n)
-    return wire / cal.bus_bytes_per_s + (2 if kind == "all_reduce" else 1) * math.ceil(math.log2(n)) * cal.hop_latency_s
-
-
-def placements(lay: Layout, cluster: Cluster) -> dict[str, tuple[int, int]]:
-    return axis_placement(lay, cluster.gpus_per_node)
-
-
-def time_of(c: Collective, place: dict[str, tuple[int, int]], cluster: Cluster, calls: float | None = None) -> float:
-    """Seconds for `calls` (default: all) calls of collective `c`."""
-    cal = cluster.measured(c.axis) if cluster.calibration else None
-    if cal is not None:
-        g, k = place[c.axis]
-        return measured_time(c.kind, c.payload, 2 if c.axis == "pp" else g * k, cal) * (c.calls if calls is None else calls)
-    if c.axis == "pp":
-        g, k = place["pp"]
-        one = collective_time(c.kind, c.payload, 1, 2 if k > 1 else 1, cluster) if k > 1 else \
-            collective_time(c.kind, c.payload, 2, 1, cluster)
-        return one * (c.calls if calls is None else calls)
-    g, k = place[c.axis]
-    return collective_time(c.kind, c.payload, g, k, cluster) * (c.calls if calls is None else calls)

@@ -1,0 +1,226 @@
+"""Compute time of one micro-batch on one rank, kernel class by kernel class (plan/cost.py assembles
+the step from it; docs/architecture.md §6).
+
+Compute: every GEMM of a micro-batch at a shape-dependent efficiency (the device's maximum achievable
+matmul fraction x tile and wave quantization, capped by the memory roofline; constants.py), attention
+at FlashAttention's achieved fraction with the causal half skipped, and the memory-bound pointwise
+kernels from the bytes they move (activations.pointwise_forward_bytes, at the HBM fraction).
+Backward = 2 x forward (input and weight gradients for GEMMs; ~2x the bytes for pointwise kernels).
+Eager runs (train.compile = false) add a launch cost per kernel and stream their op-by-op pointwise
+bytes at constants.EAGER_POINTWISE_HBM_FRACTION (or `plan calibrate`'s fitted fraction); a measured
+device (cluster.calibration, plan/calibration.py) replaces every datasheet rate and fraction.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.plan import activations as A
+from shardwise.plan import constants as C
+from shardwise.plan.inventory import RankModel
+from shardwise.plan.layout import Problem
+from shardwise.spec.layout import Layout
+
+
+def _device_constant(table: dict[str, float], name: str, default: float) -> float:
+    return table.get(name, table.get(C.family(name), default))
+
+
+@lru_cache(maxsize=65536)
+def gemm_time(device_name: str, peak: float, hbm_gbps: float, m: int, n: int, k: int, elem: int) -> float:
+    """Seconds for one (m x k) @ (k x n) GEMM: 2mnk FLOPs at peak x MAMF x tile x wave efficiency,
+    but no faster than moving its operands through HBM (roofline)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    mamf = _mamf(device_name)
+    tile_eff = wave_eff = 1.0
+    if device_name != "measured-cpu":  # a CPU GEMM has no thread-block tiles or SM waves
+        units = int(_device_constant(C.COMPUTE_UNITS, device_name.removeprefix("measured-"), C.COMPUTE_UNITS_DEFAULT))
+        tm, tn = math.ceil(m / C.GEMM_TILE_M), math.ceil(n / C.GEMM_TILE_N)
+        tile_eff = (m / (tm * C.GEMM_TILE_M)) * (n / (tn * C.GEMM_TILE_N))
+        tiles = tm * tn
+        wave_eff = tiles / (math.ceil(tiles / units) * units)
+    compute = 2.0 * m * n * k / (peak * mamf * tile_eff * wave_eff)
+    traffic = elem * (m * k + k * n + m * n) / (hbm_gbps * 1e9 * _hbm_fraction(device_name))
+    return max(compute, traffic)
+
+
+def _measured(name: str) -> bool:
+    """A device whose rates benchmarks/kernels.py measured (plan/calibration.py MeasuredDevice): its
+    peak and bandwidth are what is achieved, so no datasheet fraction applies."""
+    return name.startswith("measured-")
+
+
+def _mamf(name: str) -> float:
+    return 1.0 if _measured(name) else _device_constant(C.MAMF_FRACTION, name, C.MAMF_FRACTION_DEFAULT)
+
+
+def _hbm_fraction(name: str) -> float:
+    return 1.0 if _measured(name) else C.HBM_FRACTION
+
+
+@dataclass(frozen=True)
+class MicroBatchTimes:
+    """Seconds for one micro-batch on one rank."""
+
+    fwd: float            # forward (GEMMs + attention + memory-bound share)
+    bwd: float            # backward
+    recompute: float      # extra forward work of recomputation
+    block_fwd: float      # one block's forward (FSDP overlap window)
+    block_bwd: float
+    attn_fwd_layer: float  # one layer's attention forward (CP overlap window)
+
+
+def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[tuple[int, int, int, int]]:
+    """(m, n, k, count) of a block's forward GEMMs on one rank after TP/EP sharding."""
+    s, tp = problem.shape, lay.tp
+    h, kv = s.dim, max(s.kv_dim // tp, s.head_dim)
+    out = [(tokens, h // tp, h, 1), (tokens, kv, h, 2), (tokens, h, h // tp, 1)]
+    if moe and s.moe is not None:
+        local_experts = max(1, s.moe.num_experts // lay.ep)
+        per_expert = max(1, round(tokens * s.moe.top_k * s.moe.load_factor * lay.ep / s.moe.num_experts))
+        f = math.ceil(s.expert_ffn / tp)
+        ups = 2 if s.arch == "llama" else 1
+        out += [(per_expert, f, h, ups * local_experts), (per_expert, h, f, local_experts), (tokens, s.moe.num_experts, h, 1)]
+        if s.moe.num_shared_experts:  # the shared MLP sees every token, split by tp like a dense MLP
+            fs = math.ceil(s.moe.num_shared_experts * s.expert_ffn / tp)
+            out += [(tokens, fs, h, ups), (tokens, h, fs, 1)]
+        return out
+    f = math.ceil(s.ffn_dim / tp)
+    ups = 2 if s.arch == "llama" else 1
+    if lay.linear_tiles > 1:  # parallel/tiling.py: torch.tensor_split's tiles, the first ffn % tiles one wider
+        return out + [g for f_t, n in _tile_widths(s.ffn_dim, lay.linear_tiles)
+                      for g in ((tokens, f_t, h, ups * n), (tokens, h, f_t, n))]
+    return out + [(tokens, f, h, ups), (tokens, h, f, 1)]
+
+
+def _tile_widths(ffn: int, tiles: int) -> list[tuple[int, int]]:
+    """(hidden units of a tile, how many tiles that wide) of torch.tensor_split(ffn, tiles)."""
+    size, extra = divmod(ffn, tiles)
+    return [(w, n) for w, n in ((size + 1, extra), (size, tiles - extra)) if n and w]
+
+
+def _kernel_key(s, reg: str) -> tuple[str, str]:
+    return s.arch, "autocast" if reg == "autocast_fp8" else reg
+
+
+def eager_block_kernels(s, reg: str, moe: bool, ep: int) -> tuple[int, int]:
+    """(forward, backward) kernels one block launches in eager mode (constants.EAGER_BLOCK_KERNELS; a MoE
+    block's count grows with its local experts)."""
+    key = _kernel_key(s, reg)
+    if moe and s.moe is not None:
+        fwd, fwd_e, bwd, bwd_e = C.EAGER_MOE_BLOCK_KERNELS[key]
+        local = max(1, s.moe.num_experts // ep)
+        return fwd + fwd_e * local, bwd + bwd_e * local
+    return C.EAGER_BLOCK_KERNELS[key]
+
+
+@lru_cache(maxsize=1 << 17)
+def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBatchTimes:
+    dev = problem.cluster.device
+    peak = dev.peak_flops(problem.compute_precision)  # attention, head, and every GEMM but FP8's
+    elem = problem.compute_bytes
+    fp8 = problem.precision == "fp8"
+    peak8 = dev.peak_flops("fp8") if fp8 else peak
+    tokens = max(1, lay.micro_batch * problem.seq_len // lay.cp)
+    hbm = dev.memory_bandwidth_gbps * 1e9 * _hbm_fraction(dev.name)
+    measured = problem.cluster.measured_device
+    # Eager pointwise kernels, op by op, stream worse than a copy (constants.EAGER_POINTWISE_HBM_FRACTION of
+    # the datasheet; a measured device: its measured copy rate), unless `plan calibrate` fitted a fraction.
+    eager_fraction = problem.cluster.pointwise_hbm_fraction or (1.0 if measured else C.EAGER_POINTWISE_HBM_FRACTION)
+    pointwise_bw = dev.memory_bandwidth_gbps * 1e9 * eager_fraction if problem.eager else hbm
+    s = problem.shape
+    attn_frac = measured.attention_fraction if measured else _device_constant(C.ATTENTION_FRACTION, dev.name,
+                                                                              C.ATTENTION_FRACTION_DEFAULT)
+    launch_s = measured.eager_op_s if measured else C.EAGER_KERNEL_LAUNCH_S
+    reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
+
+    def block_fwd(moe: bool) -> tuple[float, float, float]:
+        gemms = _block_gemms(problem, lay, tokens, moe)
+        # FP8 (parallel/float8.py): the block's nn.Linears run at the FP8 peak with 1-byte operands; a MoE
+        # block's stacked experts and router stay bf16 (only its 3 attention GEMMs here are FP8).
+        converted = (3 if moe else len(gemms)) if fp8 else 0
+        gemm = sum(c * (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, m, n, k, 1) if i < converted
+                        else gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem))
+                   for i, (m, n, k, c) in enumerate(gemms))
+        # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
+        # holds tokens/cp queries against the whole sequence's keys.
+        attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
+        if problem.attention == "math" and lay.cp == 1:
+            # The math backend (spec/layout.py attention_backend): two batched GEMMs over the whole s x s
+            # (the mask is applied after, nothing skipped) at GEMM speed, and the probabilities stream
+            # through memory C.MATH_ATTENTION_PASSES times (scores written, mask added in place, softmax
+            # read and written, read by the second GEMM).
+            mamf = _mamf(dev.name)
+            attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp / (peak * mamf)
+            attn += C.MATH_ATTENTION_PASSES * elem * tokens * problem.seq_len * s.n_heads / lay.tp / hbm
+        # Pointwise kernels: the forward's bytes (activations.pointwise_forward_bytes); backward ~2x.
+        # 2-D TP splits every activation tp ways, as SP does the norms' and residual's (sp=True below).
+        pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp or lay.tp_mode == "2d", moe) * tokens / pointwise_bw
+        # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
+        # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
+        # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
+        pointwise += sum(c * C.FP8_CAST_BYTES * (m * k + k * n) for m, n, k, c in gemms[:converted]) / hbm
+        return gemm, attn, pointwise
+
+    g_d, a_d, e_d = block_fwd(False)
+    # parallel.linear_tiles: the tiled MLP's backward recomputes every tile's up-projections (SwiGLU: w1 x
+    # and w3 x, 2 GEMMs of 2 x tokens x dim x ffn FLOPs in all; GELU: fc x, 1) and pointwise ops (SwiGLU's
+    # silu and product, GELU's gelu: their share of pointwise_forward_bytes, 5 a f / 2 a f per token), and
+    # sums the tiles' partial outputs (forward) and dx (backward) over the hidden dim: (tiles - 1) adds of a
+    # tokens x dim tensor, read twice and written once (in the block's pointwise bytes, so backward's 2x
+    # holds dx's). Under selective "op" the checkpoint's replay also reruns the tiled forward (tiling.py:
+    # its GEMMs are not cached), on top.
+    tile_rc = 0.0
+    if lay.linear_tiles > 1 and rank.dense_layers:
+        ups = 2 if s.arch == "llama" else 1
+        a = elem
+        tile_rc = sum(n * ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem)
+                      for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
+        tile_rc += (5 if s.arch == "llama" else 2) * a * s.ffn_dim * tokens / pointwise_bw
+        e_d += (lay.linear_tiles - 1) * 3 * a * s.dim * tokens / pointwise_bw
+        if problem.eager:  # each tile past the first launches its forward and backward kernels once more
+            fwd_k, bwd_k = C.EAGER_TILE_KERNELS[s.arch]
+            tile_rc += (lay.linear_tiles - 1) * (fwd_k + bwd_k) * launch_s
+    g_m, a_m, e_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0)
+    fwd_one = g_d + a_d + e_d
+    bwd_one = 2 * (g_d + a_d + e_d)
+    fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
+    bwd = rank.dense_layers * bwd_one + rank.moe_layers * 2 * (g_m + a_m + e_m)
+    if rank.head:
+        head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, math.ceil(s.vocab_size / lay.tp), s.dim, elem)
+        loss = 3 * 4.0 * tokens * s.vocab_size / lay.tp / hbm  # logits -> fp32 -> log-softmax, and back
+        fwd += head + loss
+        bwd += 2 * head + loss
+    if problem.eager:  # launch_s per kernel the rank's eager forward / backward launches
+        dense, moe = eager_block_kernels(s, reg, False, lay.ep), eager_block_kernels(s, reg, True, lay.ep)
+        rest = C.EAGER_REST_KERNELS[_kernel_key(s, reg)] if (rank.head or rank.embedding) else (0, 0)
+        for i in (0, 1):
+            launches = (rank.dense_layers * dense[i] + rank.moe_layers * moe[i] + rest[i]) * launch_s
+            fwd, bwd = (fwd + launches, bwd) if i == 0 else (fwd, bwd + launches)
+    # Recomputation: full re-runs the forward of checkpointed blocks; "op" re-runs only the cheap ops.
+    n_blocks = rank.layers
+    per_block_fwd = (fwd_one if rank.dense_layers else g_m + a_m + e_m)
+    if lay.recompute == "full":
+        recompute = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
+    elif lay.recompute == "selective" and lay.recompute_policy == "layer":
+        recompute = math.ceil(n_blocks / lay.recompute_every) * per_block_fwd
+    elif lay.recompute == "selective":  # "op": the pointwise forward runs again
+        recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
+        if lay.linear_tiles > 1:  # ... and the tiled MLP's forward GEMMs, which the policy does not cache
+            ups = 2 if s.arch == "llama" else 1
+            recompute += rank.dense_layers * sum(
+                n * ((ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem))
+                     + gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, s.dim, w, elem))
+                for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
+        if measured is not None and measured.device_type == "cpu":
+            # A CPU runs the checkpoint policy's Python dispatch mode in line with the kernels (a GPU's host
+            # runs ahead of them): every op of a block passes it in forward, recompute and backward.
+            blocks = [eager_block_kernels(s, reg, False, lay.ep)] * rank.dense_layers
+            blocks += [eager_block_kernels(s, reg, True, lay.ep)] * rank.moe_layers
+            recompute += sum(2 * f + b for f, b in blocks) * measured.selective_op_s
+    else:
+        recompute = 0.0
+    recompute += rank.dense_layers * tile_rc
+    return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd, 2 * per_block_fwd, a_d)
