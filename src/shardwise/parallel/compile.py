@@ -31,8 +31,12 @@ from shardwise.parallel.expert import moe_modules
 def compile_enabled(cfg: Config, device_type: str) -> bool:
     """train.compile: unset means on for CUDA and off for CPU, where compiling does not pay for itself
     yet (benchmarks/gpu_throughput.py --device cpu: 1.07x eager in steady state on the tiny model, after
-    ~25 s of inductor compilation that a short CPU run does not earn back)."""
-    return device_type == "cuda" if cfg.train.compile is None else cfg.train.compile
+    ~25 s of inductor compilation that a short CPU run does not earn back). Unset with 2-D tensor
+    parallelism means off everywhere: its SUMMA collectives are not traced yet, and preflight refuses an
+    explicit true (preflight.py)."""
+    if cfg.train.compile is None:
+        return device_type == "cuda" and getattr(cfg.parallel, "tp_mode", "1d") != "2d"
+    return cfg.train.compile
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:

@@ -129,7 +129,8 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # Eager pointwise kernels, op by op, stream worse than a copy (constants.EAGER_POINTWISE_HBM_FRACTION of
     # the datasheet; a measured device: its measured copy rate), unless `plan calibrate` fitted a fraction.
     eager_fraction = problem.cluster.pointwise_hbm_fraction or (1.0 if measured else C.EAGER_POINTWISE_HBM_FRACTION)
-    pointwise_bw = dev.memory_bandwidth_gbps * 1e9 * eager_fraction if problem.eager else hbm
+    eager = problem.eager_for(lay)
+    pointwise_bw = dev.memory_bandwidth_gbps * 1e9 * eager_fraction if eager else hbm
     s = problem.shape
     attn_frac = measured.attention_fraction if measured else _device_constant(C.ATTENTION_FRACTION, dev.name,
                                                                               C.ATTENTION_FRACTION_DEFAULT)
@@ -180,7 +181,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
                       for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
         tile_rc += (5 if s.arch == "llama" else 2) * a * s.ffn_dim * tokens / pointwise_bw
         e_d += (lay.linear_tiles - 1) * 3 * a * s.dim * tokens / pointwise_bw
-        if problem.eager:  # each tile past the first launches its forward and backward kernels once more
+        if eager:  # each tile past the first launches its forward and backward kernels once more
             fwd_k, bwd_k = C.EAGER_TILE_KERNELS[s.arch]
             tile_rc += (lay.linear_tiles - 1) * (fwd_k + bwd_k) * launch_s
     g_m, a_m, e_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0)
@@ -193,7 +194,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         loss = 3 * 4.0 * tokens * s.vocab_size / lay.tp / hbm  # logits -> fp32 -> log-softmax, and back
         fwd += head + loss
         bwd += 2 * head + loss
-    if problem.eager:  # launch_s per kernel the rank's eager forward / backward launches
+    if eager:  # launch_s per kernel the rank's eager forward / backward launches
         dense, moe = eager_block_kernels(s, reg, False, lay.ep), eager_block_kernels(s, reg, True, lay.ep)
         rest = C.EAGER_REST_KERNELS[_kernel_key(s, reg)] if (rank.head or rank.embedding) else (0, 0)
         for i in (0, 1):

@@ -140,6 +140,13 @@ class Problem:
     # train.compile resolved as the trainer does on a GPU (unset: compiled): eager forwards pay a cost per
     # kernel (constants.EAGER_FORWARD_KERNEL_S).
     eager: bool = False
+    # train.compile unset: the trainer also runs 2-D tensor-parallel layouts eagerly (parallel/compile.py
+    # compile_enabled), so a 2-D candidate is priced eager (eager_for).
+    compile_unset: bool = False
+
+    def eager_for(self, lay: Layout) -> bool:
+        """Whether `lay` runs eagerly under this problem's train.compile (see compile_unset)."""
+        return self.eager or (self.compile_unset and getattr(lay, "tp_mode", "1d") == "2d")
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Problem":
@@ -172,7 +179,7 @@ class Problem:
         return cls(shape, cluster, t.seq_len, t.global_batch, tokens, t.precision, states,
                    cfg.cluster.assume_mfu, t.fp8_recipe, attention_backend(kind, t.precision, shape.n_kv_heads != shape.n_heads),
                    # the trainer's default (train.compile unset): compiled on a GPU, eager on a CPU
-                   eager=t.compile is False or (t.compile is None and kind == "cpu"))
+                   eager=t.compile is False or (t.compile is None and kind == "cpu"), compile_unset=t.compile is None)
 
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""
