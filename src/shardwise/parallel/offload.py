@@ -188,12 +188,15 @@ class NvmeAdamW(torch.optim.AdamW):
                 state["exp_avg"], state["exp_avg_sq"] = views
 
     # ---- the step ----
-    def _read(self, index: int, buffer: torch.Tensor) -> None:
+    def _region(self, index: int, buffer: torch.Tensor) -> tuple[int, int, memoryview]:
+        """Chunk `index`'s byte offset in the file, its size, and the bytes of `buffer` it fills."""
         chunk = self.chunks[index]
-        start = self.offsets[id(chunk[0])]
         size = sum(_local(p).numel() for p in chunk) * STATE_BYTES_PER_ELEMENT
+        return self.offsets[id(chunk[0])], size, memoryview(buffer.numpy()).cast("B")[:size]
+
+    def _read(self, index: int, buffer: torch.Tensor) -> None:
+        start, size, view = self._region(index, buffer)
         begin = time.perf_counter()
-        view = memoryview(buffer.numpy()).cast("B")[:size]
         done = 0
         while done < size:  # pread may return less than asked (large reads, signals)
             got = os.preadv(self.fd, [view[done:]], start + done)
@@ -204,11 +207,8 @@ class NvmeAdamW(torch.optim.AdamW):
         self.stats.read_bytes += size
 
     def _write(self, index: int, buffer: torch.Tensor) -> None:
-        chunk = self.chunks[index]
-        start = self.offsets[id(chunk[0])]
-        size = sum(_local(p).numel() for p in chunk) * STATE_BYTES_PER_ELEMENT
+        start, size, view = self._region(index, buffer)
         begin = time.perf_counter()
-        view = memoryview(buffer.numpy()).cast("B")[:size]
         done = 0
         while done < size:
             done += os.pwritev(self.fd, [view[done:]], start + done)
