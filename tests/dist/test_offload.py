@@ -163,3 +163,8 @@ def test_a_killed_runs_state_is_removed_by_the_next_run(base_overrides, tmp_path
                                        f"--parallel.offload_dir={disk}"), capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert "nvme offload:" in second.stdout and list(disk.iterdir()) == []
+    # every metrics record carries what the disk achieved so far (parallel/offload.py IOStats)
+    import json
+
+    record = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["nvme_read_gbps"] > 0 and record["nvme_write_gbps"] > 0 and record["nvme_bytes_per_step"] > 0, record

@@ -8,6 +8,7 @@ so every rank calls after_step for every step; only rank 0 prints or writes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +52,12 @@ class StepLog:
     def __init__(self, cfg: Config, dims: ParallelDims, *, run_dir: Path, rank: int, quiet: bool, start_step: int,
                  accumulation: int, num_params: int, flops_per_token: float, device: torch.device,
                  guard: StepGuard, scaler: DynamicLossScaler, moe_layers: dict, moe_group: dist.ProcessGroup | None,
-                 energy_group: dist.ProcessGroup | None = None):
+                 energy_group: dist.ProcessGroup | None = None, io_stats: Callable[[], dict] | None = None):
+        """`io_stats`: the NVMe offload tier's disk figures so far (parallel/offload.py IOStats.as_dict),
+        added to every record; None without it."""
         t = cfg.train
         self.cfg, self.dims, self.run_dir, self.rank, self.quiet = cfg, dims, run_dir, rank, quiet
+        self.io_stats = io_stats
         self.flops_per_token, self.guard, self.scaler = flops_per_token, guard, scaler
         self.moe_layers, self.moe_group = moe_layers, moe_group
         self.device_type = device.type
@@ -117,6 +121,8 @@ class StepLog:
         if self.comm_counted_step is not None:
             record["comm_counted_step"] = self.comm_counted_step
         record["memory_per_rank_bytes"] = memory
+        if self.io_stats is not None:
+            record.update(self.io_stats())
         if self.moe_layers or self.cfg.model.moe.num_experts:
             record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.moe_group))
             if not self.quiet:

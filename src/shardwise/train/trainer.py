@@ -296,7 +296,8 @@ class Trainer:
                          start_step=self.step, accumulation=self.accumulation, num_params=self.num_params,
                          flops_per_token=self.flops_per_token, device=self.device, guard=self.guard,
                          scaler=self.scaler, moe_layers=self.moe_layers, moe_group=self.world_group,
-                         energy_group=self.world_group)
+                         energy_group=self.world_group,
+                         io_stats=self.optimizer.stats.as_dict if hasattr(self.optimizer, "stats") else None)
         losses: list[float] = []
         ckpt_every = self.cfg.checkpoint.every
         try:
