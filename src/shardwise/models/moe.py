@@ -30,7 +30,7 @@ from torch import nn
 
 from shardwise.config import ModelConfig
 from shardwise.models.feed_forward import GELUMLP, SwiGLU
-from shardwise.tensors import local_shard
+from shardwise.tensors import group_sum, local_shard
 
 
 class GroupedExperts(nn.Module):
@@ -78,29 +78,6 @@ class GroupedExperts(nn.Module):
         return self.compute(x, counts.tolist(), [local_shard(w).to(x.dtype) for w in self.weights()])
 
 
-
-
-class _GroupSum(torch.autograd.Function):
-    """Sum over a process group whose backward sums the gradients over the group too (the adjoint
-    of a sum that every rank consumes). Ours because torch.distributed.nn's is deprecated and the
-    functional all_reduce has no autograd formula."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -212,7 +189,7 @@ class MoE(nn.Module):
             plain = torch.cat([counts, tokens.view(1)])
             dist.all_reduce(plain, group=self.stats_group)
             counts, tokens = plain[:-1], plain[-1]
-            summed = _GroupSum.apply(torch.cat([prob_sum, z_sum.view(1)]), self.stats_group)
+            summed = group_sum(torch.cat([prob_sum, z_sum.view(1)]), self.stats_group)
             prob_sum, z_sum = summed[:-1], summed[-1]
         f = counts / (tokens * self.top_k)
         p = prob_sum / tokens

@@ -52,6 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from shardwise.tensors import group_sum
+
 LINEAR = (Shard(1), Shard(0))  # nn.Linear weight (out, in): in split over grid rows, out over columns
 NORM = (Replicate(), Shard(0))  # a hidden-dim vector: split over columns, replicated over rows
 EMBEDDING = (Replicate(), Shard(1))  # (V, h): hidden split over columns, replicated over rows
@@ -138,23 +140,6 @@ def summa(grid: Grid, x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tenso
     return _Summa.apply(grid, x, *(lin.weight.to_local() for lin in linears))
 
 
-class _AllReduce(torch.autograd.Function):
-    """y = sum over `group` of x, on every member; the gradient likewise (every member's y is used)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class _SumGradient(torch.autograd.Function):
     """Identity forward; backward sums the gradient over `group` (a weight replicated over the group
     whose members each saw a different part of the batch)."""
@@ -174,7 +159,7 @@ class _SumGradient(torch.autograd.Function):
 def rms_norm(grid: Grid, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """models/llama.py RMSNorm on hidden-split activations."""
     xf = x.float()
-    squares = _AllReduce.apply(xf.pow(2).sum(-1, keepdim=True), grid.row)
+    squares = group_sum(xf.pow(2).sum(-1, keepdim=True), grid.row)
     dim = x.shape[-1] * grid.q
     weight = _SumGradient.apply(norm.weight.to_local(), grid.col)
     return (xf * torch.rsqrt(squares / dim + norm.eps)).type_as(x) * weight
