@@ -167,9 +167,16 @@ def tensor_parallel_rules(s: Any, lay: Layout, seq_len: int, node_size: int = 0)
         yield Violation("seq % tp", "train.seq_len", f"sequence parallelism splits the sequence over tp={tp} ranks, "
                         f"but seq_len={seq_len} is not divisible by it",
                         f"choose seq_len divisible by {tp}, or set parallel.sequence_parallel=false")
+    yield from _some(tp_node_rule(tp, node_size))
+
+
+def tp_node_rule(tp: int, node_size: int) -> Violation | None:
+    """The planner's choice (layout_rules' node_size > 0) to keep every TP group, 1-D or 2-D, inside a
+    node: its per-layer collectives need the intra-node fabric."""
     if node_size and tp > node_size:
-        yield Violation("tp > gpus_per_node", "parallel.tp", f"tp({tp}) spans nodes of {node_size} GPUs",
-                        "keep tp <= cluster.gpus_per_node (or pass --allow-cross-node-tp)")
+        return Violation("tp > gpus_per_node", "parallel.tp", f"tp({tp}) spans nodes of {node_size} GPUs",
+                         "keep tp <= cluster.gpus_per_node (or pass --allow-cross-node-tp)")
+    return None
 
 
 TP_MODES = ("1d", "2d")
@@ -199,9 +206,7 @@ def tensor_parallel_2d_rules(s: Any, lay: Layout, node_size: int = 0, precision:
         yield Violation("tp2d split", "train.micro_batch", f'tp_mode="2d" splits each micro-batch\'s sequences over the '
                         f"q={q} grid rows, but micro_batch={lay.micro_batch} is not divisible by {q}",
                         f"choose train.micro_batch divisible by {q}")
-    if node_size and tp > node_size:
-        yield Violation("tp > gpus_per_node", "parallel.tp", f"tp({tp}) spans nodes of {node_size} GPUs",
-                        "keep tp <= cluster.gpus_per_node (or pass --allow-cross-node-tp)")
+    yield from _some(tp_node_rule(tp, node_size))
     missing = [(lay.pp > 1, "parallel.pp", f"pp={lay.pp}", "set parallel.pp=1"),
                (lay.cp > 1, "parallel.cp", f"cp={lay.cp}", "set parallel.cp=1"),
                (lay.ep > 1 or s.moe is not None, "parallel.ep", "expert parallelism / an MoE model",
