@@ -63,6 +63,7 @@ from shardwise.train.control import Control
 FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 TRAINER_STATE = "trainer_state.json"
 RANK_STATE = "rank_state"
+RNG = "rng"
 # What DCP pickles into `.metadata` (torch 2.13): its metadata dataclasses, torch.Size, dtypes, layouts
 # (by name, through torch.serialization._get_layout) and the checkpoint's path.
 _METADATA_GLOBALS = {
@@ -235,15 +236,9 @@ class CheckpointManager:
             self._failed(error, step, tmp, report=self.rank == 0)
 
         def local_files() -> None:
-            buf = io.BytesIO()
-            torch.save(_rng_state(), buf)
-            (tmp / "rng").mkdir(exist_ok=True)
-            (tmp / "rng" / f"rank_{self.rank}.pt").write_bytes(buf.getvalue())
+            _write_rank_file(tmp, RNG, self.rank, _rng_state())
             if rank_state is not None:
-                buf = io.BytesIO()
-                torch.save(rank_state, buf)
-                (tmp / RANK_STATE).mkdir(exist_ok=True)
-                (tmp / RANK_STATE / f"rank_{self.rank}.pt").write_bytes(buf.getvalue())
+                _write_rank_file(tmp, RANK_STATE, self.rank, rank_state)
             if self.rank == 0:
                 (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
                 for name, src in extra_files.items():
@@ -367,16 +362,30 @@ class CheckpointManager:
             _load_zero1_state(model, optimizer, state["optim"])
         else:
             set_optimizer_state_dict(model, optimizer, state["optim"], options=FLAT_OPTIM)
-        rng_file = path / "rng" / f"rank_{self.rank}.pt"
-        if rng_file.exists():
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+        rng = _read_rank_file(path, RNG, self.rank)
+        if rng is not None:
+            _set_rng_state(rng)
         return json.loads((path / TRAINER_STATE).read_text())
 
 
-def read_rank_state(path: Path, rank: int) -> dict | None:
-    """This rank's rank_state file of checkpoint `path` (verified with the rest before loading), or None."""
-    file = path / RANK_STATE / f"rank_{rank}.pt"
+def _write_rank_file(directory: Path, kind: str, rank: int, state: dict) -> None:
+    """`state` (tensors, ints, strings) as <directory>/<kind>/rank_<rank>.pt."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    (directory / kind).mkdir(exist_ok=True)
+    (directory / kind / f"rank_{rank}.pt").write_bytes(buf.getvalue())
+
+
+def _read_rank_file(path: Path, kind: str, rank: int) -> dict | None:
+    """What _write_rank_file wrote for `rank` in checkpoint `path` (verified with the rest before
+    loading), through the weights-only unpickler; None if it has no such file."""
+    file = path / kind / f"rank_{rank}.pt"
     return torch.load(file, weights_only=True) if file.is_file() else None
+
+
+def read_rank_state(path: Path, rank: int) -> dict | None:
+    """This rank's rank_state file of checkpoint `path` (gradient compression's state), or None."""
+    return _read_rank_file(path, RANK_STATE, rank)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
