@@ -44,8 +44,6 @@ autograd Functions below; each returns its gradient as the parameter's own local
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -278,9 +276,3 @@ def _swiglu(grid: Grid, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = summa(grid, x, mlp.w1, mlp.w3)
     return summa(grid, F.silu(gate) * up, mlp.w2)[0]
 
-
-def grid_size(tp: int) -> int:
-    """q for tp = q^2 (callers have checked tp is a perfect square: spec/rules.py)."""
-    q = math.isqrt(tp)
-    assert q * q == tp, tp
-    return q
