@@ -12,7 +12,7 @@ another, so only one tile's working memory is live at a time. Here the split is 
     GELU-MLP: proj(gelu(fc x + b1)) + b2 = sum_i proj[:, i] gelu(fc[i] x + b1[i]) + b2
 
 with w1[i] / w3[i] / fc[i] row slices and w2[:, i] / proj[:, i] the matching column slices
-(torch.tensor_split: uneven splits are fine). A custom autograd.Function saves only x and the weights
+(_slices, the cuts torch.tensor_split makes: uneven splits are fine). A custom autograd.Function saves only x and the weights
 (no ffn-wide tensor); backward recomputes each tile's up-projection and pointwise ops, one tile at a
 time, and writes that tile's slice of full-size weight gradients allocated once (autograd's own
 SliceBackward would allocate a zero tensor of the full weight per tile).
@@ -99,10 +99,6 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
-
-
 class _TiledSwiGLUFunction(torch.autograd.Function):
     """out = w2(silu(w1 x) * w3 x), in `tiles` tiles along the hidden dim; saves x and the weights only."""
 
@@ -114,10 +110,9 @@ class _TiledSwiGLUFunction(torch.autograd.Function):
         ctx.tiles, ctx.x_dtype = tiles, x.dtype
         with torch.autocast(x.device.type, enabled=False):
             out = None
-            for r1, r3, c2 in zip(torch.tensor_split(w1, tiles, 0), torch.tensor_split(w3, tiles, 0),
-                                  torch.tensor_split(w2, tiles, 1)):
-                h = F.silu(F.linear(xc, r1.to(dtype))) * F.linear(xc, r3.to(dtype))
-                part = F.linear(h, c2.to(dtype))
+            for sl in _slices(w1.shape[0], tiles):  # w1 / w3 rows and w2 columns: the ffn dim
+                h = F.silu(F.linear(xc, w1[sl].to(dtype))) * F.linear(xc, w3[sl].to(dtype))
+                part = F.linear(h, w2[:, sl].to(dtype))
                 del h  # this tile's ffn-wide tensors die here, before the next tile's are made
                 out = part.to(_acc_dtype(dtype)) if out is None else out.add_(part)
         return out.to(dtype)
@@ -136,22 +131,21 @@ class _TiledSwiGLUFunction(torch.autograd.Function):
         dw3 = torch.empty_like(w3) if need_w3 else None
         dw2 = torch.empty_like(w2) if need_w2 else None
         with torch.autocast(xc.device.type, enabled=False):
-            for sl1, sl3, sl2 in zip(_slices(w1.shape[0], ctx.tiles), _slices(w3.shape[0], ctx.tiles),
-                                     _slices(w2.shape[1], ctx.tiles)):
-                r1, r3, c2 = w1[sl1].to(dtype), w3[sl3].to(dtype), w2[:, sl2].to(dtype)
+            for sl in _slices(w1.shape[0], ctx.tiles):
+                r1, r3, c2 = w1[sl].to(dtype), w3[sl].to(dtype), w2[:, sl].to(dtype)
                 a = torch.mm(x2, r1.t())  # recomputed: w1 x and w3 x of this tile
                 b = torch.mm(x2, r3.t())
                 s = F.silu(a)
                 if need_w2:
-                    dw2[:, sl2].copy_(torch.mm(dy.t(), s * b))
+                    dw2[:, sl].copy_(torch.mm(dy.t(), s * b))
                 dh = torch.mm(dy, c2)
                 da = torch.ops.aten.silu_backward(dh * b, a)  # the kernel autograd's SiluBackward runs
                 db = dh * s
                 del a, b, s, dh
                 if need_w1:
-                    dw1[sl1].copy_(torch.mm(da.t(), x2))
+                    dw1[sl].copy_(torch.mm(da.t(), x2))
                 if need_w3:
-                    dw3[sl3].copy_(torch.mm(db.t(), x2))
+                    dw3[sl].copy_(torch.mm(db.t(), x2))
                 if need_x:
                     dx.add_(torch.mm(da, r1)).add_(torch.mm(db, r3))
         dx = dx.reshape(xc.shape).to(ctx.x_dtype) if need_x else None
@@ -169,11 +163,11 @@ class _TiledGELUMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(xc, fc_w, fc_b, proj_w, proj_b)
         ctx.tiles, ctx.x_dtype = tiles, x.dtype
         with torch.autocast(x.device.type, enabled=False):
-            biases = torch.tensor_split(fc_b, tiles, 0) if fc_b is not None else (None,) * tiles
             out = None
-            for r, rb, c in zip(torch.tensor_split(fc_w, tiles, 0), biases, torch.tensor_split(proj_w, tiles, 1)):
-                g = F.gelu(F.linear(xc, r.to(dtype), _cast(rb, dtype)), approximate="tanh")
-                part = F.linear(g, c.to(dtype))
+            for sl in _slices(fc_w.shape[0], tiles):  # fc rows (and bias) and proj columns: the ffn dim
+                bias = fc_b[sl].to(dtype) if fc_b is not None else None
+                g = F.gelu(F.linear(xc, fc_w[sl].to(dtype), bias), approximate="tanh")
+                part = F.linear(g, proj_w[:, sl].to(dtype))
                 del g
                 out = part.to(_acc_dtype(dtype)) if out is None else out.add_(part)
             if proj_b is not None:
@@ -194,13 +188,13 @@ class _TiledGELUMLPFunction(torch.autograd.Function):
         dpw = torch.empty_like(proj_w) if need_pw else None
         dpb = dy.sum(0, dtype=acc).to(proj_b.dtype) if need_pb and proj_b is not None else None
         with torch.autocast(xc.device.type, enabled=False):
-            for sl, slc in zip(_slices(fc_w.shape[0], ctx.tiles), _slices(proj_w.shape[1], ctx.tiles)):
-                r, c = fc_w[sl].to(dtype), proj_w[:, slc].to(dtype)
+            for sl in _slices(fc_w.shape[0], ctx.tiles):
+                r, c = fc_w[sl].to(dtype), proj_w[:, sl].to(dtype)
                 a = torch.mm(x2, r.t())  # recomputed: fc x of this tile
                 if fc_b is not None:
                     a.add_(fc_b[sl].to(dtype))
                 if need_pw:
-                    dpw[:, slc].copy_(torch.mm(dy.t(), F.gelu(a, approximate="tanh")))
+                    dpw[:, sl].copy_(torch.mm(dy.t(), F.gelu(a, approximate="tanh")))
                 da = torch.ops.aten.gelu_backward(torch.mm(dy, c), a, approximate="tanh")
                 del a
                 if need_fw:
