@@ -13,7 +13,7 @@ from typing import Iterable
 from shardwise.config import Config
 from shardwise.errors import ConfigError, Violation
 from shardwise.spec import rules
-from shardwise.spec.dims import OFFLOAD_TIERS, ParallelDims, offload_tier
+from shardwise.spec.dims import ParallelDims, offload_tier
 from shardwise.spec.layout import COMPILE_BACKENDS, FP8_RECIPES, PP_SPLITS, PRECISIONS, RECOMPUTE, RECOMPUTE_POLICIES, Layout
 from shardwise.spec.shapes import ModelShape
 from shardwise.spec.stages import SCHEDULES
@@ -67,9 +67,8 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     _choice("parallel.pp_schedule", p.pp_schedule, SCHEDULES)
     _choice("parallel.pp_split", p.pp_split, PP_SPLITS)
     _positive("parallel.pp_virtual_stages", p.pp_virtual_stages)
-    _choice("parallel.offload", offload_tier(p), OFFLOAD_TIERS)
     _positive("parallel.linear_tiles", p.linear_tiles)
-    if offload_tier(p) == "nvme":
+    if offload_tier(p) == "nvme":  # (offload_tier refuses an unknown tier)
         check_offload_dir(p.offload_dir)
     dims = ParallelDims.from_config(p, world_size)
     layout = Layout.from_config(cfg, world_size)

@@ -21,10 +21,14 @@ OFFLOAD_TIERS = ("none", "cpu", "nvme")
 
 def offload_tier(p: Any) -> str:
     """parallel.offload as a tier name: the config maps the old true/false to "cpu"/"none" (config.py
-    aliases); a bool still arrives from objects built in code."""
+    aliases); a bool still arrives from objects built in code. Every reader (trainer, preflight, the
+    planner's Layout) goes through here, so an unknown tier is refused here, for all of them."""
     value = getattr(p, "offload", "none")
     if isinstance(value, bool):
         return "cpu" if value else "none"
+    if value not in OFFLOAD_TIERS:
+        raise Violation("offload", "parallel.offload", f"{value!r} is not one of {', '.join(OFFLOAD_TIERS)}",
+                        f"set parallel.offload to one of: {', '.join(OFFLOAD_TIERS)}").error()
     return value
 
 
