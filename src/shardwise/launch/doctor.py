@@ -26,6 +26,7 @@ from shardwise.launch import nccl_log
 from shardwise.launch.local import check_nproc
 from shardwise.launch.nccl_log import FAIL, OK, SKIP, WARN
 from shardwise.plan.calibration import bandwidths
+from shardwise.spec.dims import NVME_CHUNK_BYTES
 
 RESULT_TAG = "SHARDWISE_DOCTOR_RESULT "
 # Docker's default /dev/shm is 64 MiB: NCCL's SHM transport and DataLoader workers need far more.
@@ -341,7 +342,7 @@ def diagnose(nproc: int | None) -> dict:
             "versions": facts, "devices": gpus, "cpu_cores": cpu_cores(), "infiniband": ib_ports, "environment": nccl_env, **run}
 
 
-DISK_CHUNK_BYTES = 64 << 20  # what parallel/offload.py reads and writes at a time (DEFAULT_CHUNK_BYTES)
+DISK_CHUNK_BYTES = NVME_CHUNK_BYTES  # what parallel/offload.py reads and writes at a time (spec/dims.py)
 
 
 def disk_bandwidth(directory: str | Path, mib: int = 256) -> dict:

@@ -39,8 +39,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-STATE_BYTES_PER_ELEMENT = 8  # exp_avg + exp_avg_sq, fp32 (AdamW's state for fp32 master parameters)
-DEFAULT_CHUNK_BYTES = 64 << 20
+from shardwise.spec.dims import NVME_CHUNK_BYTES, NVME_STATE_BYTES_PER_PARAM
+
+# exp_avg + exp_avg_sq, fp32 (AdamW's state for fp32 master parameters), and the chunk of it read and
+# written at a time: spec/dims.py, shared with the planner and `doctor --disk`.
+STATE_BYTES_PER_ELEMENT = NVME_STATE_BYTES_PER_PARAM
+DEFAULT_CHUNK_BYTES = NVME_CHUNK_BYTES
 
 
 @dataclass

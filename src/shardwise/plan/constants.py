@@ -8,6 +8,8 @@ Where a number is an assumption rather than a measurement, it says so. Change th
 """
 from __future__ import annotations
 
+from shardwise.spec import dims
+
 # ---------------------------------------------------------------------------------------------------
 # Matmul (GEMM) throughput
 # ---------------------------------------------------------------------------------------------------
@@ -160,8 +162,8 @@ HOST_USABLE_FRACTION = 0.80
 # fp32 = 8 bytes per parameter of the rank's shard (offload.py STATE_BYTES_PER_ELEMENT), live in a file;
 # each step reads and writes all of it in chunks of DEFAULT_CHUNK_BYTES = 64 MiB of state (a tensor
 # larger than that is a chunk of its own), with one I/O thread and two chunk buffers in host memory.
-NVME_STATE_BYTES_PER_PARAM = 8
-NVME_CHUNK_BYTES = 64 * 2**20
+NVME_STATE_BYTES_PER_PARAM = dims.NVME_STATE_BYTES_PER_PARAM  # one definition with the trainer's: spec/dims.py
+NVME_CHUNK_BYTES = dims.NVME_CHUNK_BYTES
 NVME_BUFFERS = 2
 # Local NVMe bandwidth per GPU for that file, GB/s, sequential. DGX H100 ships 8x 3.84 TB U.2 NVMe data
 # drives (NVIDIA DGX H100 datasheet: "Internal storage 30 TB (8x 3.84 TB) U.2 NVMe"), i.e. one PCIe Gen4

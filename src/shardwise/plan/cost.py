@@ -42,7 +42,7 @@ from shardwise.plan.compute_time import (  # noqa: F401  (gemm_time: re-exported
 )
 from shardwise.plan.inventory import RankModel, pipeline_ranks
 from shardwise.plan.layout import Problem
-from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes
+from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.layout import Layout
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -294,9 +294,7 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel, detail: dict
         detail["offload_adamw_s"] = adamw
     if not lay.nvme:
         return adamw + scaler
-    # the moments without the 4-byte step counters (which stay in memory), as plan/memory.py counts them
-    mixed = problem.model_states == "mixed" and problem.low_precision
-    moments = C.NVME_STATE_BYTES_PER_PARAM * (st.optimizer / 12 if mixed else (st.optimizer - 4 * st.tensors) / 8)
+    moments = nvme_moment_bytes(st.optimizer, st.tensors, problem.model_states == "mixed" and problem.low_precision)
     read, write = problem.cluster.disk_bytes_per_s()
     disk = moments / read + moments / write
     chunk = min(moments, C.NVME_CHUNK_BYTES)

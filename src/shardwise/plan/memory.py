@@ -109,6 +109,14 @@ class StateBytes:
 
 
 @lru_cache(maxsize=65536)
+def nvme_moment_bytes(optimizer_bytes: float, tensors: int, mixed: bool) -> float:
+    """The part of `optimizer_bytes` (one rank's AdamW state) that offload="nvme" keeps in its file: the
+    fp32 exp_avg + exp_avg_sq, without the 4-byte step counter of each of `tensors` parameter tensors,
+    which stays in memory; with "mixed" model states, without the fp32 master copy (12 B/param)."""
+    per_param = optimizer_bytes / 12 if mixed else (optimizer_bytes - 4 * tensors) / 8
+    return C.NVME_STATE_BYTES_PER_PARAM * per_param
+
+
 def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero: int, shard: int,
                       ep_shard: int, tp_mode: str = "1d") -> StateBytes:
     """Parameters, gradients and optimizer state one rank holds (before offload), see module doc.
@@ -380,7 +388,7 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
     cpu = disk = 0.0
     if offload and nvme:
         # The moments go to the file; the step counters and two chunk buffers stay in memory (module doc).
-        moments = C.NVME_STATE_BYTES_PER_PARAM * (opt / 12 if mixed else (opt - 4 * st.tensors) / 8)
+        moments = nvme_moment_bytes(opt, st.tensors, mixed)
         buffers = C.NVME_BUFFERS * min(moments, max(C.NVME_CHUNK_BYTES, C.NVME_STATE_BYTES_PER_PARAM * st.largest_numel))
         disk = moments
         opt = opt - moments + buffers

@@ -17,6 +17,11 @@ AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
+# The "nvme" tier's file (parallel/offload.py NvmeAdamW), as the trainer writes it, the planner prices it
+# (plan/memory.py, cost.py) and `shardwise doctor --disk` measures a disk for it: AdamW's exp_avg +
+# exp_avg_sq in fp32 per parameter, read and written in chunks of this much state.
+NVME_STATE_BYTES_PER_PARAM = 8
+NVME_CHUNK_BYTES = 64 << 20
 
 
 def offload_tier(p: Any) -> str:
