@@ -4,11 +4,17 @@ Fork is used because it starts a 4-process group in ~4 s instead of ~10 s with s
 It is only safe while the parent has run no multi-threaded work, so callers run their
 single-process references *after* the worlds they need. Every child is joined or killed and
 every exit code checked; a failure re-raises the child's traceback in the parent.
+
+A child's result crosses to the parent as bytes (plain pickle: a tensor's data travels inside them),
+never as an object on the queue: the queue's pickler would share a tensor's storage by file descriptor,
+which the parent fetches from the child's resource-sharer thread when it unpickles, and a child that has
+already exited leaves it `ConnectionResetError` (test_offload.py failed so about 1 run in 3).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -24,18 +30,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def report(results, rank: int, status: str, value: Any) -> None:
+    """Put (rank, status, value) on `results` as self-contained bytes: readable after the sender exited."""
+    results.put(pickle.dumps((rank, status, value), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(results, timeout: float) -> tuple[int, str, Any]:
+    """The next (rank, status, value) a child reported (queue.Empty after `timeout` seconds). The bytes
+    come from our own forked child, the one sender this queue has."""
+    return pickle.loads(results.get(timeout=timeout))
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable[[int], Any], results) -> None:
     import torch
     import torch.distributed as dist
+
+    from shardwise.train.network import pin_gloo_interface
 
     torch.set_num_threads(1)
     code = 0
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        pin_gloo_interface(os.environ)  # on loopback, whatever the host name resolves to
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
-        results.put((rank, "ok", fn(rank)))
+        report(results, rank, "ok", fn(rank))
     except BaseException:  # report every failure, including assertion errors, to the parent
-        results.put((rank, "error", traceback.format_exc()))
+        report(results, rank, "error", traceback.format_exc())
         code = 1
     finally:
         if dist.is_initialized():
@@ -62,7 +82,7 @@ def run_world(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600)
         deadline = time.monotonic() + timeout_s
         while len(collected) < world_size and time.monotonic() < deadline:
             try:
-                rank, status, value = results.get(timeout=1.0)
+                rank, status, value = receive(results, timeout=1.0)
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
                     break  # a rank died without reporting (crash, kill): stop waiting for it

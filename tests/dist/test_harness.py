@@ -1,0 +1,45 @@
+"""The test harness's own promises (tests/harness.py): a child's result reaches the parent whatever the
+timing, and a world's gloo stays on loopback."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import torch
+
+from tests import harness
+
+
+def _report_and_exit(results) -> None:
+    harness.report(results, 0, "ok", {"weight": torch.arange(6.0).reshape(2, 3), "loss": 1.5})
+    results.close()
+    results.join_thread()
+    os._exit(0)  # as harness._child ends: gone before the parent reads
+
+
+def test_a_result_outlives_the_child_that_sent_it():
+    """The parent reads only after the child has exited: the worst case of the race that made
+    test_offload.py's fixture fail with ConnectionResetError (a tensor put on the queue as an object is
+    shared by file descriptor, fetched from the sender when unpickled: here it fails every time)."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=_report_and_exit, args=(results,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    rank, status, value = harness.receive(results, timeout=10)
+    assert (rank, status, value["loss"]) == (0, "ok", 1.5)
+    assert value["weight"].equal(torch.arange(6.0).reshape(2, 3))
+
+
+def test_world_results_and_gloo_interface():
+    def fn(rank: int) -> dict:
+        import torch.distributed as dist
+
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)
+        return {"sum": t, "gloo": os.environ.get("GLOO_SOCKET_IFNAME")}
+
+    out = harness.run_world(2, fn)
+    assert all(r["sum"].equal(torch.full((3,), 3.0)) for r in out)
+    assert {r["gloo"] for r in out} == {"lo"}  # the loopback interface, whatever the host name resolves to
