@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -87,7 +86,7 @@ def start(root: Path, commands: dict[str, str]) -> LocalSlurm:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     munge_socket = root / "munge.socket"
-    host = socket.gethostname().split(".")[0]
+    host = "localhost"  # the node and its controller are named for loopback: jobs rendezvous there (tests talk only to loopback)
     conf = root / "slurm.conf"
     conf.write_text(_slurm_conf(root, host, os.cpu_count() or 1, munge_socket))
     cluster = LocalSlurm(root, {**os.environ, "SLURM_CONF": str(conf)}, commands["munged"])

@@ -247,7 +247,7 @@ def test_pipeline_activation_peaks_match_within_3_percent(measured, base_overrid
             assert got > 0 and abs(predicted - got) / got <= PP_ACTIVATION_RTOL, (name, label, rank, predicted, got)
 
 
-def test_print_measured_vs_predicted(measured, base_overrides, capsys):
+def test_print_measured_vs_predicted(measured, base_overrides):
     """The table of the closing note (`pytest -s -k print_measured`)."""
     lines = [f"{'layout':<28} {'category':<12} {'measured (max rank)':>20} {'predicted':>12} {'error':>8}"]
     worst = 0.0
@@ -260,8 +260,7 @@ def test_print_measured_vs_predicted(measured, base_overrides, capsys):
                 worst = max(worst, abs(err))
                 where = f"{name} {label}".strip()
                 lines.append(f"{where:<28} {category:<12} {got:>20,} {predicted[category]:>12,.0f} {err * 100:>7.3f}%")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines) + f"\nworst |error| {worst * 100:.3f}%")
+    print("\n" + "\n".join(lines) + f"\nworst |error| {worst * 100:.3f}%")  # shown with -s, or when it fails
     assert worst <= ACTIVATION_RTOL
 
 
@@ -281,7 +280,7 @@ def test_comm_bytes_per_axis_match_within_5_percent(measured, base_overrides, na
             assert abs(want[axis] - nbytes) <= COMM_RTOL * nbytes, (name, rank, axis, want[axis], nbytes)
 
 
-def test_print_comm_measured_vs_predicted(measured, base_overrides, capsys):
+def test_print_comm_measured_vs_predicted(measured, base_overrides):
     """The communication table of the closing note (`pytest -s -k print_comm`)."""
     from shardwise.plan.comm import predict_comm_bytes
 
@@ -296,5 +295,4 @@ def test_print_comm_measured_vs_predicted(measured, base_overrides, capsys):
                     got, want = sum(kinds.values()), sum(predicted.get(axis, {}).values())
                     where = f"{name} {label}".strip()
                     lines.append(f"{where:<28} {axis:<14} {got:>12,} {want:>12,} {(want - got) / got * 100:>7.3f}%")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
+    print("\n" + "\n".join(lines))  # shown with -s

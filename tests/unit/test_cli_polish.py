@@ -28,11 +28,11 @@ def test_multinode_loopback_endpoint_is_refused(endpoint, capsys):
 
 
 @pytest.mark.parametrize("args,field", [
-    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "192.0.2.1:29400"], "--node-rank"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "198.51.100.1:29400"], "--node-rank"),
     (["--nnodes", "2"], "--rdzv-endpoint"),
     (["--nnodes", "0"], "--nnodes"),
-    (["--rdzv-endpoint", "192.0.2.1:29400"], "--rdzv-endpoint"),  # endpoint without --nnodes > 1
-    (["--nnodes", "2", "--rdzv-endpoint", "192.0.2.1:http"], "--rdzv-endpoint"),
+    (["--rdzv-endpoint", "198.51.100.1:29400"], "--rdzv-endpoint"),  # endpoint without --nnodes > 1
+    (["--nnodes", "2", "--rdzv-endpoint", "198.51.100.1:http"], "--rdzv-endpoint"),
 ])
 def test_multinode_arguments_are_checked(args, field, capsys):
     assert main(["train", "--nproc", "1", *args]) == 2
@@ -40,24 +40,25 @@ def test_multinode_arguments_are_checked(args, field, capsys):
 
 
 def test_multinode_torchrun_arguments():
-    assert split_endpoint("[fd00::2]:29400") == ("fd00::2", 29400) and split_endpoint("node0") == ("node0", None)
-    node0 = MultiNode(2, 0, "192.0.2.1:29400", "job-1").torchrun_args()
-    node1 = MultiNode(2, 1, "192.0.2.1:29400", "job-1", "192.0.2.7").torchrun_args()
-    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=192.0.2.1:29400", "--rdzv-id=job-1"} <= set(node0)
+    assert split_endpoint("[2001:db8::2]:29400") == ("2001:db8::2", 29400) and split_endpoint("node0") == ("node0", None)
+    node0 = MultiNode(2, 0, "198.51.100.1:29400", "job-1").torchrun_args()
+    node1 = MultiNode(2, 1, "198.51.100.1:29400", "job-1", "198.51.100.7").torchrun_args()
+    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=198.51.100.1:29400", "--rdzv-id=job-1"} <= set(node0)
     assert "--rdzv-conf=is_host=true" in node0 and "--rdzv-conf=is_host=false" in node1  # node 0 serves the store
-    assert "--node-rank=1" in node1 and "--local-addr=192.0.2.7" in node1
+    assert "--node-rank=1" in node1 and "--local-addr=198.51.100.7" in node1
     assert check_multinode(1, 0, None, "x") is None
-    # Node 0 serves the rendezvous store: its endpoint must be one of its own addresses (192.0.2.0/24 is
-    # TEST-NET-1, documentation only, so it is nobody's address... unless a sandbox uses it for this machine).
+    # Node 0 serves the rendezvous store: its endpoint must be one of its own addresses (198.51.100.0/24 is
+    # TEST-NET-2, for documentation only (RFC 5737), so nobody's address; the bind proves it here).
     import socket
 
     try:
         with socket.socket() as s:
-            s.bind(("192.0.2.123", 0))
+            s.bind(("198.51.100.123", 0))
     except OSError:
         with pytest.raises(ConfigError, match="not an address of this machine"):
-            check_multinode(2, 0, "192.0.2.123:29400", "job")
-    assert check_multinode(2, 1, "192.0.2.123:29400", "job") is not None  # other nodes only dial it
+            check_multinode(2, 0, "198.51.100.123:29400", "job")
+    # Other nodes only dial it, once they run: the check sends nothing (a UDP connect only picks a route).
+    assert check_multinode(2, 1, "198.51.100.123:29400", "job") is not None
 
 
 def test_run_dir_lock_is_shared_by_the_job_across_nodes(tmp_path, monkeypatch):

@@ -44,9 +44,9 @@ def test_printed_mpirun_command_for_two_hosts_of_eight(in_run_dir, capsys, monke
 
 
 def test_mpirun_command_takes_master_addr_from_the_environment():
-    text = mpirun_command("run.toml", [], [Host("a", 2)], {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "12345",
+    text = mpirun_command("run.toml", [], [Host("a", 2)], {"MASTER_ADDR": "198.51.100.1", "MASTER_PORT": "12345",
                                                           "UCX_NET_DEVICES": "mlx5_0:1"}, {}, "python")
-    assert "export MASTER_ADDR=10.0.0.1 MASTER_PORT=12345" in text and "-x UCX_NET_DEVICES " in text
+    assert "export MASTER_ADDR=198.51.100.1 MASTER_PORT=12345" in text and "-x UCX_NET_DEVICES " in text
 
 
 @pytest.mark.parametrize("hosts", ["a:8,b", "a:0", ":8", "a:8,a:8", "a:x"])

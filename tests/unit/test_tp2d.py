@@ -81,11 +81,10 @@ def test_two_d_moves_less_than_one_d_at_scale_and_holds_fewer_weights():
     assert 0.9 < p2 / p1 < 1.3  # the embedding replicated over grid rows costs V·h/q - V·h/q^2
 
 
-def test_table_of_1d_2d_25d_3d(capsys):
+def test_table_of_1d_2d_25d_3d():
     s = _shape("llama3-8b")
     rows = tp2d.table(s, (16, 64), 1, 8192)
-    with capsys.disabled():
-        print("\n" + "\n".join(rows))
+    print("\n" + "\n".join(rows))  # shown with -s
     names = [(r.split("|")[1].strip(), int(r.split("|")[2])) for r in rows[2:]]
     assert names == [("1-D (Megatron + SP)", 16), ("2-D (SUMMA)", 16), ("1-D (Megatron + SP)", 64), ("2-D (SUMMA)", 64),
                      ("2.5-D (d=4)", 64), ("3-D", 64)]

@@ -185,6 +185,9 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
+    from shardwise.train.network import pin_gloo_interface
+
+    pin_gloo_interface(os.environ, "127.0.0.1")  # the ranks of this check share the machine: gloo on loopback
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

@@ -8,7 +8,6 @@ error that is not just the consequence of a lost peer (its traceback is in <run.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from shardwise.errors import (
     ConfigError,
     interrupt_exit_code,
 )
+from shardwise.train.network import is_loopback, source_address
 
 # When several workers failed with their own codes, the most specific wins.
 _PRIORITY = (EXIT_BAD_INPUT, EXIT_IO, EXIT_DIVERGED, EXIT_STALLED, EXIT_SIGTERM, EXIT_SIGINT)
@@ -71,7 +71,10 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
 
     # Split the cores between the workers (torchrun would pick 1 and warn); a user's setting wins.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    argv = nodes.torchrun_args() if nodes is not None else ["--standalone"]
+    # One node: the workers find the agent's store on loopback (torch would publish the host name's
+    # fully qualified name, which resolves to a network address on many machines: traffic that never
+    # needs to leave this machine would go out through its interface's address).
+    argv = nodes.torchrun_args() if nodes is not None else ["--standalone", "--local-addr=127.0.0.1"]
     argv += [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", f"--shutdown-timeout={SHUTDOWN_GRACE_S}"]
     # torchrun's default log directory is a fresh /tmp/torchelastic_* that it never removes (one per
@@ -209,25 +212,9 @@ def _loopback(host: str) -> str | None:
                           "use an address or host name of node 0 that every node resolves") from None
     for info in infos:
         addr = info[4][0].split("%")[0]
-        if ipaddress.ip_address(addr).is_loopback:
+        if is_loopback(addr):
             return addr
     return None
-
-
-def _address_towards(host: str, port: int | None) -> str | None:
-    """This machine's source address for reaching `host` (a UDP connect sends nothing; the kernel just
-    picks the route). Passed as torchrun's --local-addr: the rendezvous publishes the first node's
-    address as MASTER_ADDR for every worker, and by default that is the host name's own resolution,
-    which /etc/hosts often maps to 127.0.x.1 (the other nodes would then dial themselves)."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        infos = socket.getaddrinfo(host, port or 29400, family, socket.SOCK_DGRAM)
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(infos[0][4])
-            addr = s.getsockname()[0]
-    except OSError:
-        return None
-    return None if ipaddress.ip_address(addr.split("%")[0]).is_loopback else addr
 
 
 def check_multinode(nnodes: int, node_rank: int, endpoint: str | None, rdzv_id: str) -> MultiNode | None:
@@ -260,7 +247,11 @@ def check_multinode(nnodes: int, node_rank: int, endpoint: str | None, rdzv_id: 
         raise ConfigError("--rdzv-endpoint", f"{host} is not an address of this machine, but node 0 serves the "
                           "rendezvous (the other nodes would wait for a server at an address nobody listens on)",
                           "on node 0 pass one of its own reachable addresses (`hostname -I`), the same on every node")
-    return MultiNode(nnodes, node_rank, endpoint, rdzv_id, _address_towards(host, port))
+    # The address the rendezvous publishes as MASTER_ADDR when this node's agent serves it: the one this
+    # machine reaches the endpoint from, not the host name's resolution (often 127.0.x.1: the other nodes
+    # would then dial themselves; train/network.py).
+    local = source_address(host, port)
+    return MultiNode(nnodes, node_rank, endpoint, rdzv_id, None if local is None or is_loopback(local) else local)
 
 
 def _is_local(host: str) -> bool:

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
 from shardwise.errors import ConfigError
+from shardwise.train.network import pin_gloo_interface
 
 if TYPE_CHECKING:
     import torch
@@ -195,6 +196,7 @@ def init_distributed(timeout_s: float = 600) -> bool:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // where.local_world_size))
     # torch's flight recorder (also on gloo): the stall report names each rank's last collectives.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    pin_gloo_interface(os.environ)  # gloo on the network that reaches the rendezvous (train/network.py)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
