@@ -128,3 +128,40 @@ def test_bad_offload_settings_exit_2_before_anything_runs(args, field, text):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert field in run.stderr and text in run.stderr and "Traceback" not in run.stderr
+
+
+def test_offload_materializes_parameters_on_the_cpu_for_a_cuda_device():
+    """FSDP2's CPUOffloadPolicy needs the parameters materialised on the CPU; on CUDA they were put on
+    the GPU and the first forward raised (H100, 2026-11-25). Decided here for a CUDA device, on CPU."""
+    from shardwise.parallel.parallelize import state_devices
+    from shardwise.spec.dims import ParallelDims
+
+    cuda = torch.device("cuda", 0)
+    offloaded = ParallelDims(1, 1, 1, 1, 1, 1, 1, offload=True)
+    assert state_devices(offloaded, cuda) == (torch.device("cpu"), cuda)  # buffers (RoPE) where the forward runs
+    assert state_devices(ParallelDims(1, 1, 1, 1, 1, 1, 1), cuda) == (cuda, cuda)
+    assert state_devices(offloaded, torch.device("cpu")) == (torch.device("cpu"), torch.device("cpu"))
+
+
+def test_materialize_puts_buffers_apart_from_parameters():
+    """Parameters on one device, buffers on another (meta stands in for the GPU here): the values of
+    the parameters are those of a one-device materialisation."""
+    from shardwise.config import build_config
+    from shardwise.models import build_model
+    from shardwise.models.weights import weight_source
+    from shardwise.parallel.parallelize import materialize
+
+    cfg = build_config(None, [("model.preset", "tiny"), ("model.vocab_size", "64")])
+    models = []
+    for buffers_on in (None, torch.device("meta")):
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        materialize(model, torch.device("cpu"), weight_source(model, cfg.model.init_from, cfg.train.seed), buffers_on)
+        models.append(model)
+    one, split = models
+    assert all(p.device.type == "cpu" for p in split.parameters())
+    buffers = dict(split.named_buffers())
+    assert buffers and all(b.device.type == "meta" for b in buffers.values())
+    assert set(buffers) == {n for n, _ in one.named_buffers()}  # the same buffers, persistence kept
+    assert set(split.state_dict()) == set(one.state_dict())
+    assert all(p.equal(q) for p, q in zip(one.parameters(), split.parameters()))

@@ -97,9 +97,25 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
     # "ddp" wraps after materialize (build_parallel_model); "none" needs nothing.
 
 
+def state_devices(dims: ParallelDims, device: torch.device) -> tuple[torch.device, torch.device]:
+    """Where materialize puts (parameters, buffers) for a run on `device`.
+
+    With offload (parallel.offload "cpu" / "nvme") FSDP2's CPUOffloadPolicy owns the parameters' home:
+    the sharded parameters must be materialised on the CPU (FSDP2 copies each unit to the device for its
+    forward and backward, and refuses a CUDA parameter at its first forward: "FSDP parameters should be
+    materialized on CPU when enabling CPU offloading"), while buffers (the RoPE tables), which FSDP does
+    not manage, live where the forward runs. On a CPU device both are the CPU, which is why only a GPU
+    showed it; the decision is tested for a CUDA device on CPU (tests/unit/test_offload.py)."""
+    if dims.offload:
+        return torch.device("cpu"), device
+    return device, device
+
+
 @torch.no_grad()
-def materialize(model: Transformer, device: torch.device, source: WeightSource | None) -> None:
-    """Allocate the (possibly sharded) parameters and give them layout-independent values.
+def materialize(model: Transformer, device: torch.device, source: WeightSource | None,
+                buffer_device: torch.device | None = None) -> None:
+    """Allocate the (possibly sharded) parameters on `device`, the buffers on `buffer_device` (default:
+    `device`; state_devices says which), and give them layout-independent values.
 
     Each parameter's *global* value comes from `source` (models/weights.py: the name-seeded random init,
     or a Hugging Face checkpoint); a sharded parameter (DTensor) asks only for its slice. No random
@@ -111,6 +127,11 @@ def materialize(model: Transformer, device: torch.device, source: WeightSource |
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     model.to_empty(device=device)
+    if buffer_device is not None and buffer_device != device:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(name, torch.empty_like(buffer, device=buffer_device),
+                                       persistent=name not in module._non_persistent_buffers_set)
     for name, param in model.named_parameters() if source is not None else ():
         fqn = canonical_fqn(name)
         if isinstance(param, DTensor):
@@ -133,7 +154,8 @@ def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Conf
                          device: torch.device) -> nn.Module:
     """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
     parallelize(model, dims, mesh, cfg, device.type)
-    materialize(model, device, weight_source(model, cfg.model.init_from, cfg.train.seed))
+    params_on, buffers_on = state_devices(dims, device)
+    materialize(model, params_on, weight_source(model, cfg.model.init_from, cfg.train.seed), buffers_on)
     _finish(model, dims, cfg)
     if dims.wrapper(cfg.parallel.zero) == "ddp":
         return apply_ddp(model, mesh, dims, cfg.parallel)
@@ -163,7 +185,8 @@ def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, 
             part = build_model(cfg.model)
         part.keep_only(layers[stage], embedding=stage == 0, head=stage == last)
         parallelize(part, dims, mesh, cfg, device.type)
-        materialize(part, device, weight_source(part, cfg.model.init_from, cfg.train.seed))
+        params_on, buffers_on = state_devices(dims, device)
+        materialize(part, params_on, weight_source(part, cfg.model.init_from, cfg.train.seed), buffers_on)
         _finish(part, dims, cfg)
         stages[stage] = part
     model = stages[min(stages)] if len(stages) == 1 else _union(stages, cfg)
