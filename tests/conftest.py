@@ -29,12 +29,14 @@ def corpus_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def base_overrides(corpus_file, tmp_path_factory) -> list[tuple[str, str]]:
-    """Tiny llama, byte tokenizer, seq 32, global batch 8 — small enough for 4 ranks on 2 cores."""
+    """Tiny llama, byte tokenizer, seq 32, global batch 8 — small enough for 4 ranks on 2 cores. fp32 stated:
+    what the trainer picks on a CPU anyway, and what the planner must then price (unset, it plans bf16 for
+    its default GPU cluster)."""
     cache = tmp_path_factory.mktemp("cache")
     return [("data.path", str(corpus_file)), ("data.tokenizer", "byte"), ("data.cache_dir", str(cache)),
             ("model.preset", "tiny"), ("model.vocab_size", "512"), ("train.seq_len", "32"),
             ("train.global_batch", "8"), ("train.micro_batch", "8"), ("train.steps", "20"),
-            ("train.warmup_steps", "5"), ("train.lr", "3e-3"), ("run.progress", "false"),
+            ("train.warmup_steps", "5"), ("train.lr", "3e-3"), ("train.precision", "fp32"), ("run.progress", "false"),
             ("run.tensorboard", "false"), ("checkpoint.final", "false"), ("checkpoint.resume", "false")]
 
 

@@ -86,8 +86,13 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1.")
     beta2: float = opt(0.95, "AdamW beta2.")
     grad_clip: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.")
-    precision: str = opt("fp32", '"fp32", "bf16", "fp16" (dynamic loss scaling) or "fp8" (bf16 with FP8 GEMMs in the '
-                                 'linears of the blocks, torchao; GPUs with FP8, or emulated on CPU); master weights stay fp32.')
+    precision: str | None = opt(None, '"fp32", "bf16", "fp16" (dynamic loss scaling) or "fp8" (bf16 with FP8 GEMMs in the '
+                                      'linears of the blocks, torchao; GPUs with FP8, or emulated on CPU); master weights stay '
+                                      'fp32. Unset: "bf16" on a GPU that computes it (compute capability 8.0 and newer), '
+                                      '"fp32" on CPU and older GPUs; the start-up line says which.')
+    tf32: bool = opt(True, "On CUDA, fp32 matmuls and convolutions run on TF32 tensor cores (10-bit mantissa; 7.4x the "
+                           "fp32 peak of an H100); false keeps them in full fp32. No effect on CPU or in bf16 / fp16 "
+                           "GEMMs.")
     fp8_recipe: str = opt("tensorwise", 'For precision="fp8": "tensorwise" (one scale per tensor; FSDP2 gathers the weights in '
                                         'FP8) or "rowwise" (one scale per row: more accurate, slower).')
     recompute: str = opt("none", '"none", "selective" or "full" activation checkpointing.')

@@ -41,7 +41,8 @@ def check_model(cfg: Config) -> None:
 
 def check_train(cfg: Config) -> None:
     t = cfg.train
-    _choice("train.precision", t.precision, PRECISIONS)
+    if t.precision is not None:  # unset: the worker picks bf16 or fp32 by its device (parallel/precision.py)
+        _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.recompute", t.recompute, RECOMPUTE)
     _choice("train.recompute_policy", t.recompute_policy, RECOMPUTE_POLICIES)
     _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)

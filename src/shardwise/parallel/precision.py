@@ -6,13 +6,36 @@ param_dtype) casts them for the matmuls, and gradients are reduced in fp32 (redu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterable
 
 import torch
 
+from shardwise.config import Config
+from shardwise.spec.layout import default_precision
+
 # The compute dtype of each train.precision; "fp8" computes in bf16 outside the GEMMs torchao converts
 # (parallel/float8.py), so autocast, FSDP2's param_dtype and pipeline boundaries use bf16 for it.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> Config:
+    """`cfg` with train.precision decided for `device` when it is unset (spec/layout.py default_precision):
+    bf16 on a GPU whose tensor cores compute it (compute capability 8.0+; emulated bf16 does not count),
+    fp32 elsewhere. The planner decides the same from its device table (plan/layout.py Problem)."""
+    if cfg.train.precision is not None:
+        return cfg
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    train = dataclasses.replace(cfg.train, precision=default_precision(device.type, native_bf16))
+    return dataclasses.replace(cfg, train=train)
+
+
+def set_matmul_precision(tf32: bool, device: torch.device) -> None:
+    """train.tf32 on CUDA: fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores, or full fp32.
+    The process-wide switch PyTorch has for it; a CPU device leaves it alone (CPU tests stay bitwise)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:

@@ -18,7 +18,7 @@ from shardwise.plan import constants as C
 from shardwise.plan.calibration import AxisCalibration, MeasuredDevice, read_calibration
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
-from shardwise.spec.layout import PRECISIONS, Layout, attention_backend, compute_precision
+from shardwise.spec.layout import PRECISIONS, Layout, attention_backend, compute_precision, default_precision
 from shardwise.spec.shapes import ModelShape
 
 MODEL_STATES = ("shardwise", "mixed")
@@ -143,6 +143,8 @@ class Problem:
     # train.compile unset: the trainer also runs 2-D tensor-parallel layouts eagerly (parallel/compile.py
     # compile_enabled), so a 2-D candidate is priced eager (eager_for).
     compile_unset: bool = False
+    # train.tf32 on a GPU: fp32 GEMMs run on TF32 tensor cores (parallel/precision.py set_matmul_precision).
+    tf32: bool = False
 
     def eager_for(self, lay: Layout) -> bool:
         """Whether `lay` runs eagerly under this problem's train.compile (see compile_unset)."""
@@ -154,7 +156,7 @@ class Problem:
         shape = ModelShape.from_config(cfg.model)
         for v in (*rules.model_rules(shape), *rules.moe_rules(shape.moe, shape.n_layers)):
             raise v.error()
-        if t.precision not in PRECISIONS:
+        if t.precision is not None and t.precision not in PRECISIONS:
             raise ConfigError("train.precision", f"{t.precision!r} is not one of {', '.join(PRECISIONS)}", 'use "bf16"')
         states = cfg.cluster.model_states
         if states not in MODEL_STATES:
@@ -176,10 +178,13 @@ class Problem:
             cluster_cfg = replace(cluster_cfg, num_gpus=world, gpus_per_node=min(cluster_cfg.gpus_per_node, world))
         cluster = Cluster.from_config(cluster_cfg)
         kind = cluster.measured_device.device_type if cluster.measured_device else "cuda"
-        return cls(shape, cluster, t.seq_len, t.global_batch, tokens, t.precision, states,
-                   cfg.cluster.assume_mfu, t.fp8_recipe, attention_backend(kind, t.precision, shape.n_kv_heads != shape.n_heads),
+        # train.precision unset: what the trainer picks on this device (spec/layout.py default_precision).
+        precision = t.precision or default_precision(kind, "bf16" in cluster.device.peak_tflops)
+        return cls(shape, cluster, t.seq_len, t.global_batch, tokens, precision, states,
+                   cfg.cluster.assume_mfu, t.fp8_recipe, attention_backend(kind, precision, shape.n_kv_heads != shape.n_heads),
                    # the trainer's default (train.compile unset): compiled on a GPU, eager on a CPU
-                   eager=t.compile is False or (t.compile is None and kind == "cpu"), compile_unset=t.compile is None)
+                   eager=t.compile is False or (t.compile is None and kind == "cpu"), compile_unset=t.compile is None,
+                   tf32=t.tf32 and kind == "cuda")
 
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""
@@ -187,8 +192,9 @@ class Problem:
 
     @property
     def compute_precision(self) -> str:
-        """The dtype everything but FP8's GEMMs computes in: "fp8" computes in bf16 (parallel/float8.py)."""
-        return compute_precision(self.precision)
+        """The dtype everything but FP8's GEMMs computes in: "fp8" computes in bf16 (parallel/float8.py),
+        "fp32" in TF32 on a GPU with train.tf32."""
+        return compute_precision(self.precision, self.tf32)
 
     @property
     def low_precision(self) -> bool:

@@ -23,6 +23,11 @@ TIME_ROWS = (("compute", "compute (fwd + bwd)"), ("recompute", "recompute"), ("d
 
 # Adaptive units, so a tiny model reads "0.16M params", "1.2 ms", not "0.00B" and "0.000". Each
 # helper keeps the large-model form (B params, GFLOP, seconds, GiB, days) unchanged above its threshold.
+
+def _peak_key(problem) -> str:
+    """The dtype whose peak the cluster line shows: the precision, or "tf32" for fp32 on TF32 tensor cores."""
+    return "tf32" if problem.compute_precision == "tf32" else problem.precision
+
 def _count(n: float) -> str:
     for scale, suffix, fmt in ((1e9, "B", ".2f"), (1e6, "M", ".2f"), (1e3, "K", ".1f")):
         if n >= scale:
@@ -84,7 +89,7 @@ def problem_lines(problem: Problem) -> list[str]:
         f"model    {s.arch}: {_count(s.num_params)} params, {s.n_layers} layers, dim {s.dim}, heads {s.n_heads}/{s.n_kv_heads} kv, "
         f"ffn {s.ffn_dim}, vocab {s.vocab_size}{moe}; {_flops(s.flops_per_token(problem.seq_len))}/token (6N + 12Lsh)",
         f"cluster  {cl.num_gpus} x {cl.device.name} ({nodes} node{'s' if nodes > 1 else ''} of {cl.gpus_per_node}), "
-        f"{cl.device.memory_gib:g} GiB, {cl.device.peak_flops(problem.precision) / 1e12:.1f} TFLOP/s dense {problem.precision}, "
+        f"{cl.device.memory_gib:g} GiB, {cl.device.peak_flops(_peak_key(problem)) / 1e12:.1f} TFLOP/s dense {_peak_key(problem)}, "
         f"links {cl.intra_gbps:g} GB/s intra / {cl.inter_gbps:g} GB/s inter per GPU",
         f"batch    seq {problem.seq_len} x global batch {problem.global_batch} = {_count(problem.tokens_per_step)} tokens/step; "
         f"{_tokens(problem.tokens)} tokens to train; model states \"{problem.model_states}\"",

@@ -15,10 +15,20 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe: torchao Float8LinearConfig recipe names
 
 
-def compute_precision(precision: str) -> str:
+def compute_precision(precision: str, tf32: bool = False) -> str:
     """The dtype a run computes in outside FP8's GEMMs, and the peak its MFU is measured against:
-    "fp8" computes in bf16, and counting it against the bf16 peak keeps its MFU comparable to bf16's."""
+    "fp8" computes in bf16, and counting it against the bf16 peak keeps its MFU comparable to bf16's;
+    "fp32" with `tf32` (train.tf32 on a GPU) multiplies on TF32 tensor cores."""
+    if precision == "fp32" and tf32:
+        return "tf32"
     return "bf16" if precision == "fp8" else precision
+
+
+def default_precision(device_type: str, has_bf16: bool) -> str:
+    """train.precision unset: "bf16" on a GPU that computes it natively (what a GPU user expects: half
+    the activation and weight-gather bytes, the tensor cores' bf16 peak), "fp32" on a CPU (whose bf16
+    matmuls are emulated or slow, and where the tests' references are fp32) and on older GPUs."""
+    return "bf16" if device_type != "cpu" and has_bf16 else "fp32"
 
 
 def attention_backend(device: str, precision: str, gqa: bool) -> str:

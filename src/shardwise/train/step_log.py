@@ -52,9 +52,11 @@ class StepLog:
     def __init__(self, cfg: Config, dims: ParallelDims, *, run_dir: Path, rank: int, quiet: bool, start_step: int,
                  accumulation: int, num_params: int, flops_per_token: float, device: torch.device,
                  guard: StepGuard, scaler: DynamicLossScaler, moe_layers: dict, moe_group: dist.ProcessGroup | None,
-                 energy_group: dist.ProcessGroup | None = None, io_stats: Callable[[], dict] | None = None):
+                 energy_group: dist.ProcessGroup | None = None, io_stats: Callable[[], dict] | None = None,
+                 precision_defaulted: bool = False):
         """`io_stats`: the NVMe offload tier's disk figures so far (parallel/offload.py IOStats.as_dict),
-        added to every record; None without it."""
+        added to every record; None without it. `precision_defaulted`: train.precision was unset and
+        the trainer chose it for the device (the start-up line says so)."""
         t = cfg.train
         self.cfg, self.dims, self.run_dir, self.rank, self.quiet = cfg, dims, run_dir, rank, quiet
         self.io_stats = io_stats
@@ -80,7 +82,10 @@ class StepLog:
         if not quiet:
             self.metrics.print(f"model: {cfg.model.arch} {num_params / 1e6:.2f}M params, layout "
                                f"{dims.describe()} x{dims.world_size}, zero={cfg.parallel.zero}, accumulation "
-                               f"{accumulation}, peak {self.peak / 1e9:.1f} GFLOP/s ({peak_label})"
+                               f"{accumulation}, {_precision_words(t.precision, precision_defaulted, device)}, "
+                               f"{'compiled' if self.compiled else 'eager'}"
+                               f"{' (train.compile unset)' if self.compiled and t.compile is None else ''}, "
+                               f"peak {self.peak / 1e9:.1f} GFLOP/s ({peak_label})"
                                + (f", offload {offload_tier(cfg.parallel)}" if offload_tier(cfg.parallel) != "none" else "")
                                + (f", MLP in {cfg.parallel.linear_tiles} tiles" if cfg.parallel.linear_tiles > 1 else "")
                                + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else ""))
@@ -149,3 +154,13 @@ class StepLog:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def _precision_words(precision: str, defaulted: bool, device: torch.device) -> str:
+    """"bf16 (train.precision unset: bf16 on this GPU)", "fp32 with TF32 matmuls", ... for the start-up line."""
+    words = precision
+    if precision == "fp32" and device.type == "cuda":
+        words += " with TF32 matmuls" if torch.backends.cuda.matmul.allow_tf32 else " (TF32 off)"
+    if defaulted:
+        words += f" (train.precision unset: {precision} on this {'GPU' if device.type == 'cuda' else 'device'})"
+    return words

@@ -32,7 +32,7 @@ from shardwise.parallel.grad_compression import add_hook_bytes, checkpoint_state
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
 from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
-from shardwise.parallel.precision import DynamicLossScaler, autocast
+from shardwise.parallel.precision import DynamicLossScaler, autocast, resolve_precision, set_matmul_precision
 from shardwise.parallel.tensor2d import Grid, cross_entropy_sum, vocab_offset
 from shardwise.preflight import check, check_batch
 from shardwise.spec.dims import lowp_params, offload_tier
@@ -64,11 +64,14 @@ class Trainer:
         stop request the caller installed (else train() installs one); `run_id` names the job in the
         checkpoints it writes, and `restarted` (an automatic restart of that job) resumes from them
         even with checkpoint.resume=false."""
-        self.cfg = cfg
         distributed = dist.is_initialized() and not single_process
         self.rank = dist.get_rank() if distributed else 0
         world_size = dist.get_world_size() if distributed else 1
         self.device = default_device()
+        # train.precision unset: bf16 on a GPU with it, fp32 elsewhere; the start-up line says which.
+        self.precision_defaulted = cfg.train.precision is None
+        cfg = self.cfg = resolve_precision(cfg, self.device)
+        set_matmul_precision(cfg.train.tf32, self.device)
         self.dims = check(cfg, world_size)
         self.accumulation = check_batch(cfg, self.dims)
         self.mesh = build_meshes(self.dims, self.device.type)
@@ -296,7 +299,7 @@ class Trainer:
                          start_step=self.step, accumulation=self.accumulation, num_params=self.num_params,
                          flops_per_token=self.flops_per_token, device=self.device, guard=self.guard,
                          scaler=self.scaler, moe_layers=self.moe_layers, moe_group=self.world_group,
-                         energy_group=self.world_group,
+                         energy_group=self.world_group, precision_defaulted=self.precision_defaulted,
                          io_stats=self.optimizer.stats.as_dict if hasattr(self.optimizer, "stats") else None)
         losses: list[float] = []
         ckpt_every = self.cfg.checkpoint.every
