@@ -186,6 +186,9 @@ class RunConfig:
     max_restarts: int = opt(0, "Restart the whole worker group this many times after a worker fails (torchrun's elastic "
                                "agent); each restart resumes from the newest good checkpoint. Divergence, bad input and "
                                "I/O errors are not restarted.")
+    backend: str = opt("auto", '"auto": NCCL on GPUs, gloo on CPU. "gloo": gloo on GPUs too, so that several processes '
+                               'may share one GPU (device placement checks such as `make gpu-check`; not for speed: '
+                               'collectives go through host memory). "nccl": NCCL (GPUs only).')
     collective_timeout_s: float = opt(300.0, "A collective that waits longer than this fails the run (exit code 5) after "
                                              "every rank's Python stack and last collective are written to "
                                              "<run.dir>/stall/ and the ranks that did not arrive are named.")

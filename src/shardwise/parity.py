@@ -234,7 +234,7 @@ def worker_main(argv: list[str]) -> NoReturn:
     args = parser.parse_args(argv)
     configs = [load_config(p) for p in json.loads(Path(args.worker).read_text())]
     exit_with_parent()
-    init_distributed(configs[0].run.collective_timeout_s)
+    init_distributed(configs[0].run.collective_timeout_s, configs[0].run.backend)
     run_cases_in_group(configs)
     finish_distributed()
     leave(0)  # a failure above propagates: torchrun reports it, and parity marks the launch as failed

@@ -14,7 +14,16 @@ from shardwise.config import Config
 from shardwise.errors import ConfigError, Violation
 from shardwise.spec import rules
 from shardwise.spec.dims import ParallelDims, offload_tier
-from shardwise.spec.layout import COMPILE_BACKENDS, FP8_RECIPES, PP_SPLITS, PRECISIONS, RECOMPUTE, RECOMPUTE_POLICIES, Layout
+from shardwise.spec.layout import (
+    COMPILE_BACKENDS,
+    FP8_RECIPES,
+    PP_SPLITS,
+    PRECISIONS,
+    PROCESS_GROUP_BACKENDS,
+    RECOMPUTE,
+    RECOMPUTE_POLICIES,
+    Layout,
+)
 from shardwise.spec.shapes import ModelShape
 from shardwise.spec.stages import SCHEDULES
 
@@ -122,6 +131,7 @@ def check_checkpoint(cfg: Config) -> None:
 
 def check_run(cfg: Config) -> None:
     _positive("run.max_restarts", cfg.run.max_restarts, 0)
+    _choice("run.backend", cfg.run.backend, PROCESS_GROUP_BACKENDS)
     if not cfg.run.collective_timeout_s > 0:
         raise ConfigError("run.collective_timeout_s", f"must be > 0, got {cfg.run.collective_timeout_s}",
                           "use e.g. 300 (seconds); raise it if a checkpoint save or first step takes longer")

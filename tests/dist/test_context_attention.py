@@ -63,3 +63,32 @@ def test_context_attention_matches_sdpa(errors, cp):
             dtype = name.rsplit("_", 1)[1]
             print(f"cp{cp} rank{rank} {name}: max rel error {err:.1e}")
             assert err <= TOL[dtype], f"cp{cp} rank {rank} {name}: {err:.2e} > {TOL[dtype]}"
+
+
+def _staged_equals_direct(rank: int) -> dict:
+    """Ring attention with its K/V transfers staged through host memory (what run.backend="gloo" does
+    when several ranks share a GPU) gives the same bits as the direct transfers: only the buffers move."""
+    import torch
+
+    from shardwise.parallel import context
+    from shardwise.parallel.context import RingAttention
+
+    assert context.host_staged("gloo", "cuda") and not context.host_staged("gloo", "cpu")
+    assert not context.host_staged("nccl", "cuda")
+    gen = torch.Generator().manual_seed(7 + rank)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(3))
+    original, out = context.host_staged, {}
+    try:
+        for staged in (False, True):
+            context.host_staged = (lambda backend, device_type: True) if staged else original
+            local = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            y = RingAttention(torch.distributed.group.WORLD)(*local)
+            y.square().sum().backward()
+            out[staged] = [y.detach(), *(t.grad for t in local)]
+    finally:
+        context.host_staged = original
+    return {"equal": all(a.equal(b) for a, b in zip(out[False], out[True]))}
+
+
+def test_ring_attention_staged_through_host_memory_is_bitwise():
+    assert all(r["equal"] for r in run_world(2, _staged_equals_direct))

@@ -65,3 +65,27 @@ def test_the_startup_line_names_the_choice():
     assert _precision_words("bf16", True, CUDA) == "bf16 (train.precision unset: bf16 on this GPU)"
     assert _precision_words("fp32", True, torch.device("cpu")) == "fp32 (train.precision unset: fp32 on this device)"
     assert _precision_words("fp16", False, torch.device("cpu")) == "fp16"
+
+
+def test_run_backend_lets_ranks_share_a_gpu_over_gloo():
+    """run.backend: auto is NCCL on CUDA; gloo lets several ranks use one GPU (gloo carries CUDA tensors in
+    collectives and FSDP2: measured on the H100), which cuda_index otherwise refuses; pipelines need
+    point-to-point CUDA transfers gloo lacks, so they are refused there with the fix."""
+    import pytest
+
+    from shardwise.errors import ConfigError
+    from shardwise.parallel.pipeline import check_stage_transport
+    from shardwise.train.distributed import cuda_index, process_group_backend
+
+    assert process_group_backend("auto", cuda=True) == "nccl" and process_group_backend("auto", cuda=False) == "gloo"
+    assert process_group_backend("gloo", cuda=True) == "gloo"
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        process_group_backend("nccl", cuda=False)
+    with pytest.raises(ConfigError, match="--run.backend=gloo"):
+        cuda_index(1, 2, 1, None)  # two ranks, one GPU, NCCL: refused, and the fix names the way to share
+    assert [cuda_index(r, 4, 1, None, shared=True) for r in range(4)] == [0, 0, 0, 0]
+    with pytest.raises(ConfigError, match="pipeline stages"):
+        check_stage_transport(2, "gloo", "cuda")
+    check_stage_transport(2, "gloo", "cpu")
+    check_stage_transport(2, "nccl", "cuda")
+    check_stage_transport(1, "gloo", "cuda")

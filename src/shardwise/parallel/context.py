@@ -91,13 +91,38 @@ class _Ring:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group)
         self.prev, self.next = ranks[(self.rank - 1) % self.size], ranks[(self.rank + 1) % self.size]
+        self.backend = dist.get_backend(group)
 
     def shift(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Start sending `send` to the previous rank and receiving the next rank's; returns the
-        receive buffer and the requests to wait on."""
+        receive buffer and the requests to wait on (the buffer is filled once they are waited on)."""
+        if host_staged(self.backend, send.device.type):
+            host = send.cpu()
+            recv, host_recv = torch.empty_like(send), torch.empty_like(host)
+            ops = [dist.P2POp(dist.isend, host, self.prev, self.group),
+                   dist.P2POp(dist.irecv, host_recv, self.next, self.group)]
+            return recv, [_CopyOnWait(dist.batch_isend_irecv(ops), host_recv, recv)]
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.prev, self.group), dist.P2POp(dist.irecv, recv, self.next, self.group)]
         return recv, dist.batch_isend_irecv(ops)
+
+
+def host_staged(backend: str, device_type: str) -> bool:
+    """Whether point-to-point transfers go through host memory: gloo carries CUDA tensors in its
+    collectives but not in send / recv ("Bad address" on an H100, torch 2.11), which is what
+    run.backend="gloo" meets when several ranks share a GPU (`make gpu-check`)."""
+    return backend == "gloo" and device_type != "cpu"
+
+
+class _CopyOnWait:
+    """A host-staged receive: waiting on it waits on the transfers, then copies the host buffer to the device's."""
+
+    def __init__(self, reqs: list, host: torch.Tensor, device: torch.Tensor):
+        self.reqs, self.host, self.device = reqs, host, device
+
+    def wait(self) -> None:
+        _wait(self.reqs)
+        self.device.copy_(self.host)
 
 
 def _wait(reqs: list) -> None:

@@ -28,6 +28,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from shardwise.errors import ConfigError
 from shardwise.parallel.precision import autocast
 from shardwise.spec.stages import SINGLE_STAGE
 
@@ -79,6 +80,16 @@ class TimedStage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         return self._timed("W", bwd_chunk_id, super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs)
+
+
+def check_stage_transport(pp: int, backend: str, device_type: str) -> None:
+    """Pipeline stages hand activations over point to point, which gloo does not do for CUDA tensors
+    ("Bad address", H100, torch 2.11); run.backend="gloo" on GPUs (ranks sharing a GPU) is refused
+    with pp > 1 before any stage is built. Ring attention stages its transfers through host memory
+    instead (parallel/context.py host_staged); torch's pipelining schedules own theirs."""
+    if pp > 1 and backend == "gloo" and device_type == "cuda":
+        raise ConfigError("run.backend", f"gloo cannot send CUDA tensors between pipeline stages (pp={pp})",
+                          'use run.backend="auto" (NCCL, one GPU per rank), or parallel.pp=1 to share a GPU over gloo')
 
 
 def build_schedule(stages: list[TimedStage], schedule: str, microbatches: int, loss_fn):

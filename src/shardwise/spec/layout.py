@@ -50,6 +50,7 @@ RECOMPUTE_POLICIES = ("op", "layer")
 PP_SPLITS = ("even", "balanced")
 CP_MODES = ("ring", "ulysses")
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # train.compile_backend (parallel/compile.py)
+PROCESS_GROUP_BACKENDS = ("auto", "nccl", "gloo")  # run.backend (train/distributed.py process_group_backend)
 
 
 @dataclass(frozen=True)

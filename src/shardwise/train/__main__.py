@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                       "which a restart cannot fix", flush=True)
             return earlier
     try:
-        distributed = init_distributed(cfg.run.collective_timeout_s)
+        distributed = init_distributed(cfg.run.collective_timeout_s, cfg.run.backend)
     except ConfigError as e:  # the launcher's variables or the visible GPUs (train/distributed.py), before any rendezvous
         _say(e.render())
         return 2

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
 from shardwise.errors import ConfigError
+from shardwise.spec.layout import PROCESS_GROUP_BACKENDS
 from shardwise.train.network import pin_gloo_interface
 
 if TYPE_CHECKING:
@@ -160,34 +161,51 @@ def rank_env(env: Mapping[str, str], first_host: Callable[[str], str] = first_sl
     return RankEnv(rank, local_rank, world, addr, port, source, local_world)
 
 
-def cuda_index(local_rank: int, local_world_size: int, device_count: int, visible: str | None) -> int:
+def cuda_index(local_rank: int, local_world_size: int, device_count: int, visible: str | None,
+               shared: bool = False) -> int:
     """The GPU a local rank uses: LOCAL_RANK % device_count, among the devices CUDA_VISIBLE_DEVICES
     leaves visible. More local ranks than visible devices would put two ranks on one GPU (NCCL refuses
     or hangs): refused, unless the launcher gave each rank one device of its own (one visible device
-    and CUDA_VISIBLE_DEVICES set per rank, as `srun --gpus-per-task=1` does)."""
+    and CUDA_VISIBLE_DEVICES set per rank, as `srun --gpus-per-task=1` does) or the ranks talk over
+    gloo (`shared`: run.backend="gloo", which carries CUDA tensors between processes on one GPU)."""
     if device_count < 1:
         raise ConfigError("CUDA_VISIBLE_DEVICES", f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={visible!r})",
                           "unset CUDA_VISIBLE_DEVICES or list this node's GPUs in it")
     bound_per_rank = device_count == 1 and visible is not None
-    if local_world_size > device_count and not bound_per_rank:
+    if local_world_size > device_count and not bound_per_rank and not shared:
         raise ConfigError("--nproc", f"{local_world_size} ranks on this node but {device_count} visible CUDA "
                           f"device(s) (CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})",
                           f"start at most {device_count} ranks per node (--nproc / mpirun -H host:{device_count} / "
-                          "srun --ntasks-per-node), or make more GPUs visible")
+                          "srun --ntasks-per-node), or make more GPUs visible (--run.backend=gloo lets ranks share "
+                          "a GPU to check a layout's placement, not for speed)")
     return local_rank % device_count
 
 
-def init_distributed(timeout_s: float = 600) -> bool:
-    """Join the default process group when launched by torchrun, mpirun or srun; return whether we did."""
+def process_group_backend(backend: str, cuda: bool) -> str:
+    """run.backend resolved: "auto" is NCCL with CUDA and gloo without; "nccl" needs CUDA."""
+    if backend not in PROCESS_GROUP_BACKENDS:
+        raise ConfigError("run.backend", f"{backend!r} is not one of {', '.join(PROCESS_GROUP_BACKENDS)}", 'use "auto"')
+    if backend == "nccl" and not cuda:
+        raise ConfigError("run.backend", '"nccl" needs CUDA, and no CUDA device is available',
+                          'use "auto" (gloo on CPU)')
+    if backend == "auto":
+        return "nccl" if cuda else "gloo"
+    return backend
+
+
+def init_distributed(timeout_s: float = 600, backend: str = "auto") -> bool:
+    """Join the default process group when launched by torchrun, mpirun or srun; return whether we did.
+    `backend`: run.backend (process_group_backend)."""
     import torch
     import torch.distributed as dist
 
     where = rank_env(os.environ, scontrol_first_host)
     if where.world_size <= 1 or dist.is_initialized():
         return dist.is_initialized()
+    backend = process_group_backend(backend, torch.cuda.is_available())
     if torch.cuda.is_available():  # refused here, on every rank alike, before any rank waits for a peer
         cuda_index(where.local_rank, where.local_world_size, torch.cuda.device_count(),
-                   os.environ.get("CUDA_VISIBLE_DEVICES"))
+                   os.environ.get("CUDA_VISIBLE_DEVICES"), shared=backend == "gloo")
     if where.source != "torchrun":
         # env:// below, the stall watchdog's store client (train/watchdog.py) and default_device read
         # torchrun's names; an MPI / SLURM worker gets them from its launcher's values.
@@ -197,7 +215,6 @@ def init_distributed(timeout_s: float = 600) -> bool:
     # torch's flight recorder (also on gloo): the stall report names each rank's last collectives.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     pin_gloo_interface(os.environ)  # gloo on the network that reaches the rendezvous (train/network.py)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent keeps one store for every restart of the worker group (torch 2.13), so the
@@ -222,7 +239,8 @@ def startup_line(where: RankEnv) -> str:
     device = "cpu"
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        device = f"cuda:{cuda_index(where.local_rank, where.local_world_size, torch.cuda.device_count(), visible)} " \
+        shared = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+        device = f"cuda:{cuda_index(where.local_rank, where.local_world_size, torch.cuda.device_count(), visible, shared)} " \
                  f"(CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})"
     return (f"rank {where.rank}/{where.world_size} local {where.local_rank}/{where.local_world_size} from {where.source}: "
             f"{device}, rendezvous {where.master_addr}:{where.master_port}")
@@ -236,8 +254,9 @@ def default_device() -> "torch.device":
 
     if torch.cuda.is_available():
         where = rank_env(os.environ) if dist.is_initialized() else None
+        # A gloo default group on CUDA is run.backend="gloo": its ranks may share a GPU (cuda_index).
         local = cuda_index(where.local_rank, where.local_world_size, torch.cuda.device_count(),
-                           os.environ.get("CUDA_VISIBLE_DEVICES")) if where else 0
+                           os.environ.get("CUDA_VISIBLE_DEVICES"), shared=dist.get_backend() == "gloo") if where else 0
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")

@@ -31,7 +31,7 @@ from shardwise.parallel.data_parallel import gradient_group, gradient_sync, unwr
 from shardwise.parallel.grad_compression import add_hook_bytes, checkpoint_state, restore_state, steady_state_step
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
-from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
+from shardwise.parallel.pipeline import PipelineRun, boundary_dtype, check_stage_transport
 from shardwise.parallel.precision import DynamicLossScaler, autocast, resolve_precision, set_matmul_precision
 from shardwise.parallel.tensor2d import Grid, cross_entropy_sum, vocab_offset
 from shardwise.preflight import check, check_batch
@@ -73,6 +73,7 @@ class Trainer:
         cfg = self.cfg = resolve_precision(cfg, self.device)
         set_matmul_precision(cfg.train.tf32, self.device)
         self.dims = check(cfg, world_size)
+        check_stage_transport(self.dims.pp, dist.get_backend() if distributed else "none", self.device.type)
         self.accumulation = check_batch(cfg, self.dims)
         self.mesh = build_meshes(self.dims, self.device.type)
         # The logged loss is averaged over every rank with its own tokens: dp, and cp's sequence shards.
