@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench soak clean
+.PHONY: demo test lint venv bench soak gpu-check clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,12 @@ bench: $(STAMP)
 # Automatic restart under fire: SIGKILL a random worker 20 times (also mid-checkpoint); prints "N/20 identical".
 soak: $(STAMP)
 	$(BIN)/python benchmarks/kill_soak.py --trials 20
+
+# Every one-GPU path on this machine's GPU, with the machine's own torch (no venv: a GPU machine keeps its
+# CUDA build): runs/gpu-check/report.md and report.json (README "GPU check"). ARGS="--only 'train/*'" for a
+# part. Without a CUDA GPU it says so and exits 0.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

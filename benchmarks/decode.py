@@ -80,7 +80,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.batches, args.prompt_len, args.new_tokens, args.rounds = "2", 8, 4, 1
-    cfg = load_config(None, (SMOKE_MODEL if args.smoke else MODEL) + ["--data.tokenizer=byte"])
+    # fp32, as the engine decodes on a CPU: the planner then prices 4-byte weights and KV cache too.
+    cfg = load_config(None, (SMOKE_MODEL if args.smoke else MODEL) + ["--data.tokenizer=byte", "--train.precision=fp32"])
     engine = Engine(cfg, torch.device("cpu"))
     m = cfg.model
     gbps = streaming_gbps(max(m.ffn_dim, m.vocab_size), m.dim)

@@ -87,8 +87,9 @@ def test_offload_smoke(tmp_path):
 
 
 def test_every_benchmark_has_a_smoke_test():
-    """A new script in benchmarks/ needs its own smoke test above; this fails until it has one."""
-    smoked = {"overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
+    """A new script in benchmarks/ needs its own smoke test above; this fails until it has one (gpu_check.py's
+    --smoke runs in tests/dist/test_gpu_check.py)."""
+    smoked = {"gpu_check.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
               "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
 

@@ -43,6 +43,7 @@ from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from shardwise.parallel.expert import apply_expert_parallel, moe_modules
 from shardwise.parallel.float8 import apply_float8, check_fp8
+from shardwise.parallel.precision import resolve_precision
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 from shardwise.parallel.tensor2d import apply_tensor_parallel_2d
 from shardwise.parallel.tiling import apply_linear_tiles
@@ -153,6 +154,7 @@ def _finish(model: nn.Module, dims: ParallelDims, cfg: Config) -> None:
 def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Config,
                          device: torch.device) -> nn.Module:
     """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
+    cfg = resolve_precision(cfg, device)  # train.precision unset: decided for the device (the Trainer did already)
     parallelize(model, dims, mesh, cfg, device.type)
     params_on, buffers_on = state_devices(dims, device)
     materialize(model, params_on, weight_source(model, cfg.model.init_from, cfg.train.seed), buffers_on)
@@ -175,6 +177,7 @@ class PipelineParts:
 def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, pp_rank: int) -> PipelineParts:
     from shardwise.models import ARCHS, build_model
 
+    cfg = resolve_precision(cfg, device)
     p = cfg.parallel
     costs = ARCHS[cfg.model.arch].pipeline_costs(cfg.model, cfg.train.seq_len)  # closed form: no model built
     layers = stage_layers(layers_per_stage(p, cfg.model, cfg.train.seq_len, costs))

@@ -1,0 +1,432 @@
+"""`make gpu-check`: every one-GPU path of shardwise, run on this machine's GPU, in one report.
+
+    PYTHONPATH=src python3 benchmarks/gpu_check.py [--only PATTERN,...] [--out runs/gpu-check] [--list]
+        [--steps 8] [--timeout 300] [--device cuda|cpu] [--smoke]
+
+Each row is a process of its own (a crash, an OOM or a hang fails its row, not the check) and is one of:
+  train/{eager,compiled}/{fp32,bf16,fp16,fp8}/{none,selective,full}   one-process training of the check model
+  offload/{cpu,nvme}, tiles/4                                       model states off the GPU; tiled MLPs
+  offload-big/{cpu,nvme}                                            states larger than the GPU (only when named)
+  resume/bitwise                                                    8 steps = 4 steps, checkpoint, 4 resumed
+  hf/export, hf/import                                              export -> transformers greedy ids; --hf back in
+  layout/{fsdp,hsdp,tp_sp,cp_ring,cp_ulysses,ep,tp2d,pp}            2-4 processes sharing the GPU over gloo
+                                                                    (run.backend=gloo), `shardwise parity`
+  doctor, bench/kernels, bench/throughput                           the machine check and two benchmarks
+A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
+metrics.jsonl, and the planner's prediction for the same config (`shardwise plan evaluate` on the table
+entry of this GPU): step time and peak memory, and their errors. OUT/report.md (a table) and
+OUT/report.json (the same rows; the format is in README.md "GPU check") are rewritten after every row,
+so an interrupted check keeps what it measured. --only takes shell patterns over row names
+(`train/compiled/*`, `hf/*`). Without a CUDA GPU it says so and exits 0; --device cpu runs the rows
+on the CPU with a tiny model: the harness's own test (tests/dist/test_gpu_check.py), not a measurement;
+--smoke runs three of them so.
+Runs from a checkout (PYTHONPATH=src) on whatever torch the machine has. Exit: 0 when no row failed,
+1 when one did, 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # a checkout runs as it is (PYTHONPATH=src on the GPU machine)
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+RECOMPUTES = ("none", "selective", "full")
+# The check model on a GPU: ~150M parameters, big enough for tokens/s and MFU to mean something, small
+# enough for 24 training rows in minutes. On CPU (--device cpu): the tests' tiny llama.
+MODELS = {
+    "cuda": ["--model.preset=small", "--model.dim=1024", "--model.n_layers=8", "--model.n_heads=16",
+             "--model.n_kv_heads=8", "--model.ffn_dim=2816", "--model.vocab_size=32000", "--model.max_seq_len=1024",
+             "--train.seq_len=1024", "--train.micro_batch=8", "--train.global_batch=8"],
+    "cpu": ["--model.preset=tiny", "--model.vocab_size=512", "--train.seq_len=32", "--train.micro_batch=4",
+            "--train.global_batch=4", "--train.compile_backend=aot_eager"],
+}
+# Parity layouts on one GPU (run.backend=gloo, fp32 without TF32: the parity contract's tolerance), on the
+# tiny llama: these rows check where tensors live and that the numbers agree, not speed.
+LAYOUT_MODEL = ["--model.preset=tiny", "--model.vocab_size=512", "--train.seq_len=32", "--train.micro_batch=2",
+                "--train.global_batch=8"]
+LAYOUTS = {
+    "fsdp": (2, "dp_shard=2,zero=3"), "hsdp": (4, "dp_replicate=2,dp_shard=2,zero=3"), "tp_sp": (2, "tp=2"),
+    "cp_ring": (2, "cp=2,cp_mode=ring"), "cp_ulysses": (2, "cp=2,cp_mode=ulysses"),
+    "ep": (2, "ep=2,dp_shard=2,zero=3,model.preset=tiny-moe"), "tp2d": (4, "tp=4,tp_mode=2d"), "pp": (2, "pp=2"),
+}
+
+
+@dataclass
+class Row:
+    name: str
+    status: str = "skip"  # pass | fail | skip
+    reason: str = ""
+    seconds: float = 0.0
+    measured: dict[str, float] = field(default_factory=dict)  # tokens_per_s, mfu, step_s, peak_gib, j_per_token
+    predicted: dict[str, float] = field(default_factory=dict)  # step_s, peak_gib (and their relative errors)
+
+
+@dataclass
+class Ctx:
+    out: Path
+    device: str
+    steps: int
+    timeout: float
+    gpu: str | None  # the planner's table entry for this GPU, None where it has none (or on CPU)
+    corpus: Path
+    env: dict[str, str]
+    cache: dict[str, Any] = field(default_factory=dict)  # work rows share (hf rows: the export)
+
+    def common(self, model: list[str] | None = None) -> list[str]:
+        return [f"--data.path={self.corpus}", "--data.tokenizer=byte", f"--data.cache_dir={self.out / 'cache'}",
+                "--run.progress=false", "--run.tensorboard=false", "--checkpoint.resume=false",
+                "--checkpoint.final=false", "--train.log_every=1", "--train.warmup_steps=2",
+                *(MODELS[self.device] if model is None else model)]
+
+    def shardwise(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
+                              cwd=self.out, env=self.env, timeout=timeout or self.timeout)
+
+
+def one_line(p: subprocess.CompletedProcess) -> str:
+    """The line a failed command ended with: shardwise's own error line, else the last line of stderr."""
+    lines = [ln.strip() for ln in (p.stderr or p.stdout or "").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error")]
+    return (errors[-1] if errors else lines[-1] if lines else f"exit code {p.returncode}")[:300]
+
+
+def metrics(run: Path, skip: int = 2) -> dict[str, float]:
+    """Medians over the logged steps after the first `skip` (compilation, the communication count)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = records[skip:] or records
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        return statistics.median(values) if values else None
+
+    peak = max((r.get("mem_max_memory_allocated_bytes") or 0) for r in records)
+    out = {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "step_s": median("step_time_s"),
+           "peak_gib": peak / 2**30 if peak else None, "j_per_token": median("energy_j_per_token"),
+           "final_loss": records[-1]["loss"]}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def predict(ctx: Ctx, run: Path) -> dict[str, float]:
+    """The planner on the run's own config.toml for this GPU's table entry; {} where there is none."""
+    if ctx.gpu is None:
+        return {}
+    p = ctx.shardwise("plan", "evaluate", "--config", str(run / "config.toml"), "--json", f"--cluster.gpu={ctx.gpu}",
+                      "--cluster.num_gpus=1", "--cluster.gpus_per_node=1")
+    if p.returncode != 0:
+        return {"error": one_line(p)}  # type: ignore[dict-item]
+    plan = json.loads(p.stdout)
+    return {"step_s": plan["step_time_s"], "peak_gib": plan["memory_gib"]}
+
+
+def train_row(ctx: Ctx, name: str, overrides: list[str], steps: int | None = None) -> Row:
+    run = ctx.out / "runs" / name.replace("/", "_")
+    shutil.rmtree(run, ignore_errors=True)
+    p = ctx.shardwise("train", "--nproc", "1", *ctx.common(), f"--train.steps={steps or ctx.steps}",
+                      *overrides, f"--run.dir={run}")
+    if p.returncode != 0:
+        return Row(name, "fail", one_line(p))
+    row = Row(name, "pass", measured=metrics(run), predicted=predict(ctx, run))
+    for key in ("step_s", "peak_gib"):
+        got, want = row.measured.get(key), row.predicted.get(key)
+        if isinstance(got, float) and isinstance(want, float) and got > 0:
+            row.predicted[f"{key}_error"] = (want - got) / got
+    return row
+
+
+def resume_row(ctx: Ctx) -> Row:
+    """8 steps with checkpoints at 4 and 8; a copy of the run without step 8's checkpoint resumes from step 4:
+    steps 5-8 must repeat the same losses, bit for bit (same schedule: both runs are 8-step runs)."""
+    name, runs = "resume/bitwise", ctx.out / "runs"
+    straight, cut = runs / "resume_straight", runs / "resume_cut"
+    for d in (straight, cut):
+        shutil.rmtree(d, ignore_errors=True)
+    base = [*ctx.common(), "--train.compile=false", "--train.steps=8", "--checkpoint.every=4", "--checkpoint.keep=2"]
+    p = ctx.shardwise("train", "--nproc", "1", *base, "--checkpoint.final=true", f"--run.dir={straight}")
+    if p.returncode != 0:
+        return Row(name, "fail", one_line(p))
+    shutil.copytree(straight, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_8", ignore_errors=True)
+    p = ctx.shardwise("train", "--nproc", "1", *base, "--checkpoint.resume=true", f"--run.dir={cut}")
+    if p.returncode != 0:
+        return Row(name, "fail", one_line(p))
+
+    def losses(run: Path) -> dict[int, float]:  # the last record of each step: the resumed run's
+        return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+    a, b = losses(straight), losses(cut)
+    if "resum" not in p.stdout + p.stderr or any(s not in b for s in range(5, 9)):
+        return Row(name, "fail", f"the second run did not resume from step 4 (steps logged: {sorted(b)})")
+    worst = max(abs(a[s] - b[s]) for s in range(5, 9))
+    return Row(name, "pass" if worst == 0 else "fail", "steps 5-8 bitwise after resuming from step 4" if worst == 0
+               else f"steps 5-8 differ by up to {worst:.3e} after resuming from step 4", measured={"final_loss": b[8]})
+
+
+_GREEDY = """
+import json, sys, torch, transformers
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+ids = torch.tensor([[int(i) for i in sys.argv[2].split(",")]])
+out = model.generate(ids, max_new_tokens=int(sys.argv[3]), do_sample=False, eos_token_id=None)
+print(json.dumps(out[0, ids.shape[1]:].tolist()))
+"""
+PROMPT, NEW_TOKENS = "1,2,3,4,5,6,7,8", 8
+
+
+def _ids(p: subprocess.CompletedProcess) -> list[int]:
+    return json.loads(p.stdout.strip().splitlines()[-1])["ids"][-NEW_TOKENS:]
+
+
+def transformers_ids(ctx: Ctx) -> tuple[list[int] | None, str]:
+    """Export the resume row's run (`shardwise export`), and the greedy ids transformers generates from
+    the export: (ids, "") or (None, why not). Done once for both hf rows (ctx.cache)."""
+    if "transformers_ids" not in ctx.cache:
+        run, hf = ctx.out / "runs" / "resume_cut", ctx.out / "hf"
+        if not (run / "checkpoints").is_dir():
+            ctx.cache["transformers_ids"] = (None, "needs the checkpoint of the resume/bitwise row")
+            return ctx.cache["transformers_ids"]
+        shutil.rmtree(hf, ignore_errors=True)
+        p = ctx.shardwise("export", "--run-dir", str(run), "--hf", str(hf))
+        if p.returncode == 0:
+            p = subprocess.run([sys.executable, "-c", _GREEDY, str(hf), PROMPT, str(NEW_TOKENS)], capture_output=True,
+                               text=True, env=ctx.env, timeout=ctx.timeout)
+        ctx.cache["transformers_ids"] = (json.loads(p.stdout.strip().splitlines()[-1]), "") if p.returncode == 0 \
+            else (None, one_line(p))
+    return ctx.cache["transformers_ids"]
+
+
+def hf_row(ctx: Ctx, name: str) -> Row:
+    """hf/export: shardwise's greedy ids from the run equal transformers' from the export (fp32, so no
+    rounding to argue about). hf/import: shardwise's from the export itself (`generate --hf`) equal them."""
+    theirs, why = transformers_ids(ctx)
+    if theirs is None:
+        return Row(name, "fail" if name == "hf/export" else "skip", why)
+    source = ["--run-dir", str(ctx.out / "runs" / "resume_cut")] if name == "hf/export" else ["--hf", str(ctx.out / "hf")]
+    ours = ctx.shardwise("generate", *source, "--prompt-ids", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy",
+                         "--ignore-eos", "--json", "--dtype", "float32")
+    if ours.returncode != 0:
+        return Row(name, "fail", one_line(ours))
+    same = _ids(ours) == theirs
+    return Row(name, "pass" if same else "fail", f"greedy ids {theirs}, transformers and shardwise {source[0]}" if same
+               else f"shardwise {source[0]} {_ids(ours)} vs transformers {theirs}")
+
+
+def layout_row(ctx: Ctx, name: str) -> Row:
+    nproc, layout = LAYOUTS[name]
+    out = ctx.out / "runs" / f"layout_{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    p = ctx.shardwise("parity", "--nproc", str(nproc), "--layout", layout, "--steps", "4", "--out", str(out),
+                      *ctx.common(LAYOUT_MODEL), "--run.backend=gloo", "--train.precision=fp32", "--train.tf32=false",
+                      "--train.compile=false")
+    found = json.loads((out / "parity.json").read_text()) if (out / "parity.json").is_file() else []
+    if name == "pp" and ctx.device == "cuda" and p.returncode == 2 and "pipeline stages" in p.stderr + p.stdout:
+        return Row(f"layout/{name}", "skip", one_line(p))  # refused by design: gloo has no CUDA point-to-point
+    if not found or found[0].get("verdict") == "error":
+        return Row(f"layout/{name}", "fail", one_line(p))
+    r = found[0]
+    return Row(f"layout/{name}", r["verdict"], f"{nproc} processes on one device: max rel |dloss| "
+               f"{r['max_rel_dloss']:.2e}, max |dparam| {r['max_abs_dparam']:.2e}")
+
+
+def command_row(ctx: Ctx, name: str, argv: list[str], timeout: float | None = None) -> Row:
+    p = subprocess.run(argv, capture_output=True, text=True, cwd=ctx.out, env=ctx.env, timeout=timeout or ctx.timeout)
+    return Row(name, "pass" if p.returncode == 0 else "fail", "" if p.returncode == 0 else one_line(p))
+
+
+def offload_big(ctx: Ctx, tier: str) -> list[str]:
+    """A LLaMA (dim 4096, 32/8 heads, ffn 11008) whose model states, 16 B per parameter on the host, are
+    1.1x this GPU's memory: it cannot train on the GPU without offload (host memory: 1.1x too)."""
+    import torch
+
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if ctx.device == "cuda" else 0.05
+    d, kv, ffn = 4096, 4096 // 4, 11008
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * ffn  # q, o; k, v (8 of 32 heads); SwiGLU's three
+    layers = max(2, math.ceil(1.1 * gib * 2**30 / 16 / per_layer))
+    return [f"--model.dim={d}", f"--model.n_layers={layers}", "--model.n_heads=32", "--model.n_kv_heads=8",
+            f"--model.ffn_dim={ffn}", "--train.seq_len=512", "--train.micro_batch=1", "--train.global_batch=1",
+            "--model.max_seq_len=512", f"--parallel.offload={tier}", "--parallel.zero=3", "--train.recompute=full",
+            *([f"--parallel.offload_dir={ctx.out / 'nvme'}"] if tier == "nvme" else [])]
+
+
+def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
+    """Every row name, in the order they run, and what runs it."""
+    rows: dict[str, Callable[[], Row]] = {}
+    for mode in ("eager", "compiled"):
+        for precision in PRECISIONS:
+            for recompute in RECOMPUTES:
+                name = f"train/{mode}/{precision}/{recompute}"
+                rows[name] = (lambda n=name, m=mode, pr=precision, rc=recompute: train_row(
+                    ctx, n, [f"--train.compile={str(m == 'compiled').lower()}", f"--train.precision={pr}",
+                             f"--train.recompute={rc}"]))
+    nvme = [f"--parallel.offload_dir={ctx.out / 'nvme'}"]
+    rows["offload/cpu"] = lambda: train_row(ctx, "offload/cpu", ["--parallel.offload=cpu", "--parallel.zero=3"])
+    rows["offload/nvme"] = lambda: train_row(ctx, "offload/nvme", ["--parallel.offload=nvme", "--parallel.zero=3", *nvme])
+    rows["tiles/4"] = lambda: train_row(ctx, "tiles/4", ["--parallel.linear_tiles=4"])
+    rows["resume/bitwise"] = lambda: resume_row(ctx)
+    rows["hf/export"] = lambda: hf_row(ctx, "hf/export")
+    rows["hf/import"] = lambda: hf_row(ctx, "hf/import")
+    for name in LAYOUTS:
+        rows[f"layout/{name}"] = lambda n=name: layout_row(ctx, n)
+    rows["doctor"] = lambda: command_row(ctx, "doctor", [sys.executable, "-m", "shardwise.cli", "doctor", "--json"])
+    bench = ROOT / "benchmarks"
+    smoke = ["--smoke"] if ctx.device == "cpu" else []
+    rows["bench/kernels"] = lambda: command_row(ctx, "bench/kernels", [sys.executable, str(bench / "kernels.py"), *smoke,
+                                                                       "--out", str(ctx.out / "kernels.json")])
+    rows["bench/throughput"] = lambda: command_row(
+        ctx, "bench/throughput", [sys.executable, str(bench / "gpu_throughput.py"), *smoke,
+                                  *([] if smoke else ["--steps", "10", "--warmup", "3"]), "--out", str(ctx.out / "throughput.json")],
+        timeout=max(ctx.timeout, 600))
+    for tier in ("cpu", "nvme"):  # only when named: minutes of host-side initialisation and CPU AdamW
+        rows[f"offload-big/{tier}"] = lambda t=tier: train_row(ctx, f"offload-big/{t}", offload_big(ctx, t), steps=3)
+    return rows
+
+
+DEFAULT_EXCLUDED = ("offload-big/*",)
+SMOKE_ROWS = "train/eager/fp32/none,resume/bitwise,layout/fsdp"  # a row of each kind of runner
+
+
+def select(names: list[str], only: str | None) -> list[str]:
+    """Row names matching --only's comma-separated shell patterns (a bare prefix like `hf` means `hf/*`);
+    every row but the opt-in ones without --only."""
+    if not only:
+        return [n for n in names if not any(fnmatch.fnmatch(n, p) for p in DEFAULT_EXCLUDED)]
+    patterns = [p.strip() for p in only.split(",") if p.strip()]
+    return [n for n in names if any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n, f"{p}/*") for p in patterns)]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def report_md(rows: list[Row], header: dict[str, Any]) -> str:
+    lines = [f"# shardwise GPU check: {header['device_name']}", "",
+             f"{header['when']}, torch {header['torch']}, commit {header['commit']}, {header['steps']} steps per "
+             f"training row; planner device: {header['planner_gpu'] or 'none (no table entry)'}", "",
+             "| row | result | tokens/s | MFU | step s (plan, err) | peak GiB (plan, err) | J/token | s | reason |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, p = r.measured, r.predicted
+        step = _fmt(m.get("step_s"), ".4f") + (f" ({p['step_s']:.4f}, {p['step_s_error']:+.0%})" if "step_s_error" in p else "")
+        peak = _fmt(m.get("peak_gib"), ".2f") + (f" ({p['peak_gib']:.2f}, {p['peak_gib_error']:+.0%})"
+                                                 if "peak_gib_error" in p else "")
+        lines.append(f"| {r.name} | {r.status.upper()} | {_fmt(m.get('tokens_per_s'), ',.0f')} | "
+                     f"{_fmt(m.get('mfu'), '.1%')} | {step} | {peak} | {_fmt(m.get('j_per_token'), '.2e')} | "
+                     f"{r.seconds:.0f} | {r.reason.replace('|', '/')} |")
+    counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "skip")}
+    lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, rows: list[Row], header: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps({**header, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    (out / "report.md").write_text(report_md(rows, header))
+
+
+def header_of(ctx: Ctx) -> dict[str, Any]:
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    return {"device_name": torch.cuda.get_device_name() if ctx.device == "cuda" else "cpu (harness test, not a measurement)",
+            "device": ctx.device, "torch": torch.__version__, "commit": commit or "unknown", "steps": ctx.steps,
+            "planner_gpu": ctx.gpu, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=None, help="comma-separated row patterns, e.g. 'train/compiled/*,hf'")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-check")
+    p.add_argument("--list", action="store_true", help="print the rows --only would select, and exit")
+    p.add_argument("--steps", type=int, default=8, help="steps per training row (the first 2 are not timed)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a row may take")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when present")
+    p.add_argument("--smoke", action="store_true", help=f"does the check still run? --device cpu --only {SMOKE_ROWS}")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.only = "cpu", args.only or SMOKE_ROWS
+    if args.steps < 3:
+        p.error("--steps must be >= 3 (the first 2 are compilation and the communication count)")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    import importlib.util
+
+    has_torch = importlib.util.find_spec("torch") is not None
+    cuda = has_torch and __import__("torch").cuda.is_available()
+    device = args.device or ("cuda" if cuda else None)
+    ctx = Ctx(args.out.resolve(), device or "cpu", args.steps, args.timeout, None, args.out.resolve() / "corpus.txt",
+              {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
+    names = list(all_rows(ctx))
+    chosen = select(names, args.only)
+    if args.only and not chosen:
+        print(f"gpu_check.py: --only {args.only!r} selects no row; rows: {', '.join(names)}", file=sys.stderr)
+        return 2
+    if args.list:
+        print("\n".join(chosen))
+        return 0
+    if not has_torch:
+        print(f"gpu-check: this Python ({sys.executable}) has no torch, so no GPU to check; on a GPU machine run it "
+              "with the Python that has its CUDA torch (make gpu-check PYTHON=...)")
+        return 0
+    if device is None:
+        print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False): nothing to check. "
+              "--device cpu runs the rows on the CPU to test the check itself.")
+        return 0
+    if importlib.util.find_spec("tomli_w") is None:  # shardwise writes every run's config.toml with it
+        print("gpu_check.py: the Python package tomli-w is missing (pip install tomli-w; on a machine without a "
+              "registry carry its wheel: ../shared/gpu/README.md)", file=sys.stderr)
+        return 2
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check.py: --device cuda, but CUDA is not available", file=sys.stderr)
+        return 2
+    if device == "cuda":
+        from shardwise.spec.hardware import match_cuda_name
+
+        ctx.gpu = match_cuda_name(torch.cuda.get_device_name())
+    (ctx.out / "nvme").mkdir(parents=True, exist_ok=True)  # offload="nvme" rows' state directory
+    _write_corpus(ctx.corpus)
+    header, rows = header_of(ctx), []
+    print(f"gpu-check: {len(chosen)} rows on {header['device_name']}; report in {ctx.out / 'report.md'}", flush=True)
+    runners = all_rows(ctx)
+    for name in chosen:
+        start = time.perf_counter()
+        try:
+            row = runners[name]()
+        except subprocess.TimeoutExpired:
+            row = Row(name, "fail", f"timed out after {ctx.timeout:.0f} s")
+        row.seconds = time.perf_counter() - start
+        rows.append(row)
+        print(f"  {row.status.upper():4s} {row.name:34s} {row.seconds:6.1f} s  {row.reason}", flush=True)
+        write_report(ctx.out, rows, header)
+    failed = [r.name for r in rows if r.status == "fail"]
+    print(f"gpu-check: {len(rows) - len(failed)} of {len(rows)} rows passed or skipped"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def _write_corpus(path: Path) -> None:
+    """The tests' fixed corpus: a few standard-library modules, the same on every machine with this Python."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    modules = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "json/decoder.py")
+    path.write_text("\n".join((stdlib / m).read_text() for m in modules))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,72 @@
+"""`make gpu-check` (benchmarks/gpu_check.py) on CPU: what CI can check of it without a GPU — argument
+handling, row selection, the report's two files, "no GPU" as exit 0, and a few real rows run end to end
+on the CPU (--device cpu), so the harness that a lent GPU runs is not first tried there."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout)
+
+
+def test_rows_and_selection():
+    names = gpu_check.select([f"train/{m}/{p}/{r}" for m in ("eager", "compiled") for p in gpu_check.PRECISIONS
+                              for r in gpu_check.RECOMPUTES] + ["hf/export", "hf/import", "offload-big/cpu"], None)
+    assert len(names) == 26 and "offload-big/cpu" not in names  # 24 training rows; the big offload only when named
+    assert gpu_check.select(names + ["offload-big/cpu"], "offload-big/*") == ["offload-big/cpu"]
+    assert gpu_check.select(names, "hf") == ["hf/export", "hf/import"]  # a bare prefix means its rows
+    assert gpu_check.select(names, "train/compiled/*/full,hf/import") == \
+        [f"train/compiled/{p}/full" for p in gpu_check.PRECISIONS] + ["hf/import"]
+
+
+def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
+    rows = [gpu_check.Row("train/compiled/bf16/none", "pass", "", 41.0,
+                          {"tokens_per_s": 90000.0, "mfu": 0.52, "step_s": 0.2, "peak_gib": 30.0, "j_per_token": 0.001},
+                          {"step_s": 0.19, "peak_gib": 33.0, "step_s_error": -0.05, "peak_gib_error": 0.1}),
+            gpu_check.Row("offload/cpu", "fail", "error: something | broke", 3.0),
+            gpu_check.Row("layout/pp", "skip", "refused by design")]
+    header = {"device_name": "NVIDIA H100 80GB HBM3", "device": "cuda", "torch": "2.11.0", "commit": "abc1234",
+              "steps": 8, "planner_gpu": "h100-sxm-80gb", "when": "2026-11-25"}
+    gpu_check.write_report(tmp_path, rows, header)
+    md = (tmp_path / "report.md").read_text()
+    assert "| train/compiled/bf16/none | PASS | 90,000 | 52.0% | 0.2000 (0.1900, -5%) | 30.00 (33.00, +10%) | 1.00e-03 | 41 |" in md
+    assert "error: something / broke" in md and "1 passed, 1 failed, 1 skipped" in md  # a | in a reason keeps the table
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["planner_gpu"] == "h100-sxm-80gb" and [r["status"] for r in data["rows"]] == ["pass", "fail", "skip"]
+    assert data["rows"][0]["predicted"]["step_s_error"] == -0.05
+
+
+def test_arguments_and_no_gpu(tmp_path):
+    bad = _run("--only", "no/such/row", "--out", str(tmp_path))
+    assert bad.returncode == 2 and "selects no row" in bad.stderr
+    assert _run("--steps", "1").returncode == 2
+    listed = _run("--list", "--only", "layout")
+    assert listed.returncode == 0 and listed.stdout.split() == [f"layout/{n}" for n in gpu_check.LAYOUTS]
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the no-GPU message is not what it prints")
+    none = _run("--out", str(tmp_path / "none"))
+    assert none.returncode == 0 and "no CUDA GPU" in none.stdout and not (tmp_path / "none").exists()
+
+
+def test_rows_run_end_to_end_on_cpu(tmp_path):
+    """A training row (metrics read back), the bitwise resume, and a 2-process layout over gloo."""
+    done = _run("--smoke", "--out", str(tmp_path))  # --device cpu, those three rows
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    assert [r["status"] for r in rows.values()] == ["pass"] * 3, rows
+    assert rows["train/eager/fp32/none"]["measured"]["tokens_per_s"] > 0
+    assert "bitwise" in rows["resume/bitwise"]["reason"] and "2 processes" in rows["layout/fsdp"]["reason"]
+    assert "| resume/bitwise | PASS |" in (tmp_path / "report.md").read_text()
