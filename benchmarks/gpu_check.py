@@ -11,7 +11,7 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
   hf/export, hf/import                                              export -> transformers greedy ids; --hf back in
   layout/{fsdp,hsdp,tp_sp,cp_ring,cp_ulysses,ep,tp2d,pp}            2-4 processes sharing the GPU over gloo
                                                                     (run.backend=gloo), `shardwise parity`
-  doctor, bench/kernels, bench/throughput                           the machine check and two benchmarks
+  doctor, bench/{kernels,cross_entropy,throughput}                   the machine check and three benchmarks
 A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
 metrics.jsonl, and the planner's prediction for the same config (`shardwise plan evaluate` on the table
 entry of this GPU): step time and peak memory, and their errors. OUT/report.md (a table) and
@@ -283,6 +283,9 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     smoke = ["--smoke"] if ctx.device == "cpu" else []
     rows["bench/kernels"] = lambda: command_row(ctx, "bench/kernels", [sys.executable, str(bench / "kernels.py"), *smoke,
                                                                        "--out", str(ctx.out / "kernels.json")])
+    rows["bench/cross_entropy"] = lambda: command_row(
+        ctx, "bench/cross_entropy", [sys.executable, str(bench / "cross_entropy.py"), *smoke, "--out",
+                                     str(ctx.out / "cross_entropy.json")])
     rows["bench/throughput"] = lambda: command_row(
         ctx, "bench/throughput", [sys.executable, str(bench / "gpu_throughput.py"), *smoke,
                                   *([] if smoke else ["--steps", "10", "--warmup", "3"]), "--out", str(ctx.out / "throughput.json")],

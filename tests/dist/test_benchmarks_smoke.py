@@ -86,10 +86,18 @@ def test_offload_smoke(tmp_path):
     assert rows["nvme"]["nvme_io"].startswith("nvme offload:") and rows["nvme"]["predicted_disk_bytes"] > 0
 
 
+def test_cross_entropy_smoke(tmp_path):
+    """The three losses run forward and backward and agree on the loss (the same sum, to fp32 rounding)."""
+    data = _smoke("cross_entropy.py", tmp_path / "cross_entropy.json")
+    assert data["smoke"] is True and len(data["rows"]) == 3 and all(r["ms"] > 0 for r in data["rows"])
+    losses = [r["loss"] for r in data["rows"]]
+    assert max(losses) - min(losses) <= 1e-6 * abs(losses[0]), data["rows"]
+
+
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one (gpu_check.py's
     --smoke runs in tests/dist/test_gpu_check.py)."""
-    smoked = {"gpu_check.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
+    smoked = {"gpu_check.py", "cross_entropy.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
               "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked
 

@@ -46,7 +46,8 @@ from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split
 from shardwise.train.distributed import default_device
 from shardwise.train.health import StepGuard, Verdict
 from shardwise.train.loader import BatchPrefetcher
-from shardwise.train.loss import token_cross_entropy_sum
+from shardwise.train.loss import EAGER as EAGER_LOSS
+from shardwise.train.loss import LossKernels, token_cross_entropy_sum
 from shardwise.train.memory_meter import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
 from shardwise.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardwise.train.pipeline_chart import TimelineRecorder
@@ -107,6 +108,8 @@ class Trainer:
         self.grid = Grid(self.mesh.tp_grid) if self.mesh is not None and self.mesh.tp_grid is not None else None
         self.vocab_offset = vocab_offset(self.inner) if self.grid is not None else 0
         self.compiled = compile_enabled(cfg, self.device.type)
+        # The chunked cross-entropy's two per-chunk computations, fused when the blocks are compiled (train/loss.py).
+        self.loss_kernels = LossKernels.compiled(t.compile_backend) if self.compiled else EAGER_LOSS
         if t.precision == "fp8":
             fp8 = sum(type(m).__name__ == "Float8Linear" for m in self.inner.modules())
             self.log(f"fp8: {fp8} linears in FP8 ({t.fp8_recipe} scaling), the output head and routers in bf16"
@@ -186,7 +189,7 @@ class Trainer:
         logits block, the micro-batch's sum on every tp rank (parallel/tensor2d.py)."""
         if self.grid is not None:
             return cross_entropy_sum(self.grid, logits, targets, self.vocab_offset) / self.tokens_per_rank_step
-        return token_cross_entropy_sum(logits, targets, self.dims.tp) / self.tokens_per_rank_step
+        return token_cross_entropy_sum(logits, targets, self.dims.tp, kernels=self.loss_kernels) / self.tokens_per_rank_step
 
     def train_step(self, measure_memory: bool = False) -> StepResult:
         """One optimizer step; `measure_memory` records bytes by category while gradients exist.
