@@ -50,6 +50,13 @@ def apply_compile(model: nn.Module, backend: str) -> None:
             # recompiled every step until dynamo's limit of 8. Attention and norms still compile.
             moe.forward = torch.compiler.disable(moe.forward)
         block.compile(backend=backend, fullgraph=False)
+    if getattr(model, "norm", None) is not None:
+        # The final norm, outside every block: eager it is ~5 kernels forward and ~10 backward over the
+        # last hidden state (the H100 profile of issue 27 counted these among the eager leftovers). In
+        # place like the blocks, so parameter names and checkpoints do not change. The embedding (one
+        # gather) and the head (one GEMM) gain nothing from a graph; the loss compiles its own chunk
+        # kernels (train/loss.py LossKernels).
+        model.norm.compile(backend=backend, fullgraph=False)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings.register_forward_hook(_wait_for_async_output)
 
