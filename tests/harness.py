@@ -129,3 +129,18 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def stop_processes(pids: list[int], sig: int, timeout_s: float) -> list[int]:
+    """Send `sig` to every pid, wait up to `timeout_s` for them to be gone; returns those still alive."""
+    import time
+
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if alive(pid)]

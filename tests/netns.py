@@ -20,7 +20,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.harness import alive
+from tests.harness import alive, stop_processes
 
 PREFIX = "swtest"  # namespace names: swtest-<pid>-<token>-<node index | hub>
 SUBNET = "198.18.0"  # node k is SUBNET.(k+1)/24
@@ -52,14 +51,7 @@ def _remove(namespace: str) -> None:
     """SIGKILL every process left in `namespace`, wait for them, delete it (which deletes its links).
     A namespace outlives `ip netns del` while a process still runs in it, hence the kill first."""
     pids = [int(p) for p in _ip("netns", "pids", namespace, check=False).stdout.split() if p.isdigit()]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    stop_processes(pids, signal.SIGKILL, 10)
     _ip("netns", "del", namespace, check=False)
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness import alive, free_port
+from tests.harness import free_port, stop_processes
 
 # Seconds for the daemons to come up and the node to register as idle (about 3 s on the 2-core CI machine).
 START_TIMEOUT_S = 60
@@ -63,17 +63,7 @@ class LocalSlurm:
             path = self.root / name
             if path.is_file() and path.read_text().strip().isdigit():
                 pids.append(int(path.read_text().strip()))
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 30
-        for pid in pids:
-            while time.monotonic() < deadline and alive(pid):
-                time.sleep(0.1)
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_processes(stop_processes(pids, signal.SIGTERM, 30), signal.SIGKILL, 10)
 
 
 def start(root: Path, commands: dict[str, str]) -> LocalSlurm:
