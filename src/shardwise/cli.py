@@ -98,6 +98,10 @@ def _train(argv: list[str]) -> int:
         run_dir = Path(cfg.run.dir)
         if owner:
             rundir.clear_failure_record(run_dir)
+            if not cfg.checkpoint.resume:  # a fresh start: an earlier run's checkpoints go aside, kept
+                note = rundir.supersede_previous_run(cfg)
+                if note:
+                    print(note)
             config_path = rundir.save_config(cfg)
             print(f"run directory: {run_dir}  (config: {config_path})")
         else:  # node 0 may not have written config.toml yet: this node's workers read their own copy

@@ -129,9 +129,9 @@ def test_a_streak_of_skipped_steps_stops_the_run(divergence):
     assert [records[s]["skipped"] for s in (4, 5, 6)] == [1, 1, 1] and records[6]["skipped_steps"] == 3
     assert records[4]["grad_norm"] is None and records[4]["nonfinite"] == ["grad_norm"]
     # step 2 was good; step 4 and 6 fell in the streak: none was written at 6 (the run stopped first),
-    # and the checkpoint of step 4 is marked not good
-    assert divergence[0]["checkpoints"] == ["step_00000002", "step_00000004"]
-    assert divergence[0]["good"] == {"step_00000002": True, "step_00000004": False}
+    # and the checkpoint of step 4 is marked not good, and set aside at the divergence (never resumed)
+    assert divergence[0]["checkpoints"] == ["step_00000002", "step_00000004.diverged"]
+    assert divergence[0]["good"] == {"step_00000002": True, "step_00000004.diverged": False}
 
 
 def test_non_finite_weights_are_never_checkpointed(divergence):

@@ -58,13 +58,17 @@ def test_pruning_keeps_the_newest_k_complete(tmp_path):
 
 def test_pruning_never_deletes_the_newest_good_checkpoint(tmp_path):
     """Checkpoints written during a streak of skipped (non-finite) steps are not good: the newest
-    good one survives however many of them follow."""
+    good one survives however many of them follow, and while the streak runs (the newest checkpoint is
+    bad) so does the good one before it: the newest good one may hold the weights the streak came from."""
     _fake_checkpoint(tmp_path, 10)
     _fake_checkpoint(tmp_path, 20)
     for step in (30, 40, 50):
         _fake_checkpoint(tmp_path, step, good=False)
     doomed = mf.to_prune(mf.complete_checkpoints(tmp_path), keep=2)
-    assert [p.name for p in doomed] == ["step_00000010", "step_00000030"]
+    assert [p.name for p in doomed] == ["step_00000030"]
+    _fake_checkpoint(tmp_path, 60)  # the streak ended: only the newest good one is kept beyond `keep`
+    doomed = mf.to_prune(mf.complete_checkpoints(tmp_path), keep=2)
+    assert [p.name for p in doomed] == ["step_00000010", "step_00000020", "step_00000030", "step_00000040"]
 
 
 def test_steps_sort_numerically(tmp_path):

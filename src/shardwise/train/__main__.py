@@ -108,7 +108,10 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     try:
         if rank == 0:  # plain torchrun: the launcher did not lock the run directory for us
             lock = rundir.lock_unless_parent_holds(cfg)
-            if lock.own:  # no shardwise launcher (plain torchrun): write config.toml as `shardwise train` does
+            if lock.own:  # no shardwise launcher (plain torchrun): do what `shardwise train` does first
+                note = rundir.supersede_previous_run(cfg) if not cfg.checkpoint.resume and attempt == 0 else None
+                if note:
+                    print(note, flush=True)
                 rundir.save_config(cfg)
         # Rank 0 trains and caches the tokenizer and token array; the others then hit the cache. They
         # wait on the store, not in a collective: a first tokenization may outlast collective_timeout_s.

@@ -22,7 +22,7 @@ Loading: the newest complete checkpoint is verified first (every file against th
 sharing the reading; DCP's pickled `.metadata` through an unpickler that only builds DCP's own metadata
 classes). A damaged one is reported, renamed step_N.corrupt (never deleted) and the previous one is
 tried. DCP's stock reader unpickles `.metadata` and `torch.load(weights_only=False)`s non-tensor values:
-a crafted checkpoint could run code on resume, so both go through the safe paths below.
+a crafted checkpoint could run code on resume, so both go through train/safe_dcp.py.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import errno
 import io
 import json
 import os
-import pickle
 import shutil
 import time
 import warnings
@@ -40,10 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -56,6 +52,7 @@ from shardwise.errors import StorageFailure
 from shardwise.parallel.parallelize import canonical_fqn
 from shardwise.train import manifest as mf
 from shardwise.train.control import Control
+from shardwise.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, metadata_problem, read_metadata  # noqa: F401
 
 # Optimizer state keyed by parameter name throughout ("param_groups.<fqn>.lr", not "param_groups.0"):
 # pipeline stages hold different parameters in their param group 0, and positional keys would make
@@ -64,70 +61,9 @@ FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 TRAINER_STATE = "trainer_state.json"
 RANK_STATE = "rank_state"
 RNG = "rng"
-# What DCP pickles into `.metadata` (torch 2.13): its metadata dataclasses, torch.Size, dtypes, layouts
-# (by name, through torch.serialization._get_layout) and the checkpoint's path.
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
 # Verification outcome per file, agreed over ranks by maximum (worst wins).
 _REASONS = {1: "missing", 2: "wrong size (truncated or overwritten)", 3: "checksum mismatch (the content changed)",
             4: "unreadable", 5: "unsafe or unreadable DCP metadata"}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refers to {module}.{name}, which DCP metadata never holds")
-
-
-def read_metadata(path: Path) -> Metadata:
-    """DCP's `.metadata` without running code: only DCP's own classes can be built."""
-    with open(path, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
-
-
-def metadata_problem(step_dir: Path) -> str | None:
-    """None when `.metadata` reads safely, else why not."""
-    try:
-        read_metadata(step_dir / ".metadata")
-    except FileNotFoundError:
-        return "missing"
-    except Exception as e:  # any failure to read it is a reason not to load the checkpoint
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through `read_metadata` (the stock one calls pickle.load)."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        rank = kwargs.get("rank")
-        metadata = read_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that refuses non-tensor values other than plain data: the stock planner
-    torch.load()s them with weights_only=False. A value that loads with weights_only=True holds only
-    allow-listed types, so handing the same bytes on to the stock planner runs nothing."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        torch.load(io.BytesIO(value.getvalue()), weights_only=True)
-        value.seek(0)
-        super().load_bytes(read_item, value)
 
 
 def _dcp(fn, state: dict, path: Path, **kwargs) -> None:
@@ -202,6 +138,8 @@ class CheckpointManager:
         self.keep = keep
         self.control = control
         self.log = log
+        # Steps this run wrote or resumed from: the only complete step_N a save may take as already done.
+        self.written: set[int] = set()
 
     @property
     def rank(self) -> int:
@@ -216,8 +154,15 @@ class CheckpointManager:
              extra_files: dict[str, Path], manifest: dict, rank_state: dict | None = None) -> Path:
         final = self.directory / mf.step_dir_name(step)
         # A final save right after a periodic one of the same step: that state is on disk already.
-        if self.control.max([float(mf.is_complete(final))])[0]:
+        if step in self.written and self.control.max([float(mf.is_complete(final))])[0]:
             return final
+        # Anything else under that name is not this run's state (another trajectory's, or a checkpoint
+        # that lost its manifest): set aside, never skipped over as if saved, never deleted.
+        if self.rank == 0 and final.exists():
+            why = "superseded" if mf.is_complete(final) else "corrupt"
+            aside = mf.set_aside(final, why)
+            self.log(f"checkpoint: {final} was not written by this run ({'complete' if why == 'superseded' else 'no manifest'})"
+                     f"; set aside as {aside.name}")
         tmp = final.with_name(f"{final.name}.tmp")
 
         def start() -> None:
@@ -254,6 +199,7 @@ class CheckpointManager:
                 os.replace(tmp, final)
                 mf.fsync_dir(self.directory)
         self._on_every_rank(publish, step, tmp)
+        self.written.add(step)
         if self.rank == 0:
             self._prune()
         self.control.barrier()
@@ -303,11 +249,19 @@ class CheckpointManager:
     # ---- load ----
     def load_newest(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                     accept: Callable[[Path, dict], bool] = lambda path, manifest: True) -> tuple[Path, dict] | None:
-        """Load the newest intact checkpoint that `accept(path, manifest)` takes; damaged ones are set
-        aside on the way. Returns (path, trainer state) or None when there is nothing to resume."""
-        names = self.control.broadcast_json([p.name for p in mf.complete_checkpoints(self.directory)]
-                                            if self.rank == 0 else None)
-        for name in reversed(names):
+        """Load the newest intact checkpoint that `accept(path, manifest)` takes, a good one first (written
+        after a finite step: one from a streak of skipped steps would bring the streak back); damaged
+        and incomplete ones are set aside on the way, and the checkpoints after the one loaded too
+        (.superseded: the resumed run writes those steps again). Returns (path, trainer state) or None."""
+        if self.rank == 0:
+            for path in mf.incomplete_checkpoints(self.directory):
+                aside = mf.set_aside(path)
+                self.log(f"checkpoint: {path} has no manifest (incomplete or damaged); set aside as {aside.name}")
+            found = mf.complete_checkpoints(self.directory)
+            good = [p for p in found if mf.is_good(p)]
+            order = [p.name for p in reversed(good)] + [p.name for p in reversed(found) if p not in good]
+        names = self.control.broadcast_json(order if self.rank == 0 else None)
+        for name in names:
             path = self.directory / name
             manifest, problems = self._verify(path)
             if problems:
@@ -319,8 +273,25 @@ class CheckpointManager:
                 continue
             if not accept(path, manifest):
                 continue
-            return path, self._load(path, model, optimizer)
+            state = self._load(path, model, optimizer)
+            self.written.add(mf.step_of(path))
+            self._supersede_after(mf.step_of(path))
+            return path, state
+        if names and self.rank == 0:
+            self.log(f"checkpoint: none of the {len(names)} checkpoint(s) in {self.directory} could be resumed; "
+                     "training starts from step 0")
         return None
+
+    def _supersede_after(self, step: int) -> None:
+        """Set aside (.superseded) every checkpoint after `step`: the resumed run writes those steps anew."""
+        if self.rank == 0:
+            later = [p for p in mf.complete_checkpoints(self.directory) if mf.step_of(p) > step]
+            for path in later:
+                mf.set_aside(path, "superseded")
+            if later:
+                self.log(f"checkpoint: resuming from step {step}; the later checkpoint(s) of steps "
+                         f"{', '.join(str(mf.step_of(p)) for p in later)} were set aside as step_N.superseded")
+        self.control.barrier()
 
     def _verify(self, path: Path) -> tuple[dict, list[mf.Problem]]:
         """(manifest, problems) agreed by every rank; legacy checkpoints (no manifest) are not verified."""
@@ -458,6 +429,9 @@ def verify_directory(root: Path) -> list[tuple[Path, str, list[mf.Problem]]]:
         suffix = path.name.partition(".")[2]
         if suffix.startswith("corrupt"):
             out.append((path, "SET ASIDE (found damaged earlier; never loaded)", []))
+        elif suffix.startswith("superseded"):
+            out.append((path, "SET ASIDE (another trajectory's: a fresh start or a resume from an earlier step; "
+                              "never loaded)", []))
         elif suffix:
             out.append((path, "INCOMPLETE (a save that did not finish; never loaded, removed by the next save)", []))
         elif (path / mf.MANIFEST).is_file():
@@ -473,5 +447,6 @@ def verify_directory(root: Path) -> list[tuple[Path, str, list[mf.Problem]]]:
         elif (path / mf.LEGACY_MARKER).is_file():
             out.append((path, "UNVERIFIED (no manifest: written before manifests)", []))
         else:
-            out.append((path, "INCOMPLETE (no manifest; never loaded)", []))
+            out.append((path, "DAMAGED", [mf.Problem(mf.MANIFEST, "missing (the checkpoint is incomplete; the next run "
+                                                                  "sets it aside and resumes from an earlier one)")]))
     return out

@@ -24,7 +24,8 @@ import torch.distributed.checkpoint as dcp
 from shardwise.config import Config, build_config, load_toml
 from shardwise.errors import ConfigError
 from shardwise.spec import hf
-from shardwise.train.checkpoint import SafeFileSystemReader, SafeLoadPlanner, _dcp, read_metadata, verify_directory
+from shardwise.train.checkpoint import _dcp, verify_directory
+from shardwise.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_PREFIX = "model."  # the trainer saves {"model": ..., "optim": ...}; DCP flattens the keys with "."

@@ -150,15 +150,26 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def set_aside(step_dir: Path) -> Path:
-    """Rename a damaged checkpoint to step_N.corrupt (then .corrupt.1, ...): never deleted, never loaded."""
-    target = step_dir.with_name(f"{step_dir.name}.corrupt")
+def set_aside(step_dir: Path, why: str = "corrupt") -> Path:
+    """Rename a checkpoint to step_N.<why> (then .<why>.1, ...): never deleted, never loaded again.
+    `why`: "corrupt" (damaged, or incomplete: no manifest) or "superseded" (another trajectory's: a
+    step the resumed run will write again, or one a fresh start found in its place)."""
+    target = step_dir.with_name(f"{step_dir.name}.{why}")
     n = 0
     while target.exists():
         n += 1
-        target = step_dir.with_name(f"{step_dir.name}.corrupt.{n}")
+        target = step_dir.with_name(f"{step_dir.name}.{why}.{n}")
     os.replace(step_dir, target)
     return target
+
+
+def incomplete_checkpoints(directory: Path) -> list[Path]:
+    """step_N directories without a manifest (or legacy marker): a save renames a checkpoint into place
+    only after its manifest is written, so one of these lost its manifest afterwards. Never loaded."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and not is_complete(p)),
+                  key=step_of)
 
 
 def is_good(step_dir: Path) -> bool:
@@ -171,11 +182,17 @@ def is_good(step_dir: Path) -> bool:
 
 def to_prune(checkpoints: list[Path], keep: int) -> list[Path]:
     """The checkpoints (oldest first) beyond the newest `keep`, except the newest good one, which is
-    kept whatever came after it: a streak of skipped steps must never leave only bad checkpoints."""
+    kept whatever came after it: a streak of skipped steps must never leave only bad checkpoints. While
+    bad ones follow it (a streak is running), the good one before it is kept too: the newest good one
+    may hold the very weights the streak's first non-finite step came from, which a resume would replay
+    (the trainer sets those aside after a divergence: trainer.py _set_aside_diverged)."""
     kept = set(checkpoints[-keep:]) if keep > 0 else set()
-    good = [p for p in checkpoints if is_good(p)]
+    flags = {p: is_good(p) for p in checkpoints}
+    good = [p for p in checkpoints if flags[p]]
     if good:
         kept.add(good[-1])
+        if len(good) > 1 and not flags[checkpoints[-1]]:
+            kept.add(good[-2])
     return [p for p in checkpoints if p not in kept]
 
 

@@ -102,3 +102,21 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None) -
         for group in by_mesh([p for p in params if p.grad is not None]):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                          t: TrainConfig) -> None:
+    """After a resume: loading a checkpoint brings its optimizer's hyper-parameters (betas, weight decay)
+    and its scheduler's base lr back; the config's values are what this run was asked to use (a lower
+    lr after a divergence, above all). The schedule's shape (warm-up, steps, floor) is this run's
+    already (lr_lambda(t)); its position (the step) stays the checkpoint's. Decaying groups are those
+    param_groups built with weight decay: matrices (ndim >= 2)."""
+    factor = lr_lambda(t)
+    lrs = []
+    for group in optimizer.param_groups:
+        decays = bool(group["params"]) and group["params"][0].ndim >= 2
+        group.update(betas=(t.beta1, t.beta2), weight_decay=t.weight_decay if decays else 0.0, initial_lr=t.lr)
+        lrs.append(t.lr * factor(scheduler.last_epoch))
+        group["lr"] = lrs[-1]
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = lrs  # what get_last_lr() reports until the next scheduler.step()

@@ -221,6 +221,61 @@ def clear_failure_record(run_dir: Path) -> None:
         pass
 
 
+def supersede_previous_run(cfg) -> str | None:
+    """A fresh start (checkpoint.resume=false, not a restart of this job): move every checkpoint already
+    in checkpoint.dir into a sub-directory `previous.N` (kept, never loaded), so this run's saves, its
+    pruning and a later resume see only its own checkpoints. Without this a save found an older run's
+    step_N, skipped it as saved, and pruning by step number deleted the new run's checkpoints. Returns
+    the line that says so, or None when there was nothing to move."""
+    directory = checkpoint_dir(cfg)
+    found = sorted(p for p in directory.glob("step_*")) if directory.is_dir() else []
+    if not found:
+        return None
+    n = 1
+    while (directory / f"previous.{n}").exists():
+        n += 1
+    target = directory / f"previous.{n}"
+    target.mkdir()
+    for path in found:
+        os.replace(path, target / path.name)
+    mf.fsync_dir(directory)
+    steps = sorted(mf.step_of(p) for p in found if mf.is_complete(p) and "." not in p.name)
+    what = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "no complete one"
+    return (f"checkpoint.resume=false: starting over; the {len(found)} checkpoint entr{'y' if len(found) == 1 else 'ies'} "
+            f"already in {directory} ({what}) moved to {target} (kept, never loaded)")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# What a resume may not change is refused before this (manifest.py fingerprint: the model, the data and
+# the batch stream); every other key may change, and each takes effect: the optimizer's hyper-parameters
+# are re-applied after loading (optim.py apply_hyperparameters), the rest is read from the config as the
+# run goes. Differences in these keys are expected from one launch to the next and not reported.
+_NOT_REPORTED = {"checkpoint.resume"}
+
+
+def resume_changes(saved_config: Path, cfg) -> list[str]:
+    """["train.lr 0.003 -> 0.001", ...]: the keys whose values differ between the config a checkpoint was
+    written under (its own config.toml) and this run's. [] when that file is missing or unreadable."""
+    import tomllib
+
+    try:
+        saved = _flat(tomllib.loads(saved_config.read_text()))
+    except (OSError, tomllib.TOMLDecodeError):
+        return []
+    now = _flat(cfg.to_dict())
+    keys = sorted((set(saved) | set(now)) - _NOT_REPORTED)
+    return [f"{k} {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in keys if saved.get(k) != now.get(k)]
+
+
 def resume_preflight(cfg, num_tokens: int, tokenizer_sha256: str) -> str | None:
     """Before spawning: refuse a checkpoint written for another model / data / batch (ConfigError
     with the differing keys), and return a note when the newest checkpoint already reached

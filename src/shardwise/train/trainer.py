@@ -49,8 +49,9 @@ from shardwise.train.loader import BatchPrefetcher
 from shardwise.train.loss import EAGER as EAGER_LOSS
 from shardwise.train.loss import LossKernels, token_cross_entropy_sum
 from shardwise.train.memory_meter import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
-from shardwise.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from shardwise.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm
 from shardwise.train.pipeline_chart import TimelineRecorder
+from shardwise.train.rundir import resume_changes
 from shardwise.train.signals import StopRequest
 from shardwise.train.step_log import StepLog, StepResult
 
@@ -317,6 +318,7 @@ class Trainer:
                 diverged = self.guard.record(self.step, r.skipped)
                 report.after_step(r, self.step, logging_step, timeline, self.comm_bytes or {}, self.last_memory)
                 if diverged:
+                    self._set_aside_diverged(self.guard.streak_start - 1)
                     raise Diverged(self._divergence_message(r), report=self.rank == 0)
                 if r.stop_code:
                     self._stop(r.stop_code)
@@ -340,14 +342,25 @@ class Trainer:
         good = [p for p in mf.complete_checkpoints(self.checkpoints.directory) if mf.is_good(p)]
         return good[-1] if good else None
 
+    def _set_aside_diverged(self, last_finite: int) -> None:
+        """After a divergence: the checkpoints of step `last_finite` (whose weights gave the first
+        non-finite step) and later are renamed step_N.diverged, kept but never resumed. Data order is
+        fixed, so resuming from them replays the same non-finite step whatever the lr; the newest good
+        checkpoint before them is where a lower lr can take another path."""
+        if self.rank == 0:
+            for path in mf.complete_checkpoints(self.checkpoints.directory):
+                if mf.step_of(path) >= last_finite:
+                    mf.set_aside(path, "diverged")
+
     def _divergence_message(self, r: StepResult) -> str:
         g, t = self.guard, self.cfg.train
         scale = f", fp16 loss scale {self.scaler.scale:g}" if self.scaler.enabled else ""
         return (f"training diverged: {g.in_a_row} steps in a row had a non-finite loss or gradient norm (steps "
                 f"{g.streak_start}-{self.step}, last loss {r.loss:g}, grad norm {r.grad_norm:g}{scale}; "
-                f"train.max_skipped_steps={g.max_skipped_steps}); the weights are those after step {g.streak_start - 1}, "
-                f"newest good checkpoint: {self._newest_good_checkpoint() or 'none'}. Lower train.lr ({t.lr:g}) or raise "
-                "train.warmup_steps, then rerun to resume from it (--checkpoint.resume=false starts over)")
+                f"train.max_skipped_steps={g.max_skipped_steps}); checkpoints from step {g.streak_start - 1} on set aside "
+                f"as step_N.diverged (they replay the same steps); newest good checkpoint: "
+                f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr ({t.lr:g}) or raise train.warmup_steps, then "
+                "rerun to resume from it (--checkpoint.resume=false starts over)")
 
     def _stop(self, code: int) -> None:
         """A stop signal reached some rank: checkpoint this step (when checkpoints are on) and raise."""
@@ -426,8 +439,11 @@ class Trainer:
         path, state = found
         self.batches.check_state(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
+        # The checkpoint's base lr, betas and weight decay came back with it: this run's config decides.
+        apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.train)
+        changed = resume_changes(path / "config.toml", self.cfg)
+        if changed:
+            self.log(f"checkpoint: changed since {path.name} (this run's values apply): {'; '.join(changed)}")
         self.scaler.load_state_dict(state["scaler"])
         self.guard.load_state_dict(state.get("guard", {}))
         self.step = state["step"]

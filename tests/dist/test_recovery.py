@@ -1,0 +1,140 @@
+"""What a user does after a failure, followed through the CLI (issue 28): the advice shardwise printed
+must work, and no run's checkpoints are lost or silently replaced by another's.
+
+1. A fresh start (--checkpoint.resume=false) over an older run: the older checkpoints move aside intact,
+   the new run's own are what is on disk and what a resume continues from.
+2. After a divergence (exit 3), the rerun with the lower train.lr the message advises resumes from the
+   newest *good* checkpoint and trains on with that lr.
+3. Changed hyper-parameters on resume take effect and are named at start-up; model / data / batch
+   changes are refused.
+4. A step_N that lost its manifest is damaged: `checkpoint verify` exits 1, the next run sets it aside,
+   resumes from the previous one and writes step N again.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STEP = "step_{:08d}"
+
+
+@pytest.fixture()
+def common(base_overrides) -> list[str]:
+    skip = {"train.steps", "checkpoint.final", "checkpoint.resume"}
+    return [f"--{k}={v}" for k, v in base_overrides if k not in skip] + ["--train.log_every=1", "--checkpoint.keep=5"]
+
+
+def _cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def _train(common, run: Path, *extra: str) -> subprocess.CompletedProcess:
+    return _cli("train", *common, f"--run.dir={run}", *extra, cwd=run.parent)
+
+
+def _manifest(step_dir: Path) -> dict:
+    return json.loads((step_dir / "manifest.json").read_text())
+
+
+def _records(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_a_fresh_start_sets_the_older_run_aside_and_keeps_its_own(common, tmp_path):
+    run = tmp_path / "run"
+    old = _train(common, run, "--train.steps=6", "--checkpoint.every=2", "--checkpoint.resume=false")
+    assert old.returncode == 0, old.stderr[-2000:]
+    ckpt = run / "checkpoints"
+    old_digests = {p.name: _manifest(p)["files"] for p in ckpt.glob("step_*")}
+    assert sorted(old_digests) == [STEP.format(s) for s in (2, 4, 6)]
+
+    new = _train(common, run, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.resume=false", "--train.lr=1e-3")
+    assert new.returncode == 0, new.stderr[-2000:]
+    assert "starting over" in new.stdout and "moved to" in new.stdout and "Traceback" not in new.stdout + new.stderr
+    # The new run's checkpoints are on disk, written under its own config; pruning took none of them.
+    assert sorted(p.name for p in ckpt.glob("step_*")) == [STEP.format(2), STEP.format(4)]
+    assert "lr = 0.001" in (ckpt / STEP.format(4) / "config.toml").read_text()
+    # The older run's are kept, whole, out of the way.
+    aside = ckpt / "previous.1"
+    assert {p.name: _manifest(p)["files"] for p in aside.glob("step_*")} == old_digests
+    verify = _cli("checkpoint", "verify", str(aside), cwd=tmp_path)
+    assert verify.returncode == 0 and verify.stdout.count(": OK") == 3, verify.stdout
+
+    # Resuming continues the new run (step 4), not the older one's step 6.
+    more = _train(common, run, "--train.steps=6", "--checkpoint.every=2", "--checkpoint.resume=true", "--train.lr=1e-3")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert f"resumed from {ckpt / STEP.format(4)} at step 4" in more.stdout
+
+
+def test_after_a_divergence_the_advised_rerun_resumes_from_the_newest_good_checkpoint(common, tmp_path):
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    base = [*common, "--checkpoint.every=1", "--checkpoint.resume=true"]
+    first = _train(base, run, "--train.steps=4")
+    assert first.returncode == 0, first.stderr[-2000:]
+    # A resume with a far too high lr (applied: issue 28 item 3) diverges; the streak writes bad checkpoints.
+    bad = _train(base, run, "--train.steps=30", "--train.lr=1e6", "--checkpoint.every=3")
+    assert bad.returncode == 3, bad.stderr[-2000:]
+    changed = next(x for x in bad.stdout.splitlines() if "changed since step_00000004 (this run's values apply)" in x)
+    assert "train.lr 0.003 -> 1000000.0" in changed and "checkpoint.every 1 -> 3" in changed
+    message = next(line for line in bad.stderr.splitlines() if line.startswith("error: training diverged"))
+    named = Path(message.split("newest good checkpoint: ")[1].split(". Lower train.lr")[0])
+    assert named.is_dir() and _manifest(named)["good"] is True
+    # The streak's checkpoints, and the one whose weights gave its first non-finite step, are set aside:
+    # data order is fixed, so resuming from them would replay the same non-finite step at any lr.
+    streak_start = int(message.split("(steps ")[1].split("-")[0])
+    diverged = sorted(ckpt.glob("step_*.diverged"))
+    assert diverged and all(int(p.name[5:13]) >= streak_start - 1 for p in diverged)
+    assert [p for p in diverged if not _manifest(p)["good"]]  # written during the streak
+    assert sorted(ckpt.glob("step_????????"))[-1] == named and _manifest(named)["step"] < streak_start - 1
+
+    # The advice: lower train.lr and rerun. It resumes from the checkpoint the message named, with the new lr.
+    start = _manifest(named)["step"]
+    again = _train(base, run, "--train.steps=16", "--train.lr=1e-3")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"resumed from {named} at step" in again.stdout and "train.lr 0.003 -> 0.001" in again.stdout
+    records = _records(run)
+    assert all(records[s]["skipped"] == 0 for s in range(start + 1, 17))
+    assert records[start + 1]["lr"] <= 1e-3  # the new lr, not the checkpoint's 1e6
+    assert sorted(ckpt.glob("step_*.diverged")) == diverged  # kept, never resumed
+
+def test_a_resume_reports_and_applies_what_changed_and_refuses_another_model(common, tmp_path):
+    run = tmp_path / "run"
+    base = [*common, "--checkpoint.every=2", "--checkpoint.resume=true"]
+    assert _train(base, run, "--train.steps=4").returncode == 0
+    resumed = _train(base, run, "--train.steps=6", "--train.weight_decay=0.05", "--train.beta2=0.99",
+                     "--train.grad_clip=0.5", "--train.warmup_steps=2")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    line = next(x for x in resumed.stdout.splitlines() if "changed since step_00000004" in x)
+    for change in ("train.weight_decay 0.1 -> 0.05", "train.beta2 0.95 -> 0.99", "train.grad_clip 1.0 -> 0.5",
+                   "train.steps 4 -> 6", "train.warmup_steps 5 -> 2"):
+        assert change in line, line
+    # Applied: the lr at step 5 follows this run's schedule (warm-up 2, 6 steps) from the config's lr.
+    import math
+
+    progress = (4 - 2) / (6 - 2)
+    want = 3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    assert abs(_records(run)[5]["lr"] - want) <= 1e-9, (_records(run)[5]["lr"], want)
+    other = _train(base, run, "--train.steps=8", "--model.n_layers=3")
+    assert other.returncode == 2 and "model.n_layers: 2 -> 3" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_a_checkpoint_without_its_manifest_is_set_aside_and_the_run_goes_on(common, tmp_path):
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    base = [*common, "--checkpoint.every=2", "--checkpoint.resume=true"]
+    assert _train(base, run, "--train.steps=4").returncode == 0
+    (ckpt / STEP.format(4) / "manifest.json").unlink()
+    verify = _cli("checkpoint", "verify", str(run), cwd=tmp_path)
+    assert verify.returncode == 1 and "DAMAGED" in verify.stdout and "manifest.json: missing" in verify.stdout
+    for attempt in (1, 2):  # before: the save at step 4 failed with exit 4 ("Directory not empty"), every time
+        again = _train(base, run, f"--train.steps={4 + 2 * attempt}")
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert (ckpt / f"{STEP.format(4)}.corrupt").is_dir()
+    assert sorted(p.name for p in ckpt.glob("step_????????")) == [STEP.format(s) for s in (2, 4, 6, 8)]
+    assert _cli("checkpoint", "verify", str(run), cwd=tmp_path).returncode == 0
