@@ -138,3 +138,79 @@ def test_a_checkpoint_without_its_manifest_is_set_aside_and_the_run_goes_on(comm
     assert (ckpt / f"{STEP.format(4)}.corrupt").is_dir()
     assert sorted(p.name for p in ckpt.glob("step_????????")) == [STEP.format(s) for s in (2, 4, 6, 8)]
     assert _cli("checkpoint", "verify", str(run), cwd=tmp_path).returncode == 0
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def test_a_worker_exception_is_one_line_with_the_rank_and_its_message(common, tmp_path):
+    """Item 5: a rank that dies of an exception (here its data-loader worker is killed under it) ends the
+    job with one line naming the rank and the exception's own message, the traceback in errors/rank_N.txt.
+    Before, the line was torchelastic's record printed as a dict, a traceback cut mid-word inside it."""
+    import time
+
+    from tests.harness import alive, processes_mentioning
+
+    run = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", "--nproc", "2",
+                            "--parallel.dp_replicate=2", "--train.micro_batch=4", "--data.num_workers=1",
+                            "--train.steps=100000", "--checkpoint.resume=false"], cwd=tmp_path, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        loaders = []
+        while time.monotonic() < deadline and not loaders:
+            time.sleep(0.5)
+            ranks = [p for p in processes_mentioning(str(run)) if _ppid(p) == job.pid]
+            loaders = [p for p in processes_mentioning(str(run)) if _ppid(p) in ranks]
+            if loaders and not (run / "metrics.jsonl").is_file():
+                loaders = []  # wait until training runs
+        assert loaders, "no data-loader worker appeared"
+        import os
+        import signal
+
+        os.kill(loaders[0], signal.SIGKILL)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 1, err[-2000:]
+    lines = [x for x in err.splitlines() if x.strip() and "ProcessGroupGloo" not in x and "debug_logger" not in x]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: rank ") and "DataLoader worker" in lines[0], lines[0]
+    assert "py_callstack" not in err and "Traceback" not in err and "{'message'" not in err
+    rank = int(lines[0].split("rank ")[1].split()[0])
+    assert f"(traceback: {run / 'errors' / f'rank_{rank}.txt'})" in lines[0]
+    assert "Traceback" in (run / "errors" / f"rank_{rank}.txt").read_text()
+    assert not [p for p in processes_mentioning(str(run)) if alive(p)]  # no orphan
+
+
+def test_a_rank_file_that_does_not_load_sets_its_checkpoint_aside(common, tmp_path):
+    """Item 5: an RNG file that matches its manifest but is not an RNG state (rewritten with the manifest
+    to match): before, every rerun crashed loading it; now verify calls it damaged and the run sets it
+    aside, says that nothing could be resumed, and trains from step 0."""
+    import hashlib
+
+    import torch
+
+    run = tmp_path / "run"
+    base = [*common, "--checkpoint.every=2", "--checkpoint.resume=true"]
+    assert _train(base, run, "--train.steps=2").returncode == 0
+    step = run / "checkpoints" / STEP.format(2)
+    rng = step / "rng" / "rank_0.pt"
+    torch.save({"not": torch.zeros(1)}, rng)
+    manifest = _manifest(step)
+    data = rng.read_bytes()
+    manifest["files"]["rng/rank_0.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    verify = _cli("checkpoint", "verify", str(run), cwd=tmp_path)
+    assert verify.returncode == 1 and "rng/rank_0.pt: not an RNG state" in verify.stdout, verify.stdout
+    again = _train(base, run, "--train.steps=4")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"set aside as {STEP.format(2)}.corrupt" in again.stdout and "training starts from step 0" in again.stdout
+    assert min(_records(run)) == 1

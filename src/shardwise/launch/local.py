@@ -110,7 +110,7 @@ def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Pat
     if failure.exitcode < 0:
         what = f"was killed by {_signal_name(-failure.exitcode)}"
     else:
-        message = str(failure.message or "").strip().splitlines()
+        message = failure_message(failure).splitlines()
         what = f"failed: {message[0][:300] if message else f'exit code {failure.exitcode}'}"
         if run_dir is not None and (run_dir / "errors" / f"rank_{rank}.txt").is_file():
             what += f" (traceback: {run_dir / 'errors' / f'rank_{rank}.txt'})"
@@ -118,6 +118,17 @@ def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Pat
     tail = f"; {others} other rank(s) stopped with it" if others else ""
     print(f"error: rank {rank} (pid {failure.pid}) {what}{tail}{_resume_hint(checkpoints)}", file=sys.stderr, flush=True)
     return EXIT_FAILED
+
+
+def failure_message(failure) -> str:
+    """The exception's own "Type: message" of a failed worker. torchelastic's record of a Python
+    exception is a dict {"message": ..., "extraInfo": {"py_callstack": <traceback>, ...}}: printed as
+    it is, the user's one line was that dict with a traceback cut mid-word (the traceback is in
+    <run.dir>/errors/rank_N.txt)."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message or "").strip()
 
 
 def _signal_name(signum: int) -> str:
@@ -135,7 +146,7 @@ def _root_cause(failures: dict):
         if f.exitcode < 0 and -f.exitcode != signal.SIGTERM:
             return rank, f
     for rank, f in items:
-        if not lost_peer(str(f.message or "")):
+        if not lost_peer(failure_message(f)):
             return rank, f
     return items[0]
 

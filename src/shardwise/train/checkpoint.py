@@ -63,7 +63,7 @@ RANK_STATE = "rank_state"
 RNG = "rng"
 # Verification outcome per file, agreed over ranks by maximum (worst wins).
 _REASONS = {1: "missing", 2: "wrong size (truncated or overwritten)", 3: "checksum mismatch (the content changed)",
-            4: "unreadable", 5: "unsafe or unreadable DCP metadata"}
+            4: "unreadable", 5: "unsafe or unreadable DCP metadata", 6: "a rank's file does not load safely"}
 
 
 def _dcp(fn, state: dict, path: Path, **kwargs) -> None:
@@ -319,9 +319,16 @@ class CheckpointManager:
             reason = metadata_problem(path)
             if reason is not None:
                 codes[-1], details[len(names)] = 5.0, reason
+        # This rank's own files (RNG, rank_state), as loading will read them: a file can match its
+        # checksum and still not load (a crafted pickle with a manifest to match, a wrong structure).
+        own = rank_file_problem(path, self.rank)
+        codes.append(6.0 if own is not None else 0.0)
         agreed = self.control.max(codes)
         problems = [mf.Problem(names[i] if i < len(names) else ".metadata", details.get(i, _REASONS[int(c)]))
-                    for i, c in enumerate(agreed) if c]
+                    for i, c in enumerate(agreed[:-1]) if c]
+        if agreed[-1]:
+            problems.append(mf.Problem(f"{RNG}/ or {RANK_STATE}/",
+                                       own or "a rank's file does not load safely (`shardwise checkpoint verify` names it)"))
         return manifest, problems
 
     def _load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -352,6 +359,21 @@ def _read_rank_file(path: Path, kind: str, rank: int) -> dict | None:
     loading), through the weights-only unpickler; None if it has no such file."""
     file = path / kind / f"rank_{rank}.pt"
     return torch.load(file, weights_only=True) if file.is_file() else None
+
+
+def rank_file_problem(path: Path, rank: int) -> str | None:
+    """None when `rank`'s RNG and rank_state files in checkpoint `path` load (weights only) and the RNG
+    one has the state resuming sets; else why not."""
+    try:
+        rng = _read_rank_file(path, RNG, rank)
+        if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor)):
+            return f"{RNG}/rank_{rank}.pt: not an RNG state"
+        state = _read_rank_file(path, RANK_STATE, rank)
+        if state is not None and not isinstance(state, dict):
+            return f"{RANK_STATE}/rank_{rank}.pt: not a rank state"
+    except Exception as e:  # any way of failing to load it is a reason not to resume from it
+        return f"rank {rank}'s files: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return None
 
 
 def read_rank_state(path: Path, rank: int) -> dict | None:
@@ -441,6 +463,11 @@ def verify_directory(root: Path) -> list[tuple[Path, str, list[mf.Problem]]]:
                 reason = metadata_problem(path) if ".metadata" in manifest["files"] else None
                 if reason is not None:
                     problems.append(mf.Problem(".metadata", reason))
+                ranks = {int(n.rsplit("_", 1)[1].split(".")[0]) for n in manifest["files"]
+                         if n.startswith((f"{RNG}/rank_", f"{RANK_STATE}/rank_"))}
+                if not problems:  # files as written: do they also load?
+                    problems += [mf.Problem(f"{RNG}/ or {RANK_STATE}/", why) for r in sorted(ranks)
+                                 if (why := rank_file_problem(path, r)) is not None]
             except ValueError as e:
                 problems = [e.args[0]]
             out.append((path, "DAMAGED" if problems else "OK", problems))
