@@ -58,7 +58,7 @@ def _train(argv: list[str]) -> int:
     from shardwise.launch.local import check_multinode, check_nproc, torchrun
     from shardwise.preflight import check
     from shardwise.train import rundir
-    from shardwise.train.data import prepare_data
+    from shardwise.train.data import check_corpus, prepare_data
     from shardwise.train.manifest import file_digest
 
     parser = argparse.ArgumentParser(
@@ -84,6 +84,7 @@ def _train(argv: list[str]) -> int:
     check(cfg, args.nproc * args.nnodes)
     rundir.check_cache_dir(cfg)
     data = prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
+    check_corpus(len(data.tokens), cfg.train.seq_len, cfg.train.global_batch)  # one global batch at least
     rundir.check_run_dirs(cfg)
     # Node 0 owns the run directory (lock, config.toml); other nodes only check it: with a shared file
     # system a second lock would refuse our own job (train/rundir.py).

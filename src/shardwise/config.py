@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -307,6 +308,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if not ok:
         raise ConfigError(key, f"expected {base.__name__}, got {type(value).__name__} {value!r}",
                           f"give {key} a {base.__name__} value")
+    if base is float and not math.isfinite(value):
+        # TOML reads nan and inf; no key means either (a NaN lr spawned workers that failed, an inf one
+        # trained until it diverged).
+        raise ConfigError(key, f"must be a finite number, got {value!r}", f"give {key} a finite value")
     return value
 
 

@@ -214,3 +214,25 @@ def test_a_rank_file_that_does_not_load_sets_its_checkpoint_aside(common, tmp_pa
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"set aside as {STEP.format(2)}.corrupt" in again.stdout and "training starts from step 0" in again.stdout
     assert min(_records(run)) == 1
+
+
+@pytest.mark.parametrize("arg", ["--train.lr=nan", "--train.lr=inf", "--train.grad_clip=-inf", "--train.min_lr_ratio=nan"])
+def test_non_finite_numbers_are_bad_input(common, tmp_path, arg):
+    """Item 6: TOML reads nan and inf; every float key refuses them before anything starts (a NaN lr
+    spawned workers that failed and were restarted, an inf one trained until it diverged)."""
+    run = tmp_path / "run"
+    p = _train(common, run, "--nproc", "2", "--parallel.dp_replicate=2", "--train.micro_batch=4", arg)
+    key = arg[2:].split("=")[0]
+    assert p.returncode == 2 and p.stderr.startswith(f"error: {key}: must be a finite number"), p.stderr
+    assert "Traceback" not in p.stderr and not run.exists()
+
+
+@pytest.mark.parametrize("text", ["", "a short corpus\n"])
+def test_a_corpus_too_small_for_one_batch_is_refused_before_spawning(common, tmp_path, text):
+    corpus = tmp_path / "small.txt"
+    corpus.write_text(text)
+    run = tmp_path / "run"
+    p = _train([c for c in common if not c.startswith("--data.path")], run, f"--data.path={corpus}", "--nproc", "2",
+               "--parallel.dp_replicate=2", "--train.micro_batch=4")
+    assert p.returncode == 2 and "error: data.path: the corpus has" in p.stderr, p.stderr
+    assert not run.exists() and "rank" not in p.stdout + p.stderr  # nothing spawned, no run directory

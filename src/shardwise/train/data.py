@@ -417,6 +417,20 @@ class _MappedTokens:
     path: str  # a .npy token file, mapped read-only
 
 
+def check_corpus(num_tokens: int, seq_len: int, global_batch: int) -> int:
+    """The corpus's number of (seq_len+1)-token windows; ConfigError when it cannot fill one global batch
+    (the launcher asks before it spawns anything or creates the run directory)."""
+    windows = max(num_tokens - 1, 0) // seq_len
+    if windows == 0:
+        raise ConfigError("data.path", f"the corpus has {num_tokens} tokens, fewer than one sequence of "
+                          f"train.seq_len + 1 = {seq_len + 1}", "use a bigger corpus or a smaller train.seq_len")
+    if windows < global_batch:
+        raise ConfigError("train.global_batch", f"{global_batch} sequences per step, but the corpus only has "
+                          f"{windows} windows of {seq_len} tokens",
+                          f"set train.global_batch <= {windows}, lower train.seq_len, or use a bigger corpus")
+    return windows
+
+
 class TokenBatches:
     """Global batches of (seq_len+1)-token windows in a seeded order that no parallel layout changes.
 
@@ -431,15 +445,7 @@ class TokenBatches:
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.seed = seed
-        self.num_windows = max(len(tokens) - 1, 0) // seq_len
-        if self.num_windows == 0:
-            raise ConfigError("data.path", f"the corpus has {len(tokens)} tokens, fewer than one sequence of "
-                              f"train.seq_len + 1 = {seq_len + 1}", "use a bigger corpus or a smaller train.seq_len")
-        if self.num_windows < global_batch:
-            raise ConfigError("train.global_batch", f"{global_batch} sequences per step, but the corpus only has "
-                              f"{self.num_windows} windows of {seq_len} tokens",
-                              f"set train.global_batch <= {self.num_windows}, lower train.seq_len, "
-                              "or use a bigger corpus")
+        self.num_windows = check_corpus(len(tokens), seq_len, global_batch)
         self._offsets = np.arange(seq_len + 1, dtype=np.int64)
         self._perms: dict[int, np.ndarray] = {}  # a step spans at most two epochs; keep those
 
