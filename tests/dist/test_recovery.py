@@ -236,3 +236,25 @@ def test_a_corpus_too_small_for_one_batch_is_refused_before_spawning(common, tmp
                "--parallel.dp_replicate=2", "--train.micro_batch=4")
     assert p.returncode == 2 and "error: data.path: the corpus has" in p.stderr, p.stderr
     assert not run.exists() and "rank" not in p.stdout + p.stderr  # nothing spawned, no run directory
+
+
+def test_a_full_disk_under_the_run_directory_is_one_line_without_a_traceback(common, tmp_path):
+    """Item 7: metrics.jsonl and TensorBoard's events fill a 60 KiB disk: exit 4 and one error line.
+    Before, TensorBoard's writer thread (and its close) printed their tracebacks too."""
+    import os
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode:
+        print("skipped: a full disk is a small tmpfs, which needs root and mount")
+        pytest.skip("a full disk is a small tmpfs, which needs root and mount")
+    try:
+        p = _train([c for c in common if "tensorboard" not in c], disk / "run", "--run.tensorboard=true",
+                   "--train.steps=100000", "--checkpoint.every=0", "--checkpoint.resume=false")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    assert p.returncode == 4, p.stderr[-2000:]
+    assert "Traceback" not in p.stdout + p.stderr and "Exception in thread" not in p.stdout + p.stderr
+    errors = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "No space left on device" in errors[0], errors

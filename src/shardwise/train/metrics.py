@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,7 @@ class MetricsLogger:
         self._every = max(1, math.ceil((total_steps - start_step) / 10))
         self._file = None
         self._tb = None
+        self._hook = threading.excepthook
         self._bar = None
         self._task = None
         self._closed = not is_writer
@@ -121,6 +123,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), flush_secs=10)
+            self._hook = threading.excepthook
+            threading.excepthook = self._quiet_tensorboard_io
         if self._show_progress and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -170,6 +174,14 @@ class MetricsLogger:
         else:
             print(text, flush=True)
 
+    def _quiet_tensorboard_io(self, args: threading.ExceptHookArgs) -> None:
+        """TensorBoard writes events from a thread of its own, which dies printing a traceback when the
+        disk is full or read-only; the run says that itself (metrics.jsonl fails too: exit 4, one
+        line), and close() warns that the events are incomplete. Other threads' exceptions go on."""
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        self._hook(args)
+
     def close(self) -> None:
         """Stop the bar, close the files and write loss_curve.png. Safe to call twice."""
         if self._closed:
@@ -178,7 +190,12 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.stop()
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as e:  # the run ends with its own line (a full disk: exit 4); this one is a warning
+                print(f"warning: TensorBoard events in {self.run_dir / 'tensorboard'} are incomplete: "
+                      f"{e.strerror or e}", flush=True)
+            threading.excepthook = self._hook
         if self._file is not None:
             self._file.close()
         try:
