@@ -395,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e.render()}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before any worker ran (a run stopped by it says so itself)
+        print(f"interrupted (SIGINT): shardwise {command} stopped"
+              + (" before training started; nothing to resume" if command == "train" else ""), file=sys.stderr, flush=True)
         return 130
 
 

@@ -132,6 +132,10 @@ def test_a_checkpoint_without_its_manifest_is_set_aside_and_the_run_goes_on(comm
     (ckpt / STEP.format(4) / "manifest.json").unlink()
     verify = _cli("checkpoint", "verify", str(run), cwd=tmp_path)
     assert verify.returncode == 1 and "DAMAGED" in verify.stdout and "manifest.json: missing" in verify.stdout
+    # Item 8: generate on the damaged step names the intact ones (it advised "export another step").
+    gen = _cli("generate", "--run-dir", str(run), "--step", "4", "--prompt-ids", "1,2", "--max-new-tokens", "1",
+               cwd=tmp_path)
+    assert gen.returncode == 2 and "pick another step with --step (step_00000002 is intact)" in gen.stderr, gen.stderr
     for attempt in (1, 2):  # before: the save at step 4 failed with exit 4 ("Directory not empty"), every time
         again = _train(base, run, f"--train.steps={4 + 2 * attempt}")
         assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
@@ -258,3 +262,52 @@ def test_a_full_disk_under_the_run_directory_is_one_line_without_a_traceback(com
     assert "Traceback" not in p.stdout + p.stderr and "Exception in thread" not in p.stdout + p.stderr
     errors = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: ") and "No space left on device" in errors[0], errors
+
+
+def test_a_restart_names_the_rank_and_signal_that_caused_it(common, tmp_path):
+    """Item 8: a SIGKILLed worker under run.max_restarts: the launcher says which local rank died and of
+    what, the job restarts from its checkpoint and succeeds, and nothing is left on stderr."""
+    import os
+    import signal
+    import time
+
+    from tests.harness import processes_mentioning
+
+    run = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", "--nproc", "2",
+                            "--parallel.dp_replicate=2", "--train.micro_batch=4", "--train.steps=40",
+                            "--checkpoint.every=2", "--run.max_restarts=1", "--checkpoint.resume=false"],
+                           cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (run / "checkpoints" / STEP.format(2) / "manifest.json").is_file():
+            time.sleep(0.2)
+        ranks = [p for p in processes_mentioning(str(run)) if _ppid(p) == job.pid]
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, err[-2000:]
+    cause = [x for x in out.splitlines() if x.startswith("restart 1 of 1: local rank ")]
+    assert len(cause) == 1 and f"(pid {ranks[1]}) was killed by SIGKILL" in cause[0], out[-3000:]
+    assert not [x for x in err.splitlines() if x.strip() and "ProcessGroupGloo" not in x and "debug_logger" not in x], err
+
+
+def test_ctrl_c_before_training_starts_says_so(tmp_path):
+    """Item 8: SIGINT while the launcher still prepares the data (here: trains the default corpus's BPE
+    tokenizer): exit 130 and one line, not a silent 130."""
+    import signal
+    import time
+
+    job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", f"--data.cache_dir={tmp_path / 'cache'}",
+                            f"--run.dir={tmp_path / 'run'}"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    time.sleep(5)
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 130
+    assert err.strip() == "interrupted (SIGINT): shardwise train stopped before training started; nothing to resume", err
+    assert "Traceback" not in out + err and not (tmp_path / "run" / "checkpoints").exists()

@@ -44,13 +44,44 @@ def lost_peer(message: str) -> bool:
     return any(s in message.lower() for s in _LOST_PEER)
 
 
-def _quiet_torchrun() -> None:
+# The logger of torchelastic's process context: its one record per failed worker group names the first
+# failed worker ("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", torch 2.13).
+_WORKER_FAILURES = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _RestartCause(logging.Handler):
+    """Turns torchelastic's record of a failed worker into shardwise's line, when a restart follows it
+    (the last failure is the launcher's error line: report_failure): which local rank, and the signal
+    or exit code, which the restarted workers cannot know."""
+
+    def __init__(self, max_restarts: int):
+        super().__init__(logging.ERROR)
+        self.max_restarts, self.seen = max_restarts, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith("failed (exitcode") or len(record.args or ()) < 3:
+            return
+        self.seen += 1
+        if self.seen > self.max_restarts:
+            return
+        code, local_rank, pid = record.args[:3]
+        what = f"was killed by {_signal_name(-int(code))}" if int(code) < 0 else f"exited with code {code}"
+        print(f"restart {self.seen} of {self.max_restarts}: local rank {local_rank} (pid {pid}) {what}; the worker "
+              "group restarts from the newest intact checkpoint", flush=True)
+
+
+def _quiet_torchrun(max_restarts: int = 0) -> None:
     """torchrun's agent logs every failure, restart and shutdown at WARNING/ERROR with its own
-    traceback tables; shardwise says what happened in one line instead."""
+    traceback tables; shardwise says what happened in one line instead (a restart's cause included)."""
     names = [n for n in logging.root.manager.loggerDict if n.startswith(("torch.distributed.elastic",
              "torch.distributed.run", "torch.distributed.launcher"))]
     for name in ["torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher", *names]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    if max_restarts:
+        failures = logging.getLogger(_WORKER_FAILURES)
+        failures.setLevel(logging.ERROR)
+        failures.propagate = False
+        failures.handlers = [_RestartCause(max_restarts)]
 
 
 def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | None = None, max_restarts: int = 0,
@@ -82,7 +113,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     own_log_dir = Path(tempfile.mkdtemp(prefix="shardwise-torchelastic-")) if log_dir is None else None
     argv += [f"--log-dir={log_dir or own_log_dir}"]
     argv += ["-m", module, *module_args]
-    _quiet_torchrun()
+    _quiet_torchrun(max_restarts)
     try:
         torch_run.run(torch_run.get_args_parser().parse_args(argv))
     except ChildFailedError as e:

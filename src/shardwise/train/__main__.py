@@ -149,7 +149,10 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     except Exception as e:
         if watchdog is not None and is_timeout(e):
             report = watchdog.report(e)
-            if report:
+            if report and attempt < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+                # The agent restarts the group: a run that then succeeds must not end with an error line.
+                print(f"{report}; the worker group restarts (restart {attempt + 1})", flush=True)
+            elif report:
                 _say(report)
             return EXIT_STALLED
         _record_crash(run_dir, rank, e)  # the launcher names the root cause among the failed ranks

@@ -61,8 +61,11 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
                               f"{', '.join(p.name for p, _, _ in found) or 'none'})", "pick a step it has, or leave --step out")
         path, status, problems = wanted[0]
         if (path, status, problems) not in usable:
+            others = [p.name for p, _, _ in usable]
             raise ConfigError("--step", f"{path} is {status}: {'; '.join(map(str, problems))}",
-                              "export another step (`shardwise checkpoint verify RUN_DIR` lists them)")
+                              f"pick another step with --step ({', '.join(others)} {'are' if len(others) > 1 else 'is'} "
+                              "intact), or leave --step out for the newest intact one" if others else
+                              "no other checkpoint of this run is intact: train again to write one")
         return path
     if not usable:
         raise ConfigError("--run-dir", f"{root} holds no intact checkpoint",
