@@ -13,11 +13,16 @@ must work, and no run's checkpoints are lost or silently replaced by another's.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.harness import alive, processes_mentioning
 
 STEP = "step_{:08d}"
 
@@ -43,6 +48,35 @@ def _manifest(step_dir: Path) -> dict:
 
 def _records(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _said(err: str) -> list[str]:
+    """The lines a user is told on stderr (not the C++ transport chatter gloo prints on its own)."""
+    return [x for x in err.splitlines() if x.strip() and "ProcessGroupGloo" not in x and "debug_logger" not in x]
+
+
+def _kill_when(job: subprocess.Popen, victims, timeout: float = 120) -> tuple[list[int], str, str]:
+    """Wait until `victims()` names processes, SIGKILL the first, and let the job end: (victims, stdout, stderr)."""
+    try:
+        deadline, found = time.monotonic() + timeout, []
+        while time.monotonic() < deadline and not found and job.poll() is None:
+            time.sleep(0.2)
+            found = victims()
+        assert found, "the process to kill never appeared"
+        os.kill(found[0], signal.SIGKILL)
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    return found, out, err
 
 
 def test_a_fresh_start_sets_the_older_run_aside_and_keeps_its_own(common, tmp_path):
@@ -144,47 +178,24 @@ def test_a_checkpoint_without_its_manifest_is_set_aside_and_the_run_goes_on(comm
     assert _cli("checkpoint", "verify", str(run), cwd=tmp_path).returncode == 0
 
 
-def _ppid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def test_a_worker_exception_is_one_line_with_the_rank_and_its_message(common, tmp_path):
     """Item 5: a rank that dies of an exception (here its data-loader worker is killed under it) ends the
     job with one line naming the rank and the exception's own message, the traceback in errors/rank_N.txt.
     Before, the line was torchelastic's record printed as a dict, a traceback cut mid-word inside it."""
-    import time
-
-    from tests.harness import alive, processes_mentioning
-
     run = tmp_path / "run"
     job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", "--nproc", "2",
                             "--parallel.dp_replicate=2", "--train.micro_batch=4", "--data.num_workers=1",
                             "--train.steps=100000", "--checkpoint.resume=false"], cwd=tmp_path, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        loaders = []
-        while time.monotonic() < deadline and not loaders:
-            time.sleep(0.5)
-            ranks = [p for p in processes_mentioning(str(run)) if _ppid(p) == job.pid]
-            loaders = [p for p in processes_mentioning(str(run)) if _ppid(p) in ranks]
-            if loaders and not (run / "metrics.jsonl").is_file():
-                loaders = []  # wait until training runs
-        assert loaders, "no data-loader worker appeared"
-        import os
-        import signal
 
-        os.kill(loaders[0], signal.SIGKILL)
-        out, err = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+    def loaders() -> list[int]:  # the ranks' forked loader processes, once training runs
+        ranks = [p for p in processes_mentioning(str(run)) if _ppid(p) == job.pid]
+        found = [p for p in processes_mentioning(str(run)) if _ppid(p) in ranks]
+        return found if (run / "metrics.jsonl").is_file() else []
+
+    _, out, err = _kill_when(job, loaders)
     assert job.returncode == 1, err[-2000:]
-    lines = [x for x in err.splitlines() if x.strip() and "ProcessGroupGloo" not in x and "debug_logger" not in x]
+    lines = _said(err)
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: rank ") and "DataLoader worker" in lines[0], lines[0]
     assert "py_callstack" not in err and "Traceback" not in err and "{'message'" not in err
@@ -245,8 +256,6 @@ def test_a_corpus_too_small_for_one_batch_is_refused_before_spawning(common, tmp
 def test_a_full_disk_under_the_run_directory_is_one_line_without_a_traceback(common, tmp_path):
     """Item 7: metrics.jsonl and TensorBoard's events fill a 60 KiB disk: exit 4 and one error line.
     Before, TensorBoard's writer thread (and its close) printed their tracebacks too."""
-    import os
-
     disk = tmp_path / "disk"
     disk.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60k", "tmpfs", str(disk)],
@@ -267,41 +276,27 @@ def test_a_full_disk_under_the_run_directory_is_one_line_without_a_traceback(com
 def test_a_restart_names_the_rank_and_signal_that_caused_it(common, tmp_path):
     """Item 8: a SIGKILLed worker under run.max_restarts: the launcher says which local rank died and of
     what, the job restarts from its checkpoint and succeeds, and nothing is left on stderr."""
-    import os
-    import signal
-    import time
-
-    from tests.harness import processes_mentioning
-
     run = tmp_path / "run"
     job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", "--nproc", "2",
                             "--parallel.dp_replicate=2", "--train.micro_batch=4", "--train.steps=40",
                             "--checkpoint.every=2", "--run.max_restarts=1", "--checkpoint.resume=false"],
                            cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (run / "checkpoints" / STEP.format(2) / "manifest.json").is_file():
-            time.sleep(0.2)
-        ranks = [p for p in processes_mentioning(str(run)) if _ppid(p) == job.pid]
-        assert len(ranks) == 2, ranks
-        os.kill(ranks[1], signal.SIGKILL)
-        out, err = job.communicate(timeout=300)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+
+    def rank_1() -> list[int]:  # once the first checkpoint is written
+        if not (run / "checkpoints" / STEP.format(2) / "manifest.json").is_file():
+            return []
+        return sorted(p for p in processes_mentioning(str(run)) if _ppid(p) == job.pid)[1:]
+
+    (victim, *_), out, err = _kill_when(job, rank_1)
     assert job.returncode == 0, err[-2000:]
     cause = [x for x in out.splitlines() if x.startswith("restart 1 of 1: local rank ")]
-    assert len(cause) == 1 and f"(pid {ranks[1]}) was killed by SIGKILL" in cause[0], out[-3000:]
-    assert not [x for x in err.splitlines() if x.strip() and "ProcessGroupGloo" not in x and "debug_logger" not in x], err
+    assert len(cause) == 1 and f"(pid {victim}) was killed by SIGKILL" in cause[0], out[-3000:]
+    assert not _said(err), err
 
 
 def test_ctrl_c_before_training_starts_says_so(tmp_path):
     """Item 8: SIGINT while the launcher still prepares the data (here: trains the default corpus's BPE
     tokenizer): exit 130 and one line, not a silent 130."""
-    import signal
-    import time
-
     job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", f"--data.cache_dir={tmp_path / 'cache'}",
                             f"--run.dir={tmp_path / 'run'}"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE)
