@@ -306,3 +306,40 @@ def test_ctrl_c_before_training_starts_says_so(tmp_path):
     assert job.returncode == 130
     assert err.strip() == "interrupted (SIGINT): shardwise train stopped before training started; nothing to resume", err
     assert "Traceback" not in out + err and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_stall_that_a_restart_fixes_leaves_no_error_line(common, tmp_path):
+    """Item 8: a stopped rank stalls the group (exit 5 from rank 0) under run.max_restarts=1: the stall is
+    reported on stdout as a restart, the restarted group finishes, and stderr holds no "error: stalled"
+    line of a run that succeeded. (SIGCONT once the stall is reported, so the agent's shutdown of the
+    old group does not wait for its grace period.)"""
+    run = tmp_path / "run"
+    out_path = tmp_path / "out.txt"
+    with open(out_path, "w") as out_file:
+        job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", "--nproc",
+                                "2", "--parallel.dp_replicate=2", "--train.micro_batch=4", "--train.steps=30",
+                                "--checkpoint.every=2", "--run.max_restarts=1", "--run.collective_timeout_s=8",
+                                "--checkpoint.resume=false"], cwd=tmp_path, text=True, stdout=out_file,
+                               stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (run / "checkpoints" / STEP.format(2)).is_dir():
+                time.sleep(0.2)
+            ranks = sorted(p for p in processes_mentioning(str(run)) if _ppid(p) == job.pid)
+            os.kill(ranks[1], signal.SIGSTOP)
+            while time.monotonic() < deadline + 60 and "stalled" not in out_path.read_text():
+                time.sleep(0.2)
+            try:
+                os.kill(ranks[1], signal.SIGCONT)
+            except ProcessLookupError:  # the agent already took the stopped group down
+                pass
+            _, err = job.communicate(timeout=300)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    out = out_path.read_text()
+    assert job.returncode == 0, err[-2000:] + out[-2000:]
+    assert "stalled" in out and "the worker group restarts (restart 1)" in out
+    assert not _said(err), err
+    assert max(_records(run)) == 30
