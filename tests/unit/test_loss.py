@@ -57,6 +57,7 @@ def test_chunked_keeps_no_fp32_copy_of_bf16_logits():
     assert chunked.bytes <= tokens * VOCAB * 2 + tokens * (4 + 8)  # logits + lse + int64 targets
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_chunk_kernels_equal_the_eager_ones(dtype):
     """train.compile fuses each chunk's computation (LossKernels.compiled). Traced without code generation
