@@ -46,7 +46,7 @@ def _checkpoint_like(tmp_path: Path) -> Path:
     (step / "rng").mkdir(parents=True)
     (step / "__0_0.distcp").write_bytes(os.urandom(4096))
     (step / "trainer_state.json").write_text(json.dumps({"step": 4}))
-    (step / "rng" / "rank_0.pt").write_bytes(b"rng")
+    torch.save({"cpu": torch.get_rng_state()}, step / "rng" / "rank_0.pt")  # verify loads it: a real RNG state
     files = {rel: dict(zip(("size", "sha256"), mf.file_digest(step / rel))) for rel in mf.listed_files(step)}
     mf.write_manifest(step, {"format": mf.FORMAT, "step": 4, "good": True, "files": files})
     return step
@@ -78,9 +78,14 @@ def test_verify_directory_reports_each_checkpoint(tmp_path):
     bad = shutil.copytree(good, tmp_path / "checkpoints" / "step_00000008")
     (bad / "__0_0.distcp").write_bytes(b"short")
     (tmp_path / "checkpoints" / "step_00000012.tmp").mkdir()
+    odd = shutil.copytree(good, tmp_path / "checkpoints" / "step_00000010")
+    (odd / "rng" / "rank_0.pt").write_bytes(b"rng")  # not a torch file: damaged even with a manifest to match
+    files = {rel: dict(zip(("size", "sha256"), mf.file_digest(odd / rel))) for rel in mf.listed_files(odd)}
+    mf.write_manifest(odd, {"format": mf.FORMAT, "step": 10, "good": True, "files": files})
     results = {p.name: (status, problems) for p, status, problems in verify_directory(tmp_path)}
     assert results["step_00000004"] == ("OK", [])
     assert results["step_00000008"][0] == "DAMAGED" and results["step_00000008"][1][0].file == "__0_0.distcp"
+    assert results["step_00000010"][0] == "DAMAGED" and "rank 0's files" in results["step_00000010"][1][0].reason
     assert results["step_00000012.tmp"][0].startswith("INCOMPLETE")
 
 
