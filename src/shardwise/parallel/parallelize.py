@@ -154,7 +154,8 @@ def _finish(model: nn.Module, dims: ParallelDims, cfg: Config) -> None:
 def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Config,
                          device: torch.device) -> nn.Module:
     """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
-    cfg = resolve_precision(cfg, device)  # train.precision unset: decided for the device (the Trainer did already)
+    # train.precision unset: decided for the device (the Trainer has done so already; other callers may not).
+    cfg = resolve_precision(cfg, device)
     parallelize(model, dims, mesh, cfg, device.type)
     params_on, buffers_on = state_devices(dims, device)
     materialize(model, params_on, weight_source(model, cfg.model.init_from, cfg.train.seed), buffers_on)
@@ -177,7 +178,6 @@ class PipelineParts:
 def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, pp_rank: int) -> PipelineParts:
     from shardwise.models import ARCHS, build_model
 
-    cfg = resolve_precision(cfg, device)
     p = cfg.parallel
     costs = ARCHS[cfg.model.arch].pipeline_costs(cfg.model, cfg.train.seq_len)  # closed form: no model built
     layers = stage_layers(layers_per_stage(p, cfg.model, cfg.train.seq_len, costs))

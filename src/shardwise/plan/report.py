@@ -24,10 +24,6 @@ TIME_ROWS = (("compute", "compute (fwd + bwd)"), ("recompute", "recompute"), ("d
 # Adaptive units, so a tiny model reads "0.16M params", "1.2 ms", not "0.00B" and "0.000". Each
 # helper keeps the large-model form (B params, GFLOP, seconds, GiB, days) unchanged above its threshold.
 
-def _peak_key(problem) -> str:
-    """The dtype whose peak the cluster line shows: the precision, or "tf32" for fp32 on TF32 tensor cores."""
-    return "tf32" if problem.compute_precision == "tf32" else problem.precision
-
 def _count(n: float) -> str:
     for scale, suffix, fmt in ((1e9, "B", ".2f"), (1e6, "M", ".2f"), (1e3, "K", ".1f")):
         if n >= scale:
@@ -79,6 +75,11 @@ def _console(width: int = 110):
     from rich.console import Console
 
     return Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None, highlight=False)
+
+
+def _peak_key(problem) -> str:
+    """The dtype whose peak the cluster line shows: the precision, or "tf32" for fp32 on TF32 tensor cores."""
+    return "tf32" if problem.compute_precision == "tf32" else problem.precision
 
 
 def problem_lines(problem: Problem) -> list[str]:

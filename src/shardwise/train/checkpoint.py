@@ -282,15 +282,22 @@ class CheckpointManager:
                      "training starts from step 0")
         return None
 
+    def set_aside_from(self, step: int, why: str) -> list[Path]:
+        """On rank 0 (the others get []): rename every complete checkpoint of `step` or later to
+        step_N.<why> (mf.set_aside); returns the checkpoints it renamed, by their old paths."""
+        if self.rank != 0:
+            return []
+        later = [p for p in mf.complete_checkpoints(self.directory) if mf.step_of(p) >= step]
+        for path in later:
+            mf.set_aside(path, why)
+        return later
+
     def _supersede_after(self, step: int) -> None:
         """Set aside (.superseded) every checkpoint after `step`: the resumed run writes those steps anew."""
-        if self.rank == 0:
-            later = [p for p in mf.complete_checkpoints(self.directory) if mf.step_of(p) > step]
-            for path in later:
-                mf.set_aside(path, "superseded")
-            if later:
-                self.log(f"checkpoint: resuming from step {step}; the later checkpoint(s) of steps "
-                         f"{', '.join(str(mf.step_of(p)) for p in later)} were set aside as step_N.superseded")
+        later = self.set_aside_from(step + 1, "superseded")
+        if later:
+            self.log(f"checkpoint: resuming from step {step}; the later checkpoint(s) of steps "
+                     f"{', '.join(str(mf.step_of(p)) for p in later)} were set aside as step_N.superseded")
         self.control.barrier()
 
     def _verify(self, path: Path) -> tuple[dict, list[mf.Problem]]:

@@ -193,6 +193,13 @@ def process_group_backend(backend: str, cuda: bool) -> str:
     return backend
 
 
+def _gpus_shared() -> bool:
+    """A gloo default group on CUDA is run.backend="gloo": its ranks may share a GPU (cuda_index)."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
 def init_distributed(timeout_s: float = 600, backend: str = "auto") -> bool:
     """Join the default process group when launched by torchrun, mpirun or srun; return whether we did.
     `backend`: run.backend (process_group_backend)."""
@@ -239,8 +246,7 @@ def startup_line(where: RankEnv) -> str:
     device = "cpu"
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        shared = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
-        device = f"cuda:{cuda_index(where.local_rank, where.local_world_size, torch.cuda.device_count(), visible, shared)} " \
+        device = f"cuda:{cuda_index(where.local_rank, where.local_world_size, torch.cuda.device_count(), visible, _gpus_shared())} " \
                  f"(CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})"
     return (f"rank {where.rank}/{where.world_size} local {where.local_rank}/{where.local_world_size} from {where.source}: "
             f"{device}, rendezvous {where.master_addr}:{where.master_port}")
@@ -254,9 +260,8 @@ def default_device() -> "torch.device":
 
     if torch.cuda.is_available():
         where = rank_env(os.environ) if dist.is_initialized() else None
-        # A gloo default group on CUDA is run.backend="gloo": its ranks may share a GPU (cuda_index).
         local = cuda_index(where.local_rank, where.local_world_size, torch.cuda.device_count(),
-                           os.environ.get("CUDA_VISIBLE_DEVICES"), shared=dist.get_backend() == "gloo") if where else 0
+                           os.environ.get("CUDA_VISIBLE_DEVICES"), shared=_gpus_shared()) if where else 0
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")

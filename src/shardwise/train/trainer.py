@@ -347,10 +347,7 @@ class Trainer:
         non-finite step) and later are renamed step_N.diverged, kept but never resumed. Data order is
         fixed, so resuming from them replays the same non-finite step whatever the lr; the newest good
         checkpoint before them is where a lower lr can take another path."""
-        if self.rank == 0:
-            for path in mf.complete_checkpoints(self.checkpoints.directory):
-                if mf.step_of(path) >= last_finite:
-                    mf.set_aside(path, "diverged")
+        self.checkpoints.set_aside_from(last_finite, "diverged")
 
     def _divergence_message(self, r: StepResult) -> str:
         g, t = self.guard, self.cfg.train
