@@ -225,6 +225,16 @@ class ClusterConfig:
                                                 "(plan/constants.py CHECKPOINT_WRITE_GBPS_PER_GPU).")
     restart_s: float | None = opt(None, "Seconds from a failure to training again (re-schedule, start, load the checkpoint); "
                                         "unset: an assumed 600 (plan/constants.py RESTART_S).")
+    # The software stack (plan/stack.py): unset = what shardwise's trainer runs; set to plan an older stack.
+    attention_kernel: str | None = opt(None, 'SDPA kernel to price: "cudnn", "flash" (FlashAttention-2), "efficient" '
+                                             '(memory-efficient) or "math" (unfused softmax, s x s scores in memory); '
+                                             "unset: the one torch picks for the precision.")
+    optimizer_kernel: str | None = opt(None, 'AdamW kernels to price: "fused" (one kernel per group) or "foreach"; '
+                                             "unset: fused on a GPU, as the trainer runs it.")
+    norm_kernel: str | None = opt(None, 'Norm kernels to price: "fused" (one kernel per norm) or "unfused" (op by op); '
+                                        "unset: fused when compiled, unfused eager.")
+    loss_kernel: str | None = opt(None, 'Chunked cross-entropy kernels to price: "compiled" (fused, 16-bit logits read '
+                                        'once) or "eager" (fp32 copies op by op); unset: compiled when the blocks are.')
     disk_gbps: float = opt(0.0, 'Local disk bandwidth per GPU in GB/s (read and write) for parallel.offload="nvme", as '
                                 "`shardwise doctor --disk DIR` measures it; 0 = a PCIe Gen4 NVMe drive per GPU "
                                 "(plan/constants.py NVME_READ_GBPS / NVME_WRITE_GBPS).")

@@ -138,3 +138,58 @@ def test_a_cpu_pays_the_selective_checkpoints_dispatch_per_op(tmp_path, capsys):
         assert main(base + [f"--cluster.calibration={_kernels_json(tmp_path, selective_s=selective_s)}"]) == 0
         recompute.append(json.loads(capsys.readouterr().out)["breakdown_s"]["recompute"])
     assert recompute[1] - recompute[0] == pytest.approx(4 * (2 * 34 + 62) * 10e-6, rel=1e-6)
+
+
+COMPILED = Path(__file__).resolve().parents[1] / "fixtures" / "h100_runs_compiled.json"
+# Rows whose peak the planner does not yet hold to 10% (issue 29 stays open on them), with the error it
+# has: the compiled inventory is the one counted on CPU (tests/unit/test_plan_compiled.py); on the H100,
+# fp16 and FP8 kept 2-4 GiB more than it says, and the CLI's 2.4B mb2 row peaked 8 GiB below the sum the
+# planner counts (its other rows agree within 8%).
+MEMORY_OPEN = {"886M fp16 mb8 compiled": (-0.15, -0.10), "886M fp8 (tensorwise) mb8 compiled": (-0.15, -0.10),
+               "2.4B bf16 mb2 compiled (shardwise train CLI default on CUDA, 6 steps)": (0.10, 0.22)}
+
+
+@pytest.fixture(scope="module")
+def compiled_result() -> dict:
+    return calibrate(runs_from_table(COMPILED))
+
+
+def test_every_compiled_h100_row_within_ten_percent_in_step_time(compiled_result):
+    """Before plan/compiled.py the compiled rows were predicted 26-51% slow and 9-35% high in memory."""
+    rows = compiled_result["runs"]
+    assert len(rows) == 10 and sum(r["eager"] for r in rows) == 1
+    for row in rows:
+        assert abs(row["step_error"]) <= STEP_RTOL, row
+        low, high = MEMORY_OPEN.get(row["name"], (-MEMORY_RTOL, MEMORY_RTOL))
+        assert low <= row["memory_error"] <= high, row
+
+
+def test_the_stack_is_a_planning_input(capsys):
+    base = ["plan", "evaluate", "--json", *json.loads(FIXTURE.read_text())["base"], "--train.compile=true"]
+    assert main(base) == 0
+    today = json.loads(capsys.readouterr().out)
+    assert today["stack"] == "compiled blocks (inductor), attention cudnn, AdamW fused, norms fused, loss compiled"
+    slower = {"--cluster.attention_kernel=flash": "compute", "--cluster.attention_kernel=math": "compute",
+              "--cluster.optimizer_kernel=foreach": "optimizer", "--cluster.loss_kernel=eager": "compute",
+              "--train.compile=false": "compute"}
+    for flag, term in slower.items():
+        assert main(base + [flag]) == 0
+        other = json.loads(capsys.readouterr().out)
+        assert other["breakdown_s"][term] > today["breakdown_s"][term], flag
+    assert main(base + ["--cluster.attention_kernel=math"]) == 0  # the s x s probabilities are saved
+    assert json.loads(capsys.readouterr().out)["memory_gib"]["activations"] > today["memory_gib"]["activations"]
+    eager = base + ["--train.compile=false"]
+    assert main(eager) == 0
+    unfused = json.loads(capsys.readouterr().out)["breakdown_s"]["compute"]
+    assert main(eager + ["--cluster.norm_kernel=fused"]) == 0
+    assert json.loads(capsys.readouterr().out)["breakdown_s"]["compute"] < unfused
+    assert main(base[:2] + base[3:]) == 0 and "stack    compiled blocks (inductor)" in capsys.readouterr().out
+    assert main(base + ["--cluster.attention_kernel=xformers"]) == 2
+    assert "cluster.attention_kernel" in capsys.readouterr().err
+
+
+def test_calibrate_reads_the_gpu_rows_format_with_overrides(capsys):
+    assert main(["plan", "calibrate", "--runs", str(COMPILED), "--cluster.loss_kernel=compiled", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["runs"]
+    assert len(rows) == 10 and all(r["measured_step_s"] > 0 for r in rows)
+    assert main(["plan", "calibrate", "--runs", str(COMPILED), "stray"]) == 2

@@ -29,7 +29,8 @@ def problem(*overrides: str) -> Problem:
 def tiny(*overrides: str) -> tuple[Problem, Layout]:
     # fp32 unless an override says otherwise: the hand inventories below count 4-byte elements.
     cfg = load_config(overrides=["--model.vocab_size=512", "--train.seq_len=32", "--train.global_batch=8",
-                                 "--cluster.gpus_per_node=1", "--train.precision=fp32", *overrides])
+                                 "--cluster.gpus_per_node=1", "--train.precision=fp32", "--train.compile=false",
+                                 *overrides])  # eager: the hand inventories are the eager ones (compiled: test_plan_compiled.py)
     return Problem.from_config(cfg), Layout.from_config(cfg, cfg.cluster.num_gpus)
 
 

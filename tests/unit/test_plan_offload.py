@@ -26,7 +26,7 @@ def setup(*overrides: str) -> tuple[Problem, Layout]:
     return Problem.from_config(cfg), Layout.from_config(cfg, cfg.cluster.num_gpus)
 
 
-ONE_GPU = ("--cluster.gpu=h100-sxm-80gb", "--cluster.num_gpus=1", "--train.precision=bf16")
+ONE_GPU = ("--cluster.gpu=h100-sxm-80gb", "--cluster.num_gpus=1", "--train.precision=bf16", "--train.compile=false")
 # llama 3.2 1B-like shape with a small vocabulary (every tensor < 64 MiB of AdamW state: the NVMe chunk)
 ONE_B = ("--model.preset=llama3-8b", "--model.dim=2048", "--model.n_layers=16", "--model.n_heads=32",
          "--model.n_kv_heads=8", "--model.ffn_dim=8192", "--model.vocab_size=8192", "--train.seq_len=2048",
@@ -113,7 +113,7 @@ def test_nvme_step_overlaps_disk_and_cpu_adamw():
 
 
 TINY = ("--model.preset=tiny", "--model.vocab_size=512", "--train.seq_len=32", "--train.global_batch=4",
-        "--train.micro_batch=4", "--cluster.num_gpus=1")
+        "--train.micro_batch=4", "--cluster.num_gpus=1", "--train.compile=false")
 
 
 @pytest.mark.parametrize("precision, drop", [
@@ -177,7 +177,7 @@ def test_tiles_closed_form_matches_the_modules_under_autocast(arch, preset):
 
 
 def test_tiles_add_the_recomputed_up_projections():
-    p, lay = setup(*ONE_GPU, *ONE_B)
+    p, lay = setup(*ONE_GPU, *ONE_B, "--train.compile=true")  # compiled: no eager launches on top of the GEMMs
     plain, tiled = evaluate(p, lay), evaluate(p, lay.with_(linear_tiles=4))
     assert plain.breakdown_s["recompute"] == 0 and tiled.breakdown_s["recompute"] > 0
     # 2 GEMMs of 2 x tokens x dim x ffn per block, at no better than the MAMF peak: a lower bound
@@ -186,7 +186,7 @@ def test_tiles_add_the_recomputed_up_projections():
     peak = p.cluster.device.peak_flops("bf16") * C.MAMF_FRACTION["h100-sxm-80gb"]
     assert flops / peak < tiled.breakdown_s["recompute"] < 1.5 * flops / peak + 0.02 * tiled.step_time_s
     # twice the tokens, about twice the recompute
-    p2, lay2 = setup(*ONE_GPU, *ONE_B, "--train.micro_batch=4", "--train.global_batch=8")
+    p2, lay2 = setup(*ONE_GPU, *ONE_B, "--train.micro_batch=4", "--train.global_batch=8", "--train.compile=true")
     twice = evaluate(p2, lay2.with_(linear_tiles=4)).breakdown_s["recompute"]
     assert twice == pytest.approx(2 * tiled.breakdown_s["recompute"], rel=0.1)
     assert memory(p, lay.with_(linear_tiles=1)) == memory(p, lay)  # one tile is no tiling

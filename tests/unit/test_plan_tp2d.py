@@ -22,7 +22,8 @@ from shardwise.spec.layout import Layout
 def _problem(preset: str = "llama3-8b", n: int = 16, per_node: int = 16, seq: int = 2048, gb: int = 16,
              precision: str = "bf16", **model) -> Problem:
     ov = [("model.preset", preset), ("cluster.num_gpus", str(n)), ("cluster.gpus_per_node", str(per_node)),
-          ("train.seq_len", str(seq)), ("train.global_batch", str(gb)), ("train.precision", precision)]
+          ("train.seq_len", str(seq)), ("train.global_batch", str(gb)), ("train.precision", precision),
+          ("train.compile", "false")]  # 2-D TP runs eagerly: 1-D compared on the same (eager) kernels
     ov += [(f"model.{k}", str(v)) for k, v in model.items()]
     return Problem.from_config(build_config(None, ov))
 

@@ -317,18 +317,27 @@ def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_
     r = 2 if reg == "lowp" else 4
     res_div = tp if sp else 1
     f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.load_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
+    norms = norm_forward_bytes(shape, reg, tp, sp)
     if shape.arch == "llama":
-        norm = (20 * h + 2 * r * h + (12 * h if reg == "lowp" else 0)) / res_div
         casts = 5 * 6 * h if reg in ("autocast", "autocast_fp8") else 0.0  # q, k, v inputs; w1, w3 inputs
         rope = 10 * 4 * (h / tp + kv)
         mlp = 5 * a * f / tp
     else:
-        norm = (r * h + 4 * h) / res_div
         casts = 4 * 6 * h if reg != "fp32" else 0.0   # q, k, v inputs; fc input
         rope = 0.0
         mlp = 2 * a * f / tp
     residual = 2 * (2 * r * h + a * h) / res_div
-    return 2 * norm + casts + rope + residual + mlp
+    return norms + casts + rope + residual + mlp
+
+
+def norm_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> float:
+    """The two norms' share of `pointwise_forward_bytes` (its docstring): llama's RMSNorm op by op, gpt's
+    LayerNorm one kernel."""
+    h, r = shape.dim, 2 if reg == "lowp" else 4
+    res_div = tp if sp else 1
+    if shape.arch == "llama":
+        return 2 * (20 * h + 2 * r * h + (12 * h if reg == "lowp" else 0)) / res_div
+    return 2 * (r * h + 4 * h) / res_div
 
 
 def korthikanti_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.plan import activations as A
+from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan.inventory import RankModel
 from shardwise.plan.layout import Problem
 from shardwise.spec.layout import Layout
+from shardwise.spec.loss import loss_is_chunked
 
 
 def _device_constant(table: dict[str, float], name: str, default: float) -> float:
@@ -57,7 +59,7 @@ def _mamf(name: str) -> float:
 
 
 def _hbm_fraction(name: str) -> float:
-    return 1.0 if _measured(name) else C.HBM_FRACTION
+    return 1.0 if _measured(name) else _device_constant(C.HBM_FRACTION_BY_FAMILY, name, C.HBM_FRACTION)
 
 
 @dataclass(frozen=True)
@@ -130,10 +132,15 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # the datasheet; a measured device: its measured copy rate), unless `plan calibrate` fitted a fraction.
     eager_fraction = problem.cluster.pointwise_hbm_fraction or (1.0 if measured else C.EAGER_POINTWISE_HBM_FRACTION)
     eager = problem.eager_for(lay)
-    pointwise_bw = dev.memory_bandwidth_gbps * 1e9 * eager_fraction if eager else hbm
+    eager_bw = dev.memory_bandwidth_gbps * 1e9 * eager_fraction
+    pointwise_bw = eager_bw if eager else hbm
     s = problem.shape
+    stack = problem.stack_for(lay)
     attn_frac = measured.attention_fraction if measured else _device_constant(C.ATTENTION_FRACTION, dev.name,
                                                                               C.ATTENTION_FRACTION_DEFAULT)
+    if stack.attention in C.ATTENTION_KERNEL_SPEED:  # a kernel other than the default fused one, relative to it
+        attn_frac *= _device_constant(C.ATTENTION_KERNEL_SPEED[stack.attention], dev.name.removeprefix("measured-"),
+                                      C.ATTENTION_KERNEL_SPEED_DEFAULT[stack.attention])
     launch_s = measured.eager_op_s if measured else C.EAGER_KERNEL_LAUNCH_S
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
@@ -142,13 +149,17 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # FP8 (parallel/float8.py): the block's nn.Linears run at the FP8 peak with 1-byte operands; a MoE
         # block's stacked experts and router stay bf16 (only its 3 attention GEMMs here are FP8).
         converted = (3 if moe else len(gemms)) if fp8 else 0
-        gemm = sum(c * (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, m, n, k, 1) if i < converted
-                        else gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem))
-                   for i, (m, n, k, c) in enumerate(gemms))
+        times = [c * (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, m, n, k, 1) if i < converted
+                      else gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem))
+                 for i, (m, n, k, c) in enumerate(gemms)]
+        gemm = sum(times)
+        # The GEMMs closing each residual branch (wo; a dense MLP's down-projection, gemms[-1] unless
+        # tiled): only a residual add reads their outputs, so a compiled recomputation skips them.
+        branch_ends = times[2] + (times[-1] if not moe and lay.linear_tiles == 1 else 0.0)
         # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
         # holds tokens/cp queries against the whole sequence's keys.
         attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
-        if problem.attention == "math" and lay.cp == 1:
+        if stack.attention == "math" and lay.cp == 1:
             # The math backend (spec/layout.py attention_backend): two batched GEMMs over the whole s x s
             # (the mask is applied after, nothing skipped) at GEMM speed, and the probabilities stream
             # through memory C.MATH_ATTENTION_PASSES times (scores written, mask added in place, softmax
@@ -156,16 +167,26 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             mamf = _mamf(dev.name)
             attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp / (peak * mamf)
             attn += C.MATH_ATTENTION_PASSES * elem * tokens * problem.seq_len * s.n_heads / lay.tp / hbm
-        # Pointwise kernels: the forward's bytes (activations.pointwise_forward_bytes); backward ~2x.
-        # 2-D TP splits every activation tp ways, as SP does the norms' and residual's (sp=True below).
-        pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, lay.sp or lay.tp_mode == "2d", moe) * tokens / pointwise_bw
+        # Pointwise kernels: the forward's bytes; backward ~2x. Eager: op by op (activations.
+        # pointwise_forward_bytes); compiled: the fused kernels' (plan/compiled.py), a MoE feed-forward's
+        # eager share aside. 2-D TP splits every activation tp ways, as SP does the norms' and residual's.
+        sp = lay.sp or lay.tp_mode == "2d"
+        if eager:
+            pointwise = A.pointwise_forward_bytes(s, reg, lay.tp, sp, moe) * tokens / pointwise_bw
+            if stack.norms == "fused":  # one kernel per norm (read the stream, write the output) at the streaming rate
+                norms = A.norm_forward_bytes(s, reg, lay.tp, sp)
+                pointwise += (K.fused_norm_forward_bytes(s, reg, lay.tp, sp) / hbm - norms / pointwise_bw) * tokens
+        else:
+            pointwise = K.pointwise_forward_bytes(s, reg, lay.tp, sp, moe) * tokens / hbm
+            if moe:
+                pointwise += K.eager_moe_pointwise_bytes(s, reg, lay.tp, sp) * tokens / eager_bw
         # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
         # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
         pointwise += sum(c * C.FP8_CAST_BYTES * (m * k + k * n) for m, n, k, c in gemms[:converted]) / hbm
-        return gemm, attn, pointwise
+        return gemm, attn, pointwise, branch_ends
 
-    g_d, a_d, e_d = block_fwd(False)
+    g_d, a_d, e_d, ends_d = block_fwd(False)
     # parallel.linear_tiles: the tiled MLP's backward recomputes every tile's up-projections (SwiGLU: w1 x
     # and w3 x, 2 GEMMs of 2 x tokens x dim x ffn FLOPs in all; GELU: fc x, 1) and pointwise ops (SwiGLU's
     # silu and product, GELU's gelu: their share of pointwise_forward_bytes, 5 a f / 2 a f per token), and
@@ -184,16 +205,37 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         if eager:  # each tile past the first launches its forward and backward kernels once more
             fwd_k, bwd_k = C.EAGER_TILE_KERNELS[s.arch]
             tile_rc += (lay.linear_tiles - 1) * (fwd_k + bwd_k) * launch_s
-    g_m, a_m, e_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0)
+    g_m, a_m, e_m, ends_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0)
     fwd_one = g_d + a_d + e_d
     bwd_one = 2 * (g_d + a_d + e_d)
     fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
     bwd = rank.dense_layers * bwd_one + rank.moe_layers * 2 * (g_m + a_m + e_m)
     if rank.head:
         head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, math.ceil(s.vocab_size / lay.tp), s.dim, elem)
-        loss = 3 * 4.0 * tokens * s.vocab_size / lay.tp / hbm  # logits -> fp32 -> log-softmax, and back
-        fwd += head + loss
-        bwd += 2 * head + loss
+        logits = tokens * s.vocab_size / lay.tp
+        if not loss_is_chunked(tokens, s.vocab_size, lay.tp):
+            loss_f = loss_b = 3 * 4.0 * logits / hbm  # logits -> fp32 -> log-softmax, and back
+        elif stack.loss == "compiled":
+            # train/loss.py LossKernels compiled: forward reads the 16-bit logits once (the log-sum-exp
+            # fused); backward reads them and writes their gradient.
+            loss_f, loss_b = elem * logits / hbm, 2 * elem * logits / hbm
+        else:
+            # eager chunks, op by op over an fp32 copy: forward cast (read a, write 4), max (read 4),
+            # subtract, exp (read 4, write 4 each), sum (read 4): a + 24 B per logit; backward the cast
+            # again, subtract and exp, the one-hot subtraction and the gradient scale (read 4, write 4
+            # each), the cast back (read 4, write a): 2 a + 36 B; at the eager pointwise rate.
+            loss_f, loss_b = (elem + 24) * logits / eager_bw, (2 * elem + 36) * logits / eager_bw
+        fwd += head + loss_f
+        bwd += 2 * head + loss_b
+    if not eager:
+        # Compiled: the weights' autocast casts run inside the graph, per micro-batch (plan/compiled.py
+        # weight_cast_bytes), forward and (the gradients' casts) backward alike.
+        casts = (rank.dense_layers * K.weight_cast_bytes(s, reg, lay.tp, False)
+                 + (rank.moe_layers * K.weight_cast_bytes(s, reg, lay.tp, True) if rank.moe_layers else 0.0)) / hbm
+        fwd, bwd = fwd + casts, bwd + casts
+        if measured is None or measured.device_type == "cuda":  # the GPU's gap between kernels, per kernel
+            kf, kb = C.COMPILED_BLOCK_KERNELS[s.arch]
+            fwd, bwd = fwd + rank.layers * kf * launch_s, bwd + rank.layers * kb * launch_s
     if eager:  # launch_s per kernel the rank's eager forward / backward launches
         dense, moe = eager_block_kernels(s, reg, False, lay.ep), eager_block_kernels(s, reg, True, lay.ep)
         rest = C.EAGER_REST_KERNELS[_kernel_key(s, reg)] if (rank.head or rank.embedding) else (0, 0)
@@ -203,10 +245,20 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # Recomputation: full re-runs the forward of checkpointed blocks; "op" re-runs only the cheap ops.
     n_blocks = rank.layers
     per_block_fwd = (fwd_one if rank.dense_layers else g_m + a_m + e_m)
+    # Eager checkpoints replay the block's forward; a compiled one's recomputation is part of the backward
+    # graph, which drops what the backward does not read (the branch-closing GEMMs, plan/compiled.py).
+    replay_d, replay_m = (fwd_one, g_m + a_m + e_m) if eager else (fwd_one - ends_d, g_m + a_m + e_m - ends_m)
     if lay.recompute == "full":
-        recompute = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
+        recompute = rank.dense_layers * replay_d + rank.moe_layers * replay_m
     elif lay.recompute == "selective" and lay.recompute_policy == "layer":
-        recompute = math.ceil(n_blocks / lay.recompute_every) * per_block_fwd
+        recompute = math.ceil(n_blocks / lay.recompute_every) * (replay_d if rank.dense_layers else replay_m)
+    elif lay.recompute == "selective" and not eager:
+        # "op", compiled: the partitioner recomputes pointwise chains in the backward's fused kernels with
+        # or without the policy; what the policy adds is rerunning the two norms (reductions, which it
+        # would have saved): read the residual stream, write the normalized tensor, per token.
+        a_b, r_b = (4, 4) if reg == "fp32" else (2, 2 if reg == "lowp" else 4)
+        res_div = lay.tp if (lay.sp or lay.tp_mode == "2d") else 1
+        recompute = rank.layers * 2 * (r_b / res_div + a_b) * s.dim * tokens / hbm
     elif lay.recompute == "selective":  # "op": the pointwise forward runs again
         recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
         if lay.linear_tiles > 1:  # ... and the tiled MLP's forward GEMMs, which the policy does not cache

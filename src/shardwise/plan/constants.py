@@ -49,6 +49,16 @@ GEMM_TILE_N = 128
 # 2023, arXiv 2307.08691 §4.1), 0.55 used. Blackwell and MI300X: ASSUMED like Hopper.
 ATTENTION_FRACTION: dict[str, float] = {"a100": 0.55, "h100": 0.35, "h200": 0.35, "b200": 0.35, "mi300x": 0.30}
 ATTENTION_FRACTION_DEFAULT = 0.35
+# The SDPA kernels a stack may run (cluster.attention_kernel, plan/stack.py), as a speed relative to the
+# default fused kernel that ATTENTION_FRACTION prices (cuDNN's on Hopper: torch 2.11 picks it for bf16).
+# MEASURED on one H100 SXM (../shared/gpu/h100-2026-11-25/kernels_h100.json, benchmarks/kernels.py, bf16,
+# 8 x 2048 tokens, head dim 128, forward + backward over the bf16 peak): cuDNN 0.343 (GQA 0.328),
+# FlashAttention-2 0.197 (0.182), memory-efficient 0.105 -> flash 0.56, efficient 0.31 of cuDNN; the
+# measured cuDNN fraction is the 0.35 above. Off Hopper the default fused kernel is FlashAttention-2
+# (flash = 1.0) and the memory-efficient kernel is ASSUMED half as fast.
+ATTENTION_KERNEL_SPEED: dict[str, dict[str, float]] = {
+    "cudnn": {}, "flash": {"h100": 0.56, "h200": 0.56}, "efficient": {"h100": 0.31, "h200": 0.31}}
+ATTENTION_KERNEL_SPEED_DEFAULT: dict[str, float] = {"cudnn": 1.0, "flash": 1.0, "efficient": 0.5}
 # FlashAttention with a causal mask skips the blocks above the diagonal: about half of the attention
 # FLOPs counted by the model FLOPs (which, like PaLM, do not discount the mask) are executed.
 CAUSAL_EXECUTED_FRACTION = 0.5
@@ -88,6 +98,22 @@ EAGER_TILE_KERNELS: dict[str, tuple[int, int]] = {"llama": (6, 17), "gpt": (4, 1
 # 2019: graphs exist to remove this per-kernel overhead). ASSUMED 3 us until benchmarks/kernels.py's
 # per-op overhead is measured on a GPU. Compiled blocks launch a few fused kernels and are not charged.
 EAGER_KERNEL_LAUNCH_S = 3e-6
+# The host's cost per eager op (Python, dispatcher, launch): MEASURED 10.0 us on the H100 machine
+# (kernels_h100.json, benchmarks/kernels.py "eager" chain of 1,000 tiny ops). While kernels are longer
+# than that the host runs ahead and only the GPU-side gap above is paid; a loop of small kernels
+# (the fp16 loss scaler's per-tensor checks) runs at this rate instead.
+EAGER_HOST_OP_S = 10e-6
+# Kernels a compiled block launches per step, forward + backward (the gap above is paid per kernel):
+# MEASURED on the H100 trace of the 886M llama (trace_shardwise_compile.json.gz: 339 GEMM, 64 SDPA and
+# 448 Triton kernels per step over 16 blocks = 53 per block, head aside), split forward : backward as
+# their GEMMs (7 : 14) plus SDPA and fused groups. gpt: ASSUMED the same (a GELU MLP has one GEMM less
+# and no RoPE group, and biases add reductions in backward).
+COMPILED_BLOCK_KERNELS: dict[str, tuple[int, int]] = {"llama": (16, 37), "gpt": (16, 37)}
+# Per optimizer step the GPU waits for the host where the step syncs: the gradient norm's .item() before
+# AdamW (train/optim.py clipping, train/health.py's checks), and the next step's first launches. MEASURED
+# 3.9 ms per step in gaps over 20 us on the H100 trace (1.1-1.5 ms between the norm's reduction and the
+# first AdamW kernel each step); ASSUMED the same on every GPU.
+STEP_HOST_SYNC_S = 3.9e-3
 # Achieved fraction of HBM bandwidth of the eager pointwise kernels (activations.pointwise_forward_bytes,
 # op by op: norms' reductions, casts, RoPE's cat / neg, residual adds), below the streaming
 # HBM_FRACTION: FITTED to our own measured H100 runs (tests/fixtures/h100_runs.json, from
@@ -98,7 +124,7 @@ EAGER_KERNEL_LAUNCH_S = 3e-6
 # tests/unit/test_plan_h100.py. `benchmarks/kernels.py` measures copy / reduction / triad bandwidth on a
 # device; `shardwise plan calibrate` refits this from a cluster's own runs. Compiled runs keep
 # HBM_FRACTION (their fused kernels stream).
-EAGER_POINTWISE_HBM_FRACTION = 0.60
+EAGER_POINTWISE_HBM_FRACTION = 0.67
 # fp16's dynamic loss scaler (parallel/precision.py DynamicLossScaler.unscale_): per parameter, a
 # foreach multiply (read + write 4 B), isfinite (read 4 B, write a 1 B mask) and .all() over the mask (1 B).
 LOSS_SCALER_BYTES_PER_PARAM = 14.0
@@ -109,10 +135,20 @@ LOSS_SCALER_BYTES_PER_PARAM = 14.0
 # Achievable fraction of the HBM datasheet bandwidth for streaming kernels: BabelStream-class copy /
 # triad kernels reach ~80-90% on A100/H100/MI300X (Deakin et al., BabelStream results); 0.8 used.
 HBM_FRACTION = 0.80
+# MEASURED where we have it: a copy on one H100 SXM streams 3,016 of its 3,350 GB/s (0.90; reduction 0.91,
+# triad 0.91; ../shared/gpu/h100-2026-11-25/kernels_h100.json). H200 is the same die with HBM3e: ASSUMED
+# like the other devices until measured.
+HBM_FRACTION_BY_FAMILY: dict[str, float] = {"h100": 0.90}
 # AdamW (torch foreach, fp32 states): reads param, grad, exp_avg, exp_avg_sq (16 B) and writes param,
 # exp_avg, exp_avg_sq (12 B) per parameter; "mixed" states add the bf16 param copy (2 B) and read the
 # 16-bit grad instead of an fp32 one. Gradient clipping reads every gradient once more (4 B).
 OPTIMIZER_BYTES_PER_PARAM = 28.0 + 4.0
+# By kernel (cluster.optimizer_kernel, plan/stack.py), MEASURED on one H100 (kernels_h100.json: 100M
+# parameters in 20 tensors, bytes per parameter at the measured copy rate): torch's fused AdamW 32.0, its
+# foreach AdamW 90.4 (each foreach op reads and writes its operands again); gradient clipping
+# (get_total_norm + clip_grads_with_norm_, foreach: a norm pass and an in-place scale) 14.5.
+OPTIMIZER_KERNEL_BYTES: dict[str, float] = {"fused": 32.0, "foreach": 90.4}
+CLIP_BYTES_PER_PARAM = 14.5
 
 # ---------------------------------------------------------------------------------------------------
 # Collectives

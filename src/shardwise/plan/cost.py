@@ -62,6 +62,7 @@ class Estimate:
     mfu_source: str = "predicted"
     detail: dict[str, float] = field(default_factory=dict)
     tp2d_bytes: dict[str, dict[str, float]] = field(default_factory=dict)  # 2-D TP: payload per grid axis and kind
+    stack: str = ""  # the software stack priced (plan/stack.py Stack.describe)
 
     @property
     def fits(self) -> bool:
@@ -70,7 +71,7 @@ class Estimate:
     def to_json(self) -> dict:
         mem = self.memory.gib()
         return {
-            "layout": self.layout.describe(),
+            "layout": self.layout.describe(), "stack": self.stack,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu, "mfu_source": self.mfu_source,
             "days": self.days, "days_6nd": self.days_6nd, "fits": self.fits,
@@ -281,11 +282,21 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel, detail: dict
     dev = problem.cluster.device
     hbm = dev.memory_bandwidth_gbps * 1e9 * _hbm_fraction(dev.name)
     measured = problem.cluster.measured_device
-    optimizer_bytes = measured.optimizer_bytes_per_param if measured else C.OPTIMIZER_BYTES_PER_PARAM
+    # The stack's AdamW kernel and the gradient clipping (plan/stack.py; measured bytes, constants.py); a
+    # device benchmarks/kernels.py measured: its own AdamW rate.
+    kernel = problem.stack_for(lay).optimizer
+    optimizer_bytes = (measured.optimizer_bytes_per_param if measured
+                       else C.OPTIMIZER_KERNEL_BYTES[kernel] + C.CLIP_BYTES_PER_PARAM)
     # fp16: the loss scaler unscales and checks every gradient first (on the GPU, also under offload).
-    scaler = numel * C.LOSS_SCALER_BYTES_PER_PARAM / hbm if problem.precision == "fp16" else 0.0
+    # Its per-tensor checks (isfinite, all: 2 small kernels per gradient, and the foreach multiply's share)
+    # run at the host's pace (constants.EAGER_HOST_OP_S), not the GPU's.
+    scaler = 0.0
+    if problem.precision == "fp16":
+        scaler = numel * C.LOSS_SCALER_BYTES_PER_PARAM / hbm + (3 * st.tensors * C.EAGER_HOST_OP_S if not measured else 0.0)
+    # A GPU idles while the host syncs on the gradient norm and starts the next step (constants.STEP_HOST_SYNC_S).
+    sync = 0.0 if problem.cluster.device_is_host or (measured and measured.device_type == "cpu") else C.STEP_HOST_SYNC_S
     if not lay.offload:
-        return numel * optimizer_bytes / hbm + scaler
+        return numel * optimizer_bytes / hbm + scaler + sync
     if problem.cluster.device_is_host:  # the host is the device: its own measured fused AdamW
         adamw = numel * (measured.fused_optimizer_bytes_per_param or optimizer_bytes) / hbm
     else:  # a GPU's measured rates say nothing of its host: the datasheet bytes at the host's bandwidth
@@ -362,4 +373,5 @@ def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estima
             if c.axis in ("tp_col", "tp_row"):
                 tp2d.setdefault(c.axis, {}).setdefault(c.kind, 0.0)
                 tp2d[c.axis][c.kind] += c.total
-    return Estimate(lay, mem, t, breakdown, tokens_per_s, tflops, mfu, days, days_6nd, source, detail, tp2d)
+    return Estimate(lay, mem, t, breakdown, tokens_per_s, tflops, mfu, days, days_6nd, source, detail, tp2d,
+                    problem.stack_for(lay).describe())

@@ -1,4 +1,4 @@
-"""`shardwise plan calibrate RUN_DIR... [--runs FILE.json] [--out calib.json]`: fit the planner to measured runs.
+"""`shardwise plan calibrate RUN_DIR... [--runs FILE.json [--section.key=value ...]] [--out calib.json]`: fit the planner to measured runs.
 
 What is fitted: the achieved HBM fraction of eager pointwise kernels (constants.EAGER_POINTWISE_HBM_FRACTION),
 the one time-model constant our own measurements set; everything else (GEMM and attention fractions,
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,15 +64,29 @@ def run_from_dir(path: Path) -> MeasuredRun:
     return MeasuredRun(path.name, cfg, statistics.median(times), max(inventory) if inventory else None, inventory=True)
 
 
-def runs_from_table(path: Path) -> list[MeasuredRun]:
+def runs_from_table(path: Path, extra: list[str] | None = None) -> list[MeasuredRun]:
+    """A table of measured runs, either {"base": [overrides], "runs": [{"name", "overrides", "step_time_s",
+    "peak_gib"}]} (tests/fixtures/h100_runs.json) or the GPU rows format {"rows": [{"variant", "command",
+    "overrides" (strings of overrides), "measured": {"step_time_s", "max_memory_allocated_gib"}}]}
+    (../shared/gpu/h100-2026-11-25/h100-runs-compiled.json), with the table's own "planner_overrides"
+    and then `extra` (e.g. --cluster.gpu=h100-sxm-80gb) added to every run."""
     try:
         table = json.loads(path.read_text())
+        common = list(table.get("planner_overrides", [])) + list(extra or [])
+        if "rows" in table:
+            return [MeasuredRun(r["variant"], build_config(None, parse_overrides(
+                        shlex.split(r["command"]) + shlex.split(r["overrides"]) + common)),
+                        float(r["measured"]["step_time_s"]),
+                        float(r["measured"]["max_memory_allocated_gib"]) * GIB
+                        if r["measured"].get("max_memory_allocated_gib") else None) for r in table["rows"]]
         base = list(table["base"])
-        return [MeasuredRun(r["name"], build_config(None, parse_overrides(base + list(r["overrides"]))), float(r["step_time_s"]),
-                            float(r["peak_gib"]) * GIB if r.get("peak_gib") else None) for r in table["runs"]]
+        return [MeasuredRun(r["name"], build_config(None, parse_overrides(base + list(r["overrides"]) + common)),
+                            float(r["step_time_s"]), float(r["peak_gib"]) * GIB if r.get("peak_gib") else None)
+                for r in table["runs"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError("--runs", f"{path}: {e}", 'give {"base": [overrides], "runs": [{"name", "overrides", '
-                          '"step_time_s", "peak_gib"}]}') from None
+                          '"step_time_s", "peak_gib"}]} or the GPU rows format {"rows": [{"variant", "command", '
+                          '"overrides", "measured": {"step_time_s", "max_memory_allocated_gib"}}]}') from None
 
 
 def predict(run: MeasuredRun, fraction: float | None = None) -> tuple[float, float, bool]:
@@ -155,8 +170,11 @@ def calibrate_main(argv: list[str]) -> int:
     parser.add_argument("--runs", default=None, help="a table of measured runs (JSON: base overrides, per-run overrides)")
     parser.add_argument("--out", default=None, help="write the calibration here (read back by --cluster.calibration=FILE)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    runs = [run_from_dir(Path(d)) for d in args.run_dirs] + (runs_from_table(Path(args.runs)) if args.runs else [])
+    args, extra = parser.parse_known_args(argv)
+    if any(not a.startswith("--") or "=" not in a for a in extra):
+        raise ConfigError("plan calibrate", f"unrecognized arguments: {' '.join(extra)}",
+                          "config overrides for every --runs row look like --section.key=value")
+    runs = [run_from_dir(Path(d)) for d in args.run_dirs] + (runs_from_table(Path(args.runs), extra) if args.runs else [])
     if not runs:
         raise ConfigError("RUN_DIR", "no run given", "pass run directories and/or --runs FILE.json")
     result = calibrate(runs)

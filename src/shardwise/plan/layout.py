@@ -16,6 +16,9 @@ from typing import Any
 from shardwise.errors import ConfigError, Violation
 from shardwise.plan import constants as C
 from shardwise.plan.calibration import AxisCalibration, MeasuredDevice, read_calibration
+from shardwise.plan.stack import CHOICES as STACK_CHOICES
+from shardwise.plan.stack import Stack
+from shardwise.plan.stack import resolve as resolve_stack
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
 from shardwise.spec.layout import PRECISIONS, Layout, attention_backend, compute_precision, default_precision
@@ -145,10 +148,20 @@ class Problem:
     compile_unset: bool = False
     # train.tf32 on a GPU: fp32 GEMMs run on TF32 tensor cores (parallel/precision.py set_matmul_precision).
     tf32: bool = False
+    # cluster.*_kernel as given ((key, value) pairs, unset left out) and the device type: plan/stack.py.
+    stack_choices: tuple[tuple[str, str], ...] = ()
+    device_type: str = "cuda"
 
     def eager_for(self, lay: Layout) -> bool:
         """Whether `lay` runs eagerly under this problem's train.compile (see compile_unset)."""
         return self.eager or (self.compile_unset and getattr(lay, "tp_mode", "1d") == "2d")
+
+    def stack_for(self, lay: Layout) -> Stack:
+        """The software stack `lay` is priced on (plan/stack.py)."""
+        # torch's default fused SDPA kernel: cuDNN's on Hopper and later (torch 2.5+), FlashAttention-2 elsewhere
+        hopper = self.cluster.device.name.removeprefix("measured-").startswith(("h100", "h200", "b200"))
+        default = "math" if self.attention == "math" else ("cudnn" if self.device_type == "cuda" and hopper else "flash")
+        return resolve_stack(dict(self.stack_choices), not self.eager_for(lay), default, self.device_type)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Problem":
@@ -180,11 +193,21 @@ class Problem:
         kind = cluster.measured_device.device_type if cluster.measured_device else "cuda"
         # train.precision unset: what the trainer picks on this device (spec/layout.py default_precision).
         precision = t.precision or default_precision(kind, "bf16" in cluster.device.peak_tflops)
+        choices = tuple((k, getattr(cfg.cluster, k)) for k in STACK_CHOICES if getattr(cfg.cluster, k, None))
+        for key, value in choices:
+            if value not in STACK_CHOICES[key]:
+                raise ConfigError(f"cluster.{key}", f"{value!r} is not one of {', '.join(STACK_CHOICES[key])}",
+                                  "leave it unset for what the trainer runs (plan/stack.py)")
+        attention = attention_backend(kind, precision, shape.n_kv_heads != shape.n_heads)
+        if dict(choices).get("attention_kernel"):  # memory: only the math kernel keeps the s x s scores
+            attention = "math" if dict(choices)["attention_kernel"] == "math" else "flash"
         return cls(shape, cluster, t.seq_len, t.global_batch, tokens, precision, states,
-                   cfg.cluster.assume_mfu, t.fp8_recipe, attention_backend(kind, precision, shape.n_kv_heads != shape.n_heads),
+                   cfg.cluster.assume_mfu, t.fp8_recipe, attention,
                    # the trainer's default (train.compile unset): compiled on a GPU, eager on a CPU
-                   eager=t.compile is False or (t.compile is None and kind == "cpu"), compile_unset=t.compile is None,
-                   tf32=t.tf32 and kind == "cuda")
+                   eager=(t.compile is False or (t.compile is None and kind == "cpu")
+                          or t.compile_backend == "aot_eager"),  # aot_eager: eager kernels, a debugging backend
+                   compile_unset=t.compile is None,
+                   tf32=t.tf32 and kind == "cuda", stack_choices=choices, device_type=kind)
 
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from shardwise.plan import activations as A
+from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches
 from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params
@@ -201,6 +202,8 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
         key += (core.linear_tiles,)
     if grid2d(core):  # 2-D TP (a str: never read as the tile count)
         key += ("2d",)
+    if not problem.eager_for(core):  # compiled blocks save what inductor's partitioner keeps (plan/compiled.py)
+        key += ("compiled",)
     (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
@@ -227,8 +230,13 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
     # The math SDPA backend (fp32 + GQA on CUDA) saves the s x s probabilities; CP runs its own attention.
     attention = problem.attention if cp == 1 else "flash"
 
+    compiled = "compiled" in key[10:] and attention != "math" and tiles == 1
+
     def none_block(moe: bool) -> float:
-        b = A.block_bytes(shape, reg, tp, sp, moe, attention=attention, seq_len=problem.seq_len)
+        if compiled:
+            b = K.block_bytes(shape, reg, tp, sp, moe)
+        else:
+            b = A.block_bytes(shape, reg, tp, sp, moe, attention=attention, seq_len=problem.seq_len)
         # FP8 weights all-gathered by FSDP2 (tensorwise): a Float8Linear keeps the gathered FP8 weight and
         # its transposed copy for backward, 2 bytes per converted element (measured with saved-tensor hooks;
         # not modelled under recomputation, which no FP8 validation row covers yet).

@@ -230,7 +230,8 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     mode = f"2-D TP on a {q} x {q} grid" if lay.tp > 1 and lay.tp_mode == "2d" else \
         f"sequence parallel {'on' if lay.sp else 'off'}"
     out = problem_lines(problem) + [f"layout   {lay.describe()}  (accumulation / micro-batches {lay.accumulation(problem)}, "
-                                    f"{mode})"] + calibration_lines(problem, lay)[1:] + tp2d_lines(problem, lay)
+                                    f"{mode})", f"stack    {problem.stack_for(lay).describe()}  (cluster.*_kernel: plan/stack.py)"]
+    out += calibration_lines(problem, lay)[1:] + tp2d_lines(problem, lay)
     con.print("\n".join(out), soft_wrap=True)
     mem = est.memory
     where = {"first": "first pipeline stage", "last": "last pipeline stage", "only": "every rank"}[mem.rank]

@@ -38,7 +38,7 @@ from shardwise.plan.layout import Problem, check_layout
 from shardwise.plan.memory import capacity_bytes, host_bytes, peak_bytes, states_lower_bound
 from shardwise.spec import rules
 from shardwise.spec.layout import Layout
-from shardwise.spec.rules import microbatch_rule
+from shardwise.spec.rules import microbatch_rule, split_backward_rule
 
 RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
 TILE_OPTIONS = (2, 4, 8)  # parallel.linear_tiles tried when nothing fits without it
@@ -298,7 +298,7 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
         for rc, policy in RECOMPUTE_MODES:
             core = Layout(micro_batch=mb, recompute=rc, recompute_policy=policy, **struct)
             for schedule, v in schedules:
-                bad = microbatch_rule(schedule, pp, m)
+                bad = microbatch_rule(schedule, pp, m) or split_backward_rule(schedule, struct["zero"], rc, policy)
                 if bad is not None:
                     pruned[bad.reason] += 1
                     continue

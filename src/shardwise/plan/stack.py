@@ -1,0 +1,50 @@
+"""The software stack a step runs on, as a planning input (cluster.*_kernel; unset = what shardwise's own
+trainer runs today). The same model and layout run at very different speeds on an older stack — an
+unfused attention materialising the s x s scores, a multi-kernel optimizer, op-by-op norms, an eager
+loss — so a planner that only knows today's kernels mis-plans the cluster a user actually has.
+`plan evaluate` prints the stack it assumed (`describe`).
+
+  compiled    train.compile (inductor, one graph per block: plan/compiled.py) or eager
+  attention   cudnn | flash | efficient | math   the SDPA kernel (unset: what torch picks, spec/layout.py
+              attention_backend: its fused kernel, cuDNN on Hopper, FlashAttention-2 elsewhere; math for
+              grouped-query fp32 on CUDA). Times: constants.ATTENTION_KERNEL_SPEED; memory: math saves
+              the s x s probabilities, the fused kernels a log-sum-exp
+  optimizer   fused | foreach                    AdamW as one kernel per group or torch's foreach ops
+              (unset: fused on a GPU, train/optim.py), constants.OPTIMIZER_KERNEL_BYTES
+  norms       fused | unfused                    one kernel per norm, or RMSNorm's Python ops one by one
+              (unset: fused when compiled, unfused eager)
+  loss        compiled | eager                   the chunked cross-entropy's kernels (train/loss.py
+              LossKernels; unset: compiled when the blocks are)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_KERNELS = ("cudnn", "flash", "efficient", "math")
+OPTIMIZER_KERNELS = ("fused", "foreach")
+NORM_KERNELS = ("fused", "unfused")
+LOSS_KERNELS = ("compiled", "eager")
+CHOICES = {"attention_kernel": ATTENTION_KERNELS, "optimizer_kernel": OPTIMIZER_KERNELS,
+           "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS}
+
+
+@dataclass(frozen=True)
+class Stack:
+    compiled: bool
+    attention: str     # the kernel family priced; "flash" also stands for torch's default fused kernel off Hopper
+    optimizer: str
+    norms: str
+    loss: str
+
+    def describe(self) -> str:
+        return (f"{'compiled blocks (inductor)' if self.compiled else 'eager'}, attention {self.attention}, "
+                f"AdamW {self.optimizer}, norms {self.norms}, loss {self.loss}")
+
+
+def resolve(choices: dict[str, str | None], compiled: bool, attention_default: str, device_type: str) -> Stack:
+    """The stack from cluster.*_kernel (None: today's default) for a step compiled or not."""
+    attention = choices.get("attention_kernel") or attention_default
+    return Stack(compiled, attention,
+                 choices.get("optimizer_kernel") or ("fused" if device_type == "cuda" else "foreach"),
+                 choices.get("norm_kernel") or ("fused" if compiled else "unfused"),
+                 choices.get("loss_kernel") or ("compiled" if compiled else "eager"))

@@ -1,0 +1,48 @@
+"""plan/compiled.py's inventory of a compiled block, held to what inductor's partitioner saves: a llama block
+compiled on this CPU under bf16 autocast with fp32 weights (the planner's "autocast" regime), its saved
+storages listed with saved-tensor hooks (the same hooks the activation meter uses) and summed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.config import ModelConfig
+from shardwise.models.common import RotaryEmbedding
+from shardwise.models.llama import LlamaBlock
+from shardwise.plan import compiled as K
+from shardwise.spec.shapes import ModelShape
+
+pytest.importorskip("torch._inductor")
+
+
+def _saved_bytes(block: torch.nn.Module, rope: RotaryEmbedding, x: torch.Tensor) -> int:
+    seen: dict[int, int] = {}
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    skip |= {b.untyped_storage().data_ptr() for b in rope.buffers()}  # RoPE tables: counted per stage, not per block
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x, rope)
+    y.float().sum().backward()
+    return sum(seen.values())
+
+
+def test_a_compiled_llama_block_saves_what_the_inventory_says():
+    torch.manual_seed(0)
+    h, b, s = 256, 2, 64
+    cfg = ModelConfig(arch="llama", dim=h, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=704, vocab_size=256,
+                      max_seq_len=s, norm_eps=1e-5, rope_theta=10000.0)
+    block, rope = LlamaBlock(cfg), RotaryEmbedding(h // 2, s, 10000.0)
+    rope.reset_buffers()
+    compiled = torch.compile(block)
+    x = torch.randn(b, s, h, requires_grad=True)
+    _saved_bytes(compiled, rope, x)  # compile (first call)
+    measured = _saved_bytes(compiled, rope, x)
+    inv = K.block_bytes(ModelShape.from_config(cfg), "autocast", 1, False)
+    # The inventory counts the block input (4h per token: the caller's tensor, saved by the graph too).
+    assert measured == inv.per_token * b * s + inv.fixed
