@@ -14,10 +14,10 @@ Backward is one graph too: AOTAutograd's min-cut partitioner (torch._functorch.p
 min_cut_rematerialization_partition) saves for it what the backward needs at the cheapest cut and
 recomputes the pointwise chains in between, fused into the backward's kernels. It never recomputes
 GEMMs, SDPA or reductions (they are banned from recomputation unless `aggressive_recomputation`), so
-what survives the forward is: the block input, each norm's rsqrt (a reduction's output), every GEMM's input (for its weight gradient: the two norm
-outputs in the compute dtype, SDPA's output laid out for wo, SwiGLU's product for w2), SDPA's own
-inputs and outputs (q, k after RoPE, v, out, log-sum-exp), and the up-projections' outputs that the
-activation function's backward needs. Intermediate pointwise results (fp32 norm internals, the
+what survives the forward is: the block input, each norm's rsqrt (a reduction's output), every GEMM's
+input (for its weight gradient: the two norm outputs in the compute dtype, SDPA's output laid out for
+wo, SwiGLU's product for w2), SDPA's own inputs and outputs (q, k after RoPE, v, out, log-sum-exp),
+and the up-projections' outputs that the activation function's backward needs. Intermediate pointwise results (fp32 norm internals, the
 autocast casts, silu's output, RoPE's rotated halves) are recomputed. Held to a count on CPU
 (tests/unit/test_plan_compiled.py compiles a llama block and lists its saved storages) and to the
 H100 runs (tests/fixtures/h100_runs_compiled.json: the compiled mb8 / mb4 peaks, less what the planner
