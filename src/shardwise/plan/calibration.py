@@ -125,13 +125,20 @@ def load_calibration(path: str | Path, data: Any = None) -> tuple[AxisCalibratio
 PLAN_SCHEMA = "shardwise-plan-calibration/1"  # written by `shardwise plan calibrate` (plan/fit.py)
 
 
-def _plan_fraction(data: dict[str, Any], p: str | Path) -> float:
-    """The fitted eager pointwise HBM fraction of a `plan calibrate` file's JSON."""
-    fraction = data.get("eager_pointwise_hbm_fraction")
-    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ConfigError("cluster.calibration", f"{p}: eager_pointwise_hbm_fraction must be within (0, 1], got {fraction!r}",
-                          "re-run `shardwise plan calibrate ... --out FILE`")
-    return float(fraction)
+def _plan_fractions(data: dict[str, Any], p: str | Path) -> tuple[float | None, float | None]:
+    """The fitted (eager, compiled) pointwise HBM fractions of a `plan calibrate` file's JSON; either may
+    be absent (null: no run of that kind was fitted), not both."""
+    out = []
+    for key in ("eager_pointwise_hbm_fraction", "compiled_pointwise_hbm_fraction"):
+        fraction = data.get(key)
+        if fraction is not None and (not isinstance(fraction, (int, float)) or not 0 < fraction <= 1):
+            raise ConfigError("cluster.calibration", f"{p}: {key} must be within (0, 1], got {fraction!r}",
+                              "re-run `shardwise plan calibrate ... --out FILE`")
+        out.append(None if fraction is None else float(fraction))
+    if out == [None, None]:
+        raise ConfigError("cluster.calibration", f"{p}: neither eager_pointwise_hbm_fraction nor "
+                          "compiled_pointwise_hbm_fraction is set", "re-run `shardwise plan calibrate ... --out FILE`")
+    return out[0], out[1]
 
 
 @dataclass(frozen=True)
@@ -153,11 +160,20 @@ class MeasuredDevice:
     # torch's fused AdamW on this device (the offload tiers' CPU step, parallel/offload.py), bytes/param at the
     # copy rate; 0 when the file has no fused row (then optimizer_bytes_per_param is used).
     fused_optimizer_bytes_per_param: float = 0.0
+    # Gradient clipping's bytes per parameter at the copy rate (a GPU's file; 0: not measured or a CPU, whose
+    # fitted optimizer rate already stands for the step as measured).
+    clip_bytes_per_param: float = 0.0
 
     def as_device(self, base: Any) -> Any:
         """`base` (the table's entry for cluster.gpu) with these rates: named measured-<base> (plan/cost.py
         then applies no datasheet fraction, and still finds the base's SM count)."""
-        peaks = {key: self.gemm_flops / 1e12 for key in ("fp32", "tf32", "bf16", "fp16", "fp8")}
+        if self.device_type == "cuda" and base.peak_tflops.get(self.dtype):
+            # A GPU's file measures one GEMM dtype: every tensor-core peak keeps its datasheet ratio to it
+            # (fp8 twice bf16, tf32 half), scaled by what that dtype achieved.
+            scale = self.gemm_flops / 1e12 / base.peak_tflops[self.dtype]
+            peaks = {key: value * scale for key, value in base.peak_tflops.items()}
+        else:
+            peaks = {key: self.gemm_flops / 1e12 for key in ("fp32", "tf32", "bf16", "fp16", "fp8")}
         return replace(base, name=f"measured-{base.name}", peak_tflops=peaks, memory_bandwidth_gbps=self.bandwidth_gbps,
                        source=f"measured by benchmarks/kernels.py ({self.dtype} GEMMs) on {base.name}")
 
@@ -167,6 +183,10 @@ def _measured_device(data: dict[str, Any], p: str | Path) -> MeasuredDevice:
     try:
         kind = data["device_type"]
         peak = float(data["gemm"]["peak_flops"])
+        if kind == "cuda":
+            # On a GPU the file's peak_flops is the datasheet's; what GEMMs achieve is the best square matmul.
+            squares = [float(r["flops"]) for r in data["gemm"].get("rows", []) if str(r.get("label", "")).startswith("square")]
+            peak = max(squares, default=peak)
         copy = next(r for r in data["bandwidth"]["rows"] if r["kernel"] == "copy")
         sdpa = [r for r in data["sdpa"]["rows"] if r.get("requested") == "default" and r.get("fwd_bwd_flops")
                 and r.get("dtype") == data["gemm"]["dtype"]]
@@ -181,7 +201,8 @@ def _measured_device(data: dict[str, Any], p: str | Path) -> MeasuredDevice:
                               statistics.median(float(r["fwd_bwd_flops"]) for r in sdpa) / peak,
                               float(eager["s_per_op"]), float(optimizer["bytes_per_param_at_copy_bw"]),
                               max(0.0, selective - autograd) / 3 if selective and autograd else 0.0,
-                              float(fused["bytes_per_param_at_copy_bw"]) if fused else 0.0)
+                              float(fused["bytes_per_param_at_copy_bw"]) if fused else 0.0,
+                              float(optimizer.get("clip_bytes_per_param_at_copy_bw", 0.0)) if kind == "cuda" else 0.0)
     except (KeyError, TypeError, ValueError, StopIteration, statistics.StatisticsError) as e:
         raise ConfigError("cluster.calibration", f"{p}: an incomplete benchmarks/kernels.py result ({type(e).__name__}: {e})",
                           "re-run `python benchmarks/kernels.py --out FILE` (not --smoke)") from None
@@ -192,21 +213,22 @@ class Calibration:
     """Everything cluster.calibration's files hold (one file or several, comma-separated)."""
 
     links: tuple[AxisCalibration, ...] = ()          # `shardwise bench-comm`: per mesh axis
-    pointwise_hbm_fraction: float | None = None      # `shardwise plan calibrate`
+    pointwise_hbm_fraction: float | None = None      # `shardwise plan calibrate`: eager kernels
     measured_device: MeasuredDevice | None = None    # benchmarks/kernels.py
+    compiled_hbm_fraction: float | None = None       # `shardwise plan calibrate`: compiled (fused) kernels
 
 
 def read_calibration(paths: str) -> Calibration:
     """Each file is read once and taken by what it is: a `plan calibrate` result (its schema), a
     benchmarks/kernels.py result (its "benchmark" key), else a bench-comm result (checked as one)."""
     links: tuple[AxisCalibration, ...] = ()
-    fraction = measured = None
+    fraction = measured = compiled = None
     for path in (part.strip() for part in paths.split(",") if part.strip()):
         data = _read_json(path)
         if isinstance(data, dict) and data.get("schema") == PLAN_SCHEMA:
-            fraction = _plan_fraction(data, path)
+            fraction, compiled = _plan_fractions(data, path)
         elif isinstance(data, dict) and data.get("benchmark") == "kernels":
             measured = _measured_device(data, path)
         else:
             links += load_calibration(path, data)
-    return Calibration(links, fraction, measured)
+    return Calibration(links, fraction, measured, compiled)

@@ -58,8 +58,12 @@ def _mamf(name: str) -> float:
     return 1.0 if _measured(name) else _device_constant(C.MAMF_FRACTION, name, C.MAMF_FRACTION_DEFAULT)
 
 
+def _streaming_fraction(name: str) -> float:
+    return _device_constant(C.HBM_FRACTION_BY_FAMILY, name.removeprefix("measured-"), C.HBM_FRACTION)
+
+
 def _hbm_fraction(name: str) -> float:
-    return 1.0 if _measured(name) else _device_constant(C.HBM_FRACTION_BY_FAMILY, name, C.HBM_FRACTION)
+    return 1.0 if _measured(name) else _streaming_fraction(name)
 
 
 @dataclass(frozen=True)
@@ -130,9 +134,15 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     measured = problem.cluster.measured_device
     # Eager pointwise kernels, op by op, stream worse than a copy (constants.EAGER_POINTWISE_HBM_FRACTION of
     # the datasheet; a measured device: its measured copy rate), unless `plan calibrate` fitted a fraction.
-    eager_fraction = problem.cluster.pointwise_hbm_fraction or (1.0 if measured else C.EAGER_POINTWISE_HBM_FRACTION)
+    # A GPU's measured bandwidth is its copy rate: eager kernels keep their ratio to the streaming fraction.
+    eager_fraction = problem.cluster.pointwise_hbm_fraction or (
+        (C.EAGER_POINTWISE_HBM_FRACTION / _streaming_fraction(dev.name) if measured.device_type == "cuda" else 1.0)
+        if measured else C.EAGER_POINTWISE_HBM_FRACTION)
     eager = problem.eager_for(lay)
     eager_bw = dev.memory_bandwidth_gbps * 1e9 * eager_fraction
+    # Compiled (fused) kernels stream at the device's streaming fraction, or what `plan calibrate` fitted.
+    fused_bw = dev.memory_bandwidth_gbps * 1e9 * problem.cluster.compiled_hbm_fraction if problem.cluster.compiled_hbm_fraction \
+        else hbm
     pointwise_bw = eager_bw if eager else hbm
     s = problem.shape
     stack = problem.stack_for(lay)
@@ -141,7 +151,9 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     if stack.attention in C.ATTENTION_KERNEL_SPEED:  # a kernel other than the default fused one, relative to it
         attn_frac *= _device_constant(C.ATTENTION_KERNEL_SPEED[stack.attention], dev.name.removeprefix("measured-"),
                                       C.ATTENTION_KERNEL_SPEED_DEFAULT[stack.attention])
-    launch_s = measured.eager_op_s if measured else C.EAGER_KERNEL_LAUNCH_S
+    # The GPU-side gap per kernel; a CPU's measured per-op cost (its host is the device) replaces it. A GPU
+    # file's eager per-op figure is the host's dispatch cost (constants.EAGER_HOST_OP_S), not this gap.
+    launch_s = measured.eager_op_s if measured and measured.device_type == "cpu" else C.EAGER_KERNEL_LAUNCH_S
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
     def block_fwd(moe: bool) -> tuple[float, float, float]:
@@ -159,6 +171,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
         # holds tokens/cp queries against the whole sequence's keys.
         attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
+        attn *= math.ceil(s.head_dim / C.ATTENTION_HEAD_DIM_TILE) * C.ATTENTION_HEAD_DIM_TILE / s.head_dim
         if stack.attention == "math" and lay.cp == 1:
             # The math backend (spec/layout.py attention_backend): two batched GEMMs over the whole s x s
             # (the mask is applied after, nothing skipped) at GEMM speed, and the probabilities stream
@@ -177,7 +190,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
                 norms = A.norm_forward_bytes(s, reg, lay.tp, sp)
                 pointwise += (K.fused_norm_forward_bytes(s, reg, lay.tp, sp) / hbm - norms / pointwise_bw) * tokens
         else:
-            pointwise = K.pointwise_forward_bytes(s, reg, lay.tp, sp, moe) * tokens / hbm
+            pointwise = K.pointwise_forward_bytes(s, reg, lay.tp, sp, moe) * tokens / fused_bw
             if moe:
                 pointwise += K.eager_moe_pointwise_bytes(s, reg, lay.tp, sp) * tokens / eager_bw
         # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
@@ -218,7 +231,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         elif stack.loss == "compiled":
             # train/loss.py LossKernels compiled: forward reads the 16-bit logits once (the log-sum-exp
             # fused); backward reads them and writes their gradient.
-            loss_f, loss_b = elem * logits / hbm, 2 * elem * logits / hbm
+            loss_f, loss_b = elem * logits / fused_bw, 2 * elem * logits / fused_bw
         else:
             # eager chunks, op by op over an fp32 copy: forward cast (read a, write 4), max (read 4),
             # subtract, exp (read 4, write 4 each), sum (read 4): a + 24 B per logit; backward the cast
@@ -231,7 +244,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # Compiled: the weights' autocast casts run inside the graph, per micro-batch (plan/compiled.py
         # weight_cast_bytes), forward and (the gradients' casts) backward alike.
         casts = (rank.dense_layers * K.weight_cast_bytes(s, reg, lay.tp, False)
-                 + (rank.moe_layers * K.weight_cast_bytes(s, reg, lay.tp, True) if rank.moe_layers else 0.0)) / hbm
+                 + (rank.moe_layers * K.weight_cast_bytes(s, reg, lay.tp, True) if rank.moe_layers else 0.0)) / fused_bw
         fwd, bwd = fwd + casts, bwd + casts
         if measured is None or measured.device_type == "cuda":  # the GPU's gap between kernels, per kernel
             kf, kb = C.COMPILED_BLOCK_KERNELS[s.arch]
@@ -258,7 +271,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # would have saved): read the residual stream, write the normalized tensor, per token.
         a_b, r_b = (4, 4) if reg == "fp32" else (2, 2 if reg == "lowp" else 4)
         res_div = lay.tp if (lay.sp or lay.tp_mode == "2d") else 1
-        recompute = rank.layers * 2 * (r_b / res_div + a_b) * s.dim * tokens / hbm
+        recompute = rank.layers * 2 * (r_b / res_div + a_b) * s.dim * tokens / fused_bw
     elif lay.recompute == "selective":  # "op": the pointwise forward runs again
         recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
         if lay.linear_tiles > 1:  # ... and the tiled MLP's forward GEMMs, which the policy does not cache

@@ -285,14 +285,15 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel, detail: dict
     # The stack's AdamW kernel and the gradient clipping (plan/stack.py; measured bytes, constants.py); a
     # device benchmarks/kernels.py measured: its own AdamW rate.
     kernel = problem.stack_for(lay).optimizer
-    optimizer_bytes = (measured.optimizer_bytes_per_param if measured
+    optimizer_bytes = (measured.optimizer_bytes_per_param + measured.clip_bytes_per_param if measured
                        else C.OPTIMIZER_KERNEL_BYTES[kernel] + C.CLIP_BYTES_PER_PARAM)
     # fp16: the loss scaler unscales and checks every gradient first (on the GPU, also under offload).
     # Its per-tensor checks (isfinite, all: 2 small kernels per gradient, and the foreach multiply's share)
     # run at the host's pace (constants.EAGER_HOST_OP_S), not the GPU's.
     scaler = 0.0
     if problem.precision == "fp16":
-        scaler = numel * C.LOSS_SCALER_BYTES_PER_PARAM / hbm + (3 * st.tensors * C.EAGER_HOST_OP_S if not measured else 0.0)
+        host_op = 0.0 if measured and measured.device_type == "cpu" else (measured.eager_op_s if measured else C.EAGER_HOST_OP_S)
+        scaler = numel * C.LOSS_SCALER_BYTES_PER_PARAM / hbm + 3 * st.tensors * host_op
     # A GPU idles while the host syncs on the gradient norm and starts the next step (constants.STEP_HOST_SYNC_S).
     sync = 0.0 if problem.cluster.device_is_host or (measured and measured.device_type == "cpu") else C.STEP_HOST_SYNC_S
     if not lay.offload:

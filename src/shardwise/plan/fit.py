@@ -1,7 +1,8 @@
 """`shardwise plan calibrate RUN_DIR... [--runs FILE.json [--section.key=value ...]] [--out calib.json]`: fit the planner to measured runs.
 
-What is fitted: the achieved HBM fraction of eager pointwise kernels (constants.EAGER_POINTWISE_HBM_FRACTION),
-the one time-model constant our own measurements set; everything else (GEMM and attention fractions,
+What is fitted: the achieved HBM fraction of eager pointwise kernels (constants.EAGER_POINTWISE_HBM_FRACTION)
+from the eager runs, and that of compiled (fused) kernels (plan/compiled.py; built in: the device's streaming
+fraction) from the compiled runs; everything else (GEMM and attention fractions,
 bandwidths, launch overhead, the byte inventories) stays as its datasheet / microbenchmark / closed form
 says. A predicted step is t = a + b / f in that fraction f (the pointwise bytes over f x bandwidth), so
 the fit is closed-form weighted least squares of the relative step-time error over the eager runs.
@@ -89,12 +90,15 @@ def runs_from_table(path: Path, extra: list[str] | None = None) -> list[Measured
                           '"overrides", "measured": {"step_time_s", "max_memory_allocated_gib"}}]}') from None
 
 
-def predict(run: MeasuredRun, fraction: float | None = None) -> tuple[float, float, bool]:
-    """(step seconds, peak bytes, eager) the planner predicts for a run, with the eager pointwise
-    fraction `fraction` (None: the built-in constant or the run's own cluster.calibration)."""
+def predict(run: MeasuredRun, fraction: float | None = None, compiled: float | None = None) -> tuple[float, float, bool]:
+    """(step seconds, peak bytes, eager) the planner predicts for a run, with the eager pointwise fraction
+    `fraction` and the compiled (fused) kernels' fraction `compiled` (None: the built-in constant or the
+    run's own cluster.calibration)."""
     problem = Problem.from_config(run.cfg)
     if fraction is not None:
         problem = replace(problem, cluster=replace(problem.cluster, pointwise_hbm_fraction=fraction))
+    if compiled is not None:
+        problem = replace(problem, cluster=replace(problem.cluster, compiled_hbm_fraction=compiled))
     est = evaluate(problem, Layout.from_config(run.cfg, problem.cluster.num_gpus))
     # The trainer's inventory has the activations saved in forward, not the block a recomputation
     # rematerialises during backward (the planner's recompute_working_set) nor the transient "other".
@@ -103,17 +107,20 @@ def predict(run: MeasuredRun, fraction: float | None = None) -> tuple[float, flo
     return est.step_time_s, memory, problem.eager
 
 
-def _affine(run: MeasuredRun) -> tuple[float, float, float]:
-    """(a, b, measured t) of the predicted step t = a + b x in x = 1 / fraction, from two predictions:
-    the pointwise time is its bytes over (fraction x bandwidth); exact where nothing overlaps that time
-    (FSDP's overlap window makes it piecewise: the fit then takes the secant)."""
-    t1, _, _ = predict(run, 1.0)
-    t2, _, _ = predict(run, 0.5)
+def _affine(run: MeasuredRun, eager: bool, fixed: float | None) -> tuple[float, float, float]:
+    """(a, b, measured t) of the predicted step t = a + b x in x = 1 / fraction of the run's own kind
+    (eager or compiled; the other fraction held at `fixed`), from two predictions: the pointwise time is
+    its bytes over (fraction x bandwidth); exact where nothing overlaps that time (FSDP's overlap window
+    makes it piecewise: the fit then takes the secant)."""
+    if eager:
+        t1, t2 = predict(run, 1.0)[0], predict(run, 0.5)[0]
+    else:
+        t1, t2 = predict(run, fixed, 1.0)[0], predict(run, fixed, 0.5)[0]
     return 2 * t1 - t2, t2 - t1, run.step_time_s
 
 
 def fit_fraction(lines: list[tuple[float, float, float]]) -> float | None:
-    """The fraction minimising sum(((a + b x) / t - 1)^2) over the eager runs' (a, b, t); None without one."""
+    """The fraction minimising sum(((a + b x) / t - 1)^2) over the runs' (a, b, t); None without one."""
     num = sum(b * (t - a) / t**2 for a, b, t in lines)
     den = sum(b * b / t**2 for a, b, t in lines)
     if den <= 0 or num <= 0:
@@ -122,17 +129,27 @@ def fit_fraction(lines: list[tuple[float, float, float]]) -> float | None:
 
 
 def calibrate(runs: list[MeasuredRun]) -> dict[str, Any]:
+    """Two fractions, each from its own runs: the eager pointwise kernels' (eager runs), then the compiled
+    (fused) kernels' (compiled runs, with the eager fraction as fitted: a compiled run's eager leftovers,
+    e.g. an eager loss, use it). Leave-one-out refits the run's own kind without it."""
     predicted = [predict(run) for run in runs]
-    # Each eager run's line once: the full fit and every leave-one-out fit reuse them.
-    lines = {i: _affine(run) for i, run in enumerate(runs) if predicted[i][2]}
-    fraction = fit_fraction(list(lines.values()))
+    # Each run's line once: the full fit and every leave-one-out fit reuse them.
+    eager_lines = {i: _affine(run, True, None) for i, run in enumerate(runs) if predicted[i][2]}
+    fraction = fit_fraction(list(eager_lines.values()))
+    # A CPU run directory (its peak is the trainer's inventory) says nothing of a GPU's fused kernels.
+    compiled_lines = {i: _affine(run, False, fraction) for i, run in enumerate(runs)
+                      if not predicted[i][2] and not run.inventory}
+    compiled = fit_fraction(list(compiled_lines.values()))
     rows = []
     for i, run in enumerate(runs):
         before, peak, is_eager = predicted[i]
-        after = predict(run, fraction)[0] if fraction is not None else before
-        others = [line for j, line in lines.items() if j != i]
-        held_out = fit_fraction(others) if is_eager and others else None
-        loo = predict(run, held_out)[0] if held_out is not None else None
+        after = predict(run, fraction, compiled)[0] if (fraction, compiled) != (None, None) else before
+        own = eager_lines if is_eager else compiled_lines
+        others = [line for j, line in own.items() if j != i]
+        held_out = fit_fraction(others) if others and i in own else None
+        loo = None
+        if held_out is not None:
+            loo = predict(run, held_out)[0] if is_eager else predict(run, fraction, held_out)[0]
         rows.append({"name": run.name, "eager": is_eager, "inventory": run.inventory, "measured_step_s": run.step_time_s,
                      "predicted_step_s": before, "fitted_step_s": after,
                      "leave_one_out_fraction": held_out, "leave_one_out_step_s": loo,
@@ -142,7 +159,8 @@ def calibrate(runs: list[MeasuredRun]) -> dict[str, Any]:
                      "predicted_peak_gib": peak / GIB,
                      "memory_error": None if run.peak_bytes is None else peak / run.peak_bytes - 1})
     return {"schema": SCHEMA, "eager_pointwise_hbm_fraction": fraction,
-            "built_in_eager_pointwise_hbm_fraction": C.EAGER_POINTWISE_HBM_FRACTION, "runs": rows}
+            "built_in_eager_pointwise_hbm_fraction": C.EAGER_POINTWISE_HBM_FRACTION,
+            "compiled_pointwise_hbm_fraction": compiled, "runs": rows}
 
 
 def _pct(x: float | None) -> str:
@@ -150,10 +168,11 @@ def _pct(x: float | None) -> str:
 
 
 def calibration_text(result: dict[str, Any]) -> str:
-    f = result["eager_pointwise_hbm_fraction"]
+    f, fc = result["eager_pointwise_hbm_fraction"], result.get("compiled_pointwise_hbm_fraction")
     lines = [f"eager pointwise HBM fraction: fitted {f:.3f} (built in: {result['built_in_eager_pointwise_hbm_fraction']} of a "
-             "datasheet bandwidth, 1.0 of a measured one)"
-             if f is not None else "no eager run: nothing to fit (compiled runs are reported only)",
+             "datasheet bandwidth, 1.0 of a measured one)" if f is not None else "eager pointwise HBM fraction: no eager run",
+             f"compiled (fused) kernels' HBM fraction: fitted {fc:.3f} (built in: the device's streaming fraction, "
+             "plan/constants.py HBM_FRACTION_BY_FAMILY)" if fc is not None else "compiled kernels' HBM fraction: no compiled run",
              f"{'run':34} {'measured s':>10} {'built in':>9} {'fitted':>8} {'leave-one-out':>13} {'peak GiB':>9} {'memory':>8}"]
     for r in result["runs"]:
         peak = "-" if r["measured_peak_gib"] is None else f"{r['measured_peak_gib']:.2f}" + ("*" if r["inventory"] else "")
@@ -180,8 +199,9 @@ def calibrate_main(argv: list[str]) -> int:
     result = calibrate(runs)
     print(json.dumps(result, indent=2) if args.json else calibration_text(result), end="\n" if args.json else "")
     if args.out:
-        if result["eager_pointwise_hbm_fraction"] is None:
-            raise ConfigError("--out", "nothing was fitted (no eager run)", "include runs trained with train.compile=false")
+        if result["eager_pointwise_hbm_fraction"] is None and result["compiled_pointwise_hbm_fraction"] is None:
+            raise ConfigError("--out", "nothing was fitted (no run whose pointwise time a fraction explains)",
+                              "include GPU runs, eager (train.compile=false) or compiled")
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}: use it with --cluster.calibration={args.out}")
     return 0

@@ -44,6 +44,9 @@ class Cluster:
     # Fitted by `shardwise plan calibrate` (plan/fit.py): eager pointwise kernels' HBM fraction; None = the
     # built-in constants.EAGER_POINTWISE_HBM_FRACTION.
     pointwise_hbm_fraction: float | None = None
+    # ... and compiled (fused) kernels' fraction of the datasheet bandwidth; None = compute_time's streaming
+    # fraction (constants.HBM_FRACTION_BY_FAMILY / HBM_FRACTION).
+    compiled_hbm_fraction: float | None = None
     # Measured by benchmarks/kernels.py (cluster.calibration): replaces the datasheet rates; `device` is then
     # its measured-* stand-in. Needed to plan a CPU.
     measured_device: MeasuredDevice | None = None
@@ -117,7 +120,7 @@ class Cluster:
                    c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps,
                    (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S,
                    calibration.links, path, pointwise_hbm_fraction=calibration.pointwise_hbm_fraction,
-                   measured_device=measured,
+                   compiled_hbm_fraction=calibration.compiled_hbm_fraction, measured_device=measured,
                    price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
                    failures_per_gpu_hour=costs["failures_per_gpu_hour"], checkpoint_save_s=costs["checkpoint_save_s"],
                    restart_s=costs["restart_s"], disk_gbps=costs["disk_gbps"] or 0.0)
