@@ -128,7 +128,7 @@ def predict(ctx: Ctx, run: Path) -> dict[str, float]:
     if p.returncode != 0:
         return {"error": one_line(p)}  # type: ignore[dict-item]
     plan = json.loads(p.stdout)
-    return {"step_s": plan["step_time_s"], "peak_gib": plan["memory_gib"]}
+    return {"step_s": plan["step_time_s"], "peak_gib": plan["memory_gib"]["total"], "stack": plan.get("stack", "")}
 
 
 def train_row(ctx: Ctx, name: str, overrides: list[str], steps: int | None = None) -> Row:
@@ -328,7 +328,21 @@ def report_md(rows: list[Row], header: dict[str, Any]) -> str:
                      f"{r.seconds:.0f} | {r.reason.replace('|', '/')} |")
     counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "skip")}
     lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"]
+    lines += planner_summary(rows)
     return "\n".join(lines) + "\n"
+
+
+def planner_summary(rows: list[Row]) -> list[str]:
+    """The planner's error over every row it predicted: mean and worst |error| of step time and peak memory
+    (issue 29's bar is 10% on each)."""
+    out = []
+    for key, what in (("step_s_error", "step time"), ("peak_gib_error", "peak memory")):
+        errors = [(abs(r.predicted[key]), r.name) for r in rows if isinstance(r.predicted.get(key), float)]
+        if errors:
+            worst, name = max(errors)
+            out.append(f"planner {what}: mean |error| {statistics.mean(e for e, _ in errors):.1%}, worst {worst:.1%} "
+                       f"({name}) over {len(errors)} rows")
+    return [""] + out if out else []
 
 
 def write_report(out: Path, rows: list[Row], header: dict[str, Any]) -> None:

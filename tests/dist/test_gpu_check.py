@@ -47,6 +47,27 @@ def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
     assert data["rows"][0]["predicted"]["step_s_error"] == -0.05
 
 
+def test_the_planners_prediction_of_a_run_directory(tmp_path):
+    """predict() on a real run directory, as a GPU row calls it: the step time, the total peak (a number: it
+    was the whole memory dict before, so no memory error was ever reported) and the stack priced; the
+    report's summary line then covers both."""
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--train.steps=2", "--train.seq_len=32",
+                           "--data.tokenizer=byte", "--model.vocab_size=320", f"--run.dir={run}", "--run.progress=false",
+                           "--run.tensorboard=false"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ctx = gpu_check.Ctx(tmp_path, "cuda", 2, 300, "h100-sxm-80gb", tmp_path / "corpus", {**__import__("os").environ,
+                        "PYTHONPATH": str(ROOT / "src")})
+    got = gpu_check.predict(ctx, run)
+    assert isinstance(got["step_s"], float) and isinstance(got["peak_gib"], float) and got["peak_gib"] > 0
+    assert got["stack"].startswith("compiled blocks")  # the GPU default (train.compile unset)
+    row = gpu_check.Row("train/compiled/bf16/none", "pass", measured={"step_s": 2 * got["step_s"], "peak_gib": got["peak_gib"]},
+                        predicted={**got, "step_s_error": -0.5, "peak_gib_error": 0.0})
+    assert gpu_check.planner_summary([row])[1:] == [
+        "planner step time: mean |error| 50.0%, worst 50.0% (train/compiled/bf16/none) over 1 rows",
+        "planner peak memory: mean |error| 0.0%, worst 0.0% (train/compiled/bf16/none) over 1 rows"]
+
+
 def test_arguments_and_no_gpu(tmp_path):
     bad = _run("--only", "no/such/row", "--out", str(tmp_path))
     assert bad.returncode == 2 and "selects no row" in bad.stderr

@@ -203,8 +203,9 @@ def _predicted(base_overrides, name: str, pp_rank: int = 0) -> dict[str, float]:
 
     world = _world(name)
     cfg = _config(base_overrides, CASES[world][name], world, "unused")
-    # These runs are on the CPU, whose SDPA is the flash kernel in fp32 too (spec/layout.py attention_backend).
-    problem = dataclasses.replace(Problem.from_config(cfg), attention="flash")
+    # These runs are on the CPU, whose SDPA is the flash kernel in fp32 too (spec/layout.py attention_backend),
+    # and eager (train.compile unset: off on a CPU), where the planned GPU would compile.
+    problem = dataclasses.replace(Problem.from_config(cfg), attention="flash", eager=True)
     lay = Layout.from_config(cfg, world)
     if lay.pp == 1:
         mem = memory(problem, lay)

@@ -143,3 +143,28 @@ def test_measured_time_uses_ring_bytes_and_hops():
     assert measured_time("all_gather", 1e9, 8, cal) == pytest.approx(7 / 8 * 1e9 / 2e9 + 3 * 5e-5)
     assert measured_time("send", 1e9, 2, cal) == pytest.approx(1e9 / 2e9 + 5e-5)
     assert measured_time("all_reduce", 1e9, 1, cal) == 0.0 and math.isfinite(cal.hop_latency_s)
+
+
+def test_several_cpu_processes_are_planned_from_one_measured_link(tmp_path, capsys):
+    """A CPU has no datasheet link: planning 2 processes without a measurement was a ZeroDivisionError; now a
+    clear error saying what to measure, and following it works for every axis — the processes share one
+    host, so the dp_shard measurement prices tp's collectives too."""
+    from shardwise.cli import main as cli
+
+    kernels = tmp_path / "kernels.json"
+    kernels.write_text(json.dumps({
+        "benchmark": "kernels", "device_type": "cpu", "gemm": {"dtype": "fp32", "peak_flops": 2e11},
+        "bandwidth": {"rows": [{"kernel": "copy", "gbps": 40.0}]},
+        "sdpa": {"rows": [{"requested": "default", "dtype": "fp32", "fwd_bwd_flops": 7e10}]},
+        "overhead": {"rows": [{"mode": "eager", "s_per_op": 2e-6}]},
+        "optimizer": {"rows": [{"impl": "foreach", "bytes_per_param_at_copy_bw": 100.0}]}}))
+    comm = tmp_path / "comm.json"
+    comm.write_text(json.dumps(_results("dp_shard", 2, 1e-4, 1e9)))
+    base = ["plan", "evaluate", "--json", "--cluster.gpu=cpu", "--model.preset=tiny", "--train.seq_len=32",
+            "--train.micro_batch=2", "--train.global_batch=8", "--cluster.num_gpus=2", "--parallel.tp=2"]
+    assert cli(base + [f"--cluster.calibration={kernels}"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.calibration" in err and "bench-comm" in err and "Traceback" not in err
+    assert cli(base + [f"--cluster.calibration={kernels},{comm}"]) == 0
+    tp = json.loads(capsys.readouterr().out)["breakdown_s"]["tp_comm"]
+    assert 0 < tp < 1.0

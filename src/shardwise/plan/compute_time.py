@@ -171,7 +171,8 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
         # holds tokens/cp queries against the whole sequence's keys.
         attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
-        attn *= math.ceil(s.head_dim / C.ATTENTION_HEAD_DIM_TILE) * C.ATTENTION_HEAD_DIM_TILE / s.head_dim
+        if dev.name != "measured-cpu":  # a GPU kernel's head-dim tiles (a CPU's SDPA has none)
+            attn *= math.ceil(s.head_dim / C.ATTENTION_HEAD_DIM_TILE) * C.ATTENTION_HEAD_DIM_TILE / s.head_dim
         if stack.attention == "math" and lay.cp == 1:
             # The math backend (spec/layout.py attention_backend): two batched GEMMs over the whole s x s
             # (the mask is applied after, nothing skipped) at GEMM speed, and the probabilities stream

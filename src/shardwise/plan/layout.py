@@ -116,9 +116,21 @@ class Cluster:
             raise ConfigError("cluster.gpu", "a CPU has no datasheet rates to plan with",
                               "measure them: `python benchmarks/kernels.py --device cpu --out kernels.json`, then "
                               "--cluster.calibration=kernels.json")
-        return cls(device, c.num_gpus, min(c.gpus_per_node, c.num_gpus),
-                   c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps,
-                   (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S,
+        intra, inter = c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps
+        latency = (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S
+        if c.num_gpus > 1 and not intra:
+            # A CPU has no datasheet link (this was a ZeroDivisionError). Its processes share one host, so
+            # every mesh axis's collectives take the same path (gloo over loopback): a bench-comm measurement
+            # of one axis stands for the axes it did not measure.
+            if not calibration.links:
+                raise ConfigError("cluster.calibration", f"{c.num_gpus} processes on {device.name} need a link bandwidth, "
+                                  "and it has no datasheet one", "measure it: `shardwise bench-comm --nproc N --out "
+                                  "comm.json`, then --cluster.calibration=kernels.json,comm.json (or set cluster.intra_node_gbps)")
+            link = calibration.links[0]
+            intra = inter = link.bus_bytes_per_s / 1e9 / C.BUS_FRACTION_INTRA
+            latency = link.hop_latency_s
+        return cls(device, c.num_gpus, min(c.gpus_per_node, c.num_gpus), intra, inter or intra,
+                   latency, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S,
                    calibration.links, path, pointwise_hbm_fraction=calibration.pointwise_hbm_fraction,
                    compiled_hbm_fraction=calibration.compiled_hbm_fraction, measured_device=measured,
                    price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
