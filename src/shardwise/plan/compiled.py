@@ -21,8 +21,9 @@ and the up-projections' outputs that the activation function's backward needs. I
 autocast casts, silu's output, RoPE's rotated halves) are recomputed. Held to a count on CPU
 (tests/unit/test_plan_compiled.py compiles a llama block and lists its saved storages) and to the
 H100 runs (tests/fixtures/h100_runs_compiled.json: the compiled mb8 / mb4 peaks, less what the planner
-counts besides, give 77.6 kB per token and block on the 886M model; this inventory says 66.6 kB, and the
-compiled rows' peaks come out within -4% .. +8%).
+counts besides, give 77.6 kB per token and block on the 886M model; this inventory says 66.6 kB, and 8
+of the 10 compiled rows' peaks come out within -4% .. +8%; tests/unit/test_plan_h100.py lists the two
+that do not, and why their measurements are in doubt).
 
 The MoE feed-forward runs eagerly inside a compiled block (parallel/compile.py apply_compile): its
 bytes and saved tensors are the eager ones.
@@ -53,16 +54,16 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
       MLP          llama 3 a f / tp               w1 and w3 outputs (SwiGLU's backward) and their product
                    gpt   2 a f / tp               fc output (GELU's backward) and the GELU output (proj's input)
     Under autocast, the 16-bit casts of the block's weights (`fixed`), as eager autocast keeps them. FP8
-    (torchao Float8Linear, tensorwise): the weight gradient multiplies the FP8 casts of the inputs, so
-    the partitioner keeps those (1 byte) instead of the 16-bit ones, and no weight copies (the FP8
-    weight is recast from the fp32 parameter, a graph input)."""
+    (torchao Float8Linear): the same 16-bit inputs, and no weight copies (the FP8 weight is recast from
+    the fp32 parameter, a graph input)."""
     h = shape.dim
     a, r, kv, f = _sizes(shape, reg, tp)
     res_div = tp if sp else 1
     rsqrt = 4 if shape.arch == "llama" else 8  # RMSNorm's rsqrt; LayerNorm's mean and rstd
-    # A GEMM input is saved as what the weight gradient multiplies: the compute-dtype tensor, or under FP8
-    # (tensorwise: grad_weight = grad_out_fp8^T @ input_fp8) its 1-byte cast.
-    g = 1 if reg == "autocast_fp8" else a
+    # A GEMM input is saved in the compute dtype, under FP8 too: torchao's Float8Linear saves its
+    # high-precision input and recasts it in backward (the 886M H100 rows: FP8's peak is bf16's less
+    # exactly the weight copies, 1.41 GiB).
+    g = a
     per_token = (r * h + 2 * rsqrt) / res_div + 2 * g * h + A.attention_bytes(shape, a, tp) + g * h / tp
     # Under autocast the 16-bit copies of the block's weights, one per micro-batch (counted on CPU); FP8
     # casts its fp32 parameters itself and keeps none; fp32 and 16-bit parameters have no copies.

@@ -43,6 +43,7 @@ from shardwise.plan.compute_time import (  # noqa: F401  (gemm_time: re-exported
 from shardwise.plan.inventory import RankModel, pipeline_ranks
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
+from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -352,6 +353,9 @@ def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estima
     t, breakdown, detail = step(problem, lay)
     cl = problem.cluster
     peak = cl.device.peak_flops(problem.compute_precision)  # MFU: FP8 runs count against the bf16 peak too
+    if cl.measured_device is not None and cl.measured_device.device_type == "cuda":
+        # A GPU's measured rates price the step; its MFU stays against the datasheet peak, as everyone's.
+        peak = lookup(cl.device.name.removeprefix("measured-")).peak_flops(problem.compute_precision)
     flops_token = problem.shape.flops_per_token(problem.seq_len)
     tokens_step = problem.tokens_per_step
     source = "predicted"

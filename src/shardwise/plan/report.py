@@ -97,6 +97,20 @@ def problem_lines(problem: Problem) -> list[str]:
     ] + calibration_lines(problem)
 
 
+def _fitted(problem: Problem) -> str:
+    """What cluster.calibration changed in the kernels' rates, for the stack line ("" without it)."""
+    cl, parts, fractions = problem.cluster, [], []
+    if cl.measured_device is not None:
+        parts.append(f"rates measured by benchmarks/kernels.py ({cl.measured_device.device_type})")
+    if cl.pointwise_hbm_fraction:
+        fractions.append(f"eager kernels at {cl.pointwise_hbm_fraction:.3f}")
+    if cl.compiled_hbm_fraction:
+        fractions.append(f"fused kernels at {cl.compiled_hbm_fraction:.3f}")
+    if fractions:
+        parts.append(f"{', '.join(fractions)} of HBM (plan calibrate)")
+    return "".join(f"; {p}" for p in parts)
+
+
 def calibration_lines(problem: Problem, lay: Any = None) -> list[str]:
     """With cluster.calibration: which axes' collectives are priced from measurements (plan/comm.py
     measured_time) and, for one layout, which of its axes still use the datasheet. Nothing without it."""
@@ -230,7 +244,8 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     mode = f"2-D TP on a {q} x {q} grid" if lay.tp > 1 and lay.tp_mode == "2d" else \
         f"sequence parallel {'on' if lay.sp else 'off'}"
     out = problem_lines(problem) + [f"layout   {lay.describe()}  (accumulation / micro-batches {lay.accumulation(problem)}, "
-                                    f"{mode})", f"stack    {problem.stack_for(lay).describe()}  (cluster.*_kernel: plan/stack.py)"]
+                                    f"{mode})", f"stack    {problem.stack_for(lay).describe()}  (cluster.*_kernel: plan/stack.py)"
+                                    + _fitted(problem)]
     out += calibration_lines(problem, lay)[1:] + tp2d_lines(problem, lay)
     con.print("\n".join(out), soft_wrap=True)
     mem = est.memory
