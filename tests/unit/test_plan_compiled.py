@@ -1,5 +1,5 @@
-"""plan/compiled.py's inventory of a compiled block, held to what inductor's partitioner saves: a llama block
-compiled on this CPU under bf16 autocast with fp32 weights (the planner's "autocast" regime), its saved
+"""plan/compiled.py's inventory of a compiled block, held to what inductor's partitioner saves: a llama and a
+gpt block compiled on this CPU under bf16 autocast with fp32 weights (the planner's "autocast" regime), its saved
 storages listed with saved-tensor hooks (the same hooks the activation meter uses) and summed."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from shardwise.spec.shapes import ModelShape
 pytest.importorskip("torch._inductor")
 
 
-def _saved_bytes(block: torch.nn.Module, rope: RotaryEmbedding, x: torch.Tensor) -> int:
+def _saved_bytes(call, block: torch.nn.Module, rope: RotaryEmbedding, x: torch.Tensor) -> int:
     seen: dict[int, int] = {}
     skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
     skip |= {b.untyped_storage().data_ptr() for b in rope.buffers()}  # RoPE tables: counted per stage, not per block
@@ -27,22 +27,30 @@ def _saved_bytes(block: torch.nn.Module, rope: RotaryEmbedding, x: torch.Tensor)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        y = block(x, rope)
+        y = call(x)
     y.float().sum().backward()
     return sum(seen.values())
 
 
-def test_a_compiled_llama_block_saves_what_the_inventory_says():
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_a_compiled_block_saves_what_the_inventory_says(arch):
+    from shardwise.models.gpt import GPTBlock
+
     torch.manual_seed(0)
     h, b, s = 256, 2, 64
-    cfg = ModelConfig(arch="llama", dim=h, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=704, vocab_size=256,
-                      max_seq_len=s, norm_eps=1e-5, rope_theta=10000.0)
-    block, rope = LlamaBlock(cfg), RotaryEmbedding(h // 2, s, 10000.0)
+    cfg = ModelConfig(arch=arch, dim=h, n_layers=1, n_heads=2, n_kv_heads=1 if arch == "llama" else 2,
+                      ffn_dim=704 if arch == "llama" else 1024, vocab_size=256, max_seq_len=s, norm_eps=1e-5,
+                      rope_theta=10000.0)
+    rope = RotaryEmbedding(h // 2, s, 10000.0)
     rope.reset_buffers()
+    block = LlamaBlock(cfg) if arch == "llama" else GPTBlock(cfg)
     compiled = torch.compile(block)
+    call = (lambda x: compiled(x, rope)) if arch == "llama" else compiled
     x = torch.randn(b, s, h, requires_grad=True)
-    _saved_bytes(compiled, rope, x)  # compile (first call)
-    measured = _saved_bytes(compiled, rope, x)
+    _saved_bytes(call, block, rope, x)  # compile (first call)
+    measured = _saved_bytes(call, block, rope, x)
     inv = K.block_bytes(ModelShape.from_config(cfg), "autocast", 1, False)
-    # The inventory counts the block input (4h per token: the caller's tensor, saved by the graph too).
+    # The inventory counts the block input (r h per token: the caller's tensor, saved by the graph too)
+    # and, under autocast, the 16-bit weight copies (`fixed`).
     assert measured == inv.per_token * b * s + inv.fixed

@@ -17,13 +17,14 @@ GEMMs, SDPA or reductions (they are banned from recomputation unless `aggressive
 what survives the forward is: the block input, each norm's rsqrt (a reduction's output), every GEMM's
 input (for its weight gradient: the two norm outputs in the compute dtype, SDPA's output laid out for
 wo, SwiGLU's product for w2), SDPA's own inputs and outputs (q, k after RoPE, v, out, log-sum-exp),
-and the up-projections' outputs that the activation function's backward needs. Intermediate pointwise results (fp32 norm internals, the
-autocast casts, silu's output, RoPE's rotated halves) are recomputed. Held to a count on CPU
-(tests/unit/test_plan_compiled.py compiles a llama block and lists its saved storages) and to the
-H100 runs (tests/fixtures/h100_runs_compiled.json: the compiled mb8 / mb4 peaks, less what the planner
-counts besides, give 77.6 kB per token and block on the 886M model; this inventory says 66.6 kB, and 8
-of the 10 compiled rows' peaks come out within -4% .. +8%; tests/unit/test_plan_h100.py lists the two
-that do not, and why their measurements are in doubt).
+and the up-projections' outputs that the activation function's backward needs. Intermediate pointwise
+results (fp32 norm internals, the autocast casts, silu's output, RoPE's rotated halves) are
+recomputed. Held to a count on CPU (tests/unit/test_plan_compiled.py compiles a llama and a gpt block
+and lists their saved storages: equal to the byte) and to the H100 runs
+(tests/fixtures/h100_runs_compiled.json: the compiled mb8 / mb4 peaks, less what the planner counts
+besides, give 77.6 kB per token and block on the 886M model; this inventory says 66.6 kB, and 8 of the
+10 compiled rows' peaks come out within -4% .. +8%; tests/unit/test_plan_h100.py lists the two that do
+not, and why their measurements are in doubt).
 
 The MoE feed-forward runs eagerly inside a compiled block (parallel/compile.py apply_compile): its
 bytes and saved tensors are the eager ones.
