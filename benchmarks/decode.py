@@ -6,8 +6,10 @@ fp32, far larger than any CPU cache, so every decode step streams the weights fr
 what it cannot know about this machine, measured in the same run: the bandwidth a matrix-vector
 product achieves when it streams a weight matrix of the model's largest shape (decode's access pattern),
 and the matmul probe's FLOP/s (train/peak_flops.py). Everything else (bytes read per token, KV cache,
-FLOPs) is the planner's own. The table prints measured and predicted decode tokens/s, prefill tokens/s,
-KV-cache bytes (measured = allocated by the engine) and the ratios; JSON goes to --out.
+FLOPs) is the planner's own. The table prints measured decode tokens/s, eager and compiled (`--compile=on`: one compiled graph per
+step over a static KV cache; its ratio to eager, measured in the same run), the planner's decode
+tokens/s, prefill tokens/s, KV-cache bytes (measured = allocated by the eager engine) and the ratios;
+JSON goes to --out.
 
     python benchmarks/decode.py [--batches 1,4,16] [--prompt-len 64] [--new-tokens 32] [--out F.json] [--smoke]
 
@@ -58,11 +60,12 @@ def streaming_gbps(rows: int, cols: int, rounds: int = 5) -> float:
     return weight.numel() * 4 / best / 1e9
 
 
-def measure(engine: Engine, batch: int, prompt_len: int, new: int, rounds: int) -> dict:
+def measure(engine: Engine, batch: int, prompt_len: int, new: int, rounds: int, compiled: bool = False) -> dict:
+    """The best of `rounds` generations (compiled: the first one compiles the step and is not the best)."""
     prompts = [[(7 * i + 3 * j) % engine.cfg.model.vocab_size for j in range(prompt_len)] for i in range(batch)]
     best = None
-    for _ in range(rounds):
-        result = engine.generate(prompts, new, Sampler())
+    for _ in range(rounds + compiled):
+        result = engine.generate(prompts, new, Sampler(), compiled=compiled)
         if best is None or result.decode_tokens_per_s > best.decode_tokens_per_s:
             best = result
     return {"decode_tokens_per_s": best.decode_tokens_per_s, "prefill_tokens_per_s": best.prefill_tokens_per_s,
@@ -92,6 +95,10 @@ def main() -> int:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         got = measure(engine, batch, args.prompt_len, args.new_tokens, args.rounds)
+        # `shardwise generate --compile=on`: one compiled graph per decode step over a static KV cache.
+        comp = measure(engine, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True)
+        got["compiled_decode_tokens_per_s"] = comp["decode_tokens_per_s"]
+        got["compiled_over_eager"] = comp["decode_tokens_per_s"] / got["decode_tokens_per_s"]
         plan = decode_estimate(cfg, batch, args.prompt_len, args.new_tokens, memory_bandwidth_gbps=gbps, gemm_flops_per_s=flops)
         rows.append({"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, **got,
                      "predicted_decode_tokens_per_s": plan.decode_tokens_per_s,
@@ -100,10 +107,11 @@ def main() -> int:
                      "predicted_kv_cache_bytes": plan.stages[0].kv_cache_bytes,
                      "decode_ratio": plan.decode_tokens_per_s / got["decode_tokens_per_s"],
                      "prefill_ratio": plan.prefill_tokens_per_s / got["prefill_tokens_per_s"]})
-    print(f"{'batch':>5} {'decode tok/s':>13} {'predicted':>10} {'ratio':>6} {'prefill tok/s':>14} {'predicted':>10} "
-          f"{'ratio':>6} {'KV bytes':>10} {'predicted':>10}")
+    print(f"{'batch':>5} {'decode tok/s':>13} {'compiled':>9} {'x eager':>8} {'predicted':>10} {'ratio':>6} "
+          f"{'prefill tok/s':>14} {'predicted':>10} {'ratio':>6} {'KV bytes':>10} {'predicted':>10}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['decode_tokens_per_s']:>13,.0f} {r['predicted_decode_tokens_per_s']:>10,.0f} "
+        print(f"{r['batch']:>5} {r['decode_tokens_per_s']:>13,.0f} {r['compiled_decode_tokens_per_s']:>9,.0f} "
+              f"{r['compiled_over_eager']:>8.2f} {r['predicted_decode_tokens_per_s']:>10,.0f} "
               f"{r['decode_ratio']:>6.2f} {r['prefill_tokens_per_s']:>14,.0f} {r['predicted_prefill_tokens_per_s']:>10,.0f} "
               f"{r['prefill_ratio']:>6.2f} {r['kv_cache_bytes']:>10,} {r['predicted_kv_cache_bytes']:>10,.0f}")
     out = Path(args.out or ROOT / f"benchmarks/results/decode{'.smoke' if args.smoke else ''}.json")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import traceback
 from datetime import timedelta
@@ -144,3 +145,12 @@ def stop_processes(pids: list[int], sig: int, timeout_s: float) -> list[int]:
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return [pid for pid in pids if alive(pid)]
+
+
+def interruptible() -> None:
+    """`preexec_fn` for a child a test sends Ctrl-C (SIGINT) to: the default disposition back, so Python
+    raises KeyboardInterrupt in it as at a terminal. A test run started as a background job of a script
+    (`bash .ci/run &`) inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored: the signal
+    would vanish (a run finishing with exit 0; a child sleeping on past the test's timeout)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+

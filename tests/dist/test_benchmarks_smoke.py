@@ -108,6 +108,7 @@ def test_decode_smoke(tmp_path):
     assert data["smoke"] is True and len(data["rows"]) == 1
     row = data["rows"][0]
     assert row["kv_cache_bytes"] == row["predicted_kv_cache_bytes"] > 0 and row["decode_tokens_per_s"] > 0, row
+    assert row["compiled_decode_tokens_per_s"] > 0, row  # the compiled path ran too
 
 
 def test_kernels_smoke(tmp_path):

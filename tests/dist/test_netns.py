@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import netns
-from tests.harness import alive
+from tests.harness import alive, interruptible
 
 ROOT = Path(__file__).resolve().parents[2]
 _SERVE = "import socket; s = socket.create_server(('{addr}', 29400)); c, _ = s.accept(); c.sendall(b'hello')"
@@ -83,7 +83,7 @@ def test_removed_when_interrupted(tmp_path):
             print(" ".join([*net.nodes, net.hub]), flush=True)
             time.sleep(300)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, preexec_fn=interruptible)
     names = proc.stdout.readline().split()
     assert len(names) == 3 and set(names) <= set(netns.ours())
     proc.send_signal(signal.SIGINT)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import alive, processes_mentioning
+from tests.harness import alive, interruptible, processes_mentioning
 
 STEP = "step_{:08d}"
 
@@ -299,8 +299,13 @@ def test_ctrl_c_before_training_starts_says_so(tmp_path):
     tokenizer): exit 130 and one line, not a silent 130."""
     job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", f"--data.cache_dir={tmp_path / 'cache'}",
                             f"--run.dir={tmp_path / 'run'}"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE)
-    time.sleep(5)
+                           stderr=subprocess.PIPE, preexec_fn=interruptible)
+    # Not a fixed sleep (under load torch's import alone can take it, or on an idle machine the data can
+    # be ready by then): the tokenizer's file appears when it is trained, and tokenizing the corpus with
+    # it takes seconds more — the launcher is preparing data then.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list((tmp_path / "cache").glob("tokenizers/*.json")) and job.poll() is None:
+        time.sleep(0.05)
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=60)
     assert job.returncode == 130

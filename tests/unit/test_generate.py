@@ -124,6 +124,35 @@ def test_cli_generate_json_lines_and_bad_input(model_dir, capsys):
         assert words in err and "Traceback" not in err, (extra, err)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_compiled_decoding_equals_eager_and_compiles_once(model_dir, capsys):
+    """--compile: every decode step one compiled graph over a static KV cache (models/kv_cache.py
+    StaticKVCache). The same ids as the eager path (which equals transformers, above) with prompts of
+    unequal lengths and with an end token in the middle of the batch; one graph for the whole generation,
+    and none more for other prompts in the same capacity bucket."""
+    from shardwise.parallel.compile import compiled_graphs
+
+    engine = _engine(model_dir)
+    eager = engine.generate(PROMPTS, NEW, Sampler())
+    before = compiled_graphs()
+    compiled = engine.generate(PROMPTS, NEW, Sampler(), compiled=True)
+    assert compiled.ids == eager.ids and compiled_graphs() - before == 1
+    stop = eager.ids[1][3]  # the second prompt ends early; the others go on
+    cut = engine.generate(PROMPTS, NEW, Sampler(), eos_ids={stop}, compiled=True).ids
+    assert cut == engine.generate(PROMPTS, NEW, Sampler(), eos_ids={stop}).ids and len(cut[1]) < NEW
+    other = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3], [42, 43]]
+    assert engine.generate(other, NEW, Sampler(), compiled=True).ids == engine.generate(other, NEW, Sampler()).ids
+    assert compiled_graphs() - before == 1  # no recompilation
+    args = ["generate", "--hf", str(model_dir), "--prompt-ids", "5,17,33", "--max-new-tokens", "6", "--json"]
+    assert main(args + ["--compile=on"]) == 0 and main(args + ["--compile=off"]) == 0
+    on, off = [json.loads(line)["ids"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert on == off
+    assert main(["generate", "--hf", str(model_dir), "--prompt-ids", "1", "--compile=on", "--parallel.tp=2",
+                 "--nproc", "2"]) == 2
+    assert "one process" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 @pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-moe"])
 def test_kv_cache_decoding_equals_recomputation_for_gpt_and_moe(preset):
     """Our own architectures too (learned positions for gpt; routed experts): cache == no cache."""
@@ -134,3 +163,10 @@ def test_kv_cache_decoding_equals_recomputation_for_gpt_and_moe(preset):
     result = engine.generate(PROMPTS, NEW, Sampler())
     for prompt, ids in zip(PROMPTS, result.ids):
         assert ids == _recompute(engine, prompt, NEW)
+    # Compiled decoding too (MoE: its feed-forward stays eager between graphs), and once only.
+    from shardwise.parallel.compile import compiled_graphs
+
+    assert engine.generate(PROMPTS, NEW, Sampler(), compiled=True).ids == result.ids
+    graphs = compiled_graphs()
+    assert engine.generate(PROMPTS[::-1], NEW, Sampler(), compiled=True).ids == result.ids[::-1]
+    assert compiled_graphs() == graphs

@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import Config
+from shardwise.errors import ConfigError
 from shardwise.infer.sampling import Sampler
 from shardwise.models import ARCHS, build_model
-from shardwise.models.kv_cache import KVCache
+from shardwise.models.kv_cache import KVCache, StaticKVCache
 from shardwise.models.weights import weight_source
+from shardwise.parallel.expert import moe_modules
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import materialize
 from shardwise.parallel.tensor import apply_tensor_parallel
@@ -33,6 +35,7 @@ from shardwise.spec.stages import layers_per_stage, stage_layers
 from shardwise.train.checkpoint import load_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Engine:
         self.dtype = DTYPES[dtype]
         # A rank of the last stage decides the next tokens (its TP peers compute the same full logits).
         self.last_rank = next(r for r in range(world) if self.dims.coordinates(r)["pp"] == self.pp - 1)
+        self._compiled = None  # the compiled decode step (compiled_decode), built on first use
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -112,18 +116,47 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def _decode_step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """One decode step over a static cache, what torch.compile traces: the same shapes and the same
+        Python values every step (the cache's fill is a tensor), so it is compiled once."""
+        positions = cache.begin(torch.ones(tokens.shape, dtype=torch.bool, device=self.device))
+        logits = self.model(tokens, positions, cache, last_only=True)
+        cache.advance(tokens.shape[1])
+        return logits
+
+    def compiled_decode(self):
+        """The compiled decode step, built on first use: CUDA graphs on a GPU ("reduce-overhead": one
+        launch per step instead of one per kernel, which bounds eager decoding), inductor's kernels on a
+        CPU. dynamic=False: a new batch size or capacity is a new graph, never a dynamic-shape one."""
+        if self._compiled is None:
+            # MoE feed-forwards stay eager, as in training (parallel/compile.py apply_compile: data-dependent
+            # routing and Python-side load statistics): the step is then a few graphs around them.
+            for block in self.model.blocks():
+                for moe in moe_modules(block):
+                    moe.forward = torch.compiler.disable(moe.forward)
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
+        return self._compiled
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
-                 eos_ids: set[int] | frozenset[int] = frozenset()) -> Generation:
-        """Left-pad the prompts, prefill them in one forward, then decode one token per step."""
+                 eos_ids: set[int] | frozenset[int] = frozenset(), compiled: bool = False) -> Generation:
+        """Left-pad the prompts, prefill them in one forward, then decode one token per step (`compiled`:
+        each step one compiled graph over a static cache, `compiled_decode`)."""
         b, longest = len(prompts), max(len(p) for p in prompts)
         check_generation_length(self.cfg, longest, max_new_tokens)
+        if compiled and (self.dims.tp > 1 or self.pp > 1):
+            raise ConfigError("--compile", "compiled decoding runs on one process for now",
+                              "use --compile=off with --parallel.tp / --parallel.pp")
         tokens = torch.zeros(b, longest, dtype=torch.long)
         valid = torch.zeros(b, longest, dtype=torch.bool)
         for i, p in enumerate(prompts):
             tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
             valid[i, longest - len(p):] = True
-        cache = KVCache(b, longest + max_new_tokens, self.device)
+        if compiled:  # capacity in buckets of 64: another prompt or length mostly reuses the compiled step
+            cache = StaticKVCache(b, -(-(longest + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET, self.device)
+        else:
+            cache = KVCache(b, longest + max_new_tokens, self.device)
         out: list[list[int]] = [[] for _ in prompts]
         done = torch.zeros(b, dtype=torch.bool)
         self._sync()
@@ -131,9 +164,13 @@ class Engine:
         step_tokens, step_valid = tokens, valid
         prefill_s = 0.0
         for step in range(max_new_tokens):
-            positions = cache.begin(step_valid.to(self.device))
-            logits = self.forward(step_tokens, positions, cache, last_only=True)
-            cache.end(step_tokens.shape[1])
+            if compiled and step > 0:
+                logits = self.compiled_decode()(step_tokens.to(self.device), cache)
+                cache.length += 1
+            else:
+                positions = cache.begin(step_valid.to(self.device))
+                logits = self.forward(step_tokens, positions, cache, last_only=True)
+                cache.end(step_tokens.shape[1])
             chosen = sampler(logits[:, -1].float().cpu()) if logits is not None else torch.zeros(b, dtype=torch.long)
             chosen = self._share(chosen)
             for i in range(b):

@@ -43,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     out.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="compute dtype (default: bfloat16 on a GPU, float32 on CPU)")
     out.add_argument("--nproc", type=int, default=1, help="processes: parallel.tp x parallel.pp")
+    out.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                     help="decode steps as one compiled graph over a static KV cache (one process); auto: on a GPU only")
     out.add_argument("--json", action="store_true", help='one JSON line per prompt: {"ids", "text", "prefill_tokens_per_s", ...}')
     return out
 
@@ -134,6 +136,9 @@ def resolve(argv: list[str], world: int | None = None) -> Request:
 
     check_nproc(args.nproc)
     check_serving(cfg, args.nproc, longest)
+    if args.compile == "on" and args.nproc > 1:
+        raise ConfigError("--compile", "compiled decoding runs on one process for now",
+                          "use --compile=off (or leave it auto) with --nproc > 1")
     eos = set() if args.ignore_eos else ({args.eos_id} if args.eos_id is not None else eos)
     return Request(cfg, checkpoint, tokenizer_path, prompts, eos, args)
 
@@ -151,7 +156,10 @@ def run(request: Request) -> int:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     engine = Engine(request.cfg, device, dtype, request.checkpoint)
     sampler = Sampler(greedy=args.temperature is None, temperature=args.temperature or 1.0, top_p=args.top_p, seed=args.seed)
-    result = engine.generate(request.prompts, args.max_new_tokens, sampler, request.eos_ids)
+    # auto: compiled where it pays for its compilation, a GPU with one process (benchmarks/decode.py measures
+    # the CPU: README "Generate").
+    compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda" and args.nproc == 1)
+    result = engine.generate(request.prompts, args.max_new_tokens, sampler, request.eos_ids, compiled=compiled)
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
     tok = None

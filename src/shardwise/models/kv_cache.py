@@ -83,3 +83,63 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes allocated for keys and values on this rank (the planner's kv-cache term)."""
         return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers.values() if c.k is not None)
+
+
+class StaticLayerCache:
+    """A `LayerCache` whose keys and values live at fixed addresses for the whole generation: written at
+    the owner's `slots` (a tensor) and always returned whole, so a step's shapes never change."""
+
+    def __init__(self, owner: "StaticKVCache"):
+        self.owner = owner
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:  # the prefill (eager) allocates; the compiled decode steps then find them
+            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.k.index_copy_(2, self.owner.slots, k)
+        self.v.index_copy_(2, self.owner.slots, v)
+        return self.k, self.v
+
+
+class StaticKVCache(KVCache):
+    """The KV cache of a compiled decode step (infer/engine.py): every buffer is allocated once at the
+    full capacity and addressed by position tensors, so one decode step is one graph with the same
+    shapes every time — torch.compile traces it once (and on a GPU replays it as a CUDA graph) instead
+    of recompiling as the cache grows (the static cache of gpt-fast and transformers'
+    cache_implementation="static"). Attention covers every slot; the mask hides the unwritten ones, so
+    each query sees exactly the keys `KVCache` would give it."""
+
+    def __init__(self, batch: int, capacity: int, device: torch.device):
+        super().__init__(batch, capacity, device)
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.filled = torch.zeros((), dtype=torch.long, device=device)  # slots written, as a tensor
+        self.slots = torch.zeros(0, dtype=torch.long, device=device)
+        self.keys = torch.arange(capacity, device=device)
+
+    def layer(self, name: str) -> StaticLayerCache:  # type: ignore[override]
+        if name not in self.layers:
+            self.layers[name] = StaticLayerCache(self)
+        return self.layers[name]  # type: ignore[return-value]
+
+    def begin(self, valid: torch.Tensor) -> torch.Tensor:
+        """`KVCache.begin` with tensor arithmetic only (no Python value of the cache's fill in the graph);
+        the capacity is checked by the caller, which counts the steps (`end`)."""
+        s = valid.shape[1]
+        self.slots = self.filled + torch.arange(s, device=self.device)
+        positions = (self.valid.sum(dim=1, keepdim=True) + valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        self.valid.index_copy_(1, self.slots, valid.to(self.device))
+        causal = self.keys[None, :] <= self.slots[:, None]  # (s, capacity)
+        own = self.keys[None, None, :] == self.slots[None, :, None]
+        self.mask = ((causal[None] & self.valid[:, None, :]) | own)[:, None]
+        return positions
+
+    def advance(self, s: int) -> None:
+        """The tensor half of `end`: inside a compiled step (the Python count is kept outside it)."""
+        self.filled.add_(s)
+
+    def end(self, s: int) -> None:
+        self.advance(s)
+        self.length += s
