@@ -42,10 +42,15 @@ def _sources() -> list[Path]:
     return [p for p in files if p not in (HELPER, Path(__file__).resolve())]
 
 
+_SLICE = re.compile(r"\[::-?\d*\](?!:)")  # a Python slice, x[::-1], x[::2], x[::] (not the host "[::]:80")
+
+
 def _addresses(text: str) -> list[str]:
     found = []
     for pattern in (_IPV4, _IPV6):
         for match in pattern.finditer(text):
+            if match.start(1) > 0 and _SLICE.match(text, match.start(1) - 1):
+                continue
             try:
                 found.append(str(ipaddress.ip_address(match.group(1))))
             except ValueError:  # a version number, a time of day, a ratio: not an address
@@ -56,6 +61,8 @@ def _addresses(text: str) -> list[str]:
 def test_the_scan_finds_what_it_looks_for():
     assert _addresses("dial 192.0.2.2:29400, [fd00::2]:1 or 127.0.0.1; torch 2.13.0; 12:30:45") == \
         ["192.0.2.2", "127.0.0.1", "fd00::2"]
+    # A slice is not the unspecified address; a bind to [::] is.
+    assert _addresses("ids[::-1], rows[::2], all[::]") == [] and _addresses("listen on [::]:80 or :: ") == ["::", "::"]
     bad = "subprocess.run(['hostname', '-I']); socket.gethostbyname(socket.gethostname()); ip -4 addr show"
     assert {why for pattern, why in DISCOVERY.items() if re.search(pattern, bad.replace("', '", " "))} == \
         {"hostname -I / -i / -f", "resolving the host name", "the host name (it resolves to this machine's address "
