@@ -15,6 +15,13 @@ from __future__ import annotations
 import torch
 
 
+def attention_mask(slots: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(b, 1, s, slots) boolean mask, broadcast over heads: query i (at cache slot queries[i]) sees slot j
+    when j is a real token (valid) at or before it, and always its own slot (see KVCache.begin)."""
+    causal = slots[None, :] <= queries[:, None]  # (s, slots)
+    return ((causal[None] & valid[:, None, :]) | (slots[None, None, :] == queries[None, :, None]))[:, None]
+
+
 class LayerCache:
     """One attention layer's keys and values, allocated on first use as (batch, local kv heads,
     capacity, head_dim): the heads this rank holds, in the dtype the layer computes in."""
@@ -69,11 +76,8 @@ class KVCache:
             raise ValueError(f"KV cache holds {self.capacity} tokens; {self.length + s} asked")
         positions = self.positions(valid)
         self.valid = torch.cat([self.valid, valid.to(self.device)], dim=1)
-        slots = torch.arange(self.length + s, device=self.device)
         queries = torch.arange(self.length, self.length + s, device=self.device)
-        causal = slots[None, :] <= queries[:, None]  # (s, total)
-        self.mask = (causal[None] & self.valid[:, None, :]) | (slots[None, None, :] == queries[None, :, None])
-        self.mask = self.mask[:, None]  # (b, 1, s, total): broadcast over heads
+        self.mask = attention_mask(torch.arange(self.length + s, device=self.device), queries, self.valid)
         return positions
 
     def end(self, s: int) -> None:
@@ -127,13 +131,10 @@ class StaticKVCache(KVCache):
     def begin(self, valid: torch.Tensor) -> torch.Tensor:
         """`KVCache.begin` with tensor arithmetic only (no Python value of the cache's fill in the graph);
         the capacity is checked by the caller, which counts the steps (`end`)."""
-        s = valid.shape[1]
-        self.slots = self.filled + torch.arange(s, device=self.device)
-        positions = (self.valid.sum(dim=1, keepdim=True) + valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        self.slots = self.filled + torch.arange(valid.shape[1], device=self.device)
+        positions = self.positions(valid)  # unwritten slots are not valid: the sum counts the real tokens so far
         self.valid.index_copy_(1, self.slots, valid.to(self.device))
-        causal = self.keys[None, :] <= self.slots[:, None]  # (s, capacity)
-        own = self.keys[None, None, :] == self.slots[None, :, None]
-        self.mask = ((causal[None] & self.valid[:, None, :]) | own)[:, None]
+        self.mask = attention_mask(self.keys, self.slots, self.valid)
         return positions
 
     def advance(self, s: int) -> None:

@@ -316,18 +316,23 @@ def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_
     a = 4 if reg == "fp32" else 2
     r = 2 if reg == "lowp" else 4
     res_div = tp if sp else 1
-    f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.load_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
     norms = norm_forward_bytes(shape, reg, tp, sp)
     if shape.arch == "llama":
         casts = 5 * 6 * h if reg in ("autocast", "autocast_fp8") else 0.0  # q, k, v inputs; w1, w3 inputs
         rope = 10 * 4 * (h / tp + kv)
-        mlp = 5 * a * f / tp
     else:
         casts = 4 * 6 * h if reg != "fp32" else 0.0   # q, k, v inputs; fc input
         rope = 0.0
-        mlp = 2 * a * f / tp
     residual = 2 * (2 * r * h + a * h) / res_div
-    return norms + casts + rope + residual + mlp
+    return norms + casts + rope + residual + mlp_pointwise_forward_bytes(shape, reg, tp, moe_layer)
+
+
+def mlp_pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, moe_layer: bool = False) -> float:
+    """The MLP's share of `pointwise_forward_bytes` (its docstring): SwiGLU 5 a f, GELU 2 a f per token, f
+    the routed copies' width for a MoE layer."""
+    a = 4 if reg == "fp32" else 2
+    f = (shape.expert_ffn * (shape.moe.top_k * shape.moe.load_factor if shape.moe else 1)) if moe_layer else shape.ffn_dim
+    return (5 if shape.arch == "llama" else 2) * a * f / tp
 
 
 def norm_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> float:

@@ -64,8 +64,7 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     # A GEMM input is saved in the compute dtype, under FP8 too: torchao's Float8Linear saves its
     # high-precision input and recasts it in backward (the 886M H100 rows: FP8's peak is bf16's less
     # exactly the weight copies, 1.41 GiB).
-    g = a
-    per_token = (r * h + 2 * rsqrt) / res_div + 2 * g * h + A.attention_bytes(shape, a, tp) + g * h / tp
+    per_token = (r * h + 2 * rsqrt) / res_div + 2 * a * h + A.attention_bytes(shape, a, tp) + a * h / tp
     # Under autocast the 16-bit copies of the block's weights, one per micro-batch (counted on CPU); FP8
     # casts its fp32 parameters itself and keeps none; fp32 and 16-bit parameters have no copies.
     fixed = 2.0 * shape.block_matmul_numel(moe_layer, active=False) / tp if reg == "autocast" else 0.0
@@ -76,7 +75,7 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
         eager_dense = A.block_bytes(shape, reg, tp, sp, False).per_token
         return A.BlockActivations(per_token + eager_moe - (eager_dense - A.mlp_intermediates(shape) * a * shape.ffn_dim / tp),
                                   fixed)
-    per_token += (2 * a + g) * f if shape.arch == "llama" else (a + g) * f
+    per_token += (3 if shape.arch == "llama" else 2) * a * f
     return A.BlockActivations(per_token, fixed)
 
 
@@ -103,14 +102,18 @@ def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_
     return stream + rope + act
 
 
-def eager_moe_pointwise_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> float:
+def eager_moe_pointwise_bytes(shape: ModelShape, reg: str, tp: int) -> float:
     """The eager MoE feed-forward's share of activations.pointwise_forward_bytes (its expert MLPs' pointwise
-    ops): the MoE block's count less the same block's count without an MLP."""
-    if shape.moe is None:
-        return 0.0
-    a = 4 if reg == "fp32" else 2
-    f = shape.expert_ffn * shape.moe.top_k * shape.moe.load_factor
-    return (5 if shape.arch == "llama" else 2) * a * f / tp
+    ops)."""
+    return A.mlp_pointwise_forward_bytes(shape, reg, tp, moe_layer=True) if shape.moe is not None else 0.0
+
+
+def selective_norm_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> float:
+    """Per token and block, what a compiled selective ("op") recomputation adds: the policy makes the two
+    norms (reductions the partitioner would have saved) run again, each reading the residual stream and
+    writing the normalized tensor."""
+    a, r, _, _ = _sizes(shape, reg, tp)
+    return 2 * (r / (tp if sp else 1) + a) * shape.dim
 
 
 def weight_cast_bytes(shape: ModelShape, reg: str, tp: int, moe_layer: bool) -> float:
@@ -129,5 +132,5 @@ def fused_norm_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> 
     dtype, one kernel. gpt's nn.LayerNorm is one kernel already (activations.norm_forward_bytes)."""
     if shape.arch != "llama":
         return A.norm_forward_bytes(shape, reg, tp, sp)
-    r = 2 if reg == "lowp" else 4
+    _, r, _, _ = _sizes(shape, reg, tp)
     return 2 * 2 * r * shape.dim / (tp if sp else 1)

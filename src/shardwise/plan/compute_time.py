@@ -135,14 +135,18 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # Eager pointwise kernels, op by op, stream worse than a copy (constants.EAGER_POINTWISE_HBM_FRACTION of
     # the datasheet; a measured device: its measured copy rate), unless `plan calibrate` fitted a fraction.
     # A GPU's measured bandwidth is its copy rate: eager kernels keep their ratio to the streaming fraction.
-    eager_fraction = problem.cluster.pointwise_hbm_fraction or (
-        (C.EAGER_POINTWISE_HBM_FRACTION / _streaming_fraction(dev.name) if measured.device_type == "cuda" else 1.0)
-        if measured else C.EAGER_POINTWISE_HBM_FRACTION)
+    if problem.cluster.pointwise_hbm_fraction:
+        eager_fraction = problem.cluster.pointwise_hbm_fraction
+    elif measured is None:
+        eager_fraction = C.EAGER_POINTWISE_HBM_FRACTION
+    elif measured.device_type == "cuda":
+        eager_fraction = C.EAGER_POINTWISE_HBM_FRACTION / _streaming_fraction(dev.name)
+    else:
+        eager_fraction = 1.0
     eager = problem.eager_for(lay)
     eager_bw = dev.memory_bandwidth_gbps * 1e9 * eager_fraction
     # Compiled (fused) kernels stream at the device's streaming fraction, or what `plan calibrate` fitted.
-    fused_bw = dev.memory_bandwidth_gbps * 1e9 * problem.cluster.compiled_hbm_fraction if problem.cluster.compiled_hbm_fraction \
-        else hbm
+    fused_bw = dev.memory_bandwidth_gbps * 1e9 * (problem.cluster.compiled_hbm_fraction or _hbm_fraction(dev.name))
     pointwise_bw = eager_bw if eager else hbm
     s = problem.shape
     stack = problem.stack_for(lay)
@@ -193,7 +197,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         else:
             pointwise = K.pointwise_forward_bytes(s, reg, lay.tp, sp, moe) * tokens / fused_bw
             if moe:
-                pointwise += K.eager_moe_pointwise_bytes(s, reg, lay.tp, sp) * tokens / eager_bw
+                pointwise += K.eager_moe_pointwise_bytes(s, reg, lay.tp) * tokens / eager_bw
         # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
         # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
@@ -268,11 +272,9 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         recompute = math.ceil(n_blocks / lay.recompute_every) * (replay_d if rank.dense_layers else replay_m)
     elif lay.recompute == "selective" and not eager:
         # "op", compiled: the partitioner recomputes pointwise chains in the backward's fused kernels with
-        # or without the policy; what the policy adds is rerunning the two norms (reductions, which it
-        # would have saved): read the residual stream, write the normalized tensor, per token.
-        a_b, r_b = (4, 4) if reg == "fp32" else (2, 2 if reg == "lowp" else 4)
-        res_div = lay.tp if (lay.sp or lay.tp_mode == "2d") else 1
-        recompute = rank.layers * 2 * (r_b / res_div + a_b) * s.dim * tokens / fused_bw
+        # or without the policy; what the policy adds is rerunning the two norms (plan/compiled.py).
+        sp = lay.sp or lay.tp_mode == "2d"
+        recompute = rank.layers * K.selective_norm_bytes(s, reg, lay.tp, sp) * tokens / fused_bw
     elif lay.recompute == "selective":  # "op": the pointwise forward runs again
         recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
         if lay.linear_tiles > 1:  # ... and the tiled MLP's forward GEMMs, which the policy does not cache

@@ -174,7 +174,7 @@ class Problem:
     def stack_for(self, lay: Layout) -> Stack:
         """The software stack `lay` is priced on (plan/stack.py)."""
         # torch's default fused SDPA kernel: cuDNN's on Hopper and later (torch 2.5+), FlashAttention-2 elsewhere
-        hopper = self.cluster.device.name.removeprefix("measured-").startswith(("h100", "h200", "b200"))
+        hopper = C.family(self.cluster.device.name.removeprefix("measured-")) in ("h100", "h200", "b200")
         default = "math" if self.attention == "math" else ("cudnn" if self.device_type == "cuda" and hopper else "flash")
         return resolve_stack(dict(self.stack_choices), not self.eager_for(lay), default, self.device_type)
 
@@ -208,21 +208,21 @@ class Problem:
         kind = cluster.measured_device.device_type if cluster.measured_device else "cuda"
         # train.precision unset: what the trainer picks on this device (spec/layout.py default_precision).
         precision = t.precision or default_precision(kind, "bf16" in cluster.device.peak_tflops)
-        choices = tuple((k, getattr(cfg.cluster, k)) for k in STACK_CHOICES if getattr(cfg.cluster, k, None))
-        for key, value in choices:
+        choices = {k: getattr(cfg.cluster, k) for k in STACK_CHOICES if getattr(cfg.cluster, k, None)}
+        for key, value in choices.items():
             if value not in STACK_CHOICES[key]:
                 raise ConfigError(f"cluster.{key}", f"{value!r} is not one of {', '.join(STACK_CHOICES[key])}",
                                   "leave it unset for what the trainer runs (plan/stack.py)")
         attention = attention_backend(kind, precision, shape.n_kv_heads != shape.n_heads)
-        if dict(choices).get("attention_kernel"):  # memory: only the math kernel keeps the s x s scores
-            attention = "math" if dict(choices)["attention_kernel"] == "math" else "flash"
+        if "attention_kernel" in choices:  # memory: only the math kernel keeps the s x s scores
+            attention = "math" if choices["attention_kernel"] == "math" else "flash"
         return cls(shape, cluster, t.seq_len, t.global_batch, tokens, precision, states,
                    cfg.cluster.assume_mfu, t.fp8_recipe, attention,
                    # the trainer's default (train.compile unset): compiled on a GPU, eager on a CPU
                    eager=(t.compile is False or (t.compile is None and kind == "cpu")
                           or t.compile_backend == "aot_eager"),  # aot_eager: eager kernels, a debugging backend
                    compile_unset=t.compile is None,
-                   tf32=t.tf32 and kind == "cuda", stack_choices=choices, device_type=kind)
+                   tf32=t.tf32 and kind == "cuda", stack_choices=tuple(choices.items()), device_type=kind)
 
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""
