@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import Config
-from shardwise.errors import ConfigError
 from shardwise.infer.sampling import Sampler
 from shardwise.models import ARCHS, build_model
 from shardwise.models.kv_cache import KVCache, StaticKVCache
@@ -30,7 +29,7 @@ from shardwise.parallel.expert import moe_modules
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import materialize
 from shardwise.parallel.tensor import apply_tensor_parallel
-from shardwise.preflight import check_generation_length, check_serving
+from shardwise.preflight import check_compiled_decoding, check_generation_length, check_serving
 from shardwise.spec.stages import layers_per_stage, stage_layers
 from shardwise.train.checkpoint import load_model_weights
 
@@ -145,9 +144,7 @@ class Engine:
         each step one compiled graph over a static cache, `compiled_decode`)."""
         b, longest = len(prompts), max(len(p) for p in prompts)
         check_generation_length(self.cfg, longest, max_new_tokens)
-        if compiled and (self.dims.tp > 1 or self.pp > 1):
-            raise ConfigError("--compile", "compiled decoding runs on one process for now",
-                              "use --compile=off with --parallel.tp / --parallel.pp")
+        check_compiled_decoding(compiled, self.dims.tp * self.pp)
         tokens = torch.zeros(b, longest, dtype=torch.long)
         valid = torch.zeros(b, longest, dtype=torch.bool)
         for i, p in enumerate(prompts):

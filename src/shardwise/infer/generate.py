@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shardwise.config import Config, build_config, parse_overrides
 from shardwise.errors import ConfigError
-from shardwise.preflight import check_generation_length, check_serving
+from shardwise.preflight import check_compiled_decoding, check_generation_length, check_serving
 from shardwise.spec.hf import HF_SCHEME
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -136,9 +136,7 @@ def resolve(argv: list[str], world: int | None = None) -> Request:
 
     check_nproc(args.nproc)
     check_serving(cfg, args.nproc, longest)
-    if args.compile == "on" and args.nproc > 1:
-        raise ConfigError("--compile", "compiled decoding runs on one process for now",
-                          "use --compile=off (or leave it auto) with --nproc > 1")
+    check_compiled_decoding(args.compile == "on", args.nproc)
     eos = set() if args.ignore_eos else ({args.eos_id} if args.eos_id is not None else eos)
     return Request(cfg, checkpoint, tokenizer_path, prompts, eos, args)
 
