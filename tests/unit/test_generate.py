@@ -153,6 +153,55 @@ def test_compiled_decoding_equals_eager_and_compiles_once(model_dir, capsys):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_the_static_cache_is_a_cuda_graph_input_kept_between_generations(model_dir):
+    """What CUDA graphs need, decided on any device: every buffer the compiled step writes in place is
+    marked as a static address (else inductor skips CUDA graphs: "mutated inputs"), and the next
+    generation of the same shape reuses those buffers, emptied (else the graph is recorded again), with
+    the same ids as a fresh engine's."""
+    engine = _engine(model_dir)
+    first = engine.generate(PROMPTS, NEW, Sampler(), compiled=True)
+    cache = engine._static_cache
+    buffers = cache.tensors()
+    assert len(buffers) == 3 + 2 * engine.cfg.model.n_layers
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in buffers)
+    addresses = [t.data_ptr() for t in buffers]
+    again = engine.generate(PROMPTS[::-1], NEW, Sampler(), compiled=True)
+    assert engine._static_cache is cache and [t.data_ptr() for t in cache.tensors()] == addresses
+    assert again.ids == first.ids[::-1] == _engine(model_dir).generate(PROMPTS[::-1], NEW, Sampler(), compiled=True).ids
+    engine.generate(PROMPTS[:2], NEW, Sampler(), compiled=True)  # another batch: a cache of its own
+    assert engine._static_cache is not cache and engine._static_cache.batch == 2
+
+
+def test_greedy_compiled_decoding_looks_at_the_ids_every_few_steps(model_dir):
+    """Greedy compiled decoding keeps each step's ids on the device (infer/engine.py _decode_on_device) and
+    reads them back every DONE_CHECK_EVERY steps: sequences ending at different steps inside one such
+    block keep exactly their ids up to the end token, and once all have ended no more than
+    DONE_CHECK_EVERY - 1 further steps run."""
+    from shardwise.infer.engine import DONE_CHECK_EVERY
+
+    engine = _engine(model_dir)
+    eager = engine.generate(PROMPTS, NEW, Sampler())
+    eos = {eager.ids[0][2], eager.ids[1][4], eager.ids[2][5]}  # every sequence ends by its 6th token
+    want = engine.generate(PROMPTS, NEW, Sampler(), eos_ids=eos).ids
+    assert max(len(ids) for ids in want) <= 6 and len({len(ids) for ids in want}) > 1
+    engine.generate(PROMPTS, NEW, Sampler(), compiled=True)  # compiles the greedy step
+    calls = []
+    step = engine._compiled[True]
+    engine._compiled[True] = lambda *args: calls.append(1) or step(*args)
+    assert engine.generate(PROMPTS, NEW, Sampler(), eos_ids=eos, compiled=True).ids == want
+    assert len(calls) == DONE_CHECK_EVERY < NEW - 1  # the prefill chose the first ids; one block of steps
+
+
+def test_greedy_chooses_on_the_logits_device_and_returns_cpu_ids():
+    """Greedy moves b ids, not b x vocab logits, off the device; the same ids as an fp32 argmax on the CPU
+    (bf16 logits included: the float conversion is exact), lowest id on a tie."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie
+    ids = Sampler()(logits)
+    assert ids.device.type == "cpu" and ids.tolist() == logits.float().argmax(-1).tolist() and ids[0] == 7
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 @pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-moe"])
 def test_kv_cache_decoding_equals_recomputation_for_gpt_and_moe(preset):
     """Our own architectures too (learned positions for gpt; routed experts): cache == no cache."""

@@ -16,6 +16,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from shardwise.train.checkpoint import load_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
+DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) every this many steps
 
 
 @dataclass
@@ -87,7 +89,8 @@ class Engine:
         self.dtype = DTYPES[dtype]
         # A rank of the last stage decides the next tokens (its TP peers compute the same full logits).
         self.last_rank = next(r for r in range(world) if self.dims.coordinates(r)["pp"] == self.pp - 1)
-        self._compiled = None  # the compiled decode step (compiled_decode), built on first use
+        self._compiled: dict[bool, Any] = {}  # the compiled decode steps (compiled_decode), built on first use
+        self._static_cache: StaticKVCache | None = None  # kept between generations (static_cache)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -123,19 +126,58 @@ class Engine:
         cache.advance(tokens.shape[1])
         return logits
 
-    def compiled_decode(self):
-        """The compiled decode step, built on first use: CUDA graphs on a GPU ("reduce-overhead": one
-        launch per step instead of one per kernel, which bounds eager decoding), inductor's kernels on a
-        CPU. dynamic=False: a new batch size or capacity is a new graph, never a dynamic-shape one."""
-        if self._compiled is None:
+    def _greedy_step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """`_decode_step` and the argmax in the same graph: (b, 1) next ids on the device, which feed the
+        next step without a trip to the host (Sampler's greedy choice: the argmax of fp32 logits)."""
+        return self._decode_step(tokens, cache)[:, -1].float().argmax(dim=-1, keepdim=True)
+
+    def static_cache(self, batch: int, capacity: int) -> StaticKVCache:
+        """The static cache for a generation, reused (emptied in place) while the batch and capacity stay
+        the same: its buffers keep their addresses, so the CUDA graph recorded for the first generation
+        replays for the next ones instead of being recorded again (transformers keeps its static cache
+        between generate calls for the same reason)."""
+        cache = self._static_cache
+        if cache is not None and (cache.batch, cache.capacity) == (batch, capacity):
+            cache.reset()
+            return cache
+        self._static_cache = None  # free the old buffers before allocating the new ones
+        self._static_cache = StaticKVCache(batch, capacity, self.device)
+        return self._static_cache
+
+    def compiled_decode(self, greedy: bool = False):
+        """The compiled decode step (`greedy`: the one that also picks the next ids), built on first use:
+        CUDA graphs on a GPU ("reduce-overhead": one launch per step instead of one per kernel, which
+        bounds eager decoding), inductor's kernels on a CPU. dynamic=False: a new batch size or capacity
+        is a new graph, never a dynamic-shape one."""
+        if not self._compiled:
             # MoE feed-forwards stay eager, as in training (parallel/compile.py apply_compile: data-dependent
             # routing and Python-side load statistics): the step is then a few graphs around them.
             for block in self.model.blocks():
                 for moe in moe_modules(block):
                     moe.forward = torch.compiler.disable(moe.forward)
+        if greedy not in self._compiled:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
-        return self._compiled
+            step = self._greedy_step if greedy else self._decode_step
+            self._compiled[greedy] = torch.compile(step, mode=mode, dynamic=False)
+        return self._compiled[greedy]
+
+    def _decode_on_device(self, first: torch.Tensor, cache: StaticKVCache, max_new_tokens: int, take) -> None:
+        """Greedy compiled decoding with no host round trip per step: each step's ids stay on the device
+        and feed the next step, so the host queues steps ahead of the GPU (a CUDA graph replay each)
+        instead of waiting for every token. The ids come back to the host every DONE_CHECK_EVERY steps,
+        where `take` keeps what each sequence produced up to its end token; a batch that has ended
+        costs at most DONE_CHECK_EVERY - 1 steps more, whose ids are dropped."""
+        ids, pending = first[:, None].to(self.device), []
+        step = self.compiled_decode(greedy=True)
+        for n in range(1, max_new_tokens):
+            # A copy: the graph's output buffer is overwritten by its next replay.
+            ids = step(ids, cache).clone()
+            cache.length += 1
+            pending.append(ids)
+            if len(pending) == DONE_CHECK_EVERY or n == max_new_tokens - 1:
+                if take(torch.cat(pending, dim=1).cpu()):
+                    return
+                pending = []
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
@@ -151,36 +193,50 @@ class Engine:
             tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
             valid[i, longest - len(p):] = True
         if compiled:  # capacity in buckets of 64: another prompt or length mostly reuses the compiled step
-            cache = StaticKVCache(b, -(-(longest + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET, self.device)
+            cache = self.static_cache(b, -(-(longest + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET)
         else:
             cache = KVCache(b, longest + max_new_tokens, self.device)
         out: list[list[int]] = [[] for _ in prompts]
-        done = torch.zeros(b, dtype=torch.bool)
+        done = [False] * b
+
+        def take(chosen: torch.Tensor) -> bool:
+            """Append (b, k) ids on the CPU, k steps' worth, to the unfinished sequences; True once all ended.
+            Python lists, not tensor indexing: at batch 64 that would cost a GPU step's time per token."""
+            for column in zip(*chosen.tolist()):
+                for i, token in enumerate(column):
+                    if not done[i]:
+                        out[i].append(token)
+                        done[i] = token in eos_ids
+                if all(done):
+                    return True
+            return False
+
         self._sync()
         start = time.perf_counter()
-        step_tokens, step_valid = tokens, valid
-        prefill_s = 0.0
-        for step in range(max_new_tokens):
-            if compiled and step > 0:
-                logits = self.compiled_decode()(step_tokens.to(self.device), cache)
-                cache.length += 1
-            else:
-                positions = cache.begin(step_valid.to(self.device))
-                logits = self.forward(step_tokens, positions, cache, last_only=True)
-                cache.end(step_tokens.shape[1])
-            chosen = sampler(logits[:, -1].float().cpu()) if logits is not None else torch.zeros(b, dtype=torch.long)
-            chosen = self._share(chosen)
-            for i in range(b):
-                if not done[i]:
-                    out[i].append(int(chosen[i]))
-                    done[i] = int(chosen[i]) in eos_ids
-            if step == 0:
-                self._sync()
-                prefill_s = time.perf_counter() - start
-                start = time.perf_counter()
-            if bool(done.all()):
-                break
-            step_tokens, step_valid = chosen[:, None], torch.ones(b, 1, dtype=torch.bool)
+        positions = cache.begin(valid.to(self.device))  # prefill: eager, the padded prompts in one forward
+        logits = self.forward(tokens, positions, cache, last_only=True)
+        cache.end(longest)
+        chosen = self._share(sampler(logits[:, -1]) if logits is not None else torch.zeros(b, dtype=torch.long))
+        ended = take(chosen[:, None])
+        self._sync()
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        if not ended and compiled and sampler.greedy:
+            self._decode_on_device(chosen, cache, max_new_tokens, take)
+        elif not ended:
+            step_tokens = chosen[:, None]
+            for _ in range(1, max_new_tokens):
+                if compiled:
+                    logits = self.compiled_decode()(step_tokens.to(self.device), cache)
+                    cache.length += 1
+                else:
+                    positions = cache.begin(torch.ones(b, 1, dtype=torch.bool, device=self.device))
+                    logits = self.forward(step_tokens, positions, cache, last_only=True)
+                    cache.end(1)
+                chosen = self._share(sampler(logits[:, -1]) if logits is not None else torch.zeros(b, dtype=torch.long))
+                if take(chosen[:, None]):
+                    break
+                step_tokens = chosen[:, None]
         self._sync()
         decode_s = time.perf_counter() - start
         decode_steps = max(0, max(len(o) for o in out) - 1)

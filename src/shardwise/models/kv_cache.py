@@ -89,6 +89,15 @@ class KVCache:
         return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers.values() if c.k is not None)
 
 
+def static(t: torch.Tensor) -> torch.Tensor:
+    """Tell torch.compile that `t` keeps its address from step to step: a CUDA graph then reads and writes
+    it in place. Without it the graph's in-place writes to the cache (an input it mutates) make inductor
+    skip CUDA graphs altogether ("skipping cudagraphs due to mutated inputs"), and each step pays one
+    launch per kernel again. guard=False: a cache at a new address re-records the graph, never recompiles."""
+    torch._dynamo.mark_static_address(t, guard=False)
+    return t
+
+
 class StaticLayerCache:
     """A `LayerCache` whose keys and values live at fixed addresses for the whole generation: written at
     the owner's `slots` (a tensor) and always returned whole, so a step's shapes never change."""
@@ -101,8 +110,8 @@ class StaticLayerCache:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k is None:  # the prefill (eager) allocates; the compiled decode steps then find them
             shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
-            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            self.k = static(torch.zeros(shape, dtype=k.dtype, device=k.device))
+            self.v = static(torch.zeros(shape, dtype=v.dtype, device=v.device))
         self.k.index_copy_(2, self.owner.slots, k)
         self.v.index_copy_(2, self.owner.slots, v)
         return self.k, self.v
@@ -118,10 +127,23 @@ class StaticKVCache(KVCache):
 
     def __init__(self, batch: int, capacity: int, device: torch.device):
         super().__init__(batch, capacity, device)
-        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
-        self.filled = torch.zeros((), dtype=torch.long, device=device)  # slots written, as a tensor
+        self.valid = static(torch.zeros(batch, capacity, dtype=torch.bool, device=device))
+        self.filled = static(torch.zeros((), dtype=torch.long, device=device))  # slots written, as a tensor
         self.slots = torch.zeros(0, dtype=torch.long, device=device)
-        self.keys = torch.arange(capacity, device=device)
+        self.keys = static(torch.arange(capacity, device=device))
+
+    def reset(self) -> None:
+        """Empty the cache in place for the next generation, keeping every buffer's address (what the
+        compiled step's CUDA graph was recorded with). Stale keys and values stay behind the mask: `valid`
+        is all False, so no query sees them, and masked scores weigh exactly 0."""
+        self.valid.zero_()
+        self.filled.zero_()
+        self.length, self.mask = 0, None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer the compiled step reads or writes in place."""
+        kv = [t for c in self.layers.values() for t in (c.k, c.v) if t is not None]
+        return [self.valid, self.filled, self.keys, *kv]
 
     def layer(self, name: str) -> StaticLayerCache:  # type: ignore[override]
         if name not in self.layers:
