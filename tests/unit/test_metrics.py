@@ -229,9 +229,10 @@ def test_read_metrics_keeps_last_record_per_step_and_skips_torn_line(tmp_path):
     assert out.stat().st_size > 1000
 
 
-def test_energy_meter_from_a_counter(monkeypatch, tmp_path):
+def test_energy_meter_from_a_counter(monkeypatch, tmp_path, capsys):
     """train/power.py: joules between logging steps from NVML's energy counter (a fake one here: no GPU),
-    as watts, J per trained token and a running kWh total, in metrics.jsonl; nothing without a reading."""
+    as watts, J per trained token and a running kWh total, in metrics.jsonl and in the end-of-run
+    summary line; nothing without a reading."""
     import json
 
     import torch
@@ -240,11 +241,16 @@ def test_energy_meter_from_a_counter(monkeypatch, tmp_path):
     from shardwise.train import power, step_log
     from shardwise.train.trainer import Trainer
 
-    meter = power.EnergyMeter(iter([1000.0, 1600.0, 2800.0]).__next__)
+    meter = power.EnergyMeter(iter([1000.0, 1600.0, 2800.0, 2800.0, 2800.0, 3400.0]).__next__)
     first = meter.interval(tokens=300, seconds=2.0)
     assert first == {"power_w": 300.0, "energy_j_per_token": 2.0, "energy_kwh": 600 / 3.6e6}
     second = meter.interval(tokens=600, seconds=4.0)
     assert second["energy_j_per_token"] == 2.0 and second["energy_kwh"] == 1800 / 3.6e6
+    # A counter that stood still (NVML updates it in steps) gives no figure; the next move covers the span.
+    assert meter.interval(tokens=100, seconds=1.0) == {"energy_kwh": 1800 / 3.6e6}
+    assert meter.interval(tokens=100, seconds=1.0) == {"energy_kwh": 1800 / 3.6e6}
+    assert meter.interval(tokens=100, seconds=1.0) == {"power_w": 200.0, "energy_j_per_token": 2.0,
+                                                      "energy_kwh": 2400 / 3.6e6}
     assert power.EnergyMeter(None).interval(10, 1.0) == {} and not power.EnergyMeter(None).enabled
     assert power.nvml_energy_reader(torch.device("cpu")) is None
 
@@ -256,9 +262,13 @@ def test_energy_meter_from_a_counter(monkeypatch, tmp_path):
                              "--train.log_every=2", f"--run.dir={tmp_path / 'run'}", "--run.progress=false",
                              "--run.tensorboard=false", "--checkpoint.final=false", "--checkpoint.resume=false"])
     (tmp_path / "corpus.txt").write_text("energy per token " * 200)
-    Trainer(cfg, log=None, single_process=True).train()
+    Trainer(cfg, log=print, single_process=True).train()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4]
     for r in records:  # 50 J per logging interval of 2 steps x 64 tokens
         assert r["energy_j_per_token"] == 50 / 128 and r["power_w"] > 0
     assert records[-1]["energy_kwh"] == 100 / 3.6e6
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
+    assert len(done) == 1 and "done: 4 steps, 256 tokens in" in done[0] and "tokens/s;" in done[0]
+    assert "MFU" not in done[0]  # a CPU's measured peak varies between runs: no MFU to compare
+    assert f"GPU energy {100 / 3.6e6:.3g} kWh, {100 / 256:.3g} J/token (all GPUs)" in done[0]

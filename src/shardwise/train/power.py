@@ -50,30 +50,43 @@ def agreed(reader: Callable[[], float] | None, group, device: torch.device) -> C
 
 
 class EnergyMeter:
-    """interval(tokens, seconds, group) on logging steps: the job's GPU energy since the previous call."""
+    """interval(tokens, seconds, group) on logging steps: the job's GPU energy since the previous call.
+
+    NVML's counter moves in steps (measured on an H200: it stood still over most 26 ms training steps),
+    so an interval over which no rank's counter moved says nothing about its power: its tokens and
+    seconds are carried into the next interval, and J/token and watts are reported over the span from
+    one move of the counter to the next (0 J over 26 ms would be a wrong figure, not a small one)."""
 
     def __init__(self, read_joules: Callable[[], float] | None, device: torch.device | None = None):
         self.read, self.device = read_joules, device if device is not None else torch.device("cpu")
         self.last = read_joules() if read_joules is not None else 0.0
-        self.total_joules = 0.0
+        self.total_joules, self.total_tokens = 0.0, 0  # over every interval (the run's J/token)
+        self.pending_tokens, self.pending_seconds = 0, 0.0  # since the counter last moved
 
     @property
     def enabled(self) -> bool:
         return self.read is not None
 
     def interval(self, tokens: int, seconds: float, group=None) -> dict[str, float]:
-        """`tokens`: tokens the whole job trained since the previous call; `seconds`: the time it took."""
+        """`tokens`: tokens the whole job trained since the previous call; `seconds`: the time it took.
+        Returns energy_kwh always; power_w and energy_j_per_token once the counter has moved."""
         if self.read is None:
             return {}
         now = self.read()
         joules = torch.tensor([now - self.last], dtype=torch.float64, device=self.device)
         self.last = now
         mine = float(joules)
-        if group is not None:
+        if group is not None:  # every rank calls this on the same steps, moved or not
             import torch.distributed as dist
 
             dist.all_reduce(joules, group=group)
         self.total_joules += float(joules)
-        return {"power_w": mine / seconds if seconds > 0 else 0.0,
-                "energy_j_per_token": float(joules) / max(1, tokens),
-                "energy_kwh": self.total_joules / JOULES_PER_KWH}
+        self.total_tokens += tokens
+        self.pending_tokens += tokens
+        self.pending_seconds += seconds
+        record = {"energy_kwh": self.total_joules / JOULES_PER_KWH}
+        if float(joules) > 0:
+            record |= {"power_w": mine / self.pending_seconds if self.pending_seconds > 0 else 0.0,
+                       "energy_j_per_token": float(joules) / max(1, self.pending_tokens)}
+            self.pending_tokens, self.pending_seconds = 0, 0.0
+        return record

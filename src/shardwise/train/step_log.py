@@ -26,7 +26,7 @@ from shardwise.train.health import StepGuard
 from shardwise.train.metrics import MetricsLogger, mfu, tokens_per_s_per_device
 from shardwise.train.peak_flops import device_peak_flops
 from shardwise.train.pipeline_chart import CHART_FILE, describe, write_timeline
-from shardwise.train.power import EnergyMeter, agreed, nvml_energy_reader
+from shardwise.train.power import JOULES_PER_KWH, EnergyMeter, agreed, nvml_energy_reader
 
 
 @dataclass
@@ -67,6 +67,8 @@ class StepLog:
         self.energy = EnergyMeter(agreed(nvml_energy_reader(device), energy_group, device), device)
         self.energy_group = energy_group
         self.tokens_since_log, self.seconds_since_log = 0, 0.0
+        self.run_tokens, self.run_seconds, self.run_steps = 0, 0.0, 0  # for the end-of-run summary
+        self.logged: list[dict] = []  # tokens/s, MFU, peak memory of each logged step (summary's medians)
         self.comm_counted_step: int | None = None
         # Graphs this run compiled: dynamo's counter is per process, and a process may train several runs.
         self.compiled = compile_enabled(cfg, device.type)
@@ -103,6 +105,9 @@ class StepLog:
         self.metrics.progress(step, r.loss, t.global_batch * t.seq_len / r.seconds)
         self.tokens_since_log += t.global_batch * t.seq_len
         self.seconds_since_log += r.seconds
+        self.run_tokens += t.global_batch * t.seq_len
+        self.run_seconds += r.seconds
+        self.run_steps += 1
         if r.skipped and not self.quiet:
             self.metrics.print(f"step {step}: loss {r.loss:g}, grad norm {r.grad_norm:g}: not finite, step skipped "
                                f"on every rank ({self.guard.in_a_row} in a row; the run stops at "
@@ -137,6 +142,7 @@ class StepLog:
         if self.energy.enabled:
             record.update(self.energy.interval(self.tokens_since_log, self.seconds_since_log, self.energy_group))
         self.tokens_since_log, self.seconds_since_log = 0, 0.0
+        self.logged.append({k: record[k] for k in ("tokens_per_s", "mfu", "mem_max_memory_allocated_bytes") if k in record})
         if self.compiled:  # constant after the first steps: nothing recompiles
             record["compiled_graphs"] = compiled_graphs() - self.graphs_before
         if timeline is not None:
@@ -152,7 +158,31 @@ class StepLog:
             if not self.quiet:
                 self.metrics.print(f"pipeline schedule: {describe(self.last_timeline)}; chart {path.parent / CHART_FILE}")
 
-    def close(self) -> None:
+    def summary(self) -> str:
+        """The end-of-run line: steps, tokens and time of this run; the median tokens/s and MFU of its
+        logged steps after the first (compilation, the communication count), when it logged several; the
+        peak allocated memory; and the GPU energy of the whole job (NVML, all GPUs), where measured."""
+        steady = self.logged[1:] or self.logged
+        parts = [f"done: {self.run_steps} steps, {self.run_tokens:,} tokens in {self.run_seconds:.1f} s of steps"]
+        rates = sorted(r["tokens_per_s"] for r in steady if "tokens_per_s" in r)
+        if rates:
+            mfus = sorted(r["mfu"] for r in steady if "mfu" in r)
+            # MFU against a GPU's datasheet peak only: a CPU's probe varies from run to run (30-137 GFLOP/s
+            # measured on the 2-core CI machine), so its MFU compares with nothing.
+            mfu = f", MFU {mfus[len(mfus) // 2]:.1%}" if mfus and self.device_type != "cpu" else ""
+            parts.append(f"median {rates[len(rates) // 2]:,.0f} tokens/s{mfu}")
+        peak = max((r.get("mem_max_memory_allocated_bytes") or 0) for r in self.logged) if self.logged else 0
+        if peak:
+            parts.append(f"peak memory {peak / 2**30:.2f} GiB on rank 0")
+        if self.energy.enabled and self.energy.total_tokens:
+            parts.append(f"GPU energy {self.energy.total_joules / JOULES_PER_KWH:.3g} kWh, "
+                         f"{self.energy.total_joules / self.energy.total_tokens:.3g} J/token (all GPUs)")
+        return "; ".join(parts)
+
+    def close(self, finished: bool = False) -> None:
+        """`finished`: the loop reached train.steps (not an error): print the summary first."""
+        if finished and not self.quiet and self.run_steps:
+            self.metrics.print(self.summary())
         self.metrics.close()
 
 

@@ -308,6 +308,7 @@ class Trainer:
                          io_stats=self.optimizer.stats.as_dict if hasattr(self.optimizer, "stats") else None)
         losses: list[float] = []
         ckpt_every = self.cfg.checkpoint.every
+        finished = False
         try:
             while self.step < t.steps:
                 logging_step = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
@@ -331,9 +332,10 @@ class Trainer:
                 self.save_checkpoint()
             if self.cfg.run.save_final_model:
                 self.save_full_model(self.run_dir / "final_model.pt")
+            finished = True
         finally:
             self.loader.close()
-            report.close()
+            report.close(finished)
             if hasattr(self.optimizer, "close"):  # the NVMe tier's files (checkpoints hold the state)
                 self.optimizer.close()
         return losses
