@@ -58,12 +58,12 @@ def _mamf(name: str) -> float:
     return 1.0 if _measured(name) else _device_constant(C.MAMF_FRACTION, name, C.MAMF_FRACTION_DEFAULT)
 
 
-def _streaming_fraction(name: str) -> float:
+def streaming_fraction(name: str) -> float:
     return _device_constant(C.HBM_FRACTION_BY_FAMILY, name.removeprefix("measured-"), C.HBM_FRACTION)
 
 
 def _hbm_fraction(name: str) -> float:
-    return 1.0 if _measured(name) else _streaming_fraction(name)
+    return 1.0 if _measured(name) else streaming_fraction(name)
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     elif measured is None:
         eager_fraction = C.EAGER_POINTWISE_HBM_FRACTION
     elif measured.device_type == "cuda":
-        eager_fraction = C.EAGER_POINTWISE_HBM_FRACTION / _streaming_fraction(dev.name)
+        eager_fraction = C.EAGER_POINTWISE_HBM_FRACTION / streaming_fraction(dev.name)
     else:
         eager_fraction = 1.0
     eager = problem.eager_for(lay)

@@ -135,6 +135,19 @@ EAGER_POINTWISE_HBM_FRACTION = 0.67
 # foreach multiply (read + write 4 B), isfinite (read 4 B, write a 1 B mask) and .all() over the mask (1 B).
 LOSS_SCALER_BYTES_PER_PARAM = 14.0
 
+# A decode step replayed as one CUDA graph (`shardwise generate --compile`, infer/engine.py) runs ~7 GEMMs
+# per block with one token per sequence: each is a few MB of weights, and a kernel that small does not
+# reach the bandwidth; it pays a fixed time of its own (ramp-up, one wave's tail, memory latency) on top
+# of bytes / bandwidth. MEASURED on one H200 (torch 2.11, 886M llama bf16, batch 1, profile of 63 graph
+# replays; ../shared/gpu/h200-2026-11-26/): the step's GPU time is 1.238 ms, of which 113 GEMM kernels
+# (16 x 7 + the head) take 1.000 ms for 1.64 GB of weights: at the streaming fraction below (3.84 TB/s)
+# 0.427 ms, leaving 5.1 us per GEMM. The other kernels of a block (cuDNN attention 6.6 us, the fused norm,
+# RoPE, cache-write and SwiGLU kernels ~1-2 us each) take 14.3 us per block beyond the KV cache's bytes.
+# ASSUMED the same on every GPU until measured elsewhere. Eager decoding (no graph) is host-bound and
+# not priced: 83 tokens/s measured against 720 compiled on that H200.
+DECODE_GEMM_KERNEL_S = 5.1e-6
+DECODE_BLOCK_OTHER_S = 14.3e-6
+
 # ---------------------------------------------------------------------------------------------------
 # Memory-bound work (norms, activations functions, RoPE, residual adds, optimizer, cross-entropy)
 # ---------------------------------------------------------------------------------------------------

@@ -19,8 +19,12 @@ activations per block, one after the vocab-parallel embedding, an all-gather of 
 logits over tp, a pp send between stages, and a broadcast of the next token ids from the last stage to
 every rank; timed by plan/comm.py (ring / tree model with per-hop latency from the device table, or the
 measured bandwidth and latency of cluster.calibration).
-Not modelled: kernel-launch overhead (CUDA graphs assumed), sampling, and transient activations and
-logits, which are left to the USABLE_MEMORY_FRACTION reserve (constants.py).
+On a GPU of the table a decode step is one CUDA graph (what `shardwise generate --compile` runs): each of
+its GEMMs and each block's other kernels add a fixed time measured on an H200 (constants.
+DECODE_GEMM_KERNEL_S, DECODE_BLOCK_OTHER_S: small kernels do not reach the bandwidth).
+Not modelled: eager decoding's host overhead (host-bound: 8x slower measured), sampling, the static
+cache's reads beyond the context (its capacity is rounded up to 64 slots), and transient activations
+and logits, which are left to the USABLE_MEMORY_FRACTION reserve (constants.py).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import Any
 from shardwise.errors import ConfigError
 from shardwise.plan import constants as C
 from shardwise.plan.comm import Collective, placements, time_of
+from shardwise.plan.compute_time import streaming_fraction
 from shardwise.plan.inventory import RankModel, local_shape, numel, pipeline_rank, rank_params
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import GIB
@@ -106,13 +111,14 @@ class StageCost:
     decode_memory_s: float
     decode_compute_s: float
     decode_comm_s: float       # TP all-reduces / gather + the pp send to the next stage
+    decode_kernel_s: float     # the kernels' own fixed time in a CUDA-graph step (0 where rates are measured)
     prefill_memory_s: float
     prefill_compute_s: float
     prefill_comm_s: float
 
     @property
     def decode_s(self) -> float:
-        return max(self.decode_memory_s, self.decode_compute_s) + self.decode_comm_s
+        return max(self.decode_memory_s, self.decode_compute_s) + self.decode_kernel_s + self.decode_comm_s
 
     @property
     def prefill_s(self) -> float:
@@ -227,21 +233,35 @@ def decode_estimate(cfg: Any, batch: int = 1, prompt_len: int | None = None, max
     if p.pp_layers_per_stage or p.pp_split != "even":
         notes.append("inference splits the blocks evenly over pp (parallel.pp_split / pp_layers_per_stage ignored)")
     dev = problem.cluster.device
+    kernels = memory_bandwidth_gbps is None  # a GPU of the table: its CUDA-graph step's kernel times too
     if memory_bandwidth_gbps is None:
-        memory_bandwidth_gbps = dev.memory_bandwidth_gbps * C.HBM_FRACTION
-        notes.append(f"memory bandwidth {dev.memory_bandwidth_gbps:g} GB/s ({dev.name} datasheet) x {C.HBM_FRACTION} "
-                     "achievable (constants.HBM_FRACTION)")
+        fraction = streaming_fraction(dev.name)
+        memory_bandwidth_gbps = dev.memory_bandwidth_gbps * fraction
+        notes.append(f"memory bandwidth {dev.memory_bandwidth_gbps:g} GB/s ({dev.name} datasheet) x {fraction} "
+                     "achievable (constants.HBM_FRACTION_BY_FAMILY / HBM_FRACTION); a decode step is one CUDA "
+                     f"graph (generate --compile), each GEMM {C.DECODE_GEMM_KERNEL_S * 1e6:g} us and each block "
+                     f"{C.DECODE_BLOCK_OTHER_S * 1e6:g} us beyond its bytes (constants.DECODE_GEMM_KERNEL_S)")
     attention_flops_per_s = gemm_flops_per_s
     if gemm_flops_per_s is None:
         peak = dev.peak_flops(problem.compute_precision)
         gemm_flops_per_s = peak * C.MAMF_FRACTION.get(dev.name, C.MAMF_FRACTION_DEFAULT)
         attention_flops_per_s = peak * C.ATTENTION_FRACTION.get(C.family(dev.name), C.ATTENTION_FRACTION_DEFAULT)
     return _estimate(problem, lay, batch, prompt_len, max_new_tokens, memory_bandwidth_gbps, gemm_flops_per_s,
-                     attention_flops_per_s, notes)
+                     attention_flops_per_s, notes, kernels)
+
+
+def decode_kernel_s(shape: ModelShape, rank: RankModel) -> float:
+    """The fixed time of a CUDA-graph decode step's kernels on one stage, beyond their bytes: one GEMM
+    per weight matrix of its blocks and its head (constants.DECODE_GEMM_KERNEL_S), the rest of each
+    block (DECODE_BLOCK_OTHER_S). A MoE block counts its router and every expert's matrices: an upper
+    bound (a decode step runs only the routed experts')."""
+    gemms = sum(copies for p, copies, in_block in rank_params(shape, rank)
+                if len(p.shape) >= 2 and (in_block or p.name.startswith("output")))
+    return gemms * C.DECODE_GEMM_KERNEL_S + rank.layers * C.DECODE_BLOCK_OTHER_S
 
 
 def _estimate(problem: Problem, lay: Layout, batch: int, prompt: int, new: int, gbps: float, gemm: float,
-              attention: float, notes: list[str]) -> DecodeEstimate:
+              attention: float, notes: list[str], kernels: bool = False) -> DecodeEstimate:
     shape, cluster, tp, pp = problem.shape, problem.cluster, lay.tp, lay.pp
     elt = problem.compute_bytes  # 4 B for fp32, else 2 (fp8 computes and is held in bf16)
     bandwidth = gbps * 1e9
@@ -273,6 +293,7 @@ def _estimate(problem: Problem, lay: Layout, batch: int, prompt: int, new: int, 
         stages.append(StageCost(
             r, rank.layers, rank.embedding, rank.head, float(weight_bytes(shape, rank, tp, elt)), kv_full, read,
             read / bandwidth, batch * (g_dec / gemm + a_dec / attention) / tp, stage_comm(rank, last, batch),
+            decode_kernel_s(shape, rank) if kernels else 0.0,
             prefill_bytes / bandwidth, prefill_compute, stage_comm(rank, last, batch * prompt)))
     broadcast = comm("world", "broadcast", batch * TOKEN_ID_BYTES) if world > 1 else 0.0
     other = C.COMM_BUFFER_BYTES_PER_AXIS * ((tp > 1) + (pp > 1))

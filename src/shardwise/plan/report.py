@@ -382,7 +382,7 @@ def decode_text(est: DecodeEstimate) -> str:
     """`plan evaluate --mode=decode`: memory per rank (KV cache included), prefill, per-token latency, per stage."""
     from rich.table import Table
 
-    con = _console()
+    con = _console(130)
     s = est.memory_stage
     con.print("\n".join([
         f"serving  tp{est.tp} x pp{est.pp} on {est.device}, {est.precision} ({est.bytes_per_element} B/element); "
@@ -396,13 +396,13 @@ def decode_text(est: DecodeEstimate) -> str:
     kp, unit_p = _time_unit(est.prefill_s)
     t = Table(title="per pipeline stage (one TP rank): one decode step, and the prefill", title_justify="left")
     for col in ("stage", "blocks", "weights GiB", "KV GiB", "step reads GiB", f"read {unit}", f"compute {unit}",
-                f"comm {unit}", f"step {unit}", f"prefill {unit_p}"):
+                f"kernels {unit}", f"comm {unit}", f"step {unit}", f"prefill {unit_p}"):
         t.add_column(col, justify="left" if col == "stage" else "right", no_wrap=col == "stage")
     for st in est.stages:
         holds = "+".join(name for name, has in (("emb", st.embedding), ("head", st.head)) if has)
         t.add_row(f"{st.stage} {holds}".strip(), str(st.layers), f"{st.weight_bytes / GIB:.2f}", f"{st.kv_cache_bytes / GIB:.2f}",
                   f"{st.decode_read_bytes / GIB:.2f}", f"{st.decode_memory_s * k:.3f}", f"{st.decode_compute_s * k:.3f}",
-                  f"{st.decode_comm_s * k:.3f}", f"{st.decode_s * k:.3f}", f"{st.prefill_s * kp:.3f}")
+                  f"{st.decode_kernel_s * k:.3f}", f"{st.decode_comm_s * k:.3f}", f"{st.decode_s * k:.3f}", f"{st.prefill_s * kp:.3f}")
     con.print(t)
     con.print(f"prefill {est.prefill_s * kp:.3f} {unit_p} ({est.prefill_tokens_per_s:,.0f} tokens/s)  |  per-token latency "
               f"{est.decode_s_per_token * k:.3f} {unit} (token broadcast {est.token_broadcast_s * k:.3f})  |  decode "
