@@ -45,8 +45,8 @@ are not a measurement.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import datetime as dt
+import importlib.util
 import json
 import platform
 import time

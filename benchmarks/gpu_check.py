@@ -1,7 +1,7 @@
 """`make gpu-check`: every one-GPU path of shardwise, run on this machine's GPU, in one report.
 
     PYTHONPATH=src python3 benchmarks/gpu_check.py [--only PATTERN,...] [--out runs/gpu-check] [--list]
-        [--steps 8] [--timeout 300] [--device cuda|cpu] [--smoke]
+        [--steps 8] [--timeout 300] [--device cuda|cpu] [--jobs N] [--smoke]
 
 Each row is a process of its own (a crash, an OOM or a hang fails its row, not the check) and is one of:
   train/{eager,compiled}/{fp32,bf16,fp16,fp8}/{none,selective,full}   one-process training of the check model
@@ -12,7 +12,9 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
   layout/{fsdp,hsdp,tp_sp,cp_ring,cp_ulysses,ep,tp2d,pp}            2-4 processes sharing the GPU over gloo
                                                                     (run.backend=gloo), `shardwise parity`
   doctor, bench/{kernels,cross_entropy,throughput}                   the machine check and three benchmarks
-A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
+The layout rows check placement and numbers, not speed: they run --jobs at a time (default 4 on a GPU
+machine, 1 on CPU), after every measured row, so nothing they do overlaps a timing; the others run one
+after another. A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
 metrics.jsonl, and the planner's prediction for the same config (`shardwise plan evaluate` on the table
 entry of this GPU): step time and peak memory, and their errors. OUT/report.md (a table) and
 OUT/report.json (the same rows; the format is in README.md "GPU check") are rewritten after every row,
@@ -83,7 +85,6 @@ class Ctx:
     gpu: str | None  # the planner's table entry for this GPU, None where it has none (or on CPU)
     corpus: Path
     env: dict[str, str]
-    cache: dict[str, Any] = field(default_factory=dict)  # work rows share (hf rows: the export)
 
     def common(self, model: list[str] | None = None) -> list[str]:
         return [f"--data.path={self.corpus}", "--data.tokenizer=byte", f"--data.cache_dir={self.out / 'cache'}",
@@ -188,38 +189,56 @@ def _ids(p: subprocess.CompletedProcess) -> list[int]:
     return json.loads(p.stdout.strip().splitlines()[-1])["ids"][-NEW_TOKENS:]
 
 
-def transformers_ids(ctx: Ctx) -> tuple[list[int] | None, str]:
-    """Export the resume row's run (`shardwise export`), and the greedy ids transformers generates from
-    the export: (ids, "") or (None, why not). Done once for both hf rows (ctx.cache)."""
-    if "transformers_ids" not in ctx.cache:
-        run, hf = ctx.out / "runs" / "resume_cut", ctx.out / "hf"
+_RANDOM_HF = """
+import sys, torch, transformers
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
+transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+"""
+
+
+def transformers_ids(ctx: Ctx, name: str) -> tuple[list[int] | None, str]:
+    """The Hugging Face directory of row `name` and the greedy ids transformers generates from it (fp32, on
+    the CPU): (ids, "") or (None, why not). hf/export: the resume row's run exported (`shardwise export`);
+    hf/import: a random llama whose weights (std 0.2) give sharp logits, so the ids differ from step to
+    step and a wrong position, mask or cache slot changes them (a model trained for 8 steps repeats one
+    token: its ids would pass a broken decoder)."""
+    hf = ctx.out / name.replace("/", "_")
+    shutil.rmtree(hf, ignore_errors=True)
+    if name == "hf/export":
+        run = ctx.out / "runs" / "resume_cut"
         if not (run / "checkpoints").is_dir():
-            ctx.cache["transformers_ids"] = (None, "needs the checkpoint of the resume/bitwise row")
-            return ctx.cache["transformers_ids"]
-        shutil.rmtree(hf, ignore_errors=True)
+            return None, "needs the checkpoint of the resume/bitwise row"
         p = ctx.shardwise("export", "--run-dir", str(run), "--hf", str(hf))
-        if p.returncode == 0:
-            p = subprocess.run([sys.executable, "-c", _GREEDY, str(hf), PROMPT, str(NEW_TOKENS)], capture_output=True,
-                               text=True, env=ctx.env, timeout=ctx.timeout)
-        ctx.cache["transformers_ids"] = (json.loads(p.stdout.strip().splitlines()[-1]), "") if p.returncode == 0 \
-            else (None, one_line(p))
-    return ctx.cache["transformers_ids"]
+    else:
+        p = subprocess.run([sys.executable, "-c", _RANDOM_HF, str(hf)], capture_output=True, text=True, env=ctx.env,
+                           timeout=ctx.timeout)
+    if p.returncode == 0:
+        p = subprocess.run([sys.executable, "-c", _GREEDY, str(hf), PROMPT, str(NEW_TOKENS)], capture_output=True,
+                           text=True, env=ctx.env, timeout=ctx.timeout)
+    return (json.loads(p.stdout.strip().splitlines()[-1]), "") if p.returncode == 0 else (None, one_line(p))
 
 
 def hf_row(ctx: Ctx, name: str) -> Row:
-    """hf/export: shardwise's greedy ids from the run equal transformers' from the export (fp32, so no
-    rounding to argue about). hf/import: shardwise's from the export itself (`generate --hf`) equal them."""
-    theirs, why = transformers_ids(ctx)
+    """Greedy ids of shardwise on this device equal transformers' (fp32, so no rounding to argue about).
+    hf/export: `generate --run-dir` of the run that was exported. hf/import: `generate --hf` of a random
+    llama, eager and compiled (`--compile=on`: on a GPU the CUDA-graph decode over the static cache)."""
+    theirs, why = transformers_ids(ctx, name)
     if theirs is None:
-        return Row(name, "fail" if name == "hf/export" else "skip", why)
-    source = ["--run-dir", str(ctx.out / "runs" / "resume_cut")] if name == "hf/export" else ["--hf", str(ctx.out / "hf")]
-    ours = ctx.shardwise("generate", *source, "--prompt-ids", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy",
-                         "--ignore-eos", "--json", "--dtype", "float32")
-    if ours.returncode != 0:
-        return Row(name, "fail", one_line(ours))
-    same = _ids(ours) == theirs
-    return Row(name, "pass" if same else "fail", f"greedy ids {theirs}, transformers and shardwise {source[0]}" if same
-               else f"shardwise {source[0]} {_ids(ours)} vs transformers {theirs}")
+        return Row(name, "fail", why)
+    source = ["--run-dir", str(ctx.out / "runs" / "resume_cut")] if name == "hf/export" else ["--hf", str(ctx.out / "hf_import")]
+    modes = ["off"] if name == "hf/export" else ["off", "on"]
+    for mode in modes:
+        ours = ctx.shardwise("generate", *source, "--prompt-ids", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy",
+                             "--ignore-eos", "--json", "--dtype", "float32", f"--compile={mode}")
+        if ours.returncode != 0:
+            return Row(name, "fail", f"--compile={mode}: {one_line(ours)}")
+        if _ids(ours) != theirs:
+            return Row(name, "fail", f"shardwise {source[0]} --compile={mode} {_ids(ours)} vs transformers {theirs}")
+    return Row(name, "pass", f"greedy ids {theirs}: transformers and shardwise {source[0]}"
+               + (" eager and compiled" if len(modes) > 1 else ""))
 
 
 def layout_row(ctx: Ctx, name: str) -> Row:
@@ -368,12 +387,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="steps per training row (the first 2 are not timed)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a row may take")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when present")
+    p.add_argument("--jobs", type=int, default=None, help="layout rows at a time (default 4 on a GPU, 1 on CPU)")
     p.add_argument("--smoke", action="store_true", help=f"does the check still run? --device cpu --only {SMOKE_ROWS}")
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.only = "cpu", args.only or SMOKE_ROWS
     if args.steps < 3:
         p.error("--steps must be >= 3 (the first 2 are compilation and the communication count)")
+    if args.jobs is not None and args.jobs < 1:
+        p.error("--jobs must be >= 1")
     return args
 
 
@@ -420,15 +442,34 @@ def main(argv: list[str]) -> int:
     header, rows = header_of(ctx), []
     print(f"gpu-check: {len(chosen)} rows on {header['device_name']}; report in {ctx.out / 'report.md'}", flush=True)
     runners = all_rows(ctx)
-    for name in chosen:
+    jobs = args.jobs or (4 if device == "cuda" else 1)
+    # Measured rows first, one at a time; then the layout rows, `jobs` at a time (no timing among them).
+    serial = [n for n in chosen if not n.startswith("layout/")]
+    parallel = [n for n in chosen if n.startswith("layout/")]
+
+    def run_row(name: str) -> Row:
         start = time.perf_counter()
         try:
             row = runners[name]()
         except subprocess.TimeoutExpired:
             row = Row(name, "fail", f"timed out after {ctx.timeout:.0f} s")
         row.seconds = time.perf_counter() - start
+        return row
+
+    def record(row: Row) -> None:
         rows.append(row)
         print(f"  {row.status.upper():4s} {row.name:34s} {row.seconds:6.1f} s  {row.reason}", flush=True)
+        write_report(ctx.out, rows, header)
+
+    for name in serial:
+        record(run_row(name))
+    if parallel:
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:  # each row is its own processes: threads only wait
+            for future in as_completed([pool.submit(run_row, n) for n in parallel]):
+                record(future.result())
+        rows.sort(key=lambda r: chosen.index(r.name))
         write_report(ctx.out, rows, header)
     failed = [r.name for r in rows if r.status == "fail"]
     print(f"gpu-check: {len(rows) - len(failed)} of {len(rows)} rows passed or skipped"

@@ -72,6 +72,7 @@ def test_arguments_and_no_gpu(tmp_path):
     bad = _run("--only", "no/such/row", "--out", str(tmp_path))
     assert bad.returncode == 2 and "selects no row" in bad.stderr
     assert _run("--steps", "1").returncode == 2
+    assert _run("--jobs", "0").returncode == 2
     listed = _run("--list", "--only", "layout")
     assert listed.returncode == 0 and listed.stdout.split() == [f"layout/{n}" for n in gpu_check.LAYOUTS]
     import torch
