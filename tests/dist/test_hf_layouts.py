@@ -132,3 +132,24 @@ def test_continued_training_from_an_import_matches_across_layouts(model_dir):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("PASS") == 3, out.stdout
+
+
+def test_vocab_parallel_argmax_equals_the_full_argmax_on_uneven_shards_and_ties():
+    """Greedy under TP picks from the vocab shards (infer/engine.py vocab_parallel_argmax): on 4 ranks a
+    vocabulary of 7 splits 2/2/2/1 and one of 3 leaves the last rank empty; ties across shards go to
+    the lowest id, as a full argmax's."""
+    def work(rank: int) -> list:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from shardwise.infer.engine import vocab_parallel_argmax
+
+        mesh = init_device_mesh("cpu", (4,))
+        out = []
+        for full in (torch.tensor([[0., 5., 1., 2., 5., 0., 3.], [0., 1., 2., 3., 4., 5., 9.], [7.] * 7]),
+                     torch.tensor([[1., 3., 3.], [-2., -1., -5.]])):
+            out.append((vocab_parallel_argmax(distribute_tensor(full, mesh, [Shard(1)])).tolist(), full.argmax(-1).tolist()))
+        return out
+
+    for got in run_world(4, work):
+        assert got == [([1, 6, 0], [1, 6, 0]), ([1, 1], [1, 1])]

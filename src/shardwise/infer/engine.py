@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.config import Config
 from shardwise.infer.sampling import Sampler
@@ -35,6 +36,34 @@ from shardwise.spec.stages import layers_per_stage, stage_layers
 from shardwise.train.checkpoint import load_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _vocab_sharded(logits: DTensor) -> bool:
+    (placement,) = logits.placements  # serving's TP mesh is 1-D
+    return isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1)
+
+
+def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
+    """Greedy ids (b,) on the CPU from (b, vocab) logits sharded over the vocabulary on a TP mesh: each rank
+    takes its shard's maximum and its global id (shards follow torch.chunk: rank r starts at
+    r x ceil(vocab / tp)), the TP group all-gathers the (maximum, id) pairs, and the largest wins —
+    on a tie the lowest rank, whose ids are lower, so the lowest id as in a full argmax. The logits of
+    one rank are compared in fp32, like Sampler's greedy choice."""
+    group = logits.device_mesh.get_group()
+    tp, rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+    local = logits.to_local().float()
+    b, vocab = local.shape[0], logits.shape[-1]
+    if local.shape[-1]:
+        best, index = local.max(dim=-1)
+    else:  # a rank beyond the vocabulary's last chunk (vocab < tp) holds nothing
+        best, index = torch.full((b,), float("-inf"), device=local.device), torch.zeros(b, dtype=torch.long, device=local.device)
+    index = index + min(rank * -(-vocab // tp), vocab)
+    bests = torch.empty(tp * b, dtype=best.dtype, device=best.device)  # flat: gloo wants tp x the input
+    indices = torch.empty(tp * b, dtype=index.dtype, device=index.device)
+    dist.all_gather_into_tensor(bests, best.contiguous(), group=group)
+    dist.all_gather_into_tensor(indices, index.contiguous(), group=group)
+    winner = bests.view(tp, b).argmax(dim=0)  # the first maximal rank
+    return indices.view(tp, b).gather(0, winner[None]).squeeze(0).cpu()
+
+
 CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
 DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) every this many steps
 
@@ -94,8 +123,9 @@ class Engine:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor | None:
-        """Logits (b, s or 1, vocab) on the last pipeline stage's ranks, None on the others."""
+                last_only: bool = False, gather: bool = True) -> torch.Tensor | None:
+        """Logits (b, s or 1, vocab) on the last pipeline stage's ranks, None on the others. Under tensor
+        parallelism they are vocab-sharded; `gather=False` leaves them so (a DTensor: `choose`)."""
         b, s = tokens.shape
         if self.pp_rank == 0:
             x = tokens.to(self.device)
@@ -106,7 +136,19 @@ class Engine:
         if self.pp_rank < self.pp - 1:
             dist.send(out.contiguous(), group=self.pp_group, group_dst=self.pp_rank + 1)
             return None
-        return out.full_tensor() if hasattr(out, "full_tensor") else out
+        return out.full_tensor() if gather and isinstance(out, DTensor) else out
+
+    def choose(self, logits: torch.Tensor | None, sampler: Sampler, batch: int) -> torch.Tensor:
+        """The next ids (b,) on the CPU of every rank, from the last position's logits (b, vocab) of the last
+        stage. Greedy under TP picks from the vocab shards (vocab_parallel_argmax): b ids and maxima
+        per rank cross the TP group instead of b x vocab logits; sampling gathers the logits."""
+        if logits is None:
+            chosen = torch.zeros(batch, dtype=torch.long)
+        elif isinstance(logits, DTensor) and sampler.greedy and _vocab_sharded(logits):
+            chosen = vocab_parallel_argmax(logits)
+        else:
+            chosen = sampler(logits.full_tensor() if isinstance(logits, DTensor) else logits)
+        return self._share(chosen)
 
     def _share(self, ids: torch.Tensor) -> torch.Tensor:
         if dist.is_initialized():
@@ -214,9 +256,9 @@ class Engine:
         self._sync()
         start = time.perf_counter()
         positions = cache.begin(valid.to(self.device))  # prefill: eager, the padded prompts in one forward
-        logits = self.forward(tokens, positions, cache, last_only=True)
+        logits = self.forward(tokens, positions, cache, last_only=True, gather=False)
         cache.end(longest)
-        chosen = self._share(sampler(logits[:, -1]) if logits is not None else torch.zeros(b, dtype=torch.long))
+        chosen = self.choose(None if logits is None else logits[:, -1], sampler, b)
         ended = take(chosen[:, None])
         self._sync()
         prefill_s = time.perf_counter() - start
@@ -231,9 +273,9 @@ class Engine:
                     cache.length += 1
                 else:
                     positions = cache.begin(torch.ones(b, 1, dtype=torch.bool, device=self.device))
-                    logits = self.forward(step_tokens, positions, cache, last_only=True)
+                    logits = self.forward(step_tokens, positions, cache, last_only=True, gather=False)
                     cache.end(1)
-                chosen = self._share(sampler(logits[:, -1]) if logits is not None else torch.zeros(b, dtype=torch.long))
+                chosen = self.choose(None if logits is None else logits[:, -1], sampler, b)
                 if take(chosen[:, None]):
                     break
                 step_tokens = chosen[:, None]

@@ -15,8 +15,9 @@ What the inference runtime does, and what is priced here:
     al. 2022, Efficiently Scaling Transformer Inference, arXiv 2211.05102 §2) — so a stage takes
     max(bytes / bandwidth, FLOPs / peak) + its communication; per-token latency is the sum over stages.
 Communication (Megatron TP with sequence parallelism off, Shoeybi et al. 2019): 2 all-reduces of the
-activations per block, one after the vocab-parallel embedding, an all-gather of the last position's
-logits over tp, a pp send between stages, and a broadcast of the next token ids from the last stage to
+activations per block, one after the vocab-parallel embedding, the greedy choice over the vocab shards
+(two all-gathers of each rank's maximum and id per sequence; sampling would gather the logits), a pp
+send between stages, and a broadcast of the next token ids from the last stage to
 every rank; timed by plan/comm.py (ring / tree model with per-hop latency from the device table, or the
 measured bandwidth and latency of cluster.calibration).
 On a GPU of the table a decode step is one CUDA graph (what `shardwise generate --compile` runs): each of
@@ -275,7 +276,10 @@ def _estimate(problem: Problem, lay: Layout, batch: int, prompt: int, new: int, 
     def stage_comm(rank: RankModel, last: bool, tokens: int) -> float:
         act = tokens * shape.dim * elt
         t = comm("tp", "all_reduce", act, 2 * rank.layers + rank.embedding)  # row-parallel outputs + embedding
-        t += comm("tp", "all_gather", batch * shape.vocab_size * elt) if rank.head else 0.0  # last position's logits
+        # Greedy (generate's default) picks from the vocab shards: each rank's fp32 maximum and int64 id per
+        # sequence (infer/engine.py vocab_parallel_argmax), where sampling would gather b x vocab logits.
+        if rank.head:  # payloads as gathered (all ranks' pairs)
+            t += comm("tp", "all_gather", tp * batch * 4) + comm("tp", "all_gather", tp * batch * TOKEN_ID_BYTES)
         return t + (0.0 if last else comm("pp", "send", act))
 
     context = prompt + new / 2  # decode's average context over the generated tokens
