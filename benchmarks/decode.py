@@ -12,7 +12,7 @@ tokens/s, prefill tokens/s, KV-cache bytes (measured = allocated by the eager en
 JSON goes to --out.
 
     python benchmarks/decode.py [--device auto|cpu|cuda] [--batches 1,4,16] [--prompt-len 64] [--new-tokens 32]
-        [--transformers-batches 1] [--out F.json] [--smoke]
+        [--transformers-batches 1] [--compare-unfused] [--out F.json] [--smoke]
 
 On a GPU (--device cuda, the default where there is one) the model is issue 30's 886M LLaMA in bf16 (dim
 2048, 16 blocks, 16/8 heads, ffn 5632, vocab 32000), batches 1, 8 and 64, a 63-token prompt and 256 new
@@ -28,7 +28,9 @@ batch 1 (8.6x eager's 83; 25% of the 2,910 tokens/s roofline; end to end 651 aga
 both. A profile of the batch-1 step: 1.24 ms of GPU time, 1.00 ms of it in 113 GEMM kernels of a few MB
 each that do not reach the bandwidth (plan/constants.py DECODE_GEMM_KERNEL_S). In bf16 the greedy ids
 of two decoders part at the first near-tie of the random weights' flat logits (compiled vs eager after
-11% of the tokens, ours vs transformers after 2%): reported as agreement, not required.
+11% of the tokens, ours vs transformers after 2%): reported as agreement, not required. Those H200
+figures predate fusing q|k|v and w1|w3 (--compare-unfused measures that gain: on this CPU 1.10x at batch
+1 and 0.91x at 4, within its noise; on a GPU not measured yet, the planner predicts 1.25x at batch 1).
 Measured on the 2-core CI machine (torch 2.13, 2 threads), 2026-11-25: compiled decode steps 1.86x eager at
 batch 1 (56 vs 30 tokens/s), 1.07x at batch 4, 0.99x at batch 16. Earlier: the KV cache bytes match exactly; decode at batch 1
 is predicted 1.2-1.35x too fast (55-64 vs 44-47 tokens/s over three runs, the streaming figure varying 22-26
@@ -135,12 +137,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=None, help="timed generations after the warm-up (3 CPU, 1 GPU)")
     parser.add_argument("--transformers-batches", default="1", help="batches transformers runs too ('' none; needs "
                         "transformers, else skipped with the reason)")
+    parser.add_argument("--compare-unfused", action="store_true", help="also compiled decoding with q, k, v, w1 and w3 as "
+                        "separate GEMMs (a second engine), and the fused engine's ratio to it")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode.json (decode.smoke.json with --smoke)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and not args.smoke and torch.cuda.is_available())
     defaults = GPU_DEFAULTS if cuda else {"batches": "1,4,16", "prompt_len": 64, "new_tokens": 32, "rounds": 3}
     if args.smoke:
+        args.compare_unfused = True
         defaults = {"batches": "2", "prompt_len": 8, "new_tokens": 4, "rounds": 1}
     for key, value in defaults.items():
         setattr(args, key, value if getattr(args, key) is None or args.smoke else getattr(args, key))
@@ -151,6 +156,7 @@ def main() -> int:
         cfg = load_config(None, GPU_MODEL + ["--data.tokenizer=byte", "--train.precision=bf16"]
                           + ([f"--cluster.gpu={gpu}"] if gpu else []))
         engine = Engine(cfg, torch.device("cuda"), dtype="bfloat16")
+        unfused = Engine(cfg, torch.device("cuda"), dtype="bfloat16", fuse_projections=False) if args.compare_unfused else None
         datasheet_gbps = DEVICES[gpu].memory_bandwidth_gbps if gpu else None
         gbps = flops = None  # the planner's datasheet figures for this GPU
         print(f"model: {engine.model.num_params() / 1e6:.1f}M params bf16 on {torch.cuda.get_device_name()} "
@@ -159,6 +165,7 @@ def main() -> int:
         # fp32, as the engine decodes on a CPU: the planner then prices 4-byte weights and KV cache too.
         cfg = load_config(None, (SMOKE_MODEL if args.smoke else MODEL) + ["--data.tokenizer=byte", "--train.precision=fp32"])
         engine = Engine(cfg, torch.device("cpu"))
+        unfused = Engine(cfg, torch.device("cpu"), fuse_projections=False) if args.compare_unfused else None
         m = cfg.model
         gbps = datasheet_gbps = streaming_gbps(max(m.ffn_dim, m.vocab_size), m.dim)
         flops = measure_cpu_peak_flops("fp32")
@@ -178,6 +185,10 @@ def main() -> int:
         got["compiled_end_to_end_tokens_per_s"] = comp["end_to_end_tokens_per_s"]
         got["compiled_over_eager"] = comp["decode_tokens_per_s"] / got["decode_tokens_per_s"]
         got["compiled_ids_agree_eager"] = agreement(comp.pop("ids"), got.pop("ids"))
+        if unfused is not None:  # the same weights (same seed), q/k/v and w1/w3 as separate GEMMs
+            separate = measure(unfused, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True)
+            got["compiled_unfused_decode_tokens_per_s"] = separate["decode_tokens_per_s"]
+            got["fused_over_unfused"] = comp["decode_tokens_per_s"] / separate["decode_tokens_per_s"]
         plan = decode_estimate(cfg, batch, args.prompt_len, args.new_tokens, memory_bandwidth_gbps=gbps, gemm_flops_per_s=flops)
         # The roofline: the bytes one step must read (weights, the KV cache at the average context) at the
         # datasheet bandwidth (on CPU the measured streaming rate).
@@ -208,6 +219,9 @@ def main() -> int:
               f"{r['compiled_decode_ratio']:>6.2f} {r['prefill_tokens_per_s']:>14,.0f} {r['predicted_prefill_tokens_per_s']:>10,.0f} "
               f"{r['prefill_ratio']:>6.2f} {r['kv_cache_bytes']:>10,} {r['predicted_kv_cache_bytes']:>10,.0f}")
     for r in rows:
+        if "fused_over_unfused" in r:
+            print(f"batch {r['batch']}: compiled with q|k|v and w1|w3 fused {r['compiled_decode_tokens_per_s']:,.0f} tokens/s, "
+                  f"separate {r['compiled_unfused_decode_tokens_per_s']:,.0f}: {r['fused_over_unfused']:.2f}x")
         if "transformers_static_tokens_per_s" in r:
             print(f"batch {r['batch']}, end to end: shardwise compiled {r['compiled_end_to_end_tokens_per_s']:,.0f} tokens/s, "
                   f"transformers dynamic {r['transformers_dynamic_tokens_per_s']:,.0f}, static+compiled "

@@ -192,6 +192,40 @@ def test_greedy_compiled_decoding_looks_at_the_ids_every_few_steps(model_dir):
     assert len(calls) == DONE_CHECK_EVERY < NEW - 1  # the prefill chose the first ids; one block of steps
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_one_process_serving_runs_qkv_and_w1_w3_as_one_gemm_each(model_dir):
+    """A decode step's GEMMs are small and each pays a fixed kernel time (plan/constants.py
+    DECODE_GEMM_KERNEL_S): one process serves with q|k|v and w1|w3 fused (models/feed_forward.py
+    fuse_linears). The separate weights become views of the fused buffer (no copy; state_dict as a
+    fresh model's), and the compiled step reads the fused buffers, never the separate weights; ids as
+    transformers' (the tests above)."""
+    engine = _engine(model_dir)
+    attention, ffn = engine.model.layers[0].attention, engine.model.layers[0].feed_forward
+    assert attention.wq.weight.data_ptr() == attention.wqkv.data_ptr()
+    assert attention.wv.weight.data_ptr() == attention.wqkv[-attention.wv.out_features:].data_ptr()
+    assert ffn.w3.weight.data_ptr() == ffn.w13[ffn.w1.out_features:].data_ptr()
+    fresh = load_config(None, [f"--model.init_from=hf:{model_dir}", "--data.tokenizer=byte"])
+    from shardwise.models import build_model
+
+    assert list(engine.model.state_dict()) == list(build_model(fresh.model).state_dict())
+    read: list[str] = []
+
+    def backend(gm, inputs):
+        read.extend(str(n.target) for n in gm.graph.nodes if n.op == "placeholder")
+        return gm.forward
+
+    from shardwise.models.kv_cache import StaticKVCache
+
+    cache = StaticKVCache(1, 64, engine.device)
+    positions = cache.begin(torch.ones(1, 3, dtype=torch.bool))
+    engine.forward(torch.tensor([[5, 6, 7]]), positions, cache, last_only=True)
+    cache.end(3)
+    with torch.no_grad():
+        torch.compile(engine._greedy_step, backend=backend)(torch.tensor([[8]]), cache)
+    assert sum("buffers_wqkv" in n for n in read) == sum("buffers_w13" in n for n in read) == engine.cfg.model.n_layers
+    assert not [n for n in read if any(f"modules_{w}_parameters" in n for w in ("wq", "wk", "wv", "w1", "w3"))]
+
+
 def test_greedy_chooses_on_the_logits_device_and_returns_cpu_ids():
     """Greedy moves b ids, not b x vocab logits, off the device; the same ids as an fp32 argmax on the CPU
     (bf16 logits included: the float conversion is exact), lowest id on a tie."""

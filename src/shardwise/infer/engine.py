@@ -89,7 +89,10 @@ class Generation:
 class Engine:
     """One rank's share of the model, ready to prefill and decode."""
 
-    def __init__(self, cfg: Config, device: torch.device, dtype: str = "float32", checkpoint: Path | None = None):
+    def __init__(self, cfg: Config, device: torch.device, dtype: str = "float32", checkpoint: Path | None = None,
+                 fuse_projections: bool = True):
+        """`fuse_projections`: on one TP rank, q|k|v and w1|w3 as one GEMM each (False: the benchmark's
+        comparison)."""
         self.cfg, self.device = cfg, device
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
@@ -116,6 +119,10 @@ class Engine:
             load_model_weights(checkpoint, model)
         self.model = model.to(DTYPES[dtype]).eval()
         self.dtype = DTYPES[dtype]
+        if fuse_projections and self.dims.tp == 1:  # q|k|v and w1|w3 as one GEMM each (models/feed_forward.py fuse_linears)
+            for module in self.model.modules():
+                if hasattr(module, "fuse_projections"):
+                    module.fuse_projections()
         # A rank of the last stage decides the next tokens (its TP peers compute the same full logits).
         self.last_rank = next(r for r in range(world) if self.dims.coordinates(r)["pp"] == self.pp - 1)
         self._compiled: dict[bool, Any] = {}  # the compiled decode steps (compiled_decode), built on first use

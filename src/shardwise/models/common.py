@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
+from shardwise.models.feed_forward import fuse_linears
 from shardwise.models.kv_cache import KVCache, LayerCache
 from shardwise.spec.shapes import ModelShape
 
@@ -42,14 +43,25 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=bias)
         self.core = causal_attention
+        # fuse_projections (inference): q, k and v in one GEMM; None (no buffer) for training.
+        self.register_buffer("wqkv", None, persistent=False)
+        self.register_buffer("wqkv_bias", None, persistent=False)
+
+    def fuse_projections(self) -> None:
+        fuse_linears(self, "wqkv", self.wq, self.wk, self.wv)
 
     def forward(self, x: torch.Tensor, rope: "RotaryEmbedding | None" = None,
                 positions: torch.Tensor | None = None, cache: "LayerCache | None" = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of the head count keeps the module correct when TP shards the heads.
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.wqkv is not None:
+            q, k, v = F.linear(x, self.wqkv, self.wqkv_bias).split(
+                [self.wq.out_features, self.wk.out_features, self.wv.out_features], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = rope(q, positions), rope(k, positions)
         if cache is None:

@@ -205,12 +205,15 @@ class DecodeEstimate:
 
 
 def decode_estimate(cfg: Any, batch: int = 1, prompt_len: int | None = None, max_new_tokens: int = 128, *,
-                    memory_bandwidth_gbps: float | None = None, gemm_flops_per_s: float | None = None) -> DecodeEstimate:
+                    memory_bandwidth_gbps: float | None = None, gemm_flops_per_s: float | None = None,
+                    fused_projections: bool = True) -> DecodeEstimate:
     """Serve the model of a resolved Config on parallel.tp x parallel.pp ranks of cluster.gpu.
 
     prompt_len defaults to train.seq_len. memory_bandwidth_gbps / gemm_flops_per_s replace the datasheet
     (x HBM_FRACTION / x MAMF fraction) with achieved numbers, used as given: a measured CPU bandwidth,
-    train/peak_flops.py's matmul probe. ConfigError (exit 2 from the CLI) on an axis other than tp / pp."""
+    train/peak_flops.py's matmul probe. `fused_projections`: one-process serving's q|k|v and w1|w3 GEMMs
+    (decode_kernel_s); False prices the separate ones. ConfigError (exit 2 from the CLI) on an axis
+    other than tp / pp."""
     p = cfg.parallel
     tp, pp = p.tp, p.pp
     prompt_len = cfg.train.seq_len if prompt_len is None else prompt_len
@@ -248,21 +251,23 @@ def decode_estimate(cfg: Any, batch: int = 1, prompt_len: int | None = None, max
         gemm_flops_per_s = peak * C.MAMF_FRACTION.get(dev.name, C.MAMF_FRACTION_DEFAULT)
         attention_flops_per_s = peak * C.ATTENTION_FRACTION.get(C.family(dev.name), C.ATTENTION_FRACTION_DEFAULT)
     return _estimate(problem, lay, batch, prompt_len, max_new_tokens, memory_bandwidth_gbps, gemm_flops_per_s,
-                     attention_flops_per_s, notes, kernels)
+                     attention_flops_per_s, notes, kernels, fused_projections)
 
 
-def decode_kernel_s(shape: ModelShape, rank: RankModel) -> float:
+def decode_kernel_s(shape: ModelShape, rank: RankModel, fused: bool = True) -> float:
     """The fixed time of a CUDA-graph decode step's kernels on one stage, beyond their bytes: one GEMM
     per weight matrix of its blocks and its head (constants.DECODE_GEMM_KERNEL_S), the rest of each
-    block (DECODE_BLOCK_OTHER_S). A MoE block counts its router and every expert's matrices: an upper
-    bound (a decode step runs only the routed experts')."""
+    block (DECODE_BLOCK_OTHER_S). `fused`: q|k|v and w1|w3 run as one GEMM each, as one-process serving
+    does (models/feed_forward.py fuse_linears): wk, wv and w3 add no kernel of their own. A MoE block
+    counts its router and every expert's matrices: an upper bound (a step runs the routed experts')."""
+    merged = ("attention.wk.weight", "attention.wv.weight", "feed_forward.w3.weight") if fused else ()
     gemms = sum(copies for p, copies, in_block in rank_params(shape, rank)
-                if len(p.shape) >= 2 and (in_block or p.name.startswith("output")))
+                if len(p.shape) >= 2 and (in_block or p.name.startswith("output")) and not p.name.endswith(merged))
     return gemms * C.DECODE_GEMM_KERNEL_S + rank.layers * C.DECODE_BLOCK_OTHER_S
 
 
 def _estimate(problem: Problem, lay: Layout, batch: int, prompt: int, new: int, gbps: float, gemm: float,
-              attention: float, notes: list[str], kernels: bool = False) -> DecodeEstimate:
+              attention: float, notes: list[str], kernels: bool = False, fused: bool = True) -> DecodeEstimate:
     shape, cluster, tp, pp = problem.shape, problem.cluster, lay.tp, lay.pp
     elt = problem.compute_bytes  # 4 B for fp32, else 2 (fp8 computes and is held in bf16)
     bandwidth = gbps * 1e9
@@ -297,7 +302,7 @@ def _estimate(problem: Problem, lay: Layout, batch: int, prompt: int, new: int, 
         stages.append(StageCost(
             r, rank.layers, rank.embedding, rank.head, float(weight_bytes(shape, rank, tp, elt)), kv_full, read,
             read / bandwidth, batch * (g_dec / gemm + a_dec / attention) / tp, stage_comm(rank, last, batch),
-            decode_kernel_s(shape, rank) if kernels else 0.0,
+            decode_kernel_s(shape, rank, fused and tp == 1) if kernels else 0.0,
             prefill_bytes / bandwidth, prefill_compute, stage_comm(rank, last, batch * prompt)))
     broadcast = comm("world", "broadcast", batch * TOKEN_ID_BYTES) if world > 1 else 0.0
     other = C.COMM_BUFFER_BYTES_PER_AXIS * ((tp > 1) + (pp > 1))
