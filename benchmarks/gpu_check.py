@@ -11,7 +11,7 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
   hf/export, hf/import                                              export -> transformers greedy ids; --hf back in
   layout/{fsdp,hsdp,tp_sp,cp_ring,cp_ulysses,ep,tp2d,pp}            2-4 processes sharing the GPU over gloo
                                                                     (run.backend=gloo), `shardwise parity`
-  doctor, bench/{kernels,cross_entropy,throughput}                   the machine check and three benchmarks
+  doctor, bench/{kernels,cross_entropy,throughput,decode}            the machine check and four benchmarks
 The layout rows check placement and numbers, not speed: they run --jobs at a time (default 4 on a GPU
 machine, 1 on CPU), after every measured row, so nothing they do overlaps a timing; the others run one
 after another. A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
@@ -309,6 +309,10 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
         ctx, "bench/throughput", [sys.executable, str(bench / "gpu_throughput.py"), *smoke,
                                   *([] if smoke else ["--steps", "10", "--warmup", "3"]), "--out", str(ctx.out / "throughput.json")],
         timeout=max(ctx.timeout, 600))
+    rows["bench/decode"] = lambda: command_row(  # issue 30's decode: eager, compiled, unfused, transformers
+        ctx, "bench/decode", [sys.executable, str(bench / "decode.py"), *smoke, *([] if smoke else [
+            "--batches", "1,64", "--new-tokens", "128", "--transformers-batches", "1", "--compare-unfused"]),
+            "--out", str(ctx.out / "decode.json")], timeout=max(ctx.timeout, 600))
     for tier in ("cpu", "nvme"):  # only when named: minutes of host-side initialisation and CPU AdamW
         rows[f"offload-big/{tier}"] = lambda t=tier: train_row(ctx, f"offload-big/{t}", offload_big(ctx, t), steps=3)
     return rows
