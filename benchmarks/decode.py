@@ -183,6 +183,7 @@ def main() -> int:
         comp = measure(engine, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True)
         got["compiled_decode_tokens_per_s"] = comp["decode_tokens_per_s"]
         got["compiled_end_to_end_tokens_per_s"] = comp["end_to_end_tokens_per_s"]
+        got["compiled_prefill_tokens_per_s"] = comp["prefill_tokens_per_s"]  # the bucketed, compiled prefill
         got["compiled_over_eager"] = comp["decode_tokens_per_s"] / got["decode_tokens_per_s"]
         got["compiled_ids_agree_eager"] = agreement(comp.pop("ids"), got.pop("ids"))
         if unfused is not None:  # the same weights (same seed), q/k/v and w1/w3 as separate GEMMs

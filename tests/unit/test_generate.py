@@ -126,23 +126,24 @@ def test_cli_generate_json_lines_and_bad_input(model_dir, capsys):
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 def test_compiled_decoding_equals_eager_and_compiles_once(model_dir, capsys):
-    """--compile: every decode step one compiled graph over a static KV cache (models/kv_cache.py
-    StaticKVCache). The same ids as the eager path (which equals transformers, above) with prompts of
-    unequal lengths and with an end token in the middle of the batch; one graph for the whole generation,
-    and none more for other prompts in the same capacity bucket."""
+    """--compile: the prefill (prompts left-padded to a bucket of 64) and every decode step one compiled
+    graph each over a static KV cache (models/kv_cache.py StaticKVCache). The same ids as the eager path
+    (which equals transformers, above) with prompts of unequal lengths and with an end token in the
+    middle of the batch; two graphs for the whole generation, and none more for other prompts and
+    lengths in the same bucket."""
     from shardwise.parallel.compile import compiled_graphs
 
     engine = _engine(model_dir)
     eager = engine.generate(PROMPTS, NEW, Sampler())
     before = compiled_graphs()
     compiled = engine.generate(PROMPTS, NEW, Sampler(), compiled=True)
-    assert compiled.ids == eager.ids and compiled_graphs() - before == 1
+    assert compiled.ids == eager.ids and compiled_graphs() - before == 2  # prefill, decode step
     stop = eager.ids[1][3]  # the second prompt ends early; the others go on
     cut = engine.generate(PROMPTS, NEW, Sampler(), eos_ids={stop}, compiled=True).ids
     assert cut == engine.generate(PROMPTS, NEW, Sampler(), eos_ids={stop}).ids and len(cut[1]) < NEW
     other = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3], [42, 43]]
     assert engine.generate(other, NEW, Sampler(), compiled=True).ids == engine.generate(other, NEW, Sampler()).ids
-    assert compiled_graphs() - before == 1  # no recompilation
+    assert compiled_graphs() - before == 2  # no recompilation
     args = ["generate", "--hf", str(model_dir), "--prompt-ids", "5,17,33", "--max-new-tokens", "6", "--json"]
     assert main(args + ["--compile=on"]) == 0 and main(args + ["--compile=off"]) == 0
     on, off = [json.loads(line)["ids"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -186,8 +187,8 @@ def test_greedy_compiled_decoding_looks_at_the_ids_every_few_steps(model_dir):
     assert max(len(ids) for ids in want) <= 6 and len({len(ids) for ids in want}) > 1
     engine.generate(PROMPTS, NEW, Sampler(), compiled=True)  # compiles the greedy step
     calls = []
-    step = engine._compiled[True]
-    engine._compiled[True] = lambda *args: calls.append(1) or step(*args)
+    step = engine._compiled["greedy"]
+    engine._compiled["greedy"] = lambda *args: calls.append(1) or step(*args)
     assert engine.generate(PROMPTS, NEW, Sampler(), eos_ids=eos, compiled=True).ids == want
     assert len(calls) == DONE_CHECK_EVERY < NEW - 1  # the prefill chose the first ids; one block of steps
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shardwise.config import Config
 from shardwise.infer.sampling import Sampler
 from shardwise.models import ARCHS, build_model
+from shardwise.models.common import Attention
 from shardwise.models.kv_cache import KVCache, StaticKVCache
 from shardwise.models.weights import weight_source
 from shardwise.parallel.expert import moe_modules
@@ -125,7 +126,7 @@ class Engine:
                     module.fuse_projections()
         # A rank of the last stage decides the next tokens (its TP peers compute the same full logits).
         self.last_rank = next(r for r in range(world) if self.dims.coordinates(r)["pp"] == self.pp - 1)
-        self._compiled: dict[bool, Any] = {}  # the compiled decode steps (compiled_decode), built on first use
+        self._compiled: dict[str, Any] = {}  # the compiled steps (_compile), built on first use
         self._static_cache: StaticKVCache | None = None  # kept between generations (static_cache)
 
     @torch.no_grad()
@@ -170,7 +171,12 @@ class Engine:
     def _decode_step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """One decode step over a static cache, what torch.compile traces: the same shapes and the same
         Python values every step (the cache's fill is a tensor), so it is compiled once."""
-        positions = cache.begin(torch.ones(tokens.shape, dtype=torch.bool, device=self.device))
+        return self._prefill_step(tokens, torch.ones(tokens.shape, dtype=torch.bool, device=self.device), cache)
+
+    def _prefill_step(self, tokens: torch.Tensor, valid: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """The prompts, left-padded to a bucket of CAPACITY_BUCKET tokens (`valid` marks the real ones),
+        through the model into the static cache: compiled once per batch size and bucket."""
+        positions = cache.begin(valid)
         logits = self.model(tokens, positions, cache, last_only=True)
         cache.advance(tokens.shape[1])
         return logits
@@ -190,25 +196,33 @@ class Engine:
             cache.reset()
             return cache
         self._static_cache = None  # free the old buffers before allocating the new ones
-        self._static_cache = StaticKVCache(batch, capacity, self.device)
-        return self._static_cache
+        cache = StaticKVCache(batch, capacity, self.device)
+        for name, block in self.model.named_blocks():  # every layer's keys and values, before any graph
+            attention = next(m for m in block.modules() if isinstance(m, Attention))
+            cache.layer(name).allocate(attention.wk.out_features // attention.head_dim, attention.head_dim, self.dtype)
+        self._static_cache = cache
+        return cache
 
     def compiled_decode(self, greedy: bool = False):
         """The compiled decode step (`greedy`: the one that also picks the next ids), built on first use:
         CUDA graphs on a GPU ("reduce-overhead": one launch per step instead of one per kernel, which
         bounds eager decoding), inductor's kernels on a CPU. dynamic=False: a new batch size or capacity
         is a new graph, never a dynamic-shape one."""
+        return self._compile("greedy" if greedy else "logits")
+
+    def _compile(self, kind: str):
+        """The compiled step of `kind` ("logits", "greedy" decode steps; "prefill"), built on first use."""
         if not self._compiled:
             # MoE feed-forwards stay eager, as in training (parallel/compile.py apply_compile: data-dependent
             # routing and Python-side load statistics): the step is then a few graphs around them.
             for block in self.model.blocks():
                 for moe in moe_modules(block):
                     moe.forward = torch.compiler.disable(moe.forward)
-        if greedy not in self._compiled:
+        if kind not in self._compiled:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            step = self._greedy_step if greedy else self._decode_step
-            self._compiled[greedy] = torch.compile(step, mode=mode, dynamic=False)
-        return self._compiled[greedy]
+            step = {"logits": self._decode_step, "greedy": self._greedy_step, "prefill": self._prefill_step}[kind]
+            self._compiled[kind] = torch.compile(step, mode=mode, dynamic=False)
+        return self._compiled[kind]
 
     def _decode_on_device(self, first: torch.Tensor, cache: StaticKVCache, max_new_tokens: int, take) -> None:
         """Greedy compiled decoding with no host round trip per step: each step's ids stay on the device
@@ -217,7 +231,7 @@ class Engine:
         where `take` keeps what each sequence produced up to its end token; a batch that has ended
         costs at most DONE_CHECK_EVERY - 1 steps more, whose ids are dropped."""
         ids, pending = first[:, None].to(self.device), []
-        step = self.compiled_decode(greedy=True)
+        step = self._compile("greedy")
         for n in range(1, max_new_tokens):
             # A copy: the graph's output buffer is overwritten by its next replay.
             ids = step(ids, cache).clone()
@@ -232,17 +246,20 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
                  eos_ids: set[int] | frozenset[int] = frozenset(), compiled: bool = False) -> Generation:
         """Left-pad the prompts, prefill them in one forward, then decode one token per step (`compiled`:
-        each step one compiled graph over a static cache, `compiled_decode`)."""
+        the prefill and each step one compiled graph over a static cache, `_compile`)."""
         b, longest = len(prompts), max(len(p) for p in prompts)
         check_generation_length(self.cfg, longest, max_new_tokens)
         check_compiled_decoding(compiled, self.dims.tp * self.pp)
-        tokens = torch.zeros(b, longest, dtype=torch.long)
-        valid = torch.zeros(b, longest, dtype=torch.bool)
+        # Compiled: the prompts are left-padded to a bucket of 64 and the cache's capacity rounded up to
+        # one, so other prompts and lengths mostly reuse the compiled prefill and decode steps.
+        width = -(-longest // CAPACITY_BUCKET) * CAPACITY_BUCKET if compiled else longest
+        tokens = torch.zeros(b, width, dtype=torch.long)
+        valid = torch.zeros(b, width, dtype=torch.bool)
         for i, p in enumerate(prompts):
-            tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-            valid[i, longest - len(p):] = True
-        if compiled:  # capacity in buckets of 64: another prompt or length mostly reuses the compiled step
-            cache = self.static_cache(b, -(-(longest + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET)
+            tokens[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[i, width - len(p):] = True
+        if compiled:
+            cache = self.static_cache(b, -(-(width + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET)
         else:
             cache = KVCache(b, longest + max_new_tokens, self.device)
         out: list[list[int]] = [[] for _ in prompts]
@@ -262,9 +279,13 @@ class Engine:
 
         self._sync()
         start = time.perf_counter()
-        positions = cache.begin(valid.to(self.device))  # prefill: eager, the padded prompts in one forward
-        logits = self.forward(tokens, positions, cache, last_only=True, gather=False)
-        cache.end(longest)
+        if compiled:  # the padded prompts in one forward: one compiled graph per batch size and bucket
+            logits = self._compile("prefill")(tokens.to(self.device), valid.to(self.device), cache)
+            cache.length += width
+        else:
+            positions = cache.begin(valid.to(self.device))
+            logits = self.forward(tokens, positions, cache, last_only=True, gather=False)
+            cache.end(width)
         chosen = self.choose(None if logits is None else logits[:, -1], sampler, b)
         ended = take(chosen[:, None])
         self._sync()

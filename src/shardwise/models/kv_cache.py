@@ -107,11 +107,16 @@ class StaticLayerCache:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
+    def allocate(self, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Keys and values of (batch, heads, capacity, head_dim), before any compiled step runs: a graph
+        must find them (allocating inside one would trace the static marking)."""
+        shape = (self.owner.batch, heads, self.owner.capacity, head_dim)
+        self.k = static(torch.zeros(shape, dtype=dtype, device=self.owner.device))
+        self.v = static(torch.zeros(shape, dtype=dtype, device=self.owner.device))
+
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is None:  # the prefill (eager) allocates; the compiled decode steps then find them
-            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
-            self.k = static(torch.zeros(shape, dtype=k.dtype, device=k.device))
-            self.v = static(torch.zeros(shape, dtype=v.dtype, device=v.device))
+        if self.k is None:  # an eager first use allocates (the engine allocates up front: Engine.static_cache)
+            self.allocate(k.shape[1], k.shape[3], k.dtype)
         self.k.index_copy_(2, self.owner.slots, k)
         self.v.index_copy_(2, self.owner.slots, v)
         return self.k, self.v
