@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_throughput import SIZES  # this folder: the script's own path
 from shardwise.config import load_config
 from shardwise.infer.engine import Engine
 from shardwise.infer.sampling import Sampler
@@ -66,8 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--model.dim=1024", "--model.n_layers=8", "--model.n_heads=16", "--model.n_kv_heads=8", "--model.ffn_dim=2816",
          "--model.vocab_size=8192", "--model.max_seq_len=512"]
 SMOKE_MODEL = ["--model.preset=tiny"]
-GPU_MODEL = ["--model.preset=small", "--model.dim=2048", "--model.n_layers=16", "--model.n_heads=16",
-             "--model.n_kv_heads=8", "--model.ffn_dim=5632", "--model.vocab_size=32000", "--model.max_seq_len=2048"]
+GPU_MODEL = [f"--{key}={value}" for key, value in SIZES["886m"]["model"]]  # gpu_throughput.py's 886M llama
 GPU_DEFAULTS = {"batches": "1,8,64", "prompt_len": 63, "new_tokens": 256, "rounds": 1}
 
 
@@ -155,17 +155,20 @@ def main() -> int:
         gpu = match_cuda_name(torch.cuda.get_device_name())
         cfg = load_config(None, GPU_MODEL + ["--data.tokenizer=byte", "--train.precision=bf16"]
                           + ([f"--cluster.gpu={gpu}"] if gpu else []))
-        engine = Engine(cfg, torch.device("cuda"), dtype="bfloat16")
-        unfused = Engine(cfg, torch.device("cuda"), dtype="bfloat16", fuse_projections=False) if args.compare_unfused else None
+        device, dtype = torch.device("cuda"), "bfloat16"
+    else:
+        # fp32, as the engine decodes on a CPU: the planner then prices 4-byte weights and KV cache too.
+        cfg = load_config(None, (SMOKE_MODEL if args.smoke else MODEL) + ["--data.tokenizer=byte", "--train.precision=fp32"])
+        device, dtype = torch.device("cpu"), "float32"
+    engine = Engine(cfg, device, dtype=dtype)
+    # The same weights (same seed), q/k/v and w1/w3 as separate GEMMs.
+    unfused = Engine(cfg, device, dtype=dtype, fuse_projections=False) if args.compare_unfused else None
+    if cuda:
         datasheet_gbps = DEVICES[gpu].memory_bandwidth_gbps if gpu else None
         gbps = flops = None  # the planner's datasheet figures for this GPU
         print(f"model: {engine.model.num_params() / 1e6:.1f}M params bf16 on {torch.cuda.get_device_name()} "
               f"(planner device {gpu}, HBM {datasheet_gbps} GB/s datasheet)")
     else:
-        # fp32, as the engine decodes on a CPU: the planner then prices 4-byte weights and KV cache too.
-        cfg = load_config(None, (SMOKE_MODEL if args.smoke else MODEL) + ["--data.tokenizer=byte", "--train.precision=fp32"])
-        engine = Engine(cfg, torch.device("cpu"))
-        unfused = Engine(cfg, torch.device("cpu"), fuse_projections=False) if args.compare_unfused else None
         m = cfg.model
         gbps = datasheet_gbps = streaming_gbps(max(m.ffn_dim, m.vocab_size), m.dim)
         flops = measure_cpu_peak_flops("fp32")
@@ -185,8 +188,9 @@ def main() -> int:
         got["compiled_end_to_end_tokens_per_s"] = comp["end_to_end_tokens_per_s"]
         got["compiled_prefill_tokens_per_s"] = comp["prefill_tokens_per_s"]  # the bucketed, compiled prefill
         got["compiled_over_eager"] = comp["decode_tokens_per_s"] / got["decode_tokens_per_s"]
-        got["compiled_ids_agree_eager"] = agreement(comp.pop("ids"), got.pop("ids"))
-        if unfused is not None:  # the same weights (same seed), q/k/v and w1/w3 as separate GEMMs
+        compiled_ids = comp.pop("ids")
+        got["compiled_ids_agree_eager"] = agreement(compiled_ids, got.pop("ids"))
+        if unfused is not None:
             separate = measure(unfused, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True)
             got["compiled_unfused_decode_tokens_per_s"] = separate["decode_tokens_per_s"]
             got["fused_over_unfused"] = comp["decode_tokens_per_s"] / separate["decode_tokens_per_s"]
@@ -206,9 +210,8 @@ def main() -> int:
                      "prefill_ratio": plan.prefill_tokens_per_s / got["prefill_tokens_per_s"]})
         if batch in hf_batches:
             theirs = transformers_generate(engine, batch, args.prompt_len, args.new_tokens)
-            ours = comp_ids(engine, batch, args)
-            rows[-1]["transformers_static_ids_agree"] = agreement(theirs.pop("transformers_static_ids"), ours)
-            rows[-1]["transformers_dynamic_ids_agree"] = agreement(theirs.pop("transformers_dynamic_ids"), ours)
+            rows[-1]["transformers_static_ids_agree"] = agreement(theirs.pop("transformers_static_ids"), compiled_ids)
+            rows[-1]["transformers_dynamic_ids_agree"] = agreement(theirs.pop("transformers_dynamic_ids"), compiled_ids)
             rows[-1].update(theirs, compiled_over_transformers_best=got["compiled_end_to_end_tokens_per_s"]
                             / max(theirs["transformers_static_tokens_per_s"], theirs["transformers_dynamic_tokens_per_s"]))
         print(json.dumps(rows[-1]), flush=True)  # a row at a time: a run cut short keeps what it measured
@@ -248,11 +251,6 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     def prefix(x: list[int], y: list[int]) -> int:
         return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
     return sum(prefix(x, y) / max(len(x), len(y), 1) for x, y in zip(a, b)) / max(len(a), 1)
-
-
-def comp_ids(engine: Engine, batch: int, args: argparse.Namespace) -> list[list[int]]:
-    """Our compiled greedy ids for the benchmark's prompts (the graph is warm: no compilation here)."""
-    return engine.generate(prompts(engine.cfg, batch, args.prompt_len), args.new_tokens, Sampler(), compiled=True).ids
 
 
 if __name__ == "__main__":

@@ -189,6 +189,8 @@ def _ids(p: subprocess.CompletedProcess) -> list[int]:
     return json.loads(p.stdout.strip().splitlines()[-1])["ids"][-NEW_TOKENS:]
 
 
+# tests/hf_models.py save_random_llama's llama, rebuilt here: that module imports pytest to skip without
+# transformers, and gpu-check runs outside pytest.
 _RANDOM_HF = """
 import sys, torch, transformers
 torch.manual_seed(0)

@@ -160,7 +160,7 @@ def check_serving(cfg: Config, world: int, prompt_len: int = 1) -> ParallelDims:
 
 
 def check_compiled_decoding(compiled: bool, world: int) -> None:
-    """Compiled decode steps (infer/engine.py compiled_decode) run on one process for now."""
+    """Compiled decode steps (infer/engine.py Engine._compile) run on one process for now."""
     if compiled and world > 1:
         raise ConfigError("--compile", "compiled decoding runs on one process for now",
                           "use --compile=off (or leave it auto) with --nproc > 1")

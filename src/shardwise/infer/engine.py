@@ -37,6 +37,15 @@ from shardwise.spec.stages import layers_per_stage, stage_layers
 from shardwise.train.checkpoint import load_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
+DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) every this many steps
+
+
+def bucket(n: int) -> int:
+    """`n` rounded up to a whole number of CAPACITY_BUCKET."""
+    return -(-n // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
 def _vocab_sharded(logits: DTensor) -> bool:
     (placement,) = logits.placements  # serving's TP mesh is 1-D
     return isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1)
@@ -63,10 +72,6 @@ def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
     dist.all_gather_into_tensor(indices, index.contiguous(), group=group)
     winner = bests.view(tp, b).argmax(dim=0)  # the first maximal rank
     return indices.view(tp, b).gather(0, winner[None]).squeeze(0).cpu()
-
-
-CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
-DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) every this many steps
 
 
 @dataclass
@@ -171,11 +176,12 @@ class Engine:
     def _decode_step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """One decode step over a static cache, what torch.compile traces: the same shapes and the same
         Python values every step (the cache's fill is a tensor), so it is compiled once."""
-        return self._prefill_step(tokens, torch.ones(tokens.shape, dtype=torch.bool, device=self.device), cache)
+        return self._forward_into_cache(tokens, torch.ones(tokens.shape, dtype=torch.bool, device=self.device), cache)
 
-    def _prefill_step(self, tokens: torch.Tensor, valid: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        """The prompts, left-padded to a bucket of CAPACITY_BUCKET tokens (`valid` marks the real ones),
-        through the model into the static cache: compiled once per batch size and bucket."""
+    def _forward_into_cache(self, tokens: torch.Tensor, valid: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """New tokens through the model into the static cache, `valid` marking the real ones: the prefill
+        (prompts left-padded to a bucket of CAPACITY_BUCKET, compiled once per batch size and bucket)
+        and each decode step (one token per sequence)."""
         positions = cache.begin(valid)
         logits = self.model(tokens, positions, cache, last_only=True)
         cache.advance(tokens.shape[1])
@@ -203,15 +209,11 @@ class Engine:
         self._static_cache = cache
         return cache
 
-    def compiled_decode(self, greedy: bool = False):
-        """The compiled decode step (`greedy`: the one that also picks the next ids), built on first use:
-        CUDA graphs on a GPU ("reduce-overhead": one launch per step instead of one per kernel, which
+    def _compile(self, kind: str):
+        """The compiled step of `kind` ("logits", "greedy": the decode steps; "prefill"), built on first
+        use: CUDA graphs on a GPU ("reduce-overhead": one launch per step instead of one per kernel, which
         bounds eager decoding), inductor's kernels on a CPU. dynamic=False: a new batch size or capacity
         is a new graph, never a dynamic-shape one."""
-        return self._compile("greedy" if greedy else "logits")
-
-    def _compile(self, kind: str):
-        """The compiled step of `kind` ("logits", "greedy" decode steps; "prefill"), built on first use."""
         if not self._compiled:
             # MoE feed-forwards stay eager, as in training (parallel/compile.py apply_compile: data-dependent
             # routing and Python-side load statistics): the step is then a few graphs around them.
@@ -220,7 +222,7 @@ class Engine:
                     moe.forward = torch.compiler.disable(moe.forward)
         if kind not in self._compiled:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            step = {"logits": self._decode_step, "greedy": self._greedy_step, "prefill": self._prefill_step}[kind]
+            step = {"logits": self._decode_step, "greedy": self._greedy_step, "prefill": self._forward_into_cache}[kind]
             self._compiled[kind] = torch.compile(step, mode=mode, dynamic=False)
         return self._compiled[kind]
 
@@ -252,14 +254,14 @@ class Engine:
         check_compiled_decoding(compiled, self.dims.tp * self.pp)
         # Compiled: the prompts are left-padded to a bucket of 64 and the cache's capacity rounded up to
         # one, so other prompts and lengths mostly reuse the compiled prefill and decode steps.
-        width = -(-longest // CAPACITY_BUCKET) * CAPACITY_BUCKET if compiled else longest
+        width = bucket(longest) if compiled else longest
         tokens = torch.zeros(b, width, dtype=torch.long)
         valid = torch.zeros(b, width, dtype=torch.bool)
         for i, p in enumerate(prompts):
             tokens[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             valid[i, width - len(p):] = True
         if compiled:
-            cache = self.static_cache(b, -(-(width + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET)
+            cache = self.static_cache(b, bucket(width + max_new_tokens))
         else:
             cache = KVCache(b, longest + max_new_tokens, self.device)
         out: list[list[int]] = [[] for _ in prompts]
@@ -297,7 +299,7 @@ class Engine:
             step_tokens = chosen[:, None]
             for _ in range(1, max_new_tokens):
                 if compiled:
-                    logits = self.compiled_decode()(step_tokens.to(self.device), cache)
+                    logits = self._compile("logits")(step_tokens.to(self.device), cache)
                     cache.length += 1
                 else:
                     positions = cache.begin(torch.ones(b, 1, dtype=torch.bool, device=self.device))

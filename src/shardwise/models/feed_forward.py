@@ -14,15 +14,14 @@ def fuse_linears(owner: nn.Module, name: str, *linears: nn.Linear) -> None:
     The linears' weights become views of the fused one: no extra memory, the same parameter names and
     state_dict. It is `owner`'s non-persistent buffer `name` (`name`_bias for the biases): a buffer, so
     torch.compile's CUDA graphs read it in place (a static input) and checkpoints never see it."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    for lin, part in zip(linears, weight.split([lin.out_features for lin in linears])):
-        lin.weight.data = part
-    owner.register_buffer(name, weight, persistent=False)
-    if linears[0].bias is not None:
-        bias = torch.cat([lin.bias.detach() for lin in linears])
-        for lin, part in zip(linears, bias.split([lin.out_features for lin in linears])):
-            lin.bias.data = part
-        owner.register_buffer(f"{name}_bias", bias, persistent=False)
+    rows = [lin.out_features for lin in linears]
+    for attr, buffer in (("weight", name), ("bias", f"{name}_bias")):
+        if getattr(linears[0], attr) is None:
+            continue
+        fused = torch.cat([getattr(lin, attr).detach() for lin in linears])
+        for lin, part in zip(linears, fused.split(rows)):
+            getattr(lin, attr).data = part
+        owner.register_buffer(buffer, fused, persistent=False)
 
 
 class GELUMLP(nn.Module):

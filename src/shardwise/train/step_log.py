@@ -8,6 +8,7 @@ so every rank calls after_step for every step; only rank 0 prints or writes.
 """
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,13 +165,13 @@ class StepLog:
         peak allocated memory; and the GPU energy of the whole job (NVML, all GPUs), where measured."""
         steady = self.logged[1:] or self.logged
         parts = [f"done: {self.run_steps} steps, {self.run_tokens:,} tokens in {self.run_seconds:.1f} s of steps"]
-        rates = sorted(r["tokens_per_s"] for r in steady if "tokens_per_s" in r)
+        rates = [r["tokens_per_s"] for r in steady if "tokens_per_s" in r]
         if rates:
-            mfus = sorted(r["mfu"] for r in steady if "mfu" in r)
+            mfus = [r["mfu"] for r in steady if "mfu" in r]
             # MFU against a GPU's datasheet peak only: a CPU's probe varies from run to run (30-137 GFLOP/s
             # measured on the 2-core CI machine), so its MFU compares with nothing.
-            mfu = f", MFU {mfus[len(mfus) // 2]:.1%}" if mfus and self.device_type != "cpu" else ""
-            parts.append(f"median {rates[len(rates) // 2]:,.0f} tokens/s{mfu}")
+            mfu = f", MFU {statistics.median_high(mfus):.1%}" if mfus and self.device_type != "cpu" else ""
+            parts.append(f"median {statistics.median_high(rates):,.0f} tokens/s{mfu}")
         peak = max((r.get("mem_max_memory_allocated_bytes") or 0) for r in self.logged) if self.logged else 0
         if peak:
             parts.append(f"peak memory {peak / 2**30:.2f} GiB on rank 0")
