@@ -159,13 +159,6 @@ def check_serving(cfg: Config, world: int, prompt_len: int = 1) -> ParallelDims:
     return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=p.tp, pp=p.pp, ep=1, world_size=world)
 
 
-def check_compiled_decoding(compiled: bool, world: int) -> None:
-    """Compiled decode steps (infer/engine.py Engine._compile) run on one process for now."""
-    if compiled and world > 1:
-        raise ConfigError("--compile", "compiled decoding runs on one process for now",
-                          "use --compile=off (or leave it auto) with --nproc > 1")
-
-
 def check_generation_length(cfg: Config, longest_prompt: int, new_tokens: int) -> None:
     """The prompts and what is generated after them fit the model's positions (the KV cache's size)."""
     if longest_prompt + new_tokens > cfg.model.max_seq_len:

@@ -5,8 +5,8 @@ transformers' logits: within 1e-5 (the issue's bound). FSDP and PP compute every
 does (gathered weights; whole blocks per stage), so they are bitwise equal; tensor parallelism sums the
 row-parallel matmuls' partial products over ranks in another order, which moves fp32 logits of
 magnitude ~7 by up to 7.6e-6 here (~1e-6 relative: a few fp32 roundings of sums of 64-160 terms).
-Greedy ids under TP and PP decoding (infer/engine.py, gloo) must equal transformers'
-generate(do_sample=False) exactly: a 1e-6 relative change cannot flip an argmax whose top two
+Greedy ids under TP and PP decoding (infer/engine.py, gloo), eager and compiled (one graph per stage and
+step kind, TP's collectives traced inside it), must equal transformers' generate(do_sample=False) exactly: a 1e-6 relative change cannot flip an argmax whose top two
 logits are far apart, which std-0.2 random weights make overwhelmingly likely; a wrong mask, position or
 cache slot changes the ids within a few tokens.
 """
@@ -54,13 +54,31 @@ def _training_logits(directory: Path, **parallel) -> torch.Tensor:
     return (out.full_tensor() if hasattr(out, "full_tensor") else out).numpy()  # numpy: tensors would cross as shared memory
 
 
-def _serving(directory: Path, **parallel) -> tuple[torch.Tensor | None, list[list[int]]]:
+def _serving(directory: Path, **parallel) -> dict:
+    """This layout's logits (None on ranks before the last stage), its eager and compiled greedy ids, the
+    compiled ids of the prompts reversed and with an end token mid-batch, and the graphs compiled by the
+    second and third compiled generations (0: every stage reuses its prefill and decode graphs)."""
     from shardwise.infer.engine import Engine
     from shardwise.infer.sampling import Sampler
+    from shardwise.parallel.compile import compiled_graphs
 
     engine = Engine(_config(directory, **parallel), torch.device("cpu"))
     logits = engine.forward(TOKENS)
-    return None if logits is None else logits.numpy(), engine.generate(PROMPTS, NEW, Sampler()).ids
+    out = {"logits": None if logits is None else logits.numpy(), "eager": engine.generate(PROMPTS, NEW, Sampler()).ids,
+           "compiled": engine.generate(PROMPTS, NEW, Sampler(), compiled=True).ids}
+    before = compiled_graphs()
+    out["reversed"] = engine.generate(PROMPTS[::-1], NEW, Sampler(), compiled=True).ids
+    out["eos"] = engine.generate(PROMPTS, NEW, Sampler(), eos_ids={out["eager"][0][3]}, compiled=True).ids
+    out["new_graphs"] = compiled_graphs() - before
+    return out
+
+
+def _assert_greedy_ids(served: dict, want: list[list[int]]) -> None:
+    assert served["eager"] == served["compiled"] == want
+    assert served["reversed"] == want[::-1] and served["new_graphs"] == 0
+    stop = want[0][3]
+    cut = [ids[:ids.index(stop) + 1] if stop in ids else ids for ids in want]
+    assert served["eos"] == cut and len(cut[0]) == 4 and len(cut[1]) == NEW  # one sequence ends mid-batch
 
 
 @pytest.fixture(scope="module")
@@ -99,23 +117,23 @@ def test_training_layouts_compute_transformers_logits(two_ranks, reference, layo
 
 @pytest.mark.parametrize("layout", ["tp", "pp"])
 def test_serving_layouts_give_transformers_logits_and_greedy_ids(two_ranks, reference, layout):
-    last = [r for r in range(2) if two_ranks[r][layout][0] is not None]
+    last = [r for r in range(2) if two_ranks[r][layout]["logits"] is not None]
     assert last == ([0, 1] if layout == "tp" else [1])  # the pipeline's logits live on its last stage
     for rank in last:
-        torch.testing.assert_close(torch.from_numpy(two_ranks[rank][layout][0]), reference[0], atol=LOGITS_ATOL, rtol=0)
+        torch.testing.assert_close(torch.from_numpy(two_ranks[rank][layout]["logits"]), reference[0], atol=LOGITS_ATOL, rtol=0)
     for rank in range(2):
-        assert two_ranks[rank][layout][1] == reference[1]
+        _assert_greedy_ids(two_ranks[rank][layout], reference[1])
 
 
-def test_tp2_x_pp2_greedy_ids_equal_transformers(model_dir, reference):
-    ids = run_world(4, lambda rank: _serving(model_dir, tp=2, pp=2)[1])
-    assert all(i == reference[1] for i in ids)
+def test_tp2_x_pp2_greedy_ids_equal_transformers_eager_and_compiled(model_dir, reference):
+    for served in run_world(4, lambda rank: _serving(model_dir, tp=2, pp=2)):
+        _assert_greedy_ids(served, reference[1])
 
 
 def test_generate_cli_under_tp_and_pp(model_dir, reference):
     """The command a user runs, launched by torchrun: --json ids equal transformers'."""
-    for layout in ("--parallel.tp=2", "--parallel.pp=2"):
-        out = subprocess.run([sys.executable, "-m", "shardwise.cli", "generate", "--hf", str(model_dir), "--nproc", "2", layout,
+    for layout in (["--parallel.tp=2"], ["--parallel.pp=2"], ["--parallel.tp=2", "--compile=on"]):
+        out = subprocess.run([sys.executable, "-m", "shardwise.cli", "generate", "--hf", str(model_dir), "--nproc", "2", *layout,
                               "--ignore-eos", "--max-new-tokens", str(NEW), "--json"]
                              + [arg for p in PROMPTS for arg in ("--prompt-ids", ",".join(map(str, p)))],
                              capture_output=True, text=True, timeout=300)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.config import Config
@@ -32,10 +33,12 @@ from shardwise.parallel.expert import moe_modules
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import materialize
 from shardwise.parallel.tensor import apply_tensor_parallel
-from shardwise.preflight import check_compiled_decoding, check_generation_length, check_serving
+from shardwise.preflight import check_generation_length, check_serving
 from shardwise.spec.stages import layers_per_stage, stage_layers
 from shardwise.train.checkpoint import load_model_weights
 
+# torch 2.13 renamed the functional all-gather; the GPU machines run 2.11, which has only the old name.
+ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
 DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) every this many steps
@@ -52,13 +55,14 @@ def _vocab_sharded(logits: DTensor) -> bool:
 
 
 def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
-    """Greedy ids (b,) on the CPU from (b, vocab) logits sharded over the vocabulary on a TP mesh: each rank
-    takes its shard's maximum and its global id (shards follow torch.chunk: rank r starts at
-    r x ceil(vocab / tp)), the TP group all-gathers the (maximum, id) pairs, and the largest wins —
-    on a tie the lowest rank, whose ids are lower, so the lowest id as in a full argmax. The logits of
-    one rank are compared in fp32, like Sampler's greedy choice."""
-    group = logits.device_mesh.get_group()
-    tp, rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+    """Greedy ids (b,), on the logits' device and the same on every TP rank, from (b, vocab) logits sharded
+    over the vocabulary on a TP mesh: each rank takes its shard's maximum and its global id (shards
+    follow torch.chunk: rank r starts at r x ceil(vocab / tp)), the TP group all-gathers the (maximum,
+    id) pairs, and the largest wins — on a tie the lowest rank, whose ids are lower, so the lowest id as
+    in a full argmax. The logits of one rank are compared in fp32, like Sampler's greedy choice.
+    Functional collectives: the same code runs eagerly and inside a compiled decode step."""
+    mesh = logits.device_mesh
+    tp, rank = mesh.size(), mesh.get_local_rank()
     local = logits.to_local().float()
     b, vocab = local.shape[0], logits.shape[-1]
     if local.shape[-1]:
@@ -66,12 +70,10 @@ def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
     else:  # a rank beyond the vocabulary's last chunk (vocab < tp) holds nothing
         best, index = torch.full((b,), float("-inf"), device=local.device), torch.zeros(b, dtype=torch.long, device=local.device)
     index = index + min(rank * -(-vocab // tp), vocab)
-    bests = torch.empty(tp * b, dtype=best.dtype, device=best.device)  # flat: gloo wants tp x the input
-    indices = torch.empty(tp * b, dtype=index.dtype, device=index.device)
-    dist.all_gather_into_tensor(bests, best.contiguous(), group=group)
-    dist.all_gather_into_tensor(indices, index.contiguous(), group=group)
-    winner = bests.view(tp, b).argmax(dim=0)  # the first maximal rank
-    return indices.view(tp, b).gather(0, winner[None]).squeeze(0).cpu()
+    bests = ALL_GATHER(best.contiguous(), 0, mesh).view(tp, b)
+    indices = ALL_GATHER(index.contiguous(), 0, mesh).view(tp, b)
+    winner = bests.argmax(dim=0)  # the first maximal rank
+    return indices.gather(0, winner[None]).squeeze(0)
 
 
 @dataclass
@@ -139,17 +141,25 @@ class Engine:
                 last_only: bool = False, gather: bool = True) -> torch.Tensor | None:
         """Logits (b, s or 1, vocab) on the last pipeline stage's ranks, None on the others. Under tensor
         parallelism they are vocab-sharded; `gather=False` leaves them so (a DTensor: `choose`)."""
-        b, s = tokens.shape
+        out = self._through_stage(lambda x: self.model(x, positions, cache, last_only=last_only), tokens)
+        return out.full_tensor() if gather and isinstance(out, DTensor) else out
+
+    def _through_stage(self, run, tokens: torch.Tensor, *args) -> torch.Tensor | None:
+        """`run(x, *args)` on this pipeline stage (the model's forward, or a compiled step of it), `x` being
+        the (b, s) `tokens` on the first stage and the hidden states received from the previous stage on
+        the others. Its output goes on to the next stage; the last stage's is returned, None elsewhere.
+        The point-to-point transfers stay outside any compiled graph: each stage's step is one graph."""
         if self.pp_rank == 0:
             x = tokens.to(self.device)
         else:
-            x = torch.empty(b, s, self.cfg.model.dim, dtype=self.dtype, device=self.device)
+            x = torch.empty(*tokens.shape, self.cfg.model.dim, dtype=self.dtype, device=self.device)
             dist.recv(x, group=self.pp_group, group_src=self.pp_rank - 1)
-        out = self.model(x, positions, cache, last_only=last_only)
+        out = run(x, *args)
         if self.pp_rank < self.pp - 1:
-            dist.send(out.contiguous(), group=self.pp_group, group_dst=self.pp_rank + 1)
+            # A copy: a CUDA graph's output buffer is overwritten by its next replay.
+            dist.send(out.clone(), group=self.pp_group, group_dst=self.pp_rank + 1)
             return None
-        return out.full_tensor() if gather and isinstance(out, DTensor) else out
+        return out
 
     def choose(self, logits: torch.Tensor | None, sampler: Sampler, batch: int) -> torch.Tensor:
         """The next ids (b,) on the CPU of every rank, from the last position's logits (b, vocab) of the last
@@ -161,13 +171,17 @@ class Engine:
             chosen = vocab_parallel_argmax(logits)
         else:
             chosen = sampler(logits.full_tensor() if isinstance(logits, DTensor) else logits)
-        return self._share(chosen)
+        return self._share(chosen).cpu()
 
-    def _share(self, ids: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized():
-            ids = ids.to(self.device)
-            dist.broadcast(ids, src=self.last_rank)
-        return ids.cpu()
+    def _share(self, ids: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The ids of `last_rank` (a rank of the last stage) on every rank's device: the first stage feeds
+        them to the next step. `ids` None (a rank before the last stage): received into a buffer shaped
+        as `like`."""
+        if not dist.is_initialized():
+            return ids.to(self.device)
+        ids = ids.to(self.device).contiguous() if ids is not None else torch.empty_like(like, device=self.device)
+        dist.broadcast(ids, src=self.last_rank)
+        return ids
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -176,7 +190,7 @@ class Engine:
     def _decode_step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """One decode step over a static cache, what torch.compile traces: the same shapes and the same
         Python values every step (the cache's fill is a tensor), so it is compiled once."""
-        return self._forward_into_cache(tokens, torch.ones(tokens.shape, dtype=torch.bool, device=self.device), cache)
+        return self._forward_into_cache(tokens, torch.ones(tokens.shape[:2], dtype=torch.bool, device=self.device), cache)
 
     def _forward_into_cache(self, tokens: torch.Tensor, valid: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """New tokens through the model into the static cache, `valid` marking the real ones: the prefill
@@ -189,8 +203,16 @@ class Engine:
 
     def _greedy_step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """`_decode_step` and the argmax in the same graph: (b, 1) next ids on the device, which feed the
-        next step without a trip to the host (Sampler's greedy choice: the argmax of fp32 logits)."""
-        return self._decode_step(tokens, cache)[:, -1].float().argmax(dim=-1, keepdim=True)
+        next step without a trip to the host (Sampler's greedy choice: the argmax of fp32 logits; under
+        TP from the vocab shards, vocab_parallel_argmax). A stage before the last returns its hidden
+        states, which `_through_stage` sends on."""
+        out = self._decode_step(tokens, cache)
+        if self.pp_rank < self.pp - 1:
+            return out
+        last = out[:, -1]
+        if isinstance(last, DTensor) and _vocab_sharded(last):
+            return vocab_parallel_argmax(last)[:, None]
+        return (last.full_tensor() if isinstance(last, DTensor) else last).float().argmax(dim=-1, keepdim=True)
 
     def static_cache(self, batch: int, capacity: int) -> StaticKVCache:
         """The static cache for a generation, reused (emptied in place) while the batch and capacity stay
@@ -205,7 +227,9 @@ class Engine:
         cache = StaticKVCache(batch, capacity, self.device)
         for name, block in self.model.named_blocks():  # every layer's keys and values, before any graph
             attention = next(m for m in block.modules() if isinstance(m, Attention))
-            cache.layer(name).allocate(attention.wk.out_features // attention.head_dim, attention.head_dim, self.dtype)
+            weight = attention.wk.weight  # under TP a DTensor: this rank caches only its own kv heads
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            cache.layer(name).allocate(local.shape[0] // attention.head_dim, attention.head_dim, self.dtype)
         self._static_cache = cache
         return cache
 
@@ -235,8 +259,10 @@ class Engine:
         ids, pending = first[:, None].to(self.device), []
         step = self._compile("greedy")
         for n in range(1, max_new_tokens):
-            # A copy: the graph's output buffer is overwritten by its next replay.
-            ids = step(ids, cache).clone()
+            out = self._through_stage(step, ids, cache)
+            # A copy: the graph's output buffer is overwritten by its next replay. Under TP alone every
+            # rank chose the same ids (vocab_parallel_argmax): only a pipeline's first stage needs them sent.
+            ids = out.clone() if self.pp == 1 else self._share(out, like=ids)
             cache.length += 1
             pending.append(ids)
             if len(pending) == DONE_CHECK_EVERY or n == max_new_tokens - 1:
@@ -251,7 +277,6 @@ class Engine:
         the prefill and each step one compiled graph over a static cache, `_compile`)."""
         b, longest = len(prompts), max(len(p) for p in prompts)
         check_generation_length(self.cfg, longest, max_new_tokens)
-        check_compiled_decoding(compiled, self.dims.tp * self.pp)
         # Compiled: the prompts are left-padded to a bucket of 64 and the cache's capacity rounded up to
         # one, so other prompts and lengths mostly reuse the compiled prefill and decode steps.
         width = bucket(longest) if compiled else longest
@@ -282,7 +307,7 @@ class Engine:
         self._sync()
         start = time.perf_counter()
         if compiled:  # the padded prompts in one forward: one compiled graph per batch size and bucket
-            logits = self._compile("prefill")(tokens.to(self.device), valid.to(self.device), cache)
+            logits = self._through_stage(self._compile("prefill"), tokens, valid.to(self.device), cache)
             cache.length += width
         else:
             positions = cache.begin(valid.to(self.device))
@@ -299,7 +324,7 @@ class Engine:
             step_tokens = chosen[:, None]
             for _ in range(1, max_new_tokens):
                 if compiled:
-                    logits = self._compile("logits")(step_tokens.to(self.device), cache)
+                    logits = self._through_stage(self._compile("logits"), step_tokens, cache)
                     cache.length += 1
                 else:
                     positions = cache.begin(torch.ones(b, 1, dtype=torch.bool, device=self.device))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shardwise.config import Config, build_config, parse_overrides
 from shardwise.errors import ConfigError
-from shardwise.preflight import check_compiled_decoding, check_generation_length, check_serving
+from shardwise.preflight import check_generation_length, check_serving
 from shardwise.spec.hf import HF_SCHEME
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="compute dtype (default: bfloat16 on a GPU, float32 on CPU)")
     out.add_argument("--nproc", type=int, default=1, help="processes: parallel.tp x parallel.pp")
     out.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                     help="decode steps as one compiled graph over a static KV cache (one process); auto: on a GPU only")
+                     help="prefill and decode steps as compiled graphs over a static KV cache (any layout: one graph per "
+                          "pipeline stage); auto: on a GPU with one process")
     out.add_argument("--json", action="store_true", help='one JSON line per prompt: {"ids", "text", "prefill_tokens_per_s", ...}')
     return out
 
@@ -136,7 +137,6 @@ def resolve(argv: list[str], world: int | None = None) -> Request:
 
     check_nproc(args.nproc)
     check_serving(cfg, args.nproc, longest)
-    check_compiled_decoding(args.compile == "on", args.nproc)
     eos = set() if args.ignore_eos else ({args.eos_id} if args.eos_id is not None else eos)
     return Request(cfg, checkpoint, tokenizer_path, prompts, eos, args)
 
@@ -154,8 +154,9 @@ def run(request: Request) -> int:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     engine = Engine(request.cfg, device, dtype, request.checkpoint)
     sampler = Sampler(greedy=args.temperature is None, temperature=args.temperature or 1.0, top_p=args.top_p, seed=args.seed)
-    # auto: compiled where it pays for its compilation, a GPU with one process (benchmarks/decode.py measures
-    # the CPU: README "Generate").
+    # auto: compiled where it pays for its compilation and was measured, a GPU with one process
+    # (benchmarks/decode.py measures the CPU: README "Generate"). TP / PP compiled steps (--compile=on) are
+    # equal to eager on CPU (tests/dist/test_hf_layouts.py); on a GPU they are gpu_check.py's generate rows.
     compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda" and args.nproc == 1)
     result = engine.generate(request.prompts, args.max_new_tokens, sampler, request.eos_ids, compiled=compiled)
     if dist.is_initialized() and dist.get_rank() != 0:
