@@ -9,10 +9,11 @@ and the matmul probe's FLOP/s (train/peak_flops.py). Everything else (bytes read
 FLOPs) is the planner's own. The table prints measured decode tokens/s, eager and compiled (`--compile=on`: one compiled graph per
 step over a static KV cache; its ratio to eager, measured in the same run), the planner's decode
 tokens/s, prefill tokens/s, KV-cache bytes (measured = allocated by the eager engine) and the ratios;
-JSON goes to --out.
+JSON goes to --out. It also times sequences that end at different times (--finishing-batch), the batch
+shrinking as they end against every row decoding to the end (`finishing`).
 
     python benchmarks/decode.py [--device auto|cpu|cuda] [--batches 1,4,16] [--prompt-len 64] [--new-tokens 32]
-        [--transformers-batches 1] [--compare-unfused] [--out F.json] [--smoke]
+        [--transformers-batches 1] [--compare-unfused] [--finishing-batch B] [--compile-mode M] [--out F.json] [--smoke]
 
 On a GPU (--device cuda, the default where there is one) the model is issue 30's 886M LLaMA in bf16 (dim
 2048, 16 blocks, 16/8 heads, ffn 5632, vocab 32000), batches 1, 8 and 64, a 63-token prompt and 256 new
@@ -31,6 +32,9 @@ of two decoders part at the first near-tie of the random weights' flat logits (c
 11% of the tokens, ours vs transformers after 2%): reported as agreement, not required. Those H200
 figures predate fusing q|k|v and w1|w3 (--compare-unfused measures that gain: on this CPU 1.10x at batch
 1 and 0.91x at 4, within its noise; on a GPU not measured yet, the planner predicts 1.25x at batch 1).
+Sequences ending at different times, on the 2-core CI machine (`--batches 16 --new-tokens 64`, 2026-11-26):
+ending after 19 of 64 tokens on average, the shrinking batch computed 37% of the rows eager (44% compiled)
+and decoded 1.49x (1.40x compiled) faster than every row to the end, the same ids.
 Measured on the 2-core CI machine (torch 2.13, 2 threads), 2026-11-25: compiled decode steps 1.86x eager at
 batch 1 (56 vs 30 tokens/s), 1.07x at batch 4, 0.99x at batch 16. Earlier: the KV cache bytes match exactly; decode at batch 1
 is predicted 1.2-1.35x too fast (55-64 vs 44-47 tokens/s over three runs, the streaming figure varying 22-26
@@ -96,6 +100,31 @@ def measure(engine: Engine, batch: int, prompt_len: int, new: int, rounds: int, 
             "kv_cache_bytes": best.kv_cache_bytes, "end_to_end_tokens_per_s": total, "ids": best.ids}
 
 
+def finishing(engine: Engine, batch: int, prompt_len: int, new: int, rounds: int) -> dict:
+    """Sequences ending at different times, the batch shrinking as they end (infer/engine.py Running.shrink)
+    against every row decoding to the end (compact=False), eager and compiled, in this run: sequence i
+    is stopped near step new x (i + 1) / batch by taking the token it generates there as an end token
+    (an end token can also stop another sequence earlier: the same set for both runs, whose ids must be
+    equal). The best decode time of `rounds` generations after a warm-up (which compiles the smaller
+    batches' graphs)."""
+    asked = prompts(engine.cfg, batch, prompt_len)
+    full = engine.generate(asked, new, Sampler())
+    eos = {ids[max(0, new * (i + 1) // batch - 1)] for i, ids in enumerate(full.ids)}
+    got: dict = {"batch": batch}
+    for mode in ("eager", "compiled"):
+        runs = {}
+        for compact in (False, True):
+            results = [engine.generate(asked, new, Sampler(), eos_ids=eos, compiled=mode == "compiled", compact=compact)
+                       for _ in range(rounds + 1)]
+            runs[compact] = min(results[1:], key=lambda g: g.decode_s)
+        if runs[True].ids != runs[False].ids:
+            raise SystemExit(f"finishing ({mode}): the shrinking batch's ids differ from the full batch's")
+        got[f"{mode}_speedup"] = runs[False].decode_s / runs[True].decode_s
+        got[f"{mode}_rows_fraction"] = runs[True].decode_rows / runs[False].decode_rows
+        got["mean_length"] = sum(map(len, runs[True].ids)) / batch
+    return got
+
+
 def prompts(cfg, batch: int, prompt_len: int) -> list[list[int]]:
     return [[(7 * i + 3 * j) % cfg.model.vocab_size for j in range(prompt_len)] for i in range(batch)]
 
@@ -139,6 +168,10 @@ def main() -> int:
                         "transformers, else skipped with the reason)")
     parser.add_argument("--compare-unfused", action="store_true", help="also compiled decoding with q, k, v, w1 and w3 as "
                         "separate GEMMs (a second engine), and the fused engine's ratio to it")
+    parser.add_argument("--finishing-batch", type=int, default=None, help="the batch of the sequences-ending-at-"
+                        "different-times comparison (default: the largest of --batches; 0: none)")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled steps (default: "
+                        "reduce-overhead on a GPU, inductor's default on CPU), e.g. max-autotune")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode.json (decode.smoke.json with --smoke)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -160,9 +193,10 @@ def main() -> int:
         # fp32, as the engine decodes on a CPU: the planner then prices 4-byte weights and KV cache too.
         cfg = load_config(None, (SMOKE_MODEL if args.smoke else MODEL) + ["--data.tokenizer=byte", "--train.precision=fp32"])
         device, dtype = torch.device("cpu"), "float32"
-    engine = Engine(cfg, device, dtype=dtype)
+    engine = Engine(cfg, device, dtype=dtype, compile_mode=args.compile_mode)
     # The same weights (same seed), q/k/v and w1/w3 as separate GEMMs.
-    unfused = Engine(cfg, device, dtype=dtype, fuse_projections=False) if args.compare_unfused else None
+    unfused = (Engine(cfg, device, dtype=dtype, fuse_projections=False, compile_mode=args.compile_mode)
+               if args.compare_unfused else None)
     if cuda:
         datasheet_gbps = DEVICES[gpu].memory_bandwidth_gbps if gpu else None
         gbps = flops = None  # the planner's datasheet figures for this GPU
@@ -222,6 +256,15 @@ def main() -> int:
               f"{r['compiled_over_eager']:>8.2f} {r['compiled_roofline_fraction']:>9.1%} {r['predicted_decode_tokens_per_s']:>10,.0f} "
               f"{r['compiled_decode_ratio']:>6.2f} {r['prefill_tokens_per_s']:>14,.0f} {r['predicted_prefill_tokens_per_s']:>10,.0f} "
               f"{r['prefill_ratio']:>6.2f} {r['kv_cache_bytes']:>10,} {r['predicted_kv_cache_bytes']:>10,.0f}")
+    ended = None
+    if args.finishing_batch is None:
+        args.finishing_batch = max(map(int, args.batches.split(",")))
+    if args.finishing_batch > 1:
+        ended = finishing(engine, args.finishing_batch, args.prompt_len, args.new_tokens, args.rounds)
+        print(f"batch {ended['batch']}, sequences ending at different times (mean {ended['mean_length']:.1f} of "
+              f"{args.new_tokens} tokens): dropping the ended ones computes {ended['eager_rows_fraction']:.0%} of "
+              f"the rows eager ({ended['compiled_rows_fraction']:.0%} compiled, in powers of two); decode "
+              f"{ended['eager_speedup']:.2f}x eager, {ended['compiled_speedup']:.2f}x compiled, same ids")
     for r in rows:
         if "fused_over_unfused" in r:
             print(f"batch {r['batch']}: compiled with q|k|v and w1|w3 fused {r['compiled_decode_tokens_per_s']:,.0f} tokens/s, "
@@ -237,9 +280,9 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"smoke": args.smoke, "date": dt.datetime.now().isoformat(timespec="seconds"),
                                "machine": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                               "device": torch.cuda.get_device_name() if cuda else "cpu",
+                               "device": torch.cuda.get_device_name() if cuda else "cpu", "compile_mode": args.compile_mode,
                                "streaming_gbps": gbps, "matmul_flops": flops, "model": vars(cfg.model) | {"moe": vars(cfg.model.moe)},
-                               "rows": rows}, indent=2) + "\n")
+                               "rows": rows, "finishing": ended}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

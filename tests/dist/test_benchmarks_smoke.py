@@ -109,6 +109,8 @@ def test_decode_smoke(tmp_path):
     row = data["rows"][0]
     assert row["kv_cache_bytes"] == row["predicted_kv_cache_bytes"] > 0 and row["decode_tokens_per_s"] > 0, row
     assert row["compiled_decode_tokens_per_s"] > 0, row  # the compiled path ran too
+    # Sequences ending at different times: the ended one left the eager batch (2 rows -> 1).
+    assert data["finishing"]["batch"] == 2 and data["finishing"]["eager_rows_fraction"] < 1, data["finishing"]
 
 
 def test_kernels_smoke(tmp_path):

@@ -56,8 +56,9 @@ def _training_logits(directory: Path, **parallel) -> torch.Tensor:
 
 def _serving(directory: Path, **parallel) -> dict:
     """This layout's logits (None on ranks before the last stage), its eager and compiled greedy ids, the
-    compiled ids of the prompts reversed and with an end token mid-batch, and the graphs compiled by the
-    second and third compiled generations (0: every stage reuses its prefill and decode graphs)."""
+    compiled ids of the prompts reversed and with an end token mid-batch (eager too: the ended sequence
+    leaves the batch, Running.shrink, and the other decodes on alone in a graph of batch 1), and the
+    graphs compiled by repeated shapes (0: every stage reuses its prefill and decode graphs)."""
     from shardwise.infer.engine import Engine
     from shardwise.infer.sampling import Sampler
     from shardwise.parallel.compile import compiled_graphs
@@ -68,8 +69,13 @@ def _serving(directory: Path, **parallel) -> dict:
            "compiled": engine.generate(PROMPTS, NEW, Sampler(), compiled=True).ids}
     before = compiled_graphs()
     out["reversed"] = engine.generate(PROMPTS[::-1], NEW, Sampler(), compiled=True).ids
-    out["eos"] = engine.generate(PROMPTS, NEW, Sampler(), eos_ids={out["eager"][0][3]}, compiled=True).ids
     out["new_graphs"] = compiled_graphs() - before
+    stop = {out["eager"][0][3]}
+    out["eos"] = engine.generate(PROMPTS, NEW, Sampler(), eos_ids=stop, compiled=True).ids  # compiles batch 1
+    before = compiled_graphs()
+    out["eos_again"] = engine.generate(PROMPTS, NEW, Sampler(), eos_ids=stop, compiled=True).ids
+    out["new_graphs"] += compiled_graphs() - before
+    out["eos_eager"] = engine.generate(PROMPTS, NEW, Sampler(), eos_ids=stop).ids
     return out
 
 
@@ -78,7 +84,7 @@ def _assert_greedy_ids(served: dict, want: list[list[int]]) -> None:
     assert served["reversed"] == want[::-1] and served["new_graphs"] == 0
     stop = want[0][3]
     cut = [ids[:ids.index(stop) + 1] if stop in ids else ids for ids in want]
-    assert served["eos"] == cut and len(cut[0]) == 4 and len(cut[1]) == NEW  # one sequence ends mid-batch
+    assert served["eos"] == served["eos_again"] == served["eos_eager"] == cut and len(cut[0]) == 4 and len(cut[1]) == NEW  # one sequence ends mid-batch
 
 
 @pytest.fixture(scope="module")

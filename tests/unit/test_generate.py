@@ -94,6 +94,9 @@ def test_sampling_is_seeded_and_top_p_narrows_to_greedy():
     assert draws(7) == draws(7)  # the same seed draws the same tokens
     assert draws(7) != draws(8) and len({tuple(d) for d in draws(7)}) > 1  # and it is random
     assert torch.equal(Sampler(False, 1.0, 1e-6, seed=3)(logits), logits.argmax(-1))  # only the top token survives
+    # Rows 3 and 1 of a batch of 4 (the others ended) draw what they would in the whole batch.
+    assert Sampler(False, 2.0, seed=9)(logits[[3, 1]], rows=[3, 1], sequences=4).tolist() == \
+        Sampler(False, 2.0, seed=9)(logits)[[3, 1]].tolist()
     draws = torch.stack([Sampler(False, 1.0, 1.0, seed=s)(logits[:1]) for s in range(400)])
     probs = torch.softmax(logits[0], -1)
     top = int(probs.argmax())
@@ -218,8 +221,11 @@ def test_one_process_serving_runs_qkv_and_w1_w3_as_one_gemm_each(model_dir):
     positions = cache.begin(torch.ones(1, 3, dtype=torch.bool))
     engine.forward(torch.tensor([[5, 6, 7]]), positions, cache, last_only=True)
     cache.end(3)
+    def greedy(tokens, cache):  # a code object of its own: the engine's step may be cached from other tests
+        return engine._greedy_step(tokens, cache)
+
     with torch.no_grad():
-        torch.compile(engine._greedy_step, backend=backend)(torch.tensor([[8]]), cache)
+        torch.compile(greedy, backend=backend)(torch.tensor([[8]]), cache)
     assert sum("buffers_wqkv" in n for n in read) == sum("buffers_w13" in n for n in read) == engine.cfg.model.n_layers
     assert not [n for n in read if any(f"modules_{w}_parameters" in n for w in ("wq", "wk", "wv", "w1", "w3"))]
 
@@ -251,3 +257,55 @@ def test_kv_cache_decoding_equals_recomputation_for_gpt_and_moe(preset):
     graphs = compiled_graphs()
     assert engine.generate(PROMPTS[::-1], NEW, Sampler(), compiled=True).ids == result.ids[::-1]
     assert compiled_graphs() == graphs
+
+
+BATCH = [[5, 17, 33, 2, 99, 100, 7], [11, 12, 13], [250], [1, 2], [3, 4, 5, 6], [77], [8, 9, 10], [40, 41, 42, 43, 44]]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_finished_sequences_leave_the_batch(model_dir):
+    """Once at most half the rows hold unfinished sequences, the batch shrinks to them (infer/engine.py
+    Running.shrink): the same ids as a batch that keeps every row, fewer rows computed; compiled steps
+    shrink to powers of two (a graph each, compiled once: a second generation compiles nothing), and a
+    seeded sampler draws the same tokens either way (each sequence takes its own noise)."""
+    from shardwise.parallel.compile import compiled_graphs
+
+    engine, new = _engine(model_dir), 24  # compiled greedy looks at the ids every 8 steps: 3 looks
+    full = engine.generate(BATCH, new, Sampler())
+    eos = {ids[2] for ids in full.ids[:6]}  # six of eight sequences end by their third token
+    for compiled in (False, True):
+        kept = engine.generate(BATCH, new, Sampler(), eos_ids=eos, compiled=compiled, compact=False)
+        shrunk = engine.generate(BATCH, new, Sampler(), eos_ids=eos, compiled=compiled)
+        assert shrunk.ids == kept.ids == [ids[:next((k + 1 for k, t in enumerate(ids) if t in eos), new)] for ids in full.ids]
+        assert sum(len(ids) < 4 for ids in shrunk.ids) >= 6 and max(len(ids) for ids in shrunk.ids) > 16
+        assert shrunk.decode_tokens == kept.decode_tokens < kept.decode_rows == (new - 1) * len(BATCH)
+        assert shrunk.decode_rows < kept.decode_rows * 0.6, (compiled, shrunk.decode_rows, kept.decode_rows)
+    graphs = compiled_graphs()
+    assert engine.generate(BATCH, new, Sampler(), eos_ids=eos, compiled=True).ids == kept.ids
+    assert compiled_graphs() == graphs
+    sampler = lambda: Sampler(greedy=False, temperature=0.7, seed=5)  # noqa: E731
+    sampled = engine.generate(BATCH, new, sampler(), compact=False)
+    stop = {ids[1] for ids in sampled.ids[:6]}
+    want = engine.generate(BATCH, new, sampler(), eos_ids=stop, compact=False)
+    got = engine.generate(BATCH, new, sampler(), eos_ids=stop)
+    assert got.ids == want.ids and got.decode_rows < want.decode_rows
+
+
+def test_a_static_cache_keeps_rows_in_place_at_the_same_addresses():
+    """What a compiled step of the smaller batch needs (CUDA graphs replay at fixed addresses): the kept
+    rows move to the front of the same buffers, in the order asked, viewed from there and marked static;
+    no new keys or values are allocated."""
+    from shardwise.models.kv_cache import StaticKVCache
+
+    cache = StaticKVCache(4, 64, torch.device("cpu"))
+    cache.layer("0").allocate(2, 8, torch.float32)
+    cache.layer("0").k.copy_(torch.randn(4, 2, 64, 8))
+    cache.valid[:, :5] = torch.tensor([[True], [False], [True], [True]])
+    before = cache.layer("0").k.clone(), cache.valid.clone()
+    cache.length = 5
+    small = cache.keep_rows([3, 1])
+    assert small.batch == 2 and small.length == 5 and small.filled is cache.filled
+    assert torch.equal(small.layer("0").k, before[0][[3, 1]]) and torch.equal(small.valid, before[1][[3, 1]])
+    assert [t.data_ptr() for t in small.tensors()] == [t.data_ptr() for t in cache.tensors()]
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in small.tensors())
+    assert small.layer("0").owner is small

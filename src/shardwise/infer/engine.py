@@ -81,8 +81,9 @@ class Generation:
     ids: list[list[int]]  # generated ids after each prompt (up to and including an end token)
     prefill_tokens: int  # real (unpadded) prompt tokens
     prefill_s: float
-    decode_tokens: int  # tokens produced by decode steps (after the first, which prefill produced)
+    decode_tokens: int  # tokens the sequences got from decode steps (after the first, which prefill produced)
     decode_s: float
+    decode_rows: int  # rows the decode steps computed: decode_tokens plus finished sequences' rows run on
     kv_cache_bytes: int  # this rank's allocated keys and values
 
     @property
@@ -98,10 +99,12 @@ class Engine:
     """One rank's share of the model, ready to prefill and decode."""
 
     def __init__(self, cfg: Config, device: torch.device, dtype: str = "float32", checkpoint: Path | None = None,
-                 fuse_projections: bool = True):
+                 fuse_projections: bool = True, compile_mode: str | None = None):
         """`fuse_projections`: on one TP rank, q|k|v and w1|w3 as one GEMM each (False: the benchmark's
-        comparison)."""
-        self.cfg, self.device = cfg, device
+        comparison). `compile_mode`: torch.compile's mode for the compiled steps (default: see _compile;
+        benchmarks/decode.py --compile-mode compares others, e.g. "max-autotune": inductor's own GEMM
+        kernels, which may suit a decode step's one-row GEMMs better than the library's)."""
+        self.cfg, self.device, self.compile_mode = cfg, device, compile_mode
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         world = dist.get_world_size() if distributed else 1
@@ -161,16 +164,17 @@ class Engine:
             return None
         return out
 
-    def choose(self, logits: torch.Tensor | None, sampler: Sampler, batch: int) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor | None, sampler: Sampler, running: "Running") -> torch.Tensor:
         """The next ids (b,) on the CPU of every rank, from the last position's logits (b, vocab) of the last
         stage. Greedy under TP picks from the vocab shards (vocab_parallel_argmax): b ids and maxima
         per rank cross the TP group instead of b x vocab logits; sampling gathers the logits."""
         if logits is None:
-            chosen = torch.zeros(batch, dtype=torch.long)
+            chosen = torch.zeros(len(running.rows), dtype=torch.long)
         elif isinstance(logits, DTensor) and sampler.greedy and _vocab_sharded(logits):
             chosen = vocab_parallel_argmax(logits)
         else:
-            chosen = sampler(logits.full_tensor() if isinstance(logits, DTensor) else logits)
+            full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+            chosen = sampler(full, rows=running.rows, sequences=len(running.out))
         return self._share(chosen).cpu()
 
     def _share(self, ids: torch.Tensor | None, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -245,17 +249,19 @@ class Engine:
                 for moe in moe_modules(block):
                     moe.forward = torch.compiler.disable(moe.forward)
         if kind not in self._compiled:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            mode = self.compile_mode or ("reduce-overhead" if self.device.type == "cuda" else None)
             step = {"logits": self._decode_step, "greedy": self._greedy_step, "prefill": self._forward_into_cache}[kind]
             self._compiled[kind] = torch.compile(step, mode=mode, dynamic=False)
         return self._compiled[kind]
 
-    def _decode_on_device(self, first: torch.Tensor, cache: StaticKVCache, max_new_tokens: int, take) -> None:
+    def _decode_on_device(self, first: torch.Tensor, cache: StaticKVCache, max_new_tokens: int,
+                          running: "Running") -> StaticKVCache:
         """Greedy compiled decoding with no host round trip per step: each step's ids stay on the device
         and feed the next step, so the host queues steps ahead of the GPU (a CUDA graph replay each)
         instead of waiting for every token. The ids come back to the host every DONE_CHECK_EVERY steps,
-        where `take` keeps what each sequence produced up to its end token; a batch that has ended
-        costs at most DONE_CHECK_EVERY - 1 steps more, whose ids are dropped."""
+        where `running` keeps what each sequence produced up to its end token and says which rows to keep
+        (`Running.shrink`); a finished sequence costs at most DONE_CHECK_EVERY - 1 steps more in its row,
+        whose ids are dropped. Returns the cache it ended with."""
         ids, pending = first[:, None].to(self.device), []
         step = self._compile("greedy")
         for n in range(1, max_new_tokens):
@@ -264,17 +270,25 @@ class Engine:
             # rank chose the same ids (vocab_parallel_argmax): only a pipeline's first stage needs them sent.
             ids = out.clone() if self.pp == 1 else self._share(out, like=ids)
             cache.length += 1
+            running.rows_computed += ids.shape[0]
             pending.append(ids)
             if len(pending) == DONE_CHECK_EVERY or n == max_new_tokens - 1:
-                if take(torch.cat(pending, dim=1).cpu()):
-                    return
+                if running.take(torch.cat(pending, dim=1).cpu()):
+                    break
                 pending = []
+                keep = running.shrink(bucketed=True)
+                if keep is not None:
+                    cache, ids = cache.keep_rows(keep), ids[torch.tensor(keep, device=self.device)]
+        return cache
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
-                 eos_ids: set[int] | frozenset[int] = frozenset(), compiled: bool = False) -> Generation:
+                 eos_ids: set[int] | frozenset[int] = frozenset(), compiled: bool = False,
+                 compact: bool = True) -> Generation:
         """Left-pad the prompts, prefill them in one forward, then decode one token per step (`compiled`:
-        the prefill and each step one compiled graph over a static cache, `_compile`)."""
+        the prefill and each step one compiled graph over a static cache, `_compile`). `compact`: drop
+        finished sequences from the batch (Running.shrink); False keeps every row to the end (the
+        benchmark's comparison)."""
         b, longest = len(prompts), max(len(p) for p in prompts)
         check_generation_length(self.cfg, longest, max_new_tokens)
         # Compiled: the prompts are left-padded to a bucket of 64 and the cache's capacity rounded up to
@@ -289,20 +303,7 @@ class Engine:
             cache = self.static_cache(b, bucket(width + max_new_tokens))
         else:
             cache = KVCache(b, longest + max_new_tokens, self.device)
-        out: list[list[int]] = [[] for _ in prompts]
-        done = [False] * b
-
-        def take(chosen: torch.Tensor) -> bool:
-            """Append (b, k) ids on the CPU, k steps' worth, to the unfinished sequences; True once all ended.
-            Python lists, not tensor indexing: at batch 64 that would cost a GPU step's time per token."""
-            for column in zip(*chosen.tolist()):
-                for i, token in enumerate(column):
-                    if not done[i]:
-                        out[i].append(token)
-                        done[i] = token in eos_ids
-                if all(done):
-                    return True
-            return False
+        running = Running(b, eos_ids, compact)
 
         self._sync()
         start = time.perf_counter()
@@ -313,13 +314,14 @@ class Engine:
             positions = cache.begin(valid.to(self.device))
             logits = self.forward(tokens, positions, cache, last_only=True, gather=False)
             cache.end(width)
-        chosen = self.choose(None if logits is None else logits[:, -1], sampler, b)
-        ended = take(chosen[:, None])
+        chosen = self.choose(None if logits is None else logits[:, -1], sampler, running)
+        ended = running.take(chosen[:, None])
+        kv_bytes = cache.nbytes()  # allocated by now (the eager cache allocates on first use), before any shrinking
         self._sync()
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         if not ended and compiled and sampler.greedy:
-            self._decode_on_device(chosen, cache, max_new_tokens, take)
+            self._decode_on_device(chosen, cache, max_new_tokens, running)
         elif not ended:
             step_tokens = chosen[:, None]
             for _ in range(1, max_new_tokens):
@@ -327,15 +329,58 @@ class Engine:
                     logits = self._through_stage(self._compile("logits"), step_tokens, cache)
                     cache.length += 1
                 else:
-                    positions = cache.begin(torch.ones(b, 1, dtype=torch.bool, device=self.device))
+                    positions = cache.begin(torch.ones(len(running.rows), 1, dtype=torch.bool, device=self.device))
                     logits = self.forward(step_tokens, positions, cache, last_only=True, gather=False)
                     cache.end(1)
-                chosen = self.choose(None if logits is None else logits[:, -1], sampler, b)
-                if take(chosen[:, None]):
+                running.rows_computed += step_tokens.shape[0]
+                chosen = self.choose(None if logits is None else logits[:, -1], sampler, running)
+                if running.take(chosen[:, None]):
                     break
                 step_tokens = chosen[:, None]
+                keep = running.shrink(bucketed=compiled)
+                if keep is not None:
+                    cache, step_tokens = cache.keep_rows(keep), step_tokens[keep]
         self._sync()
         decode_s = time.perf_counter() - start
-        decode_steps = max(0, max(len(o) for o in out) - 1)
-        return Generation(out, int(valid.sum()), prefill_s, decode_steps * b, decode_s if decode_steps else 0.0,
-                          cache.nbytes())
+        decode_tokens = sum(max(0, len(o) - 1) for o in running.out)
+        return Generation(running.out, int(valid.sum()), prefill_s, decode_tokens, decode_s if decode_tokens else 0.0,
+                          running.rows_computed, kv_bytes)
+
+
+class Running:
+    """The sequences of one generation: what each has produced, which have ended, and which sequence each
+    row of the running batch holds (rows shrink as sequences end: `shrink`)."""
+
+    def __init__(self, batch: int, eos_ids: set[int] | frozenset[int], compact: bool):
+        self.out: list[list[int]] = [[] for _ in range(batch)]
+        self.done = [False] * batch
+        self.rows = list(range(batch))  # rows[r]: the sequence in row r of the batch
+        self.eos_ids, self.compact = eos_ids, compact
+        self.rows_computed = 0  # rows the decode steps ran, finished sequences' included
+
+    def take(self, chosen: torch.Tensor) -> bool:
+        """Append (rows, k) ids on the CPU, k steps' worth, to the unfinished sequences; True once all ended.
+        Python lists, not tensor indexing: at batch 64 that would cost a GPU step's time per token."""
+        for column in zip(*chosen.tolist()):
+            for row, token in enumerate(column):
+                i = self.rows[row]
+                if not self.done[i]:
+                    self.out[i].append(token)
+                    self.done[i] = token in self.eos_ids
+            if all(self.done):
+                return True
+        return False
+
+    def shrink(self, bucketed: bool) -> list[int] | None:
+        """The rows to keep, once at most half the rows hold unfinished sequences: theirs, and with
+        `bucketed` (compiled steps: each batch size is a graph of its own) finished ones up to the next
+        power of two; None: go on as is. Halving bounds the copies (each moves the kept rows of the
+        cache once: together less than one whole cache) and the compiled graphs (log2 of the batch)."""
+        alive = [r for r, i in enumerate(self.rows) if not self.done[i]]
+        if not self.compact or not alive or len(alive) > len(self.rows) // 2:
+            return None
+        size = 1 << (len(alive) - 1).bit_length() if bucketed else len(alive)
+        ended = [r for r, i in enumerate(self.rows) if self.done[i]]
+        keep = sorted(alive + ended[:size - len(alive)])
+        self.rows = [self.rows[r] for r in keep]
+        return keep

@@ -21,11 +21,14 @@ class Sampler:
         self.greedy, self.temperature, self.top_p = greedy, temperature, top_p
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, rows: list[int] | None = None, sequences: int | None = None) -> torch.Tensor:
         """(b, vocab) logits on any device -> (b,) token ids on the CPU. Greedy takes the argmax where the
         logits are and moves b ids, not b x vocab logits (8 MB a step at batch 64 and vocab 32k: a
         decode step's worth of time on a GPU); ties go to the lowest id on every device.
-        Sampling moves the logits to the CPU, where its seeded generator is."""
+        Sampling moves the logits to the CPU, where its seeded generator is. `rows[i]`: which of
+        `sequences` the logits' row i belongs to (default: row i of b): each step draws the noise of every
+        sequence and each row takes its own sequence's, so what a sequence samples does not depend on
+        which others have ended and left the batch (infer/engine.py Running.shrink)."""
         if self.greedy:
             return logits.float().argmax(dim=-1).cpu()
         logits = logits.float().cpu()
@@ -34,5 +37,10 @@ class Sampler:
         # Keep a token while the mass before it is below top_p: the first token is always kept.
         keep = sorted_probs.cumsum(dim=-1) - sorted_probs < self.top_p
         sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs / sorted_probs.sum(dim=-1, keepdim=True), 1, generator=self.generator)
+        # The exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i / sum(p)
+        # (no normalisation needed); zeroed tokens never win.
+        noise = torch.empty(sequences or len(logits), logits.shape[-1]).exponential_(generator=self.generator)
+        if rows is not None:
+            noise = noise[rows]
+        choice = (sorted_probs / noise).argmax(dim=-1, keepdim=True)
         return order.gather(-1, choice).squeeze(-1)

@@ -84,6 +84,16 @@ class KVCache:
         self.length += s
         self.mask = None
 
+    def keep_rows(self, keep: list[int]) -> "KVCache":
+        """Only the sequences in rows `keep`, in that order, from here on (the engine drops finished ones
+        from the batch): the rows are copied out, the others' memory freed."""
+        index = torch.tensor(keep, device=self.device)
+        self.batch, self.valid = len(keep), self.valid.index_select(0, index)
+        for cache in self.layers.values():
+            if cache.k is not None:
+                cache.k, cache.v = cache.k.index_select(0, index), cache.v.index_select(0, index)
+        return self
+
     def nbytes(self) -> int:
         """Bytes allocated for keys and values on this rank (the planner's kv-cache term)."""
         return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers.values() if c.k is not None)
@@ -130,12 +140,31 @@ class StaticKVCache(KVCache):
     cache_implementation="static"). Attention covers every slot; the mask hides the unwritten ones, so
     each query sees exactly the keys `KVCache` would give it."""
 
-    def __init__(self, batch: int, capacity: int, device: torch.device):
+    def __init__(self, batch: int, capacity: int, device: torch.device, rows_of: "StaticKVCache | None" = None):
+        """`rows_of`: no buffers of its own, views of the first `batch` rows of that cache's (keep_rows)."""
         super().__init__(batch, capacity, device)
-        self.valid = static(torch.zeros(batch, capacity, dtype=torch.bool, device=device))
-        self.filled = static(torch.zeros((), dtype=torch.long, device=device))  # slots written, as a tensor
         self.slots = torch.zeros(0, dtype=torch.long, device=device)
-        self.keys = static(torch.arange(capacity, device=device))
+        if rows_of is None:
+            self.valid = static(torch.zeros(batch, capacity, dtype=torch.bool, device=device))
+            self.filled = static(torch.zeros((), dtype=torch.long, device=device))  # slots written, as a tensor
+            self.keys = static(torch.arange(capacity, device=device))
+            return
+        self.valid, self.filled, self.keys = static(rows_of.valid[:batch]), rows_of.filled, rows_of.keys
+        self.length = rows_of.length
+        for name, cache in rows_of.layers.items():
+            if cache.k is not None:
+                mine = self.layer(name)
+                mine.k, mine.v = static(cache.k[:batch]), static(cache.v[:batch])
+
+    def keep_rows(self, keep: list[int]) -> "StaticKVCache":  # type: ignore[override]
+        """The cache of the rows `keep` only, moved (in that order) to the front of the same buffers and
+        viewed there: no new memory, and the views start at the buffers' addresses, so the compiled step
+        of the smaller batch (a graph of its own) finds the same addresses in every generation and
+        replays its CUDA graph. The full cache stays the engine's, emptied for the next generation."""
+        index = torch.tensor(keep, device=self.device)
+        for t in (self.valid, *(t for c in self.layers.values() for t in (c.k, c.v) if t is not None)):
+            t[:len(keep)] = t.index_select(0, index)  # a copy first: rows may move onto rows still to be read
+        return StaticKVCache(len(keep), self.capacity, self.device, rows_of=self)
 
     def reset(self) -> None:
         """Empty the cache in place for the next generation, keeping every buffer's address (what the
