@@ -158,8 +158,14 @@ def resume_row(ctx: Ctx) -> Row:
     p = ctx.shardwise("train", "--nproc", "1", *base, "--checkpoint.final=true", f"--run.dir={straight}")
     if p.returncode != 0:
         return Row(name, "fail", one_line(p))
+    from shardwise.train.manifest import step_dir_name
+
+    # The cut run: the straight run's first 4 steps only (its step-8 checkpoint and metrics records gone,
+    # so nothing of steps 5-8 can come from the copy).
     shutil.copytree(straight, cut)
-    shutil.rmtree(cut / "checkpoints" / "step_8", ignore_errors=True)
+    shutil.rmtree(cut / "checkpoints" / step_dir_name(8))
+    records = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text("".join(f"{r}\n" for r in records if json.loads(r).get("step", 0) <= 4))
     p = ctx.shardwise("train", "--nproc", "1", *base, "--checkpoint.resume=true", f"--run.dir={cut}")
     if p.returncode != 0:
         return Row(name, "fail", one_line(p))
