@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -55,8 +56,8 @@ def _train(argv: list[str]) -> int:
     import hashlib
     import tempfile
 
-    from shardwise.launch.local import check_multinode, check_nproc, torchrun
-    from shardwise.preflight import check
+    from shardwise.launch.local import check_multinode, check_nproc, parse_nnodes, torchrun
+    from shardwise.preflight import check, check_elastic
     from shardwise.train import rundir
     from shardwise.train.data import check_corpus, prepare_data
     from shardwise.train.manifest import file_digest
@@ -71,7 +72,8 @@ def _train(argv: list[str]) -> int:
                "address as --rdzv-endpoint (a loopback address is refused); node 0 owns the run directory")
     parser.add_argument("--config", default=None, help="TOML config file (default: built-in defaults)")
     parser.add_argument("--nproc", type=int, default=1, help="processes to launch on this node")
-    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job (each runs this command)")
+    parser.add_argument("--nnodes", default="1", help="machines in the job (each runs this command); MIN:MAX: elastic, "
+                        "the job goes on with any count in the range when a node is lost or joins (docs: README 'Elastic')")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0..nnodes-1 (0 owns the run directory)")
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, node 0's reachable address")
     parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: derived from run.dir)")
@@ -80,8 +82,15 @@ def _train(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     # Every node derives the same id from the same config; a rerun reuses it, hence clear_failure_record below.
     rdzv_id = args.rdzv_id or f"shardwise-{hashlib.sha256(cfg.run.dir.encode()).hexdigest()[:12]}"
-    nodes = check_multinode(args.nnodes, args.node_rank, args.rdzv_endpoint, rdzv_id)
-    check(cfg, args.nproc * args.nnodes)
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    nodes = check_multinode(max_nodes, args.node_rank, args.rdzv_endpoint, rdzv_id, min_nodes)
+    if nodes is not None:
+        nodes = dataclasses.replace(nodes, join_timeout_s=cfg.run.rendezvous_timeout_s,
+                                    last_call_s=cfg.run.rendezvous_last_call_s)
+    if nodes is not None and nodes.elastic:
+        check_elastic(cfg, args.nproc, min_nodes, max_nodes)
+    else:
+        check(cfg, args.nproc * max_nodes)
     rundir.check_cache_dir(cfg)
     data = prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
     check_corpus(len(data.tokens), cfg.train.seq_len, cfg.train.global_batch)  # one global batch at least

@@ -190,6 +190,14 @@ class RunConfig:
     backend: str = opt("auto", '"auto": NCCL on GPUs, gloo on CPU. "gloo": gloo on GPUs too, so that several processes '
                                'may share one GPU (device placement checks such as `make gpu-check`; not for speed: '
                                'collectives go through host memory). "nccl": NCCL (GPUs only).')
+    rendezvous_timeout_s: float = opt(600.0, "How long a multi-node job's rendezvous waits for its nodes (torchrun's "
+                                              "join_timeout): at the start, and in an elastic job (--nnodes MIN:MAX) "
+                                              "for MIN nodes after losing some; then the job ends (elastic: exit code 6, "
+                                              "naming the checkpoint to resume from).")
+    rendezvous_last_call_s: float = opt(30.0, "An elastic job's rendezvous, once MIN nodes are there, waits this long for "
+                                               "more before it starts them (torchrun's last_call_timeout): most of the "
+                                               "time from a lost node to the next step; shorter can start a smaller job "
+                                               "just before a restarting node is back, which then joins (one more restart).")
     collective_timeout_s: float = opt(300.0, "A collective that waits longer than this fails the run (exit code 5) after "
                                              "every rank's Python stack and last collective are written to "
                                              "<run.dir>/stall/ and the ranks that did not arrive are named.")
@@ -225,6 +233,10 @@ class ClusterConfig:
                                                 "(plan/constants.py CHECKPOINT_WRITE_GBPS_PER_GPU).")
     restart_s: float | None = opt(None, "Seconds from a failure to training again (re-schedule, start, load the checkpoint); "
                                         "unset: an assumed 600 (plan/constants.py RESTART_S).")
+    elastic_restart_s: float | None = opt(None, "The same for an elastic job (`train --nnodes MIN:MAX`), which goes on on "
+                                                "the nodes left instead of waiting for a replacement: the rendezvous's "
+                                                "last call, start-up and the checkpoint's load; unset: 47, measured "
+                                                "(plan/constants.py ELASTIC_RESTART_S).")
     # The software stack (plan/stack.py): unset = what shardwise's trainer runs; set to plan an older stack.
     attention_kernel: str | None = opt(None, 'SDPA kernel to price: "cudnn", "flash" (FlashAttention-2), "efficient" '
                                              '(memory-efficient) or "math" (unfused softmax, s x s scores in memory); '

@@ -20,6 +20,7 @@ EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_IO = 4
 EXIT_STALLED = 5
+EXIT_TOO_FEW_NODES = 6  # an elastic job (--nnodes MIN:MAX) had fewer than MIN nodes for run.rendezvous_timeout_s
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 # A restart (run.max_restarts) cannot help these: the same input, settings or disk fail the same way.

@@ -132,6 +132,13 @@ def check_checkpoint(cfg: Config) -> None:
 def check_run(cfg: Config) -> None:
     _positive("run.max_restarts", cfg.run.max_restarts, 0)
     _choice("run.backend", cfg.run.backend, PROCESS_GROUP_BACKENDS)
+    if not cfg.run.rendezvous_timeout_s > 0:
+        raise ConfigError("run.rendezvous_timeout_s", f"must be > 0, got {cfg.run.rendezvous_timeout_s}",
+                          "use e.g. 600 (seconds): how long the nodes have to meet")
+    if not 0 < cfg.run.rendezvous_last_call_s < cfg.run.rendezvous_timeout_s:
+        raise ConfigError("run.rendezvous_last_call_s", f"must be > 0 and below run.rendezvous_timeout_s "
+                          f"({cfg.run.rendezvous_timeout_s:g}), got {cfg.run.rendezvous_last_call_s:g}",
+                          "the wait for more nodes must end before the rendezvous itself times out: e.g. 30")
     if not cfg.run.collective_timeout_s > 0:
         raise ConfigError("run.collective_timeout_s", f"must be > 0, got {cfg.run.collective_timeout_s}",
                           "use e.g. 300 (seconds); raise it if a checkpoint save or first step takes longer")
@@ -146,6 +153,32 @@ def check(cfg: Config, world_size: int) -> ParallelDims:
     check_checkpoint(cfg)
     check_run(cfg)
     return dims
+
+
+def check_elastic(cfg: Config, nproc: int, min_nodes: int, max_nodes: int) -> ParallelDims:
+    """`check` at every world size an elastic job can have (`shardwise train --nnodes MIN:MAX`, nproc per
+    node): a size the config does not fit is refused before anything starts, naming it, instead of at
+    the restart that reaches it hours later. Returns the dims at MAX nodes."""
+    bad, dims = [], None
+    for n in range(min_nodes, max_nodes + 1):
+        try:
+            dims = check(cfg, nproc * n)
+        except ConfigError as e:
+            bad.append((n, e))
+    if not bad:
+        if cfg.run.max_restarts < 1:
+            raise ConfigError("run.max_restarts", "is 0, but an elastic job (--nnodes MIN:MAX) goes on after losing a node by "
+                              "restarting its worker group on the nodes left, which uses one restart",
+                              "pass --run.max_restarts=3 or more (each lost node uses one; a node joining uses none)")
+        return dims
+    if len(bad) == max_nodes - min_nodes + 1:  # no size fits: the config's own error, at MAX nodes
+        raise bad[-1][1]
+    n, first = bad[0]
+    sizes = ", ".join(f"{k} node{'s' * (k > 1)} ({nproc * k} processes)" for k, _ in bad)
+    raise ConfigError("--nnodes", f"the job may run on {min_nodes} to {max_nodes} nodes, but the config does not fit {sizes}: "
+                      f"at {nproc * n} processes {first.field}: {first.problem}",
+                      "let one axis absorb the change (-1, e.g. --parallel.dp_shard=-1), pick a train.global_batch that "
+                      "train.micro_batch x every data-parallel size divides, or narrow the --nnodes range")
 
 
 def check_serving(cfg: Config, world: int, prompt_len: int = 1) -> ParallelDims:

@@ -168,3 +168,36 @@ def test_plan_search_explains_tiny_losers_in_milliseconds(capsys):
     out = capsys.readouterr().out
     assert "mostly" in out and "(+0.000 s)" not in out and " ms)" in out
     assert "e-0" not in out
+
+
+@pytest.mark.parametrize("text,want", [("2", (2, 2)), ("1:4", (1, 4)), (" 2:2 ", (2, 2))])
+def test_nnodes_is_a_count_or_an_elastic_range(text, want):
+    from shardwise.launch.local import parse_nnodes
+
+    assert parse_nnodes(text) == want
+
+
+@pytest.mark.parametrize("args,field,words", [
+    (["--nnodes", "3:1"], "--nnodes", "above"),
+    (["--nnodes", "two"], "--nnodes", "not a node count"),
+    # 2 processes per node, global batch 8, micro-batch 2: 6 processes (3 nodes) cannot split it.
+    (["--nnodes", "1:3", "--parallel.dp_shard=-1", "--parallel.zero=3", "--train.global_batch=8", "--train.micro_batch=2"],
+     "--nnodes", "does not fit 3 nodes (6 processes)"),
+    (["--nnodes", "1:2", "--parallel.dp_shard=-1", "--parallel.zero=3", "--train.global_batch=8", "--train.micro_batch=2"],
+     "run.max_restarts", "elastic job"),
+    (["--nnodes", "1:2", "--parallel.dp_shard=-1", "--parallel.zero=3", "--train.global_batch=8", "--train.micro_batch=2",
+      "--run.max_restarts=2", "--run.rendezvous_last_call_s=900"], "run.rendezvous_last_call_s", "below"),
+])
+def test_an_elastic_job_is_checked_at_every_size_before_anything_starts(args, field, words, capsys):
+    """`--nnodes MIN:MAX` is refused (exit 2, before any data is read) when some node count in the range
+    would not fit the config, naming it, or when nothing would restart the job after a loss."""
+    code = main(["train", "--nproc", "2", "--node-rank", "1", "--rdzv-endpoint", "198.51.100.1:29400",
+                 "--data.path=/nonexistent/never-read.txt", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: {field}" in err and words in err and "never-read" not in err, err
+
+
+def test_an_elastic_launch_passes_the_range_and_the_rendezvous_timeouts():
+    args = MultiNode(2, 1, "198.51.100.1:29400", "job", None, 1, 600.0, 2.5).torchrun_args()
+    assert "--nnodes=1:2" in args and "--rdzv-conf=is_host=false,join_timeout=600,last_call_timeout=3" in args
+    assert "--nnodes=2" in MultiNode(2, 1, "198.51.100.1:29400", "job", None, 2).torchrun_args()  # 2:2 is not elastic

@@ -147,6 +147,18 @@ def test_failure_numbers_follow_the_formulas(run_toml):
     assert rc.expected_failures == pytest.approx(rc.days_with_failures * 24 * 3600 / m)
 
 
+def test_an_elastic_job_pays_its_own_restart_instead_of_a_rescheduled_jobs(run_toml):
+    """Elastic (train --nnodes MIN:MAX): the same overhead formula with R = the elastic restart; the checkpoint
+    interval and the lost work are the same."""
+    _, _, rc = plan(run_toml, "--cluster.checkpoint_save_s=60", "--cluster.restart_s=600")
+    m, tau = rc.mtbf_hours * 3600, rc.checkpoint_interval_s
+    assert rc.elastic_restart_s == C.ELASTIC_RESTART_S
+    assert rc.elastic_overhead == pytest.approx(60 / tau + (tau + 60) / (2 * m) + C.ELASTIC_RESTART_S / m)
+    assert rc.elastic_goodput > rc.goodput and rc.elastic_days_with_failures < rc.days_with_failures
+    same = plan(run_toml, "--cluster.checkpoint_save_s=60", "--cluster.restart_s=600", "--cluster.elastic_restart_s=600")[2]
+    assert same.elastic_overhead == pytest.approx(same.overhead)
+
+
 def test_more_failures_mean_more_days(run_toml):
     none = plan(run_toml, "--cluster.failures_per_gpu_hour=0")[2]
     llama = plan(run_toml)[2]

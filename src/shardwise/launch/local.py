@@ -9,6 +9,7 @@ error that is not just the consequence of a lost peer (its traceback is in <run.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ from shardwise.errors import (
     EXIT_SIGINT,
     EXIT_SIGTERM,
     EXIT_STALLED,
+    EXIT_TOO_FEW_NODES,
     ConfigError,
     interrupt_exit_code,
 )
@@ -105,6 +107,11 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     # One node: the workers find the agent's store on loopback (torch would publish the host name's
     # fully qualified name, which resolves to a network address on many machines: traffic that never
     # needs to leave this machine would go out through its interface's address).
+    if nodes is not None and nodes.elastic:
+        # torch 2.13's rendezvous shares node 0's TCPStore between rounds and publishes its address in the
+        # first round only: a node that joins later waits for that key in its own round and times out
+        # after 60 s (pytorch/pytorch#147064's family). torch's own switch makes every round publish it.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = nodes.torchrun_args() if nodes is not None else ["--standalone", "--local-addr=127.0.0.1"]
     argv += [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", f"--shutdown-timeout={SHUTDOWN_GRACE_S}"]
@@ -122,6 +129,11 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         return interrupt_exit_code(e.sigval)
     except RendezvousError as e:  # multi-node: the nodes never met (endpoint unreachable, a node missing, timeout)
         where = f" at {nodes.endpoint}" if nodes is not None else ""
+        if nodes is not None and nodes.elastic:
+            print(f"error: fewer than {nodes.min_nodes} node(s) (--nnodes {nodes.min_nodes}:{nodes.nnodes}) met at the "
+                  f"rendezvous{where} within run.rendezvous_timeout_s ({nodes.join_timeout_s:g} s): "
+                  f"{type(e).__name__}{_resume_hint(checkpoints)}", file=sys.stderr, flush=True)
+            return EXIT_TOO_FEW_NODES
         print(f"error: rendezvous{where} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
               "(is node 0 running, and its address reachable from this node?)", file=sys.stderr, flush=True)
         return EXIT_FAILED
@@ -207,16 +219,27 @@ class MultiNode:
     endpoint: str  # HOST:PORT as the user wrote it
     rdzv_id: str
     local_addr: str | None = None  # this node's address towards the endpoint (see check_multinode)
+    min_nodes: int | None = None  # elastic (--nnodes MIN:MAX): the fewest nodes the job goes on with
+    join_timeout_s: float | None = None  # run.rendezvous_timeout_s (None: torch's default)
+    last_call_s: float | None = None  # run.rendezvous_last_call_s (None: torch's default)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
 
     def torchrun_args(self) -> list[str]:
         # torchrun ignores --node-rank under c10d (the rendezvous orders the nodes itself); it is passed
         # so the agent's view matches the command line, and shardwise uses it for run-directory ownership.
-        out = [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
+        nodes = f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+        out = [f"--nnodes={nodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
                # Node 0 serves the rendezvous store at the endpoint, the others connect to it. torch would
                # guess by matching the endpoint against the host name's addresses, which fails where the
                # host name resolves to 127.0.x.1 (every agent then waits for a server nobody started).
-               f"--rdzv-conf=is_host={'true' if self.node_rank == 0 else 'false'}"]
+               f"--rdzv-conf=is_host={'true' if self.node_rank == 0 else 'false'}"
+               # Whole seconds: torch reads both as integers (a fraction would be refused).
+               + (f",join_timeout={math.ceil(self.join_timeout_s)}" if self.join_timeout_s is not None else "")
+               + (f",last_call_timeout={math.ceil(self.last_call_s)}" if self.last_call_s is not None else "")]
         if self.local_addr:
             out.append(f"--local-addr={self.local_addr}")
         return out
@@ -259,14 +282,30 @@ def _loopback(host: str) -> str | None:
     return None
 
 
-def check_multinode(nnodes: int, node_rank: int, endpoint: str | None, rdzv_id: str) -> MultiNode | None:
-    """Validate a multi-node launch before anything is spawned; None for a single-node one.
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """--nnodes "N" -> (N, N); "MIN:MAX" (elastic: the job goes on with any node count in the range) ->
+    (MIN, MAX)."""
+    low, _, high = text.strip().partition(":")
+    if not (low.isdigit() and (high.isdigit() or not _)):
+        raise ConfigError("--nnodes", f"{text!r} is not a node count N or a range MIN:MAX",
+                          "pass e.g. --nnodes 2, or --nnodes 1:2 for a job that goes on when a node is lost")
+    low_n, high_n = int(low), int(high or low)
+    if low_n > high_n:
+        raise ConfigError("--nnodes", f"{text!r}: MIN {low_n} is above MAX {high_n}", f"write --nnodes {high_n}:{low_n}")
+    return low_n, high_n
+
+
+def check_multinode(nnodes: int, node_rank: int, endpoint: str | None, rdzv_id: str,
+                    min_nodes: int | None = None) -> MultiNode | None:
+    """Validate a multi-node launch before anything is spawned; None for a single-node one. `min_nodes`
+    (below `nnodes`): an elastic job, which goes on with any node count from min_nodes to nnodes.
 
     A rendezvous endpoint on a loopback address is refused: node 0's agent would listen there and the
     other nodes would dial their own loopback, so every node waits for the rendezvous timeout (a hang,
     not an error)."""
-    if nnodes < 1:
-        raise ConfigError("--nnodes", f"must be >= 1, got {nnodes}", "pass the number of machines, e.g. --nnodes 2")
+    if nnodes < 1 or (min_nodes is not None and min_nodes < 1):
+        raise ConfigError("--nnodes", f"must be >= 1, got {min_nodes if min_nodes is not None and min_nodes < 1 else nnodes}",
+                          "pass the number of machines, e.g. --nnodes 2")
     if not 0 <= node_rank < nnodes:
         raise ConfigError("--node-rank", f"must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}",
                           "give each machine its own rank: 0 on the first, 1 on the second, ...")
@@ -293,7 +332,8 @@ def check_multinode(nnodes: int, node_rank: int, endpoint: str | None, rdzv_id: 
     # machine reaches the endpoint from, not the host name's resolution (often 127.0.x.1: the other nodes
     # would then dial themselves; train/network.py).
     local = source_address(host, port)
-    return MultiNode(nnodes, node_rank, endpoint, rdzv_id, None if local is None or is_loopback(local) else local)
+    return MultiNode(nnodes, node_rank, endpoint, rdzv_id, None if local is None or is_loopback(local) else local,
+                     min_nodes if min_nodes is not None and min_nodes < nnodes else None)
 
 
 def _is_local(host: str) -> bool:

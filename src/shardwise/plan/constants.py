@@ -283,3 +283,10 @@ CHECKPOINT_WRITE_GBPS_PER_GPU = 2.0
 # process start-up, NCCL initialisation and loading the checkpoint. ASSUMED 10 minutes (Daly 2006 uses
 # R = 10 min in his worked examples; no measured figure of ours).
 RESTART_S = 600.0
+# The same for an elastic job (`shardwise train --nnodes MIN:MAX`, cluster.elastic_restart_s unset), which
+# re-forms on the nodes left instead of waiting for the job to be scheduled again: MEASURED 46.9 s from
+# a node's SIGKILL to the next trained step (tests/dist/test_elastic.py's job, 2 x 2 CPU processes on this
+# 2-core machine, torch 2.13), of which 30 s is the rendezvous's default last call for more nodes
+# (run.rendezvous_last_call_s) and the rest failure detection, start-up and the checkpoint's load. A
+# large job's NCCL start-up and checkpoint load take longer: set cluster.elastic_restart_s.
+ELASTIC_RESTART_S = 47.0

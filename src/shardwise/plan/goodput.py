@@ -28,6 +28,10 @@ Failures and checkpoints (exponential failures, a job that restarts from its las
   wall time; expected failures = days including failures x 24 / M. The overhead is first order: it does
   not count failures during a restart or a re-run, so it is optimistic once (tau + delta) / 2 + R nears
   M — there a note says the job barely progresses.
+  An elastic job (`train --nnodes MIN:MAX`) goes on on the nodes left: the same overhead with R = the
+  elastic restart (cluster.elastic_restart_s, else constants.ELASTIC_RESTART_S, measured) instead of a
+  re-scheduled job's; the work since the last checkpoint is lost either way. First order again: the
+  slower steps on fewer nodes until one joins are not counted.
 """
 from __future__ import annotations
 
@@ -105,6 +109,10 @@ class RunCost:
     checkpoint_source: str              # "config" or "estimated"
     restart_s: float
     restart_source: str                 # "config" or "assumed"
+    elastic_restart_s: float            # an elastic job's R (cluster.elastic_restart_s, else measured)
+    elastic_overhead: float             # the overhead with R = elastic_restart_s
+    elastic_goodput: float
+    elastic_days_with_failures: float
     checkpoint_interval_s: float        # inf without failures
     checkpoint_every_steps: int | None  # None without failures
     overhead: float
@@ -139,6 +147,8 @@ def run_cost(problem: Problem, est: Estimate) -> RunCost:
     mtbf_s = mtbf_h * 3600
     tau = daly_interval(delta, mtbf_s)
     overhead = overhead_fraction(delta, tau, mtbf_s, restart)
+    elastic_restart = C.ELASTIC_RESTART_S if cl.elastic_restart_s is None else cl.elastic_restart_s
+    elastic = overhead_fraction(delta, tau, mtbf_s, elastic_restart)  # tau does not depend on R (Daly)
     days_f = est.days * (1 + overhead)
     every = None if math.isinf(tau) else max(1, round(tau / est.step_time_s))
     note = ""
@@ -153,6 +163,8 @@ def run_cost(problem: Problem, est: Estimate) -> RunCost:
         mtbf_hours=mtbf_h, checkpoint_bytes_per_gpu=ckpt_bytes, checkpoint_save_s=delta,
         checkpoint_source="estimated" if cl.checkpoint_save_s is None else "config",
         restart_s=restart, restart_source="assumed" if cl.restart_s is None else "config",
+        elastic_restart_s=elastic_restart, elastic_overhead=elastic, elastic_goodput=1 / (1 + elastic),
+        elastic_days_with_failures=est.days * (1 + elastic),
         checkpoint_interval_s=tau, checkpoint_every_steps=every, overhead=overhead, goodput=1 / (1 + overhead),
         days=est.days, days_with_failures=days_f, expected_failures=0.0 if math.isinf(mtbf_h) else days_f * 24 / mtbf_h,
         gpu_hours_with_failures=days_f * 24 * n, cost_with_failures=days_f * 24 * n * price if price > 0 else None, note=note)

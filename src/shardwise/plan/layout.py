@@ -55,6 +55,7 @@ class Cluster:
     failures_per_gpu_hour: float | None = None
     checkpoint_save_s: float | None = None
     restart_s: float | None = None
+    elastic_restart_s: float | None = None
     # parallel.offload = "nvme": the local disk's bandwidth per GPU, GB/s (cluster.disk_gbps, measured by
     # `shardwise doctor --disk DIR`); 0 = the datasheet NVMe drive of constants.NVME_*.
     disk_gbps: float = 0.0
@@ -100,6 +101,7 @@ class Cluster:
                 raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}", "0 takes the default")
         fixes = {"price_per_gpu_hour": "0 = not priced", "failures_per_gpu_hour": "0 = no failures; unset = Llama 3's rate",
                  "checkpoint_save_s": "unset = estimated from the checkpoint's bytes", "restart_s": "unset = an assumed 600 s",
+                 "elastic_restart_s": "unset = the measured 47 s",
                  "disk_gbps": "0 = a datasheet NVMe drive per GPU"}
         costs = {k: getattr(c, k, None) for k in fixes}
         for key, v in costs.items():
@@ -135,7 +137,8 @@ class Cluster:
                    compiled_hbm_fraction=calibration.compiled_hbm_fraction, measured_device=measured,
                    price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
                    failures_per_gpu_hour=costs["failures_per_gpu_hour"], checkpoint_save_s=costs["checkpoint_save_s"],
-                   restart_s=costs["restart_s"], disk_gbps=costs["disk_gbps"] or 0.0)
+                   restart_s=costs["restart_s"], elastic_restart_s=costs["elastic_restart_s"],
+                   disk_gbps=costs["disk_gbps"] or 0.0)
 
 
 @dataclass(frozen=True, eq=False)

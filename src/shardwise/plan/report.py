@@ -200,7 +200,11 @@ def cost_lines(rc: RunCost) -> list[str]:
             f"goodput  checkpoint every {_duration(rc.checkpoint_interval_s)} = checkpoint.every {rc.checkpoint_every_steps} "
             f"(Young/Daly{', longer than the run' if rc.checkpoint_interval_s > rc.days * 86400 else ''})  |  "
             f"overhead {rc.overhead * 100:.1f}%, goodput {rc.goodput * 100:.1f}%  |  "
-            f"{_days(rc.days_with_failures)} including failures"]
+            f"{_days(rc.days_with_failures)} including failures",
+            f"elastic  (train --nnodes MIN:MAX) goes on on the nodes left: restart {_duration(rc.elastic_restart_s)} instead of "
+            f"{_duration(rc.restart_s)}, the work since the last checkpoint still lost  |  overhead "
+            f"{rc.elastic_overhead * 100:.1f}%, goodput {rc.elastic_goodput * 100:.1f}%  |  "
+            f"{_days(rc.elastic_days_with_failures)} including failures"]
     return out + ([f"note: {rc.note}"] if rc.note else [])
 
 

@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from shardwise.train.distributed import RESTART_COUNT, RUN_ID, finish_distributed, init_distributed, launcher, leave
+from shardwise.train.distributed import RESTART_COUNT, RUN_ID, agreed_attempt, finish_distributed, init_distributed, launcher, leave
 from shardwise.train.signals import StopRequest, exit_with_parent
 
 
@@ -99,9 +99,12 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     from shardwise.train.watchdog import StallWatchdog, is_timeout
 
     rank = dist.get_rank() if distributed else 0
+    if distributed:
+        attempt = agreed_attempt(attempt)
     if attempt and rank == 0:
+        world = f", now {dist.get_world_size()} processes" if distributed else ""
         print(f"restart {attempt} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: the worker group was restarted "
-              "after a failure; resuming from the newest intact checkpoint", flush=True)
+              f"after a failure or a change of nodes{world}; resuming from the newest intact checkpoint", flush=True)
     watchdog = StallWatchdog(run_dir, rank, dist.get_world_size(), f"{run_id}/{attempt}") \
         if distributed and "MASTER_ADDR" in os.environ else None
     lock = None

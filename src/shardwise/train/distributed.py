@@ -239,6 +239,19 @@ def init_distributed(timeout_s: float = 600, backend: str = "auto") -> bool:
     return True
 
 
+def agreed_attempt(attempt: int) -> int:
+    """The largest restart count of any rank's agent, the same on every rank. The agents of an elastic job
+    (`shardwise train --nnodes MIN:MAX`) each count their own restarts, and a node that joins later
+    counts from 0 while its peers have restarted: the ranks must still agree whether this worker group is
+    a restart (which resumes from the newest checkpoint: a collective load) and name its store keys alike."""
+    import torch
+    import torch.distributed as dist
+
+    count = torch.tensor([attempt], device=default_device() if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def startup_line(where: RankEnv) -> str:
     """One line per rank: which launcher placed it where, and the device it takes."""
     import torch

@@ -1,0 +1,129 @@
+"""Elastic training, for real: `shardwise train --nnodes 1:2` on two test hosts (network namespaces of our
+own: tests/netns.py), two processes each. One node is SIGKILLed mid-run, agent and workers; the other
+goes on alone, resumed from the newest checkpoint and resharded onto 2 processes (dp_shard=-1 absorbs
+the change; train.global_batch stays 8, accumulation doubles); the node then joins again and the job
+finishes on 4 processes. The loss of every step must equal an uninterrupted 4-process run's within the
+parity tolerance (parity.py LOSS_RTOL = 1e-5, relative): the samples, their order and the global batch
+are the same at any data-parallel size, so only the order of fp32 sums changes (~1e-7 relative per
+step here). And when fewer than MIN nodes remain, the job ends with exit code 6 and the checkpoint to
+resume from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardwise.parity import LOSS_RTOL
+from tests import netns
+
+STEPS = 60
+LAYOUT = ["--parallel.dp_shard=-1", "--parallel.zero=3", "--train.micro_batch=2", f"--train.steps={STEPS}",
+          "--train.log_every=1", "--checkpoint.every=5", "--checkpoint.keep=100", "--run.max_restarts=3",
+          "--run.rendezvous_last_call_s=5"]  # torch's 30 s wait for more nodes would be most of each test
+RDZV_PORT = 29400
+
+
+def _losses(run: Path) -> dict[int, float]:
+    """The last record of each step (a step trained again after a restart replaces the lost one's)."""
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def _wait(condition, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def _kill_node(net: netns.Network, k: int) -> None:
+    """SIGKILL everything on node k, as a machine dying would: its agent and its workers."""
+    for pid in subprocess.run(["ip", "netns", "pids", net.nodes[k]], capture_output=True, text=True).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture()
+def cli(base_overrides) -> list[str]:
+    skip = {"train.steps", "checkpoint.resume", "train.micro_batch"}
+    return [sys.executable, "-m", "shardwise.cli", "train", *[f"--{k}={v}" for k, v in base_overrides if k not in skip],
+            *LAYOUT]
+
+
+def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened(cli, tmp_path):
+    run = tmp_path / "elastic"
+    with netns.network(2) as net:
+        def agent(k: int, log: str) -> subprocess.Popen:
+            return net.popen(k, [*cli, "--nproc", "2", "--nnodes", "1:2", "--node-rank", str(k), "--rdzv-endpoint",
+                                 f"{net.address(0)}:{RDZV_PORT}", f"--run.dir={run}"],
+                             stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
+
+        node0, node1 = agent(0, "node0.log"), agent(1, "node1.log")
+        _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8 on 4 processes")
+        newest = max(p.name for p in (run / "checkpoints").glob("step_*"))
+        killed_at = time.monotonic()
+        _kill_node(net, 1)
+        trained = len(_losses(run))
+        recovered = _wait(lambda: len(_losses(run)) > trained, 300, "a step trained after node 1 died")
+        _wait(lambda: max(_losses(run), default=0) >= 30, 300, "step 30 on node 0 alone")
+        rejoined = agent(1, "node1-again.log")
+        assert node0.wait(timeout=300) == 0 and rejoined.wait(timeout=60) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        assert node1.poll() == -signal.SIGKILL
+    out = (tmp_path / "node0.log").read_text()
+    print(f"from node 1's death to node 0's next trained step: {recovered - killed_at:.1f} s")
+    assert "now 2 processes" in out and "layout dp_shard=2 x2, zero=3, accumulation 2" in out
+    assert f"resumed from {run / 'checkpoints' / newest}" in out  # the newest checkpoint before the failure
+    assert "now 4 processes" in out.split("now 2 processes", 1)[1]  # the joined node: back to 4
+    verify = subprocess.run([sys.executable, "-m", "shardwise.cli", "checkpoint", "verify", str(run / "checkpoints")],
+                            capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr  # every checkpoint written is intact
+
+    one = subprocess.run([*cli, "--nproc", "4", f"--run.dir={tmp_path / 'one'}"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    straight, elastic = _losses(tmp_path / "one"), _losses(run)
+    assert sorted(elastic) == sorted(straight) == list(range(1, STEPS + 1))
+    worst = max(abs(elastic[s] - straight[s]) / abs(straight[s]) for s in straight)
+    print(f"final loss: uninterrupted {straight[STEPS]!r}, elastic {elastic[STEPS]!r}; worst relative difference {worst:.1e}")
+    assert worst <= LOSS_RTOL
+
+
+def test_fewer_than_min_nodes_end_the_job_with_exit_6_and_the_checkpoint_to_resume(cli, tmp_path):
+    """--nnodes 2:3 cannot go on with one node: after node 1 dies, node 0's rendezvous waits
+    run.rendezvous_timeout_s for a second node, then ends with exit code 6 naming the newest checkpoint; the
+    command it advises (the same again, on both nodes; checkpoint.resume is on by default, off in these
+    tests' base config) resumes from there. global_batch 12: 2 and 3 processes both divide it."""
+    run = tmp_path / "short"
+    with netns.network(2) as net:
+        def agent(k: int, *extra: str) -> subprocess.Popen:
+            return net.popen(k, [*cli, "--nproc", "1", "--nnodes", "2:3", "--train.global_batch=12", "--node-rank", str(k),
+                                 "--rdzv-endpoint",
+                                 f"{net.address(0)}:{RDZV_PORT}", f"--run.dir={run}", "--run.rendezvous_timeout_s=20",
+                                 *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+        node0, _ = agent(0), agent(1)
+        _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8")
+        _kill_node(net, 1)
+        out, err = node0.communicate(timeout=240)
+        assert node0.returncode == 6, out[-2000:] + err[-2000:]
+        last = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(last) == 1 and "fewer than 2 node(s)" in last[0] and "newest checkpoint" in last[0], err[-2000:]
+        newest = last[0].split("newest checkpoint ", 1)[1].split(":", 1)[0]
+        again = [agent(k, "--checkpoint.resume=true") for k in (0, 1)]
+        outputs = [a.communicate(timeout=300) for a in again]
+    assert [a.returncode for a in again] == [0, 0], outputs[0][1][-2000:]
+    assert f"resumed from {newest}" in outputs[0][0] and max(_losses(run)) == STEPS
