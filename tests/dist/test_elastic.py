@@ -5,7 +5,7 @@ the change; train.global_batch stays 8, accumulation doubles); the node then joi
 finishes on 4 processes. The loss of every step must equal an uninterrupted 4-process run's within the
 parity tolerance (parity.py LOSS_RTOL = 1e-5, relative): the samples, their order and the global batch
 are the same at any data-parallel size, so only the order of fp32 sums changes (~1e-7 relative per
-step here). And when fewer than MIN nodes remain, the job ends with exit code 6 and the checkpoint to
+step here). A node drained with SIGTERM leaves without losing a step. And when fewer than MIN nodes remain, the job ends with exit code 6 and the checkpoint to
 resume from.
 """
 from __future__ import annotations
@@ -100,6 +100,25 @@ def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened
     worst = max(abs(elastic[s] - straight[s]) / abs(straight[s]) for s in straight)
     print(f"final loss: uninterrupted {straight[STEPS]!r}, elastic {elastic[STEPS]!r}; worst relative difference {worst:.1e}")
     assert worst <= LOSS_RTOL
+
+
+def test_a_drained_node_leaves_without_losing_a_step(cli, tmp_path):
+    """SIGTERM to node 1's agent (a drain, a spot instance's notice): every rank finishes its step and
+    checkpoints it, node 1 ends with 143, and node 0 goes on alone from that checkpoint: no step is trained
+    twice (metrics.jsonl has each step once)."""
+    run = tmp_path / "drain"
+    with netns.network(2) as net:
+        agents = [net.popen(k, [*cli, "--nproc", "2", "--nnodes", "1:2", "--node-rank", str(k), "--rdzv-endpoint",
+                                f"{net.address(0)}:{RDZV_PORT}", f"--run.dir={run}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path) for k in (0, 1)]
+        _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8")
+        agents[1].send_signal(signal.SIGTERM)  # `ip netns exec` execs the agent: this is its pid
+        outputs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 143], outputs[0][-3000:]
+    records = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records == list(range(1, STEPS + 1))  # none lost, none repeated
+    stopped = outputs[0].split("checkpoint ", 1)[1].split(" written", 1)[0] if " written" in outputs[0] else ""
+    assert stopped and f"resumed from {stopped}" in outputs[0] and "now 2 processes" in outputs[0], outputs[0][-3000:]
 
 
 def test_fewer_than_min_nodes_end_the_job_with_exit_6_and_the_checkpoint_to_resume(cli, tmp_path):
