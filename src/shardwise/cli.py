@@ -397,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     commands["launch"] = lambda rest: _launch_command("schedulers", rest)
     commands["generate"] = _generate
     if command not in commands:
-        print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        import difflib
+
+        close = difflib.get_close_matches(command, commands, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"error: unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
     try:
         return commands[command](rest)

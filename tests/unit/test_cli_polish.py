@@ -201,3 +201,10 @@ def test_an_elastic_launch_passes_the_range_and_the_rendezvous_timeouts():
     args = MultiNode(2, 1, "198.51.100.1:29400", "job", None, 1, 600.0, 2.5).torchrun_args()
     assert "--nnodes=1:2" in args and "--rdzv-conf=is_host=false,join_timeout=600,last_call_timeout=3" in args
     assert "--nnodes=2" in MultiNode(2, 1, "198.51.100.1:29400", "job", None, 2).torchrun_args()  # 2:2 is not elastic
+
+
+def test_a_mistyped_command_gets_a_suggestion(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian' (did you mean 'train'?)" in capsys.readouterr().err
+    assert main(["zzz"]) == 2
+    assert "did you mean" not in capsys.readouterr().err

@@ -128,6 +128,8 @@ def test_train_from_import_then_export_loads_in_transformers(tmp_path):
     out = tmp_path / "exported"
     assert main(["export", "--run-dir", str(run), "--hf", str(out), "--max-shard-size", "0.0001"]) == 0
     assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # the weights as readable as the config (safetensors: 0600)
     import transformers
 
     theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)

@@ -102,3 +102,14 @@ def test_submit_without_sbatch_is_refused(in_run_dir, monkeypatch):
     with pytest.raises(ConfigError) as e:
         main(["slurm", "--config", "run.toml", "--nodes", "2", "--gpus-per-node", "8", "--python", "python3", "--submit"])
     assert e.value.field == "--submit" and (in_run_dir / "shardwise.sbatch").is_file()
+
+
+def test_a_layout_that_does_not_fit_names_launchs_own_options(capsys):
+    """launch takes no --nproc: the fix names what sets the process count there."""
+    demo = str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml")
+    assert cli_main(["launch", "mpirun", "--config", demo, "--hosts", "a:8,b:8"]) == 2
+    err = capsys.readouterr().err
+    assert "(the slots of --hosts: 16)" in err and "--nproc" not in err, err
+    assert cli_main(["launch", "slurm", "--config", demo, "--nodes", "2", "--gpus-per-node", "8", "--out", "x.sbatch"]) == 2
+    err = capsys.readouterr().err
+    assert "(--nodes x --gpus-per-node: 16)" in err and "--nproc" not in err, err

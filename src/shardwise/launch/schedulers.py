@@ -77,13 +77,17 @@ def parse_exports(items: list[str]) -> dict[str, str]:
     return out
 
 
-def _checked_config(config: str | None, overrides: list[str], world_size: int) -> None:
-    """The run must load and its layout fit the world size, as `shardwise train` checks before spawning."""
+def _checked_config(config: str | None, overrides: list[str], world_size: int, processes_from: str) -> None:
+    """The run must load and its layout fit the world size, as `shardwise train` checks before spawning.
+    `processes_from`: the options that set the process count here (launch takes no --nproc)."""
     if not config:
         raise ConfigError("--config", "no config file given", "pass --config run.toml (the file every rank reads)")
     if not Path(config).is_file():
         raise ConfigError("--config", f"{config} does not exist", "give the path of the run's TOML file")
-    check(load_config(config, overrides), world_size)
+    try:
+        check(load_config(config, overrides), world_size)
+    except ConfigError as e:
+        raise ConfigError(e.field, e.problem, e.fix.replace("(--nproc)", f"({processes_from}: {world_size})")) from None
 
 
 def mpirun_command(config: str, overrides: list[str], hosts: list[Host], env: Mapping[str, str],
@@ -186,7 +190,7 @@ def _mpirun(argv: list[str]) -> int:
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", f"must be >= 1, got {args.gpus_per_node}", "e.g. --gpus-per-node 8")
     exports = parse_exports(args.export)
-    _checked_config(args.config, overrides, sum(h.slots for h in hosts))
+    _checked_config(args.config, overrides, sum(h.slots for h in hosts), "the slots of --hosts")
     print(mpirun_command(args.config, overrides, hosts, os.environ, exports, args.python, args.gpus_per_node), end="")
     return 0
 
@@ -220,7 +224,7 @@ def _slurm(argv: list[str]) -> int:
     _check_slurm_value("--time", args.time, r"(\d+-)?\d+(:\d+){0,2}", "04:00:00")
     for field, value in (("--partition", args.partition), ("--account", args.account), ("--job-name", args.job_name)):
         _check_slurm_value(field, value, r"[A-Za-z0-9_.,-]+", "gpu")
-    _checked_config(args.config, overrides, args.nodes * per_node[1])
+    _checked_config(args.config, overrides, args.nodes * per_node[1], f"--nodes x {per_node[0]}")
     script = sbatch_script(args.config, overrides, args.nodes, args.gpus_per_node or 0, args.python, args.partition,
                            args.time, args.account, args.job_name, args.procs_per_node)
     out = args.out or ("shardwise.sbatch" if args.submit else None)

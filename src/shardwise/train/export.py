@@ -157,6 +157,11 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, dtype: str = "f
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": eos, "max_length": cfg.model.max_seq_len} if eos is not None else {}, indent=2) + "\n")
     _write_tokenizer(step_dir, out, config)
+    # safetensors writes its files owner-only (0600); give them the mode Python gave config.json (the
+    # umask's), so whoever may read the model's config may read its weights, as with save_pretrained.
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for file in set(weight_map.values()):
+        (out / file).chmod(mode)
     log(f"export: {step_dir} -> {out} ({len(weight_map)} tensors, {total / 2**20:.1f} MiB {dtype}, "
         f"{len(groups)} file{'s' if len(groups) > 1 else ''}{', tokenizer' if (out / 'tokenizer.json').exists() else ''})")
     return step_dir
