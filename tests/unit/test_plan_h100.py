@@ -81,16 +81,18 @@ def test_calibrate_cli_writes_a_file_the_planner_reads(tmp_path, capsys):
 
 
 def test_calibrate_reads_run_directories(tmp_path, capsys):
-    """A CPU run directory: parsed (median step time after the first logged step), reported, not fitted
-    (its config compiles on a GPU by default, so no eager term to fit)."""
+    """A CPU run directory: parsed (median step time after the first logged step), reported and fitted as
+    the eager run it was: train.compile unset means eager on a CPU (compiled on CUDA), which its records
+    say (no compiled_graphs); it was read as compiled once, and `plan calibrate` then fitted nothing."""
     run = tmp_path / "run"
     assert main(["train", "--train.steps=4", "--train.log_every=1", "--train.seq_len=32", "--data.tokenizer=byte",
                  "--model.vocab_size=320", f"--run.dir={run}", "--run.progress=false", "--run.tensorboard=false"]) == 0
     capsys.readouterr()
     assert main(["plan", "calibrate", str(run), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["eager_pointwise_hbm_fraction"] is None and data["runs"][0]["measured_step_s"] > 0
-    assert main(["plan", "calibrate", str(run), "--out", str(tmp_path / "c.json")]) == 2
+    assert data["runs"][0]["eager"] is True and data["runs"][0]["measured_step_s"] > 0
+    assert data["eager_pointwise_hbm_fraction"] is not None
+    assert main(["plan", "calibrate", str(run), "--out", str(tmp_path / "c.json")]) == 0
     assert main(["plan", "calibrate", str(tmp_path)]) == 2
 
 

@@ -60,6 +60,10 @@ def run_from_dir(path: Path) -> MeasuredRun:
     inventory = [max(sum(m.get(k, [0])[r] for k in INVENTORY) for r in range(len(m.get("params", [0]))))
                  for m in per_rank if m.get("params")]
     cfg = build_config(load_toml(path / "config.toml"))
+    if cfg.train.compile is None:  # unset: what the trainer chose there (on for CUDA, off on a CPU), which
+        # its records say: only a compiled run logs compiled_graphs (train/step_log.py)
+        compiled = any("compiled_graphs" in r for r in records)
+        cfg = replace(cfg, train=replace(cfg.train, compile=compiled))
     if max(peaks, default=0):
         return MeasuredRun(path.name, cfg, statistics.median(times), max(peaks))
     return MeasuredRun(path.name, cfg, statistics.median(times), max(inventory) if inventory else None, inventory=True)
