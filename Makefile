@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench soak gpu-check clean
+.PHONY: demo test lint venv bench soak gpu-check clean docs docs-check
 
 venv: $(STAMP)
 
@@ -22,6 +22,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# docs/config.md from the config tree's own documentation (tests/unit/test_docs.py fails when it is stale);
+# docs-check: that, the links, and every README / docs block marked runnable, as written (also in make test).
+docs: $(STAMP)
+	$(BIN)/shardwise config --markdown > docs/config.md
+
+docs-check: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit/test_docs.py tests/dist/test_docs_commands.py
 
 # Style and shape: ruff (lint + import order, config in pyproject.toml) and the import graph's floors
 # (tools/import_graph.py: no circles, no upward import; docs/architecture.md §2).

@@ -17,7 +17,7 @@ machine, 1 on CPU), after every measured row, so nothing they do overlaps a timi
 after another. A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
 metrics.jsonl, and the planner's prediction for the same config (`shardwise plan evaluate` on the table
 entry of this GPU): step time and peak memory, and their errors. OUT/report.md (a table) and
-OUT/report.json (the same rows; the format is in README.md "GPU check") are rewritten after every row,
+OUT/report.json (the same rows; the format is in docs/gpu.md) are rewritten after every row,
 so an interrupted check keeps what it measured. --only takes shell patterns over row names
 (`train/compiled/*`, `hf/*`). Without a CUDA GPU it says so and exits 0; --device cpu runs the rows
 on the CPU with a tiny model: the harness's own test (tests/dist/test_gpu_check.py), not a measurement;

@@ -507,20 +507,27 @@ def _toml_value(name: str, value: Any) -> str:
     return tomli_w.dumps({name: value}).strip()
 
 
-def describe() -> str:
-    """Every key with its default and documentation, for `shardwise config --keys`: the defaults as
-    TOML, so a line can be pasted into a config file as it is."""
+def describe(markdown: bool = False) -> str:
+    """Every key with its default and documentation: for `shardwise config --keys` the defaults as TOML, so
+    a line can be pasted into a config file as it is; `markdown` (`config --markdown`): docs/config.md's
+    tables, generated from the same fields so the reference cannot go stale (tests/unit/test_docs.py)."""
     lines = []
 
     def table(name: str, cls: type) -> None:
-        lines.append(f"[{name}]")
+        lines.extend([f"## [{name}]", "", "| key | default | meaning |", "|---|---|---|"] if markdown else [f"[{name}]"])
         subs = []
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             if dataclasses.is_dataclass(default):
                 subs.append((f"{name}.{f.name}", type(default)))
                 continue
-            lines.append(f"  {_toml_value(f.name, default)}\n      {f.metadata['doc']}")
+            if markdown:
+                shown = "unset" if default is None else f"`{_toml_value(f.name, default).split(' = ', 1)[1]}`"
+                lines.append(f"| `{name}.{f.name}` | {shown} | {f.metadata['doc'].replace('|', chr(92) + '|')} |")
+            else:
+                lines.append(f"  {_toml_value(f.name, default)}\n      {f.metadata['doc']}")
+        if markdown:
+            lines.append("")
         for sub, sub_cls in subs:
             table(sub, sub_cls)
 

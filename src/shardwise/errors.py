@@ -4,8 +4,9 @@ ConfigError is bad input: the CLI renders it without a traceback and exits 2, be
 spawned. RunFailure and its subclasses are failures during a run that every rank agreed on (or that
 one rank hit and reports): the worker prints one line and exits with the failure's code.
 
-Exit codes (README "Run safety"): 0 success, 1 an unexpected failure (a crash, a killed worker),
-2 bad input, 3 diverged, 4 an I/O error (disk full, read-only), 5 a stalled collective,
+Exit codes (docs/run-safety.md): 0 success, 1 an unexpected failure (a crash, a killed worker),
+2 bad input, 3 diverged, 4 an I/O error (disk full, read-only), 5 a stalled collective, 6 an elastic job
+with fewer than MIN nodes,
 130 / 143 interrupted by SIGINT / SIGTERM (or SIGUSR1) after writing a checkpoint.
 """
 from __future__ import annotations

@@ -155,7 +155,7 @@ def run(request: Request) -> int:
     engine = Engine(request.cfg, device, dtype, request.checkpoint)
     sampler = Sampler(greedy=args.temperature is None, temperature=args.temperature or 1.0, top_p=args.top_p, seed=args.seed)
     # auto: compiled where it pays for its compilation and was measured, a GPU with one process
-    # (benchmarks/decode.py measures the CPU: README "Generate"). TP / PP compiled steps (--compile=on) are
+    # (benchmarks/decode.py measures the CPU: docs/generation.md). TP / PP compiled steps (--compile=on) are
     # equal to eager on CPU (tests/dist/test_hf_layouts.py); on a GPU they are gpu_check.py's generate rows.
     compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda" and args.nproc == 1)
     result = engine.generate(request.prompts, args.max_new_tokens, sampler, request.eos_ids, compiled=compiled)

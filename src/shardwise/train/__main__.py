@@ -6,7 +6,7 @@ Under torchrun (RANK / WORLD_SIZE set by it) this joins the process group — NC
 present, gloo otherwise (train/distributed.py, shared with the parity worker) — and trains; without
 them it trains on one process.
 
-What a worker guarantees (README "Run safety"): it dies with its launcher; a stop signal ends it after
+What a worker guarantees (docs/run-safety.md): it dies with its launcher; a stop signal ends it after
 a step and a checkpoint (exit 130 / 143); a failure every rank agrees on is printed once, by rank 0,
 with its exit code (2 bad input, 3 diverged, 4 I/O); a stalled collective is diagnosed (exit 5); any
 other error writes its traceback to <run.dir>/errors/rank_<r>.txt, records itself for the launcher
