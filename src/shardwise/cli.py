@@ -251,13 +251,30 @@ def _emit(cfg: Config, problem, result, path: str, quiet: bool) -> None:
             print(f"note: #1 is not trained by this version ({refusals[0]}); wrote the fastest layout it trains")
         elif refusals[0]:
             print(f"note: this version's `shardwise train` refuses this layout ({refusals[0]})")
+        t, default = configs[rank].train, Config().train
+        untuned = [f"train.{k} = {getattr(t, k)}" for k in ("lr", "warmup_steps") if getattr(t, k) == getattr(default, k)]
+        if untuned:
+            print(f"note: {', '.join(untuned)} are the defaults (set for the tiny presets), not tuned for this model: set yours")
 
 
 def _with_layout(cfg: Config, problem, estimate) -> Config:
-    out = copy.deepcopy(cfg)
+    """`cfg` with the estimate's layout, and what the plan knows in place of the keys left at their
+    defaults: the steps that train train.tokens, the Young/Daly checkpoint interval, a run directory
+    named after the model (the user's own values stay)."""
+    from shardwise.plan.goodput import run_cost
+
+    out, default = copy.deepcopy(cfg), Config()
     for section, values in estimate.layout.config_values(problem).items():
         for key, value in values.items():
             setattr(getattr(out, section), key, value)
+    t = out.train
+    if t.tokens and t.steps == default.train.steps:
+        t.steps = -(-t.tokens // (t.global_batch * t.seq_len))
+    every = run_cost(problem, estimate).checkpoint_every_steps
+    if out.checkpoint.every == default.checkpoint.every and every is not None:
+        out.checkpoint.every = min(every, t.steps)
+    if out.run.dir == default.run.dir:
+        out.run.dir = f"runs/{out.model.preset or out.model.arch}"
     return out
 
 

@@ -208,3 +208,13 @@ def test_a_mistyped_command_gets_a_suggestion(capsys):
     assert "unknown command 'trian' (did you mean 'train'?)" in capsys.readouterr().err
     assert main(["zzz"]) == 2
     assert "did you mean" not in capsys.readouterr().err
+
+
+def test_a_moe_run_prints_its_loss_once_per_step(base_overrides, tmp_path, capsys):
+    """The router's line (aux loss, load, drops) follows the progress line without repeating its loss."""
+    over = [f"--{k}={v}" for k, v in base_overrides if k not in ("model.preset", "train.steps")]
+    assert main(["train", *over, "--model.preset=tiny-moe", "--train.steps=2", "--train.log_every=1",
+                 f"--run.dir={tmp_path / 'moe'}"]) == 0
+    out = capsys.readouterr().out
+    experts = [line for line in out.splitlines() if " experts: aux loss " in line]
+    assert len(experts) == 2 and not any("| loss" in line or ": loss" in line for line in experts), out

@@ -79,6 +79,13 @@ def test_search_emits_a_toml_that_loads_with_only_existing_keys(run_toml, tmp_pa
     p = cfg.parallel
     assert p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp == 64
     assert plot.stat().st_size > 10_000
+    # What the plan knows, in place of the defaults: the steps of train.tokens, the Young/Daly interval
+    # (plan evaluate's "checkpoint.every N"), a run directory of the model; lr and warm-up are flagged.
+    t = cfg.train
+    assert t.steps == -(-t.tokens // (t.global_batch * t.seq_len)) and cfg.run.dir == "runs/llama3-70b"
+    assert main(["plan", "evaluate", "--config", str(emitted)]) == 0
+    assert f"checkpoint.every {cfg.checkpoint.every} " in capsys.readouterr().out and cfg.checkpoint.every > 0
+    assert "train.lr = 0.003, train.warmup_steps = 20 are the defaults" in out
 
 
 def test_search_json(run_toml, capsys):

@@ -137,7 +137,8 @@ class StepLog:
         if self.moe_layers or self.cfg.model.moe.num_experts:
             record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.moe_group))
             if not self.quiet:
-                self.metrics.print(f"step {step}: loss {r.loss:.4f} | moe aux {record['moe_aux_loss']:.4f} | "
+                # The loss is on the progress line already: this line adds the router's state only.
+                self.metrics.print(f"step {step} experts: aux loss {record['moe_aux_loss']:.4f} | "
                                    f"load max/min {record['moe_load_max']:.2f}/{record['moe_load_min']:.2f} | "
                                    f"dropped {record['moe_dropped_frac'] * 100:.2f}%")
         if self.energy.enabled:
