@@ -132,3 +132,14 @@ def test_bf16_allowed_everywhere():
 
     for extra in ([("parallel.dp_shard", "2"), ("parallel.zero", "3")], [("parallel.tp", "2")], [("parallel.dp_replicate", "2")]):
         check(build_config(None, [("model.preset", "tiny"), ("parallel.grad_compression", "bf16")] + extra), 2)
+
+
+def test_plan_evaluate_says_what_gradient_compression_costs_or_that_it_is_not_applied(capsys):
+    base = ["plan", "evaluate", "--model.preset=llama3-8b", "--cluster.num_gpus=8", "--train.global_batch=64",
+            "--train.micro_batch=1", "--train.seq_len=2048", "--parallel.grad_compression=int8"]
+    assert main([*base, "--parallel.dp_replicate=8"]) == 0  # DDP: its communication hook encodes
+    layout = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("layout"))
+    assert "gradients int8: encode / decode " in layout and " s in dp_comm" in layout
+    assert main([*base, "--parallel.dp_replicate=4", "--parallel.tp=2"]) == 0  # FSDP2's replicate: no hook
+    layout = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("layout"))
+    assert "gradients int8: not applied" in layout

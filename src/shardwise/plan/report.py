@@ -247,8 +247,12 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     q = math.isqrt(lay.tp)
     mode = f"2-D TP on a {q} x {q} grid" if lay.tp > 1 and lay.tp_mode == "2d" else \
         f"sequence parallel {'on' if lay.sp else 'off'}"
+    coded = est.detail.get("grad_compression_compute_s", 0.0)
+    squeeze = "" if lay.grad_compression == "none" else f", gradients {lay.grad_compression}" + (
+        f" (kept fraction {lay.grad_compression_ratio:g})" if lay.grad_compression == "topk" else "") + (
+        f": encode / decode {coded:.3g} s in dp_comm" if coded else ": not applied (no data-parallel hook on this layout)")
     out = problem_lines(problem) + [f"layout   {lay.describe()}  (accumulation / micro-batches {lay.accumulation(problem)}, "
-                                    f"{mode})", f"stack    {problem.stack_for(lay).describe()}  (cluster.*_kernel: plan/stack.py)"
+                                    f"{mode}{squeeze})", f"stack    {problem.stack_for(lay).describe()}  (cluster.*_kernel: plan/stack.py)"
                                     + _fitted(problem)]
     out += calibration_lines(problem, lay)[1:] + tp2d_lines(problem, lay)
     con.print("\n".join(out), soft_wrap=True)
