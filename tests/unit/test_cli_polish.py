@@ -211,10 +211,12 @@ def test_a_mistyped_command_gets_a_suggestion(capsys):
 
 
 def test_a_moe_run_prints_its_loss_once_per_step(base_overrides, tmp_path, capsys):
-    """The router's line (aux loss, load, drops) follows the progress line without repeating its loss."""
+    """The router's line (aux loss, load, drops) follows the progress line without repeating its loss; the
+    start-up line calls one process one process."""
     over = [f"--{k}={v}" for k, v in base_overrides if k not in ("model.preset", "train.steps")]
     assert main(["train", *over, "--model.preset=tiny-moe", "--train.steps=2", "--train.log_every=1",
                  f"--run.dir={tmp_path / 'moe'}"]) == 0
     out = capsys.readouterr().out
     experts = [line for line in out.splitlines() if " experts: aux loss " in line]
     assert len(experts) == 2 and not any("| loss" in line or ": loss" in line for line in experts), out
+    assert "layout one process, " in out  # not "single x1"

@@ -83,8 +83,9 @@ class StepLog:
         self.peak, peak_label = device_peak_flops(device.type, compute_precision(t.precision),
                                                   torch.cuda.get_device_name() if device.type == "cuda" else None)
         if not quiet:
+            layout = "one process" if dims.world_size == 1 else f"{dims.describe()} x{dims.world_size}"
             self.metrics.print(f"model: {cfg.model.arch} {num_params / 1e6:.2f}M params, layout "
-                               f"{dims.describe()} x{dims.world_size}, zero={cfg.parallel.zero}, accumulation "
+                               f"{layout}, zero={cfg.parallel.zero}, accumulation "
                                f"{accumulation}, {_precision_words(t.precision, precision_defaulted, device)}, "
                                f"{'compiled' if self.compiled else 'eager'}"
                                f"{' (train.compile unset)' if self.compiled and t.compile is None else ''}, "
