@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # piped: no table folded at 80 columns
     with tempfile.TemporaryDirectory(prefix="shardwise-overhead-") as tmp_name:
         tmp = Path(tmp_name)
         write_corpus(tmp / "corpus.txt")

@@ -218,7 +218,8 @@ def report(out: Path, cases: list[tuple[Case, Config]], failed_launch: set[str])
         table.add_row(case.name, str(case.world_size), str(steps), f"{dloss:.2e}", f"{dparam:.2e}", "PASS" if ok else "FAIL")
         rows.append({"layout": case.name, "reference": case.reference, "procs": case.world_size, "steps": steps, "max_rel_dloss": dloss,
                      "max_abs_dparam": dparam, "verdict": "pass" if ok else "fail"})
-    Console().print(table)
+    # Piped (a log file, CI), rich would lay the table out for 80 columns and fold layout names mid-word.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     (out / "parity.json").write_text(json.dumps(rows, indent=1))
     return 0 if all_ok else 1
 

@@ -45,6 +45,7 @@ def test_parity_verdicts_are_the_same_on_every_rerun(base_overrides, tmp_path):
         p = _cli(*args, cwd=tmp_path)
         rows = json.loads((out / "parity.json").read_text()) if (out / "parity.json").is_file() else []
         verdicts.append((p.returncode, [r["verdict"] for r in rows]))
+        assert all(layout in p.stdout for layout in layouts), p.stdout  # piped, yet no name folded mid-word
     assert verdicts == [(0, ["pass"] * len(layouts))] * 10, verdicts
 
 
