@@ -219,6 +219,19 @@ def test_plain_progress_lines_without_tty(tmp_path, capsys):
     assert "eta 0:00:00" in status[-1]
 
 
+def test_the_eta_leaves_the_slow_first_step_out(tmp_path, capsys, monkeypatch):
+    """A first step 10x the others (compilation, warm-up) does not count in the ETA: after step 1 it is
+    unknown, after step 2 it is the remaining steps at the later steps' pace."""
+    clock = iter([0.0, 10.0, 11.0, 12.0])  # the logger's start, then the end of steps 1, 2, 3
+    monkeypatch.setattr("shardwise.train.metrics.time.perf_counter", lambda: next(clock))
+    logger = MetricsLogger(tmp_path, total_steps=3, start_step=0, is_writer=True, progress=True, tensorboard=False)
+    for step in (1, 2, 3):
+        logger.progress(step, 2.5, 1.0)
+    logger.close()
+    status = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert status[0].endswith("eta -:--:--") and status[1].endswith("eta 0:00:01"), status
+
+
 def test_read_metrics_keeps_last_record_per_step_and_skips_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n'

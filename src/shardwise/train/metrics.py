@@ -96,7 +96,7 @@ class MetricsLogger:
         self.start_step = start_step
         self.is_writer = is_writer
         self._show_progress = progress and is_writer
-        self._t0 = time.perf_counter()
+        self._t0 = self._t_first = time.perf_counter()
         self._every = max(1, math.ceil((total_steps - start_step) / 10))
         self._file = None
         self._tb = None
@@ -157,10 +157,14 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
             return
-        done = step - self.start_step
+        done, now = step - self.start_step, time.perf_counter()
+        if done == 1:
+            self._t_first = now
         if done == 1 or done % self._every == 0 or step >= self.total_steps:
-            elapsed = time.perf_counter() - self._t0
-            eta = (self.total_steps - step) * elapsed / done if done > 0 else float("nan")
+            elapsed = now - self._t0
+            # From the steps after the first: the first also compiles, warms the allocator and the data
+            # (5x a later step on the demo), so an ETA that counts it is far off; after step 1: unknown.
+            eta = (self.total_steps - step) * (now - self._t_first) / (done - 1) if done > 1 else float("nan")
             pct = 100 * step / max(1, self.total_steps)
             print(f"step {step}/{self.total_steps} ({pct:.0f}%) | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | "
                   f"elapsed {_fmt_seconds(elapsed)} | eta {_fmt_seconds(eta)}", flush=True)
