@@ -255,13 +255,13 @@ class Engine:
         return self._compiled[kind]
 
     def _decode_on_device(self, first: torch.Tensor, cache: StaticKVCache, max_new_tokens: int,
-                          running: "Running") -> StaticKVCache:
+                          running: "Running") -> None:
         """Greedy compiled decoding with no host round trip per step: each step's ids stay on the device
         and feed the next step, so the host queues steps ahead of the GPU (a CUDA graph replay each)
         instead of waiting for every token. The ids come back to the host every DONE_CHECK_EVERY steps,
         where `running` keeps what each sequence produced up to its end token and says which rows to keep
         (`Running.shrink`); a finished sequence costs at most DONE_CHECK_EVERY - 1 steps more in its row,
-        whose ids are dropped. Returns the cache it ended with."""
+        whose ids are dropped."""
         ids, pending = first[:, None].to(self.device), []
         step = self._compile("greedy")
         for n in range(1, max_new_tokens):
@@ -274,12 +274,11 @@ class Engine:
             pending.append(ids)
             if len(pending) == DONE_CHECK_EVERY or n == max_new_tokens - 1:
                 if running.take(torch.cat(pending, dim=1).cpu()):
-                    break
+                    return
                 pending = []
                 keep = running.shrink(bucketed=True)
                 if keep is not None:
                     cache, ids = cache.keep_rows(keep), ids[torch.tensor(keep, device=self.device)]
-        return cache
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
