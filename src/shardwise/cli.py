@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -54,10 +53,10 @@ exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled coll
 
 def _train(argv: list[str]) -> int:
     import hashlib
-    import tempfile
 
     from shardwise.launch.local import check_multinode, check_nproc, parse_nnodes, torchrun
     from shardwise.preflight import check, check_elastic
+    from shardwise.scratch import owned_file
     from shardwise.train import rundir
     from shardwise.train.data import check_corpus, prepare_data
     from shardwise.train.manifest import file_digest
@@ -115,9 +114,7 @@ def _train(argv: list[str]) -> int:
             config_path = rundir.save_config(cfg)
             print(f"run directory: {run_dir}  (config: {config_path})")
         else:  # node 0 may not have written config.toml yet: this node's workers read their own copy
-            fd, name = tempfile.mkstemp(prefix="shardwise-node-", suffix=".toml")
-            os.close(fd)
-            worker_config = Path(name)
+            worker_config = owned_file("node", suffix=".toml")  # removed below, or by the next run if killed
             cfg.save(worker_config)
             print(f"run directory: {run_dir} (owned by node 0); node {nodes.node_rank} of {nodes.nnodes}, "
                   f"rendezvous {nodes.endpoint}")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.parallel.offload import STATE_BYTES_PER_ELEMENT, NvmeAdamW, remove_stale_directories
+from shardwise.parallel.offload import STATE_BYTES_PER_ELEMENT, NvmeAdamW
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -88,16 +88,14 @@ def test_state_dict_round_trips_through_the_file(tmp_path):
     optimizer.close()
 
 
-def test_stale_directories_of_dead_processes_are_removed(tmp_path):
-    """A killed run cannot remove its state directory; the next run on this host removes those whose
-    process is gone and leaves live ones (and other hosts') alone."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    (tmp_path / f"shardwise-host-{dead_pid}-rank0-x").mkdir()
-    (tmp_path / f"shardwise-host-{os.getpid()}-rank0-y").mkdir()
-    (tmp_path / f"shardwise-other-{dead_pid}-rank0-z").mkdir()
-    remove_stale_directories(tmp_path, "host")
-    assert sorted(p.name.split("-")[1] + p.name[-1] for p in tmp_path.iterdir()) == ["hosty", "otherz"]
+def test_state_directory_is_owned_by_its_process(tmp_path):
+    """The moments' directory is named after this process (shardwise/scratch.py), so the next run on
+    this host removes it if this one is killed; close() removes it otherwise."""
+    optimizer = NvmeAdamW(nn.Linear(4, 4).parameters(), tmp_path, rank=3, lr=1e-3)
+    assert optimizer.directory.parent == tmp_path
+    assert optimizer.directory.name.startswith("shardwise-nvme-") and f"-{os.getpid()}-rank3-" in optimizer.directory.name
+    optimizer.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_full_disk_is_an_error_before_training(tmp_path):

@@ -15,7 +15,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from shardwise.errors import (
     ConfigError,
     interrupt_exit_code,
 )
+from shardwise.scratch import owned_directory
 from shardwise.train.network import is_loopback, source_address
 
 # When several workers failed with their own codes, the most specific wins.
@@ -116,8 +116,9 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     argv += [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", f"--shutdown-timeout={SHUTDOWN_GRACE_S}"]
     # torchrun's default log directory is a fresh /tmp/torchelastic_* that it never removes (one per
-    # launch); the workers' error files in it are read before run() returns, so ours is removed after.
-    own_log_dir = Path(tempfile.mkdtemp(prefix="shardwise-torchelastic-")) if log_dir is None else None
+    # launch); the workers' error files in it are read before run() returns, so ours is removed after,
+    # and, if this agent is killed first, by the next launch on this host (shardwise/scratch.py).
+    own_log_dir = owned_directory("torchelastic") if log_dir is None else None
     argv += [f"--log-dir={log_dir or own_log_dir}"]
     argv += ["-m", module, *module_args]
     _quiet_torchrun(max_restarts)

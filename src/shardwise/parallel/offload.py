@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardwise.scratch import owned_directory
 from shardwise.spec.dims import NVME_CHUNK_BYTES, NVME_STATE_BYTES_PER_PARAM
 
 # exp_avg + exp_avg_sq, fp32 (AdamW's state for fp32 master parameters), and the chunk of it read and
@@ -90,21 +89,6 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def remove_stale_directories(root: Path, host: str) -> None:
-    """Remove this host's directories whose process is gone (a killed run cannot clean up after itself)."""
-    for path in root.glob(f"shardwise-{host}-*"):
-        try:
-            pid = int(path.name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:  # another user's live process
-            pass
-
-
 class NvmeAdamW(torch.optim.AdamW):
     """torch's AdamW (fused) with exp_avg / exp_avg_sq in a file under `directory` (module doc).
 
@@ -115,10 +99,8 @@ class NvmeAdamW(torch.optim.AdamW):
         kwargs = {**kwargs, "fused": True}
         kwargs.pop("foreach", None)
         super().__init__(params, **kwargs)
-        root = Path(directory).expanduser()
-        host = socket.gethostname().replace("-", "_")
-        remove_stale_directories(root, host)
-        self.directory = Path(tempfile.mkdtemp(prefix=f"shardwise-{host}-{os.getpid()}-rank{rank}-", dir=root))
+        # Named after this process and removed by the next run once it is gone (a killed run cannot).
+        self.directory = owned_directory("nvme", Path(directory).expanduser(), tag=f"rank{rank}")
         self.stats = IOStats()
         params_in_order = [p for g in self.param_groups for p in g["params"]]
         self.offsets: dict[int, int] = {}

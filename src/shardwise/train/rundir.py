@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from shardwise.errors import NOT_RESTARTABLE, ConfigError
+from shardwise.scratch import process_alive
 from shardwise.train import manifest as mf
 from shardwise.train.distributed import RUN_ID  # torch is imported there only inside functions
 
@@ -73,16 +74,6 @@ def check_run_dirs(cfg) -> None:
         _writable_dir(checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else "run.dir")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class DirectoryLock:
     """An exclusive flock on <dir>/.shardwise/lock, with the holder's pid, host and command inside."""
 
@@ -121,7 +112,7 @@ class DirectoryLock:
         previous = self._holder(fd)
         note = None
         if previous.get("pid"):
-            state = "is no longer running" if not _alive(previous["pid"]) or previous.get("host") != socket.gethostname() \
+            state = "is no longer running" if not process_alive(previous["pid"]) or previous.get("host") != socket.gethostname() \
                 else "no longer holds it"
             note = f"run directory {self.directory}: took over the lock of pid {previous['pid']}, which {state}"
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
