@@ -143,3 +143,24 @@ def test_compile_default_follows_the_device():
     assert compile_enabled(plain, "cuda") and not compile_enabled(plain, "cpu")
     assert compile_enabled(load_config(None, ["--model.preset=tiny", "--train.compile=true"]), "cpu")
     assert not compile_enabled(load_config(None, ["--model.preset=tiny", "--train.compile=false"]), "cuda")
+
+
+@pytest.mark.parametrize("layout,world", [([], 2), (["--parallel.tp=2"], 8), (["--parallel.pp=2", "--model.n_layers=4"], 4)])
+def test_following_the_world_size_advice_works(layout, world):
+    """`--nproc N` on a layout of fewer ranks: each way the fix offers passes the same pre-flight.
+    (The advice was "set parallel.dp_shard=-1", which zero=0, the default, then refused in turn.)"""
+    import re
+
+    from shardwise.config import ConfigError, load_config
+    from shardwise.preflight import check
+
+    with pytest.raises(ConfigError) as refused:
+        check(load_config(None, layout), world)
+    fix = refused.value.fix
+    replicate = re.search(r"parallel\.dp_replicate=(\d+) \(DDP\)", fix).group(1)
+    sharded = ["--parallel.dp_shard=-1", *re.search(r"with (parallel\.zero)=1, 2 or 3", fix).groups()]
+    fewer = int(re.search(r"\(--nproc\) to (\d+)", fix).group(1))
+    check(load_config(None, [*layout, f"--parallel.dp_replicate={replicate}"]), world)
+    for zero in (1, 2, 3):
+        check(load_config(None, [*layout, sharded[0], f"--{sharded[1]}={zero}"]), world)
+    check(load_config(None, layout), fewer)

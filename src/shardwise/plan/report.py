@@ -345,16 +345,31 @@ def search_json(problem: Problem, result: SearchResult, top: int) -> dict[str, A
     }
 
 
+def _wrapped_layout(described: str) -> str:
+    """Layout.describe() on short lines for a tick label (next to each other, long ones ran together):
+    the mesh axes packed into lines of at most 13 characters, then the options."""
+    axes, _, options = described.partition(" ")
+    lines: list[str] = []
+    for name in axes.split("x"):  # no axis name contains an "x"
+        if lines and len(lines[-1]) + 3 + len(name) <= 13:
+            lines[-1] += " x " + name
+        else:
+            lines.append(name)
+    return "\n".join(lines + [options])
+
+
 def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: list[tuple[float, float]] | None = None) -> None:
     """Memory breakdown per candidate (stacked bars, device capacity line) and, for a search, step
     time vs memory of every feasible candidate with the chosen layout marked. matplotlib Agg, no pyplot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13 if points else 7, 5.5), layout="constrained")
+    fig = Figure(figsize=(13 if points else 7, 6), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2 if points else 1, 1)
-    labels = [f"#{i + 1}" for i in range(len(estimates))]
+    # Each candidate's layout under its bar, one axis or option per line: written over the bars (rotated)
+    # the long names ran into the legend and the title.
+    labels = [f"#{i + 1}\n{_wrapped_layout(e.layout.describe())}" for i, e in enumerate(estimates)]
     bottom = [0.0] * len(estimates)
     for key, label in MEMORY_ROWS:
         vals = [getattr(e.memory, key) / GIB for e in estimates]
@@ -363,17 +378,16 @@ def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: 
     cap = problem.cluster.device.memory_gib
     ax.axhline(cap, color="black", linestyle="--", linewidth=1, label=f"{problem.cluster.device.name} {cap:g} GiB")
     ax.axhline(estimates[0].memory.capacity / GIB, color="grey", linestyle=":", linewidth=1,
-               label=f"usable {estimates[0].memory.capacity / GIB:.0f} GiB (constants.USABLE_MEMORY_FRACTION)")
+               label=f"usable {estimates[0].memory.capacity / GIB:.0f} GiB")
     ax.set_ylabel("GiB per GPU (most loaded rank)")
-    ax.set_title("memory by category")
-    ax.legend(fontsize=8)
-    for i, e in enumerate(estimates):
-        ax.annotate(e.layout.describe(), (i, bottom[i]), rotation=90, fontsize=6, ha="center", va="bottom",
-                    xytext=(0, 3), textcoords="offset points")
-    ax.set_ylim(0, max([cap] + bottom) * 1.6)
+    ax.set_title("memory by category, best layouts first")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.06), ncol=4, frameon=False)
+    ax.set_ylim(0, max([cap] + bottom) * 1.08)
     if points:
         ax2 = fig.add_subplot(1, 2, 2)
-        ax2.scatter([p[1] / GIB for p in points], [p[0] for p in points], s=4, alpha=0.3, label="feasible layouts")
+        ax2.scatter([p[1] / GIB for p in points], [p[0] for p in points], s=3, alpha=0.3, linewidths=0,
+                    label="feasible layouts", rasterized=True)
         best = estimates[0]
         ax2.scatter([best.memory.total / GIB], [best.step_time_s], s=80, marker="*", color="red",
                     label=f"chosen: {best.layout.describe()}")

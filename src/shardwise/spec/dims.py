@@ -83,11 +83,18 @@ def world_rules(dims: Any, world: int, world_name: str) -> Iterator[Violation]:
     if product != world:
         yield Violation("world size", "parallel",
                         f"dp_replicate({dims.dp_replicate}) * dp_shard({dims.dp_shard}) * cp({dims.cp}) * tp({dims.tp}) "
-                        f"* pp({dims.pp}) = {product} != {world_name} {world}",
-                        "make the product equal the number of processes (--nproc), or set parallel.dp_shard=-1 "
-                        "to take the rest" if world_name == "world_size" else
-                        "make the product equal cluster.num_gpus, or set parallel.dp_shard=-1 to take the rest")
+                        f"* pp({dims.pp}) = {product} != {world_name} {world}", _world_fix(dims, product, world, world_name))
 
+
+def _world_fix(dims: Any, product: int, world: int, world_name: str) -> str:
+    """Advice that works as given: dp_shard=-1 alone is refused when zero=0 (it would shard nothing), so a
+    data-parallel remainder is offered both ways, DDP (dp_replicate) and sharded (dp_shard=-1 + zero)."""
+    count = "the number of processes (--nproc)" if world_name == "world_size" else "cluster.num_gpus"
+    if world % product:
+        return f"make the product equal {count}: each axis a factor of {world}"
+    rest = world // product
+    return (f"give the missing factor {rest} to an axis: parallel.dp_replicate={dims.dp_replicate * rest} (DDP), or "
+            f"parallel.dp_shard=-1 (takes the rest) with parallel.zero=1, 2 or 3 (sharded); or set {count} to {product}")
 
 
 def ep_fold_rule(dims: Any) -> Violation | None:
