@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench soak gpu-check clean docs docs-check
+.PHONY: demo test lint venv bench soak gpu-check clean docs docs-check figures
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ test: $(STAMP)
 # docs-check: that, the links, and every README / docs block marked runnable, as written (also in make test).
 docs: $(STAMP)
 	$(BIN)/shardwise config --markdown > docs/config.md
+
+# The docs' figures (docs/images/), copied from real runs of the code (about 3 minutes on 2 cores).
+figures: $(STAMP)
+	$(BIN)/python tools/docs_figures.py
 
 docs-check: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit/test_docs.py tests/dist/test_docs_commands.py

@@ -3,9 +3,9 @@
     .venv/bin/python tools/docs_figures.py          # or: make figures (about 3 minutes on 2 cores)
 
 Each figure is the file the command itself writes, copied: the loss curve of the demo run
-(`make demo`, run.dir/loss_curve.png), the pipeline Gantt chart of a 2-stage interleaved 1F1B run
-(run.dir/pipeline_chart.png), and the planner's memory breakdown and search space for the 70B example
-(`plan search --plot`). The runs go to a temporary directory; nothing else in the tree changes.
+(`make demo`, run.dir/loss_curve.png), the pipeline Gantt chart of an interleaved 1F1B run on 2 ranks
+with 8 micro-batches (run.dir/pipeline_chart.png), and the planner's memory breakdown and search space
+for the 70B example (`plan search --plot`). The runs go to a temporary directory; nothing else in the tree changes.
 `tests/unit/test_docs.py` holds the docs to these files (each embedded image exists, is a PNG, is
 small, and each file is embedded somewhere).
 """
@@ -28,10 +28,11 @@ FIGURES = [
      ["train", "--nproc", "2", "--config", str(ROOT / "configs" / "demo.toml"), "--checkpoint.every=0",
       "--checkpoint.final=false", "--run.dir=demo"],
      "demo/loss_curve.png"),
-    ("pipeline_chart.png",
+    ("pipeline_chart.png",  # wider blocks than the tiny preset's: the chart should show compute, not launch gaps
      ["train", "--nproc", "2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
-      "--parallel.pp_virtual_stages=2", "--model.n_layers=4", "--train.global_batch=8", "--train.micro_batch=2",
-      "--train.steps=4", "--checkpoint.every=0", "--checkpoint.final=false", "--run.dir=pp"],
+      "--parallel.pp_virtual_stages=2", "--model.n_layers=4", "--model.dim=256", "--model.ffn_dim=768",
+      "--train.global_batch=16", "--train.micro_batch=2", "--train.steps=6", "--train.log_every=3",
+      "--checkpoint.every=0", "--checkpoint.final=false", "--run.dir=pp"],
      "pp/pipeline_chart.png"),
     ("plan_memory.png",
      ["plan", "search", "--config", str(ROOT / "configs" / "plan-llama3-70b.toml"), "--top", "5",

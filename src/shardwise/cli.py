@@ -54,13 +54,6 @@ exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled coll
 def _train(argv: list[str]) -> int:
     import hashlib
 
-    from shardwise.launch.local import check_multinode, check_nproc, parse_nnodes, torchrun
-    from shardwise.preflight import check, check_elastic
-    from shardwise.scratch import owned_file
-    from shardwise.train import rundir
-    from shardwise.train.data import check_corpus, prepare_data
-    from shardwise.train.manifest import file_digest
-
     parser = argparse.ArgumentParser(
         prog="shardwise train", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="shardwise train [--config FILE.toml] [--nproc N] [--nnodes N --node-rank K --rdzv-endpoint HOST:PORT] "
@@ -77,6 +70,12 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, node 0's reachable address")
     parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: derived from run.dir)")
     args, overrides = parser.parse_known_args(argv)
+    # Imported after the arguments: --help and bad input answer without loading torch (train.data imports it).
+    from shardwise.launch.local import check_multinode, check_nproc, parse_nnodes, torchrun
+    from shardwise.preflight import check, check_elastic
+    from shardwise.scratch import owned_file
+    from shardwise.train import rundir
+
     check_nproc(args.nproc)
     cfg = load_config(args.config, overrides)
     # Every node derives the same id from the same config; a rerun reuses it, hence clear_failure_record below.
@@ -91,6 +90,9 @@ def _train(argv: list[str]) -> int:
     else:
         check(cfg, args.nproc * max_nodes)
     rundir.check_cache_dir(cfg)
+    from shardwise.train.data import check_corpus, prepare_data
+    from shardwise.train.manifest import file_digest
+
     data = prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
     check_corpus(len(data.tokens), cfg.train.seq_len, cfg.train.global_batch)  # one global batch at least
     rundir.check_run_dirs(cfg)

@@ -113,6 +113,19 @@ def test_train_help_lists_overrides(capsys):
     assert "--nnodes" in out and "--rdzv-endpoint" in out
 
 
+@pytest.mark.parametrize("argv", [["train", "--help"], ["train", "--parallel.zero=7"], ["plan", "--help"], ["trian"]])
+def test_help_and_bad_input_answer_without_importing_torch(argv):
+    """torch takes 1.5-3 s to import here: --help and a refused config must not wait for it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from shardwise.cli import main\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+    assert done.stderr.strip().endswith("no torch"), done.stderr[-2000:]
+
+
 def test_config_keys_are_toml(capsys):
     import tomllib
 

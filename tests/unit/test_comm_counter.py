@@ -19,7 +19,9 @@ def test_ring_wire_bytes():
 
 def test_summary_lists_axes_and_kinds():
     text = describe_comm({"tp": {"reduce_scatter": 655360, "all_gather": 655360}, "dp_shard": {"all_reduce": 84}})
-    assert text == "dp_shard: all_reduce 0.1 kB; tp: all_gather 655.4 kB, reduce_scatter 655.4 kB"
+    assert text == "dp_shard: all_reduce 84 B; tp: all_gather 655.4 kB, reduce_scatter 655.4 kB"
+    assert describe_comm({"pp": {"send": 4, "recv": 1443072}, "dp": {"all_reduce": 2_500_000_000}}) == \
+        "dp: all_reduce 2.5 GB; pp: recv 1.4 MB, send 4 B"  # a 4-byte loss all-reduce read "0.0 kB"
 
 
 def test_no_process_group_counts_nothing():

@@ -32,3 +32,51 @@ def test_every_relative_link_resolves():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (hyphens, underscores kept), spaces
+    to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_anchor_names_a_heading_of_its_page():
+    broken = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#:]*)#([^)]+)\)", page.read_text()):
+            linked = page.parent / target if target else page
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", linked.read_text(), re.M)}
+            if anchor not in slugs:
+                broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not broken, broken
+
+
+IMAGE_MAX_BYTES = 200 * 1024  # "kept small": the repository carries them
+
+
+def test_embedded_images_exist_are_small_pngs_and_none_is_orphaned():
+    """docs/images/ holds what tools/docs_figures.py copied from real runs (`make figures`)."""
+    embedded = set()
+    for page in PAGES:
+        for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text()):
+            image = (page.parent / target).resolve()
+            assert image.is_file(), f"{page.relative_to(ROOT)} embeds {target}, which does not exist"
+            assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{target} is not a PNG"
+            assert image.stat().st_size <= IMAGE_MAX_BYTES, f"{target}: {image.stat().st_size} B"
+            embedded.add(image)
+    on_disk = {p.resolve() for p in (ROOT / "docs" / "images").iterdir()}
+    assert on_disk == embedded, f"not embedded anywhere: {sorted(p.name for p in on_disk - embedded)}"
+    import tools.docs_figures as figures  # every figure the generator makes is one of them
+
+    assert {ROOT / "docs" / "images" / name for name, _, _ in figures.FIGURES} == on_disk
+
+
+def test_no_page_repeats_another_pages_table_rows():
+    """A table lives on one page; the others link to it (two copies drift apart)."""
+    where: dict[str, set[str]] = {}
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            if line.startswith("|") and not re.fullmatch(r"\|[\s\-:|]+\|?", line.strip()):
+                where.setdefault(line.strip(), set()).add(page.name)
+    repeated = {row: sorted(pages) for row, pages in where.items() if len(pages) > 1}
+    assert not repeated, repeated

@@ -285,3 +285,12 @@ def test_energy_meter_from_a_counter(monkeypatch, tmp_path, capsys):
     assert len(done) == 1 and "done: 4 steps, 256 tokens in" in done[0] and "tokens/s;" in done[0]
     assert "MFU" not in done[0]  # a CPU's measured peak varies between runs: no MFU to compare
     assert f"GPU energy {100 / 3.6e6:.3g} kWh, {100 / 256:.3g} J/token (all GPUs)" in done[0]
+
+
+def test_start_up_peak_reads_in_its_own_unit():
+    from shardwise.train.peak_flops import device_peak_flops
+    from shardwise.train.step_log import _flops
+
+    assert _flops(989.4e12) == "989.4 TFLOP/s" and _flops(176.9e9) == "176.9 GFLOP/s"  # was "989400.0 GFLOP/s"
+    flops, label = device_peak_flops("cuda", "bf16", cuda_name="NVIDIA H100 80GB HBM3")
+    assert _flops(flops) == "989.4 TFLOP/s" and label == "h100-sxm-80gb datasheet dense bf16 peak, NVIDIA H100 80GB HBM3"

@@ -166,6 +166,14 @@ class CommCounter(TorchDispatchMode):
 
 
 def describe_comm(totals: dict[str, dict[str, int]]) -> str:
-    """'tp: all_gather 655.4 kB, reduce_scatter 655.4 kB; dp_shard: ...' for the console."""
-    return "; ".join(f"{axis}: " + ", ".join(f"{kind} {n / 1e3:.1f} kB" for kind, n in sorted(kinds.items()))
+    """'tp: all_gather 655.4 kB, reduce_scatter 655.4 kB; dp_shard: all_reduce 4 B' for the console."""
+    return "; ".join(f"{axis}: " + ", ".join(f"{kind} {_bytes(n)}" for kind, n in sorted(kinds.items()))
                      for axis, kinds in sorted(totals.items()))
+
+
+def _bytes(n: int) -> str:
+    """Decimal units with one decimal, bytes as they are: a 4-byte loss all-reduce read "0.0 kB"."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -27,14 +27,15 @@ def device_peak_flops(device_type: str, dtype: str, cuda_name: str | None = None
         if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
             key = "tf32"
         if entry is not None:
-            return DEVICES[entry].peak_flops(key), f"{entry} datasheet dense {key} peak ({name})"
+            return DEVICES[entry].peak_flops(key), f"{entry} datasheet dense {key} peak, {name}"
         flops = _measure_matmul_flops(key, "cuda", 0)
-        return flops, f"{name} (measured {key} matmul probe; not in spec/hardware.py)"
+        return flops, f"{name}, measured {key} matmul probe: not in spec/hardware.py"
     if device_type == "cpu":
         import torch
 
         flops = measure_cpu_peak_flops(key)
-        return flops, f"cpu (measured {key} matmul probe, {torch.get_num_threads()} threads)"
+        threads = torch.get_num_threads()
+        return flops, f"cpu, measured {key} matmul probe on {threads} thread{'s' if threads > 1 else ''}"
     raise ConfigError("device", f"no peak FLOP/s source for device type {device_type!r}", 'use "cuda" or "cpu"')
 
 

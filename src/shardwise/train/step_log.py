@@ -89,7 +89,7 @@ class StepLog:
                                f"{accumulation}, {_precision_words(t.precision, precision_defaulted, device)}, "
                                f"{'compiled' if self.compiled else 'eager'}"
                                f"{' (train.compile unset)' if self.compiled and t.compile is None else ''}, "
-                               f"peak {self.peak / 1e9:.1f} GFLOP/s ({peak_label})"
+                               f"peak {_flops(self.peak)} ({peak_label})"
                                + (f", offload {offload_tier(cfg.parallel)}" if offload_tier(cfg.parallel) != "none" else "")
                                + (f", MLP in {cfg.parallel.linear_tiles} tiles" if cfg.parallel.linear_tiles > 1 else "")
                                + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else ""))
@@ -187,6 +187,11 @@ class StepLog:
         if finished and not self.quiet and self.run_steps:
             self.metrics.print(self.summary())
         self.metrics.close()
+
+
+def _flops(per_s: float) -> str:
+    """A GPU's 989.4 TFLOP/s read 989400.0 GFLOP/s; a CPU's probe stays in GFLOP/s."""
+    return f"{per_s / 1e12:.1f} TFLOP/s" if per_s >= 1e12 else f"{per_s / 1e9:.1f} GFLOP/s"
 
 
 def _precision_words(precision: str, defaulted: bool, device: torch.device) -> str:
