@@ -20,24 +20,28 @@ def _common(base_overrides) -> list[str]:
     return [f"--{k}={v}" for k, v in base_overrides if k not in skip]
 
 
-def test_zero3_job_exits_0_ten_times(base_overrides, tmp_path):
+RUNS = 6  # a return of the 1-in-3 teardown abort below escapes 6 runs with probability (2/3)^6 = 9%
+
+
+def test_zero3_job_exits_0_every_time(base_overrides, tmp_path):
     """The gloo teardown abort ('terminate called without an active exception', SIGABRT after the last
-    step) made about 1 in 3 of these exit 1 before; every one must now exit 0."""
+    step) made about 1 in 3 of these exit 1 before; every one must now exit 0. (Ten runs until 2026-11-26;
+    `make soak` repeats far more.)"""
     codes = []
-    for i in range(10):
+    for i in range(RUNS):
         p = _cli("train", *_common(base_overrides), "--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3",
                  "--train.micro_batch=2", "--train.steps=4", "--checkpoint.every=2", "--checkpoint.final=true",
                  f"--run.dir={tmp_path / f'run_{i}'}", cwd=tmp_path)
         codes.append(p.returncode)
         assert "terminate called" not in p.stderr, p.stderr[-2000:]
-    assert codes == [0] * 10, codes
+    assert codes == [0] * RUNS, codes
 
 
 def test_parity_verdicts_are_the_same_on_every_rerun(base_overrides, tmp_path):
     layouts = ["dp_replicate=2,dp_shard=2,zero=3,train.micro_batch=2", "tp=2,dp_shard=2,zero=3,train.micro_batch=4",
                "pp=2,dp_shard=2,zero=1,train.micro_batch=2"]
     verdicts = []
-    for i in range(10):
+    for i in range(5):  # ten until 2026-11-26: each rerun is 4 processes x 3 layouts, ~22 s on 2 cores
         out = tmp_path / f"parity_{i}"
         args = ["parity", "--nproc", "4", "--steps", "3", "--out", str(out), *_common(base_overrides)]
         for layout in layouts:
@@ -46,7 +50,7 @@ def test_parity_verdicts_are_the_same_on_every_rerun(base_overrides, tmp_path):
         rows = json.loads((out / "parity.json").read_text()) if (out / "parity.json").is_file() else []
         verdicts.append((p.returncode, [r["verdict"] for r in rows]))
         assert all(layout in p.stdout for layout in layouts), p.stdout  # piped, yet no name folded mid-word
-    assert verdicts == [(0, ["pass"] * len(layouts))] * 10, verdicts
+    assert verdicts == [(0, ["pass"] * len(layouts))] * 5, verdicts
 
 
 def test_kill_soak_two_trials(tmp_path):

@@ -37,3 +37,6 @@ def test_every_runnable_block_runs_as_written(tmp_path):
     for page, block in blocks:
         done = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, f"{page.name}:\n{block}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        # DTensor's note about one collective per mesh axis, once per rank (README's FSDP x TP run printed
+        # it 4 times): parallel/mesh.py quiet_scalar_redistribute_notes
+        assert "operations will be performed" not in done.stderr, f"{page.name}:\n{block}\n{done.stderr[-3000:]}"

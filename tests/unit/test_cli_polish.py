@@ -233,3 +233,23 @@ def test_a_moe_run_prints_its_loss_once_per_step(base_overrides, tmp_path, capsy
     experts = [line for line in out.splitlines() if " experts: aux loss " in line]
     assert len(experts) == 2 and not any("| loss" in line or ": loss" in line for line in experts), out
     assert "layout one process, " in out  # not "single x1"
+
+
+def test_dtensor_notes_on_scalar_redistributions_are_dropped(caplog):
+    """Only the two notes parallel/mesh.py names (a norm's two all-reduces, strided shards' gathers)."""
+    import logging
+
+    from shardwise.parallel.mesh import _ScalarRedistributeNote, quiet_scalar_redistribute_notes
+
+    quiet_scalar_redistribute_notes()
+    quiet_scalar_redistribute_notes()  # idempotent
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    assert sum(isinstance(f, _ScalarRedistributeNote) for f in logger.filters) == 1
+    other = "While redistributing from (Shard(dim=0), Partial(sum)) to (Replicate(), Replicate()), 2 sequential ..."
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(), Replicate()), "
+                       "2 sequential all_reduce operations will be performed.")
+        logger.warning("While redistributing from (_StridedShard(dim=0, sf=2), Shard(dim=0)) to (Replicate(), "
+                       "Replicate()), 2 sequential all_gather operations will be performed.")
+        logger.warning(other)
+    assert [r.getMessage() for r in caplog.records] == [other]

@@ -6,6 +6,7 @@ runs without any process group).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -36,6 +37,26 @@ class Meshes:
         return self.root[names]
 
 
+class _ScalarRedistributeNote(logging.Filter):
+    """torch 2.13's DTensor logs a ~500-character note, on every rank, when a redistribution takes one
+    collective per mesh axis. On our layouts it meets two: the gradient norm over FSDP x TP (a
+    (_NormPartial, _NormPartial) scalar: two all-reduces of 4 bytes) and the full weights gathered from
+    strided FSDP x TP shards for a checkpoint or an export (once per save). Neither is a step's cost and
+    the advice it gives (flatten mesh axes) is not the user's to take: every TP / CP / MoE run printed it
+    4-8 times. Any other such note still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("sequential" in message and ("_NormPartial" in message or "_StridedShard" in message))
+
+
+def quiet_scalar_redistribute_notes() -> None:
+    """Install the filter above once per process (the logger is torch's: process-wide by nature)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _ScalarRedistributeNote) for f in logger.filters):
+        logger.addFilter(_ScalarRedistributeNote())
+
+
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes | None:
     """The DeviceMesh over the enabled axes and its named views. None on one process."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -43,6 +64,7 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes | None:
     axes = dims.enabled_axes()
     if not axes:
         return None
+    quiet_scalar_redistribute_notes()
     if dims.world_size == 1:
         join_one_rank_group(device_type)
     root = init_device_mesh(device_type, tuple(getattr(dims, a) for a in axes), mesh_dim_names=tuple(axes))
