@@ -28,7 +28,7 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/shardwise config --markdown > docs/config.md
 
-# The docs' figures (docs/images/), copied from real runs of the code (about 3 minutes on 2 cores).
+# The docs' figures (docs/images/), copied from real runs of the code (about a minute on 2 cores).
 figures: $(STAMP)
 	$(BIN)/python tools/docs_figures.py
 

@@ -1,13 +1,15 @@
 """Regenerate the figures the docs embed (docs/images/), from real runs of the code, not drawn by hand.
 
-    .venv/bin/python tools/docs_figures.py          # or: make figures (about 3 minutes on 2 cores)
+    .venv/bin/python tools/docs_figures.py          # or: make figures (about a minute on 2 cores)
 
 Each figure is the file the command itself writes, copied: the loss curve of the demo run
 (`make demo`, run.dir/loss_curve.png), the pipeline Gantt chart of an interleaved 1F1B run on 2 ranks
 with 8 micro-batches (run.dir/pipeline_chart.png), and the planner's memory breakdown and search space
-for the 70B example (`plan search --plot`). The runs go to a temporary directory; nothing else in the tree changes.
-`tests/unit/test_docs.py` holds the docs to these files (each embedded image exists, is a PNG, is
-small, and each file is embedded somewhere).
+for the 70B example (`plan search --plot`). The runs go to a temporary directory; nothing else in the
+tree changes. The loss curve and the planner's figure come out byte-identical on a rerun (fixed seeds,
+no timings); the pipeline chart is a measurement and differs each time. `tests/unit/test_docs.py`
+holds the docs to these files (each embedded image exists, is a PNG, is small, and each file is
+embedded somewhere).
 """
 from __future__ import annotations
 
