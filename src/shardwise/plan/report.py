@@ -367,7 +367,7 @@ def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: 
     fig = Figure(figsize=(13 if points else 7, 6), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 2 if points else 1, 1)
-    # Each candidate's layout under its bar, one axis or option per line: written over the bars (rotated)
+    # Each candidate's layout under its bar, wrapped (_wrapped_layout): written over the bars (rotated),
     # the long names ran into the legend and the title.
     labels = [f"#{i + 1}\n{_wrapped_layout(e.layout.describe())}" for i, e in enumerate(estimates)]
     bottom = [0.0] * len(estimates)
