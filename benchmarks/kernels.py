@@ -20,7 +20,8 @@ Each section measures what one planner constant assumes, so the constant can cit
              measured time is worth at the measured copy rate.
   overhead   a chain of tiny dependent `x = x + 1` (1024 elements), time per op: eager, eager with autograd
              (forward + backward), and torch.compile'd (inductor fuses the chain; time per original op):
-             the per-kernel launch/dispatch overhead of eager against compiled execution.
+             the per-kernel launch/dispatch overhead of eager against compiled execution; and a real block's
+             host cost per kernel on 1 token, plain and under full / selective checkpointing.
 Times: the median of --reps repetitions after --warmup untimed calls; a repetition loops the call for
 about --target-s and divides (best_s in the JSON is the fastest repetition); CUDA is synchronised before
 and after each repetition. Small GEMM operands rotate over copies so they are not served from cache.
@@ -427,6 +428,7 @@ def overhead_section(a, device, timer) -> dict:
     for r in rows:
         r["chain_ops"] = n
         r["s_per_op"] = r["median_s"] / n if "median_s" in r else None
+    block = block_overhead(a, device, timer) if not a.smoke or device.type == "cpu" else None
     print(f"\nper-kernel overhead: chain of {n} dependent `x = x + 1` on 1024 elements, time per original op")
     print(f"{'mode':42s} {'chain ms':>9s} {'us/op':>9s}")
     for r in rows:
@@ -435,7 +437,48 @@ def overhead_section(a, device, timer) -> dict:
         else:
             extra = f"  (compile {r['compile_s']:.1f} s)" if "compile_s" in r else ""
             print(f"{r['mode']:42s} {1e3 * r['median_s']:9.3f} {1e6 * r['s_per_op']:9.3f}{extra}")
-    return {"rows": rows}
+    if block:
+        print(f"a llama block of this model on 1 token (host cost only), per kernel of plan/constants.py "
+              f"EAGER_BLOCK_KERNELS {block['kernels']} (views and autograd folded in):")
+        for r in block["rows"]:
+            print(f"  {r['mode']:40s} {1e3 * r['median_s']:9.3f} ms {1e6 * r['s_per_kernel']:9.3f} us/kernel")
+    return {"rows": rows, **({"block": block} if block else {})}
+
+
+def block_overhead(a, device, timer) -> dict:
+    """A real llama block's host cost (this model's dims, 1 token: its kernels do no work), where `x + 1` is not
+    typical: forward + backward, and what a full / selective checkpoint adds, per kernel of the planner's
+    EAGER_BLOCK_KERNELS (views and autograd folded in). plan/compute_time.py charges them on a CPU."""
+    from torch.utils.checkpoint import checkpoint
+
+    from shardwise.config import load_config
+    from shardwise.models import build_model
+    from shardwise.models.weights import RandomInit
+    from shardwise.parallel.activation_checkpoint import selective_op_context
+    from shardwise.parallel.parallelize import materialize
+
+    cfg = load_config(None, ["--model.preset=tiny", "--model.arch=llama", "--model.n_layers=1", f"--model.dim={a.dim}",
+                             f"--model.n_heads={a.heads}", f"--model.n_kv_heads={a.kv_heads}", f"--model.ffn_dim={a.ffn}",
+                             "--data.tokenizer=byte"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    materialize(model, device, RandomInit(model, 0))
+    model.to(DTYPES[a.dtype])
+    block, kwargs = model.layers[0], model.block_kwargs()
+    x = torch.randn(1, 1, a.dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
+
+    def train(wrap=None):
+        out = block(x, **kwargs) if wrap is None else checkpoint(block, x, use_reentrant=False, **wrap, **kwargs)
+        out.float().sum().backward()
+
+    fwd_k, bwd_k = C.EAGER_BLOCK_KERNELS[("llama", "fp32" if a.dtype == "fp32" else "lowp")]
+    base = timer(train)
+    full, sel = timer(lambda: train({})), timer(lambda: train({"context_fn": selective_op_context}))
+    rows = [{"mode": "block forward + backward", **base, "s_per_kernel": base["median_s"] / (fwd_k + bwd_k)}]
+    for mode, r in (("full checkpoint, extra", full), ("selective checkpoint, extra", sel)):
+        extra = max(0.0, r["median_s"] - base["median_s"])
+        rows.append({"mode": mode, **r, "median_s": extra, "s_per_kernel": extra / fwd_k})
+    return {"kernels": [fwd_k, bwd_k], "tokens": 1, "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -127,6 +127,9 @@ def test_kernels_smoke(tmp_path):
     assert optim and all(r["step_s"] > 0 for r in optim), data["optimizer"]["rows"]
     eager = next(r for r in data["overhead"]["rows"] if r["mode"] == "eager")
     assert eager["s_per_op"] > 0
+    block = {r["mode"]: r["s_per_kernel"] for r in data["overhead"]["block"]["rows"]}  # a real block's host cost
+    assert block["block forward + backward"] > 0 and set(block) == {
+        "block forward + backward", "full checkpoint, extra", "selective checkpoint, extra"}, block
     compiled = next(r for r in data["overhead"]["rows"] if r["mode"].startswith("compiled"))
     assert "smoke" in compiled["unavailable"], compiled  # compile is skipped in the smoke, with the reason
 

@@ -96,19 +96,24 @@ def test_calibrate_reads_run_directories(tmp_path, capsys):
     assert main(["plan", "calibrate", str(tmp_path)]) == 2
 
 
-def _kernels_json(tmp_path: Path, gemm_flops: float = 2e11, gbps: float = 40.0, selective_s: float | None = None) -> Path:
-    """A minimal benchmarks/kernels.py result (the fields plan/calibration.py reads)."""
-    overhead = [{"mode": "eager", "s_per_op": 2e-6}]
+def _kernels_json(tmp_path: Path, gemm_flops: float = 2e11, gbps: float = 40.0, selective_s: float | None = None,
+                  block: tuple[float, float, float] | None = None) -> Path:
+    """A minimal benchmarks/kernels.py result (the fields plan/calibration.py reads); `block`: its real block's
+    host cost per kernel (forward + backward, full checkpoint extra, selective checkpoint extra)."""
+    overhead: dict = {"rows": [{"mode": "eager", "s_per_op": 2e-6}]}
     if selective_s is not None:
-        overhead += [{"mode": "eager+autograd (fwd+bwd)", "s_per_op": 4e-6},
-                     {"mode": "selective checkpoint (fwd+recompute+bwd)", "s_per_op": 4e-6 + 3 * selective_s}]
+        overhead["rows"] += [{"mode": "eager+autograd (fwd+bwd)", "s_per_op": 4e-6},
+                             {"mode": "selective checkpoint (fwd+recompute+bwd)", "s_per_op": 4e-6 + 3 * selective_s}]
+    if block is not None:
+        overhead["block"] = {"rows": [{"mode": mode, "s_per_kernel": s} for mode, s in zip(
+            ("block forward + backward", "full checkpoint, extra", "selective checkpoint, extra"), block)]}
     data = {"benchmark": "kernels", "device_type": "cpu",
             "gemm": {"dtype": "fp32", "peak_flops": gemm_flops},
             "bandwidth": {"rows": [{"kernel": "copy", "gbps": gbps}]},
             "sdpa": {"rows": [{"requested": "default", "dtype": "fp32", "fwd_bwd_flops": 0.35 * gemm_flops}]},
-            "overhead": {"rows": overhead},
+            "overhead": overhead,
             "optimizer": {"rows": [{"impl": "foreach", "bytes_per_param_at_copy_bw": 100.0}]}}
-    path = tmp_path / f"kernels_{gemm_flops:g}_{selective_s}.json"
+    path = tmp_path / f"kernels_{gemm_flops:g}_{selective_s}_{'_'.join(f'{b:g}' for b in block or ())}.json"
     path.write_text(json.dumps(data))
     return path
 
@@ -140,6 +145,32 @@ def test_a_cpu_pays_the_selective_checkpoints_dispatch_per_op(tmp_path, capsys):
         assert main(base + [f"--cluster.calibration={_kernels_json(tmp_path, selective_s=selective_s)}"]) == 0
         recompute.append(json.loads(capsys.readouterr().out)["breakdown_s"]["recompute"])
     assert recompute[1] - recompute[0] == pytest.approx(4 * (2 * 34 + 62) * 10e-6, rel=1e-6)
+
+
+
+def test_a_cpu_pays_a_real_blocks_host_cost_per_kernel(tmp_path, capsys):
+    """With a kernels.py file that timed a real block on 1 token (block_overhead), a CPU's host cost per kernel
+    is that block's, not the `x + 1` chain's, and a checkpoint adds its measured extra per forward kernel:
+    small llama fp32 = 4 blocks x 34 forward kernels (plan/constants.py EAGER_BLOCK_KERNELS) x the extra.
+    Before this, a selective checkpoint was priced at a fifth of what the trainer's runs measured
+    (benchmarks/plan_accuracy.py: -23% built in, -14% leave-one-out; after: -13% and -0.2%)."""
+    base = ["plan", "evaluate", "--json", "--model.preset=small", "--train.seq_len=128", "--train.micro_batch=4",
+            "--train.global_batch=4", "--cluster.gpu=cpu", "--cluster.num_gpus=1"]
+    costs = (17e-6, 50e-6, 150e-6)
+
+    def breakdown(recompute: str, block) -> dict:
+        path = _kernels_json(tmp_path, selective_s=10e-6, block=block)
+        assert main(base + [f"--train.recompute={recompute}", f"--cluster.calibration={path}"]) == 0
+        return json.loads(capsys.readouterr().out)["breakdown_s"]
+
+    chain, real = breakdown("none", None), breakdown("none", costs)
+    fwd_k, bwd_k = 34, 62  # plan/constants.py EAGER_BLOCK_KERNELS[("llama", "fp32")]
+    rest_k = 10 + 19       # EAGER_REST_KERNELS: embedding, final norm, head, loss
+    assert real["compute"] - chain["compute"] == pytest.approx((4 * (fwd_k + bwd_k) + rest_k) * (17e-6 - 2e-6), rel=1e-6)
+    full = breakdown("full", costs)["recompute"] - breakdown("full", (17e-6, 0.0, 0.0))["recompute"]
+    assert full == pytest.approx(4 * fwd_k * 50e-6, rel=1e-6)
+    selective = breakdown("selective", costs)["recompute"] - breakdown("selective", (17e-6, 0.0, 0.0))["recompute"]
+    assert selective == pytest.approx(4 * fwd_k * 150e-6, rel=1e-6)
 
 
 COMPILED = Path(__file__).resolve().parents[1] / "fixtures" / "h100_runs_compiled.json"

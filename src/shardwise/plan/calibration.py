@@ -163,6 +163,12 @@ class MeasuredDevice:
     # Gradient clipping's bytes per parameter at the copy rate (a GPU's file; 0: not measured or a CPU, whose
     # fitted optimizer rate already stands for the step as measured).
     clip_bytes_per_param: float = 0.0
+    # A real block's host cost on 1 token, per kernel of constants.EAGER_BLOCK_KERNELS (views and autograd
+    # folded in): its forward + backward, and what a full / selective ("op") checkpoint adds per forward
+    # kernel (benchmarks/kernels.py block_overhead); 0 when the file predates them. Used on a CPU only.
+    block_kernel_s: float = 0.0
+    full_checkpoint_kernel_s: float = 0.0
+    selective_checkpoint_kernel_s: float = 0.0
 
     def as_device(self, base: Any) -> Any:
         """`base` (the table's entry for cluster.gpu) with these rates: named measured-<base> (plan/cost.py
@@ -197,12 +203,15 @@ def _measured_device(data: dict[str, Any], p: str | Path) -> MeasuredDevice:
         per_op = {r["mode"]: r.get("s_per_op") for r in data["overhead"]["rows"]}
         # The chain's ops run forward, again in the recompute, and backward: 3 passes over the dispatch mode.
         selective, autograd = per_op.get("selective checkpoint (fwd+recompute+bwd)"), per_op.get("eager+autograd (fwd+bwd)")
+        block = {r["mode"]: float(r["s_per_kernel"]) for r in data["overhead"].get("block", {}).get("rows", [])}
         return MeasuredDevice(kind, data["gemm"]["dtype"], peak, float(copy["gbps"]),
                               statistics.median(float(r["fwd_bwd_flops"]) for r in sdpa) / peak,
                               float(eager["s_per_op"]), float(optimizer["bytes_per_param_at_copy_bw"]),
                               max(0.0, selective - autograd) / 3 if selective and autograd else 0.0,
                               float(fused["bytes_per_param_at_copy_bw"]) if fused else 0.0,
-                              float(optimizer.get("clip_bytes_per_param_at_copy_bw", 0.0)) if kind == "cuda" else 0.0)
+                              float(optimizer.get("clip_bytes_per_param_at_copy_bw", 0.0)) if kind == "cuda" else 0.0,
+                              block.get("block forward + backward", 0.0), block.get("full checkpoint, extra", 0.0),
+                              block.get("selective checkpoint, extra", 0.0))
     except (KeyError, TypeError, ValueError, StopIteration, statistics.StatisticsError) as e:
         raise ConfigError("cluster.calibration", f"{p}: an incomplete benchmarks/kernels.py result ({type(e).__name__}: {e})",
                           "re-run `python benchmarks/kernels.py --out FILE` (not --smoke)") from None

@@ -158,6 +158,11 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # The GPU-side gap per kernel; a CPU's measured per-op cost (its host is the device) replaces it. A GPU
     # file's eager per-op figure is the host's dispatch cost (constants.EAGER_HOST_OP_S), not this gap.
     launch_s = measured.eager_op_s if measured and measured.device_type == "cpu" else C.EAGER_KERNEL_LAUNCH_S
+    # A CPU whose file measured a real block's host cost (calibration.MeasuredDevice.block_kernel_s): per kernel
+    # of the block counts, views and autograd folded in; a chain of `x + 1` costs a third of that per op.
+    host = measured if measured and measured.device_type == "cpu" and measured.block_kernel_s else None
+    if host:
+        launch_s = host.block_kernel_s
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
     def block_fwd(moe: bool) -> tuple[float, float, float]:
@@ -266,10 +271,17 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # Eager checkpoints replay the block's forward; a compiled one's recomputation is part of the backward
     # graph, which drops what the backward does not read (the branch-closing GEMMs, plan/compiled.py).
     replay_d, replay_m = (fwd_one, g_m + a_m + e_m) if eager else (fwd_one - ends_d, g_m + a_m + e_m - ends_m)
+    # On a measured CPU the checkpoint's own host cost per forward kernel of a checkpointed block comes on top:
+    # the replay's dispatch with autograd recording and the saved-tensor hooks (full); the policy's dispatch
+    # mode in the forward and the recompute (selective "op").
+    fwd_kernels = [eager_block_kernels(s, reg, False, lay.ep)[0]] * rank.dense_layers
+    fwd_kernels += [eager_block_kernels(s, reg, True, lay.ep)[0]] * rank.moe_layers
+    full_host = host.full_checkpoint_kernel_s if host and eager else 0.0
     if lay.recompute == "full":
-        recompute = rank.dense_layers * replay_d + rank.moe_layers * replay_m
+        recompute = rank.dense_layers * replay_d + rank.moe_layers * replay_m + sum(fwd_kernels) * full_host
     elif lay.recompute == "selective" and lay.recompute_policy == "layer":
-        recompute = math.ceil(n_blocks / lay.recompute_every) * (replay_d if rank.dense_layers else replay_m)
+        recompute = math.ceil(n_blocks / lay.recompute_every) * ((replay_d if rank.dense_layers else replay_m)
+                                                                 + fwd_kernels[0] * full_host)
     elif lay.recompute == "selective" and not eager:
         # "op", compiled: the partitioner recomputes pointwise chains in the backward's fused kernels with
         # or without the policy; what the policy adds is rerunning the two norms (plan/compiled.py).
@@ -283,7 +295,9 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
                 n * ((ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem))
                      + gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, s.dim, w, elem))
                 for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
-        if measured is not None and measured.device_type == "cpu":
+        if host:
+            recompute += sum(fwd_kernels) * host.selective_checkpoint_kernel_s
+        elif measured is not None and measured.device_type == "cpu":
             # A CPU runs the checkpoint policy's Python dispatch mode in line with the kernels (a GPU's host
             # runs ahead of them): every op of a block passes it in forward, recompute and backward.
             blocks = [eager_block_kernels(s, reg, False, lay.ep)] * rank.dense_layers
