@@ -85,24 +85,6 @@ def test_generation_stops_at_the_end_token(model_dir):
     assert cut == ids[:ids.index(stop) + 1]
 
 
-def test_sampling_is_seeded_and_top_p_narrows_to_greedy():
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
-    def draws(seed: int) -> list[list[int]]:
-        sampler = Sampler(False, 2.0, 0.95, seed=seed)
-        return [sampler(logits).tolist() for _ in range(5)]
-
-    assert draws(7) == draws(7)  # the same seed draws the same tokens
-    assert draws(7) != draws(8) and len({tuple(d) for d in draws(7)}) > 1  # and it is random
-    assert torch.equal(Sampler(False, 1.0, 1e-6, seed=3)(logits), logits.argmax(-1))  # only the top token survives
-    # Rows 3 and 1 of a batch of 4 (the others ended) draw what they would in the whole batch.
-    assert Sampler(False, 2.0, seed=9)(logits[[3, 1]], rows=[3, 1], sequences=4).tolist() == \
-        Sampler(False, 2.0, seed=9)(logits)[[3, 1]].tolist()
-    draws = torch.stack([Sampler(False, 1.0, 1.0, seed=s)(logits[:1]) for s in range(400)])
-    probs = torch.softmax(logits[0], -1)
-    top = int(probs.argmax())
-    assert abs((draws == top).float().mean().item() - probs[top].item()) < 0.08  # 400 draws: ~3.5 sigma
-
-
 def test_cli_generate_json_lines_and_bad_input(model_dir, capsys):
     args = ["generate", "--hf", str(model_dir), "--prompt-ids", "5,17,33", "--prompt-ids", "11,12",
             "--max-new-tokens", "6", "--ignore-eos", "--json"]

@@ -167,7 +167,8 @@ class Engine:
     def choose(self, logits: torch.Tensor | None, sampler: Sampler, running: "Running") -> torch.Tensor:
         """The next ids (b,) on the CPU of every rank, from the last position's logits (b, vocab) of the last
         stage. Greedy under TP picks from the vocab shards (vocab_parallel_argmax): b ids and maxima
-        per rank cross the TP group instead of b x vocab logits; sampling gathers the logits."""
+        per rank cross the TP group instead of b x vocab logits; sampling gathers the logits on the device
+        and chooses there (infer/sampling.py)."""
         if logits is None:
             chosen = torch.zeros(len(running.rows), dtype=torch.long)
         elif isinstance(logits, DTensor) and sampler.greedy and _vocab_sharded(logits):
