@@ -76,6 +76,7 @@ def _serving(directory: Path, **parallel) -> dict:
     out["eos_again"] = engine.generate(PROMPTS, NEW, Sampler(), eos_ids=stop, compiled=True).ids
     out["new_graphs"] += compiled_graphs() - before
     out["eos_eager"] = engine.generate(PROMPTS, NEW, Sampler(), eos_ids=stop).ids
+    out["sampled"] = engine.generate(PROMPTS, NEW, Sampler(False, 0.9, 0.8, seed=3)).ids  # TP: from the vocab shards
     return out
 
 
@@ -158,15 +159,61 @@ def test_continued_training_from_an_import_matches_across_layouts(model_dir):
     assert out.stdout.count("PASS") == 3, out.stdout
 
 
+def test_sampled_ids_under_tp_and_pp_equal_one_process(model_dir, two_ranks):
+    """Temperature 0.9, top-p 0.8, seed 3: TP samples from the vocabulary shards (Sampler.vocab_parallel) and
+    draws what one process draws; the logits differ by rounding only, far from the draws' edges."""
+    def work(rank: int) -> list[list[int]]:
+        from shardwise.infer.engine import Engine
+        from shardwise.infer.sampling import Sampler
+
+        engine = Engine(_config(model_dir), torch.device("cpu"))
+        return engine.generate(PROMPTS, NEW, Sampler(False, 0.9, 0.8, seed=3)).ids
+
+    (one,) = run_world(1, work)
+    assert len({tuple(ids) for ids in one}) > 1 and one != two_ranks[0]["tp"]["eager"]  # sampled, not greedy
+    for rank in range(2):
+        assert two_ranks[rank]["tp"]["sampled"] == two_ranks[rank]["pp"]["sampled"] == one
+
+
+def test_vocab_parallel_sampling_equals_one_process_on_uneven_shards_ties_and_few_candidates():
+    """Sampler.vocab_parallel on 4 ranks against Sampler on the whole logits, same seed, 4 draws each: a
+    vocabulary of 7 splits 2/2/2/1 (ties across shards), one of 3 leaves the last rank empty, one of 50 is
+    random; top-p 1 (the whole distribution), 0.9 and 0.55; 1,024 candidates, and 2, which leaves most
+    rows to the gathered fallback."""
+    def work(rank: int) -> list:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from shardwise.infer import sampling
+
+        mesh = init_device_mesh("cpu", (4,))
+        logits = [torch.tensor([[0., 5., 1., 2., 5., 0., 3.], [0., 1., 2., 3., 4., 5., 9.], [7.] * 7]),
+                  torch.tensor([[1., 3., 3.], [-2., -1., -5.]]),
+                  torch.randn(5, 50, generator=torch.Generator().manual_seed(0)) * 2]
+        out = []
+        for candidates in (1024, 2):
+            sampling.CANDIDATES = candidates
+            for full in logits:
+                for top_p in (1.0, 0.9, 0.55):
+                    one, tp = sampling.Sampler(False, 0.7, top_p, seed=11), sampling.Sampler(False, 0.7, top_p, seed=11)
+                    sharded = distribute_tensor(full, mesh, [Shard(1)])
+                    out.append(([one(full).tolist() for _ in range(4)], [tp.vocab_parallel(sharded).tolist() for _ in range(4)]))
+        return out
+
+    for got in run_world(4, work):
+        for one, tp in got:
+            assert tp == one
+
+
 def test_vocab_parallel_argmax_equals_the_full_argmax_on_uneven_shards_and_ties():
-    """Greedy under TP picks from the vocab shards (infer/engine.py vocab_parallel_argmax): on 4 ranks a
+    """Greedy under TP picks from the vocab shards (infer/sampling.py vocab_parallel_argmax): on 4 ranks a
     vocabulary of 7 splits 2/2/2/1 and one of 3 leaves the last rank empty; ties across shards go to
     the lowest id, as a full argmax's."""
     def work(rank: int) -> list:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        from shardwise.infer.engine import vocab_parallel_argmax
+        from shardwise.infer.sampling import vocab_parallel_argmax
 
         mesh = init_device_mesh("cpu", (4,))
         out = []

@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.config import Config
-from shardwise.infer.sampling import Sampler
+from shardwise.infer.sampling import Sampler, vocab_parallel_argmax
 from shardwise.models import ARCHS, build_model
 from shardwise.models.common import Attention
 from shardwise.models.kv_cache import KVCache, StaticKVCache
@@ -37,8 +36,6 @@ from shardwise.preflight import check_generation_length, check_serving
 from shardwise.spec.stages import layers_per_stage, stage_layers
 from shardwise.train.checkpoint import load_model_weights
 
-# torch 2.13 renamed the functional all-gather; the GPU machines run 2.11, which has only the old name.
-ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
 DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) every this many steps
@@ -52,28 +49,6 @@ def bucket(n: int) -> int:
 def _vocab_sharded(logits: DTensor) -> bool:
     (placement,) = logits.placements  # serving's TP mesh is 1-D
     return isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1)
-
-
-def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
-    """Greedy ids (b,), on the logits' device and the same on every TP rank, from (b, vocab) logits sharded
-    over the vocabulary on a TP mesh: each rank takes its shard's maximum and its global id (shards
-    follow torch.chunk: rank r starts at r x ceil(vocab / tp)), the TP group all-gathers the (maximum,
-    id) pairs, and the largest wins — on a tie the lowest rank, whose ids are lower, so the lowest id as
-    in a full argmax. The logits of one rank are compared in fp32, like Sampler's greedy choice.
-    Functional collectives: the same code runs eagerly and inside a compiled decode step."""
-    mesh = logits.device_mesh
-    tp, rank = mesh.size(), mesh.get_local_rank()
-    local = logits.to_local().float()
-    b, vocab = local.shape[0], logits.shape[-1]
-    if local.shape[-1]:
-        best, index = local.max(dim=-1)
-    else:  # a rank beyond the vocabulary's last chunk (vocab < tp) holds nothing
-        best, index = torch.full((b,), float("-inf"), device=local.device), torch.zeros(b, dtype=torch.long, device=local.device)
-    index = index + min(rank * -(-vocab // tp), vocab)
-    bests = ALL_GATHER(best.contiguous(), 0, mesh).view(tp, b)
-    indices = ALL_GATHER(index.contiguous(), 0, mesh).view(tp, b)
-    winner = bests.argmax(dim=0)  # the first maximal rank
-    return indices.gather(0, winner[None]).squeeze(0)
 
 
 @dataclass
@@ -166,13 +141,13 @@ class Engine:
 
     def choose(self, logits: torch.Tensor | None, sampler: Sampler, running: "Running") -> torch.Tensor:
         """The next ids (b,) on the CPU of every rank, from the last position's logits (b, vocab) of the last
-        stage. Greedy under TP picks from the vocab shards (vocab_parallel_argmax): b ids and maxima
-        per rank cross the TP group instead of b x vocab logits; sampling gathers the logits on the device
-        and chooses there (infer/sampling.py)."""
+        stage, chosen on its device (infer/sampling.py). Under TP from the vocab shards (Sampler.vocab_parallel):
+        b maxima and ids per rank (greedy), or each rank's most probable candidates (sampling), cross the TP
+        group instead of b x vocab logits."""
         if logits is None:
             chosen = torch.zeros(len(running.rows), dtype=torch.long)
-        elif isinstance(logits, DTensor) and sampler.greedy and _vocab_sharded(logits):
-            chosen = vocab_parallel_argmax(logits)
+        elif isinstance(logits, DTensor) and _vocab_sharded(logits):
+            chosen = sampler.vocab_parallel(logits, rows=running.rows, sequences=len(running.out))
         else:
             full = logits.full_tensor() if isinstance(logits, DTensor) else logits
             chosen = sampler(full, rows=running.rows, sequences=len(running.out))

@@ -4,11 +4,17 @@ Everything runs where the logits are (a GPU's sort of 64 x 128k probabilities ta
 them to the host and sorting there took 0.6 s a step on this 2-core CPU). The randomness is one uniform
 number per sequence and step from a seeded generator on the CPU, so a run is reproducible for a given
 --seed, and what a sequence draws does not depend on which others are in the batch. Under tensor /
-pipeline parallelism one rank's choice is broadcast (infer/engine.py).
+pipeline parallelism one rank's choice is broadcast (infer/engine.py); under tensor parallelism the choice
+is made from the vocabulary shards (Sampler.vocab_parallel), without gathering the logits.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+# torch 2.13 renamed the functional all-gather; the GPU machines run 2.11, which has only the old name.
+ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 # Nucleus sampling looks at the CANDIDATES most probable tokens first (torch.topk: a selection, ~16x
 # faster than sorting 128k probabilities here); a row whose nucleus does not end inside them (a flat
@@ -38,35 +44,80 @@ class Sampler:
         not depend on which others have ended and left the batch (infer/engine.py Running.shrink)."""
         if self.greedy:
             return logits.float().argmax(dim=-1)
-        uniform = torch.rand(sequences or len(logits), generator=self.generator, dtype=torch.float64)
-        if rows is not None:
-            uniform = uniform[rows]
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        uniform = uniform.to(device=probs.device, dtype=probs.dtype)
+        uniform = self._uniform(rows, sequences or len(logits), probs.device)
         if self.top_p >= 1:  # nothing is cut: the distribution in id order needs no sorting
             ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
             return _invert(probs, ids, torch.ones_like(probs, dtype=torch.bool), uniform)
-        values, ids = _by_probability(probs, min(CANDIDATES, probs.shape[-1]))
+        values, ids = probs.topk(min(CANDIDATES, probs.shape[-1]), dim=-1)
+        return self._nucleus(*_by_probability(values, ids), uniform, lambda rest: probs[rest])
+
+    def vocab_parallel(self, logits: DTensor, rows: list[int] | None = None, sequences: int | None = None) -> torch.Tensor:
+        """The same choice from (b, vocab) logits sharded over the vocabulary on a 1-D TP mesh, the same ids on
+        every rank (vocab_parallel_argmax when greedy). The softmax's maximum and sum are all-reduced
+        (2 x b numbers); each rank's CANDIDATES most probable tokens are all-gathered, and contain the
+        whole vocabulary's. Rows the candidates do not decide gather their probabilities, as does top_p = 1
+        (b x vocab: the fallback). Ids can differ from one process's only where a rounding of the softmax
+        moves a token across the nucleus's edge or the drawn number."""
+        if self.greedy:
+            return vocab_parallel_argmax(logits)
+        mesh = logits.device_mesh
+        tp, rank, vocab = mesh.size(), mesh.get_local_rank(), logits.shape[-1]
+        local = logits.to_local().float() / self.temperature
+        b, width = local.shape[0], -(-vocab // tp)  # shards follow torch.chunk: rank r starts at r x width
+        start = min(rank * width, vocab)
+        top = local.amax(dim=-1) if local.shape[-1] else torch.full((b,), float("-inf"), device=local.device)
+        top = funcol.all_reduce(top, "max", mesh)
+        exp = (local - top[:, None]).exp()
+        probs = exp / funcol.all_reduce(exp.sum(dim=-1), "sum", mesh)[:, None]
+        uniform = self._uniform(rows, sequences or b, probs.device)
+
+        def gathered(rest: torch.Tensor) -> torch.Tensor:  # b x vocab probabilities of the rows `rest`, every rank
+            parts = ALL_GATHER(torch.nn.functional.pad(probs[rest], (0, width - probs.shape[-1])).contiguous(), 0, mesh)
+            return parts.view(tp, len(rest), width).permute(1, 0, 2).reshape(len(rest), tp * width)[:, :vocab]
+
+        if self.top_p >= 1:
+            full = gathered(torch.arange(b, device=probs.device))
+            ids = torch.arange(vocab, device=probs.device).expand_as(full)
+            return _invert(full, ids, torch.ones_like(full, dtype=torch.bool), uniform)
+        k = min(CANDIDATES, width)
+        values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        pad = k - values.shape[-1]  # a shorter last shard (or an empty one) pads with tokens that are never kept
+        values = torch.nn.functional.pad(values, (0, pad), value=-1.0)
+        ids = torch.nn.functional.pad(ids + start, (0, pad), value=vocab)
+        values = ALL_GATHER(values.contiguous(), 0, mesh).view(tp, b, k).permute(1, 0, 2).reshape(b, tp * k)
+        ids = ALL_GATHER(ids.contiguous(), 0, mesh).view(tp, b, k).permute(1, 0, 2).reshape(b, tp * k)
+        values, ids = _by_probability(values, ids)
+        return self._nucleus(values[:, :CANDIDATES], ids[:, :CANDIDATES], uniform, gathered)
+
+    def _uniform(self, rows: list[int] | None, sequences: int, device: torch.device) -> torch.Tensor:
+        """One number in [0, 1) per sequence from the seeded generator, the rows' ones, on `device`."""
+        uniform = torch.rand(sequences, generator=self.generator, dtype=torch.float64)
+        return (uniform if rows is None else uniform[rows]).to(device=device, dtype=torch.float32)
+
+    def _nucleus(self, values: torch.Tensor, ids: torch.Tensor, uniform: torch.Tensor, whole) -> torch.Tensor:
+        """The draw from the candidates `values` / `ids` (most probable first, ties by id); the rows whose
+        nucleus they do not decide are sorted whole from `whole(rows)`, their full probabilities."""
         kept = values.cumsum(dim=-1) - values < self.top_p  # the mass before a token is below top_p
         # A row is decided by its candidates when its nucleus ends before their smallest value: every token
         # more probable than that is among them, in the same order as in a full sort.
+        chosen = _invert(values, ids, kept, uniform)
         decided = ~(kept & (values == values[:, -1:])).any(dim=-1)
-        if not bool(decided.all()):
+        if not bool(decided.all()):  # the same on every TP rank: computed from gathered candidates
             rest = (~decided).nonzero().squeeze(-1)
-            full_values, full_ids = _by_probability(probs[rest], probs.shape[-1])
-            full_kept = full_values.cumsum(dim=-1) - full_values < self.top_p
-            chosen = _invert(values, ids, kept, uniform)
-            chosen[rest] = _invert(full_values, full_ids, full_kept, uniform[rest])
-            return chosen
-        return _invert(values, ids, kept, uniform)
+            full = whole(rest)
+            full_values, full_ids = _by_probability(full, None)
+            chosen[rest] = _invert(full_values, full_ids, full_values.cumsum(dim=-1) - full_values < self.top_p,
+                                   uniform[rest])
+        return chosen
 
 
-def _by_probability(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest probabilities of each row, descending, ties by ascending id, and their ids. topk's order
-    among equal values is unspecified: the candidates are put in id order, then stably sorted by value."""
-    values, ids = probs.topk(k, dim=-1) if k < probs.shape[-1] else (probs, None)
+def _by_probability(values: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates `values` with their `ids` (None: the whole row, ids 0..n-1) most probable first, ties by
+    ascending id. topk's order among equal values is unspecified: they are put in id order first, then
+    stably sorted by value."""
     if ids is None:
-        ids = torch.arange(k, device=probs.device).expand_as(probs)
+        ids = torch.arange(values.shape[-1], device=values.device).expand_as(values)
     else:
         ids, by_id = ids.sort(dim=-1)
         values = values.gather(-1, by_id)
@@ -82,3 +133,25 @@ def _invert(values: torch.Tensor, ids: torch.Tensor, kept: torch.Tensor, uniform
     position = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1), right=True)
     position = torch.minimum(position, kept.sum(dim=-1, keepdim=True) - 1)
     return ids.gather(-1, position).squeeze(-1)
+
+
+def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
+    """Greedy ids (b,), on the logits' device and the same on every TP rank, from (b, vocab) logits sharded
+    over the vocabulary on a TP mesh: each rank takes its shard's maximum and its global id (shards
+    follow torch.chunk: rank r starts at r x ceil(vocab / tp)), the TP group all-gathers the (maximum,
+    id) pairs, and the largest wins — on a tie the lowest rank, whose ids are lower, so the lowest id as
+    in a full argmax. The logits of one rank are compared in fp32, like Sampler's greedy choice.
+    Functional collectives: the same code runs eagerly and inside a compiled decode step."""
+    mesh = logits.device_mesh
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    local = logits.to_local().float()
+    b, vocab = local.shape[0], logits.shape[-1]
+    if local.shape[-1]:
+        best, index = local.max(dim=-1)
+    else:  # a rank beyond the vocabulary's last chunk (vocab < tp) holds nothing
+        best, index = torch.full((b,), float("-inf"), device=local.device), torch.zeros(b, dtype=torch.long, device=local.device)
+    index = index + min(rank * -(-vocab // tp), vocab)
+    bests = ALL_GATHER(best.contiguous(), 0, mesh).view(tp, b)
+    indices = ALL_GATHER(index.contiguous(), 0, mesh).view(tp, b)
+    winner = bests.argmax(dim=0)  # the first maximal rank
+    return indices.gather(0, winner[None]).squeeze(0)
