@@ -13,7 +13,8 @@ JSON goes to --out. It also times sequences that end at different times (--finis
 shrinking as they end against every row decoding to the end (`finishing`).
 
     python benchmarks/decode.py [--device auto|cpu|cuda] [--batches 1,4,16] [--prompt-len 64] [--new-tokens 32]
-        [--transformers-batches 1] [--compare-unfused] [--finishing-batch B] [--compile-mode M] [--out F.json] [--smoke]
+        [--transformers-batches 1] [--compare-unfused] [--finishing-batch B] [--compile-mode M] [--sample T,P]
+        [--out F.json] [--smoke]
 
 On a GPU (--device cuda, the default where there is one) the model is issue 30's 886M LLaMA in bf16 (dim
 2048, 16 blocks, 16/8 heads, ffn 5632, vocab 32000), batches 1, 8 and 64, a 63-token prompt and 256 new
@@ -35,6 +36,8 @@ figures predate fusing q|k|v and w1|w3 (--compare-unfused measures that gain: on
 Sequences ending at different times, on the 2-core CI machine (`--batches 16 --new-tokens 64`, 2026-11-26):
 ending after 19 of 64 tokens on average, the shrinking batch computed 37% of the rows eager (44% compiled)
 and decoded 1.49x (1.40x compiled) faster than every row to the end, the same ids.
+`--sample 0.8,0.95` (sampling on the device, infer/sampling.py) on the 2-core CI machine, 2026-11-26
+(`--batches 1,16`): compiled sampled decoding 0.91x greedy's tokens/s at batch 1, 0.99x at batch 16.
 Measured on the 2-core CI machine (torch 2.13, 2 threads), 2026-11-25: compiled decode steps 1.86x eager at
 batch 1 (56 vs 30 tokens/s), 1.07x at batch 4, 0.99x at batch 16. Earlier: the KV cache bytes match exactly; decode at batch 1
 is predicted 1.2-1.35x too fast (55-64 vs 44-47 tokens/s over three runs, the streaming figure varying 22-26
@@ -87,12 +90,13 @@ def streaming_gbps(rows: int, cols: int, rounds: int = 5) -> float:
     return weight.numel() * 4 / best / 1e9
 
 
-def measure(engine: Engine, batch: int, prompt_len: int, new: int, rounds: int, compiled: bool = False) -> dict:
+def measure(engine: Engine, batch: int, prompt_len: int, new: int, rounds: int, compiled: bool = False,
+            sampler=Sampler) -> dict:
     """The best of `rounds` generations after a warm-up one (compiled: it compiles the step; eager on a
-    GPU: the first use of each kernel)."""
+    GPU: the first use of each kernel). `sampler`: makes each generation's Sampler (default greedy)."""
     best = None
     for _ in range(rounds + 1):
-        result = engine.generate(prompts(engine.cfg, batch, prompt_len), new, Sampler(), compiled=compiled)
+        result = engine.generate(prompts(engine.cfg, batch, prompt_len), new, sampler(), compiled=compiled)
         if best is None or result.decode_tokens_per_s > best.decode_tokens_per_s:
             best = result
     total = (best.decode_tokens + batch) / (best.prefill_s + best.decode_s)
@@ -172,13 +176,15 @@ def main() -> int:
                         "different-times comparison (default: the largest of --batches; 0: none)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled steps (default: "
                         "reduce-overhead on a GPU, inductor's default on CPU), e.g. max-autotune")
+    parser.add_argument("--sample", default=None, help="T,P: also compiled decoding sampled at temperature T and top-p P "
+                        "(infer/sampling.py, on the device), against greedy")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode.json (decode.smoke.json with --smoke)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and not args.smoke and torch.cuda.is_available())
     defaults = GPU_DEFAULTS if cuda else {"batches": "1,4,16", "prompt_len": 64, "new_tokens": 32, "rounds": 3}
     if args.smoke:
-        args.compare_unfused = True
+        args.compare_unfused, args.sample = True, "0.8,0.95"
         defaults = {"batches": "2", "prompt_len": 8, "new_tokens": 4, "rounds": 1}
     for key, value in defaults.items():
         setattr(args, key, value if getattr(args, key) is None or args.smoke else getattr(args, key))
@@ -224,6 +230,12 @@ def main() -> int:
         got["compiled_over_eager"] = comp["decode_tokens_per_s"] / got["decode_tokens_per_s"]
         compiled_ids = comp.pop("ids")
         got["compiled_ids_agree_eager"] = agreement(compiled_ids, got.pop("ids"))
+        if args.sample:
+            temperature, top_p = map(float, args.sample.split(","))
+            sampled = measure(engine, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True,
+                              sampler=lambda t=temperature, p=top_p: Sampler(False, t, p, seed=0))
+            got["compiled_sampled_decode_tokens_per_s"] = sampled["decode_tokens_per_s"]
+            got["sampled_over_greedy"] = sampled["decode_tokens_per_s"] / comp["decode_tokens_per_s"]
         if unfused is not None:
             separate = measure(unfused, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True)
             got["compiled_unfused_decode_tokens_per_s"] = separate["decode_tokens_per_s"]
@@ -266,6 +278,9 @@ def main() -> int:
               f"the rows eager ({ended['compiled_rows_fraction']:.0%} compiled, in powers of two); decode "
               f"{ended['eager_speedup']:.2f}x eager, {ended['compiled_speedup']:.2f}x compiled, same ids")
     for r in rows:
+        if "sampled_over_greedy" in r:
+            print(f"batch {r['batch']}: compiled, sampled at T,top-p {args.sample}: "
+                  f"{r['compiled_sampled_decode_tokens_per_s']:,.0f} tokens/s, {r['sampled_over_greedy']:.2f}x greedy")
         if "fused_over_unfused" in r:
             print(f"batch {r['batch']}: compiled with q|k|v and w1|w3 fused {r['compiled_decode_tokens_per_s']:,.0f} tokens/s, "
                   f"separate {r['compiled_unfused_decode_tokens_per_s']:,.0f}: {r['fused_over_unfused']:.2f}x")
@@ -281,6 +296,7 @@ def main() -> int:
     out.write_text(json.dumps({"smoke": args.smoke, "date": dt.datetime.now().isoformat(timespec="seconds"),
                                "machine": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                                "device": torch.cuda.get_device_name() if cuda else "cpu", "compile_mode": args.compile_mode,
+                               "sample": args.sample,
                                "streaming_gbps": gbps, "matmul_flops": flops, "model": vars(cfg.model) | {"moe": vars(cfg.model.moe)},
                                "rows": rows, "finishing": ended}, indent=2) + "\n")
     print(f"wrote {out}")

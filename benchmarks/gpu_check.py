@@ -320,7 +320,7 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     rows["bench/decode"] = lambda: command_row(  # issue 30's decode: eager, compiled, unfused, transformers
         ctx, "bench/decode", [sys.executable, str(bench / "decode.py"), *smoke, *([] if smoke else [
             "--batches", "1,64", "--new-tokens", "128", "--transformers-batches", "1", "--compare-unfused",
-            "--finishing-batch", "8"]),
+            "--finishing-batch", "8", "--sample", "0.8,0.95"]),
             "--out", str(ctx.out / "decode.json")], timeout=max(ctx.timeout, 600))
     for tier in ("cpu", "nvme"):  # only when named: minutes of host-side initialisation and CPU AdamW
         rows[f"offload-big/{tier}"] = lambda t=tier: train_row(ctx, f"offload-big/{t}", offload_big(ctx, t), steps=3)
