@@ -232,3 +232,22 @@ def test_fp8_prices_the_blocks_gemms_at_the_fp8_peak():
     cfg = cfg_of(*model, "--train.precision=fp8", "--cluster.gpu=a100-sxm-80gb")
     with pytest.raises(ConfigError):
         evaluate(Problem.from_config(cfg), Layout.from_config(cfg, 1))
+
+
+def test_an_all_reduce_after_the_backward_is_exposed_whole():
+    """cluster.grad_reduce = "after_backward" (Megatron-LM's local DDP before --overlap-grad-reduce): the
+    gradient all-reduce of DDP is all exposed, where torch's DDP hides all but its last bucket behind the
+    backward; FSDP's per-layer reduce-scatter is not affected."""
+    base = ["--model.preset=llama3-8b", "--cluster.gpu=h100-sxm-80gb", "--cluster.num_gpus=16", "--train.seq_len=2048",
+            "--train.global_batch=64", "--train.micro_batch=1", "--train.recompute=full"]
+    runs = {}
+    for layout in ("ddp", "fsdp"):
+        axes = ["--parallel.dp_replicate=16"] if layout == "ddp" else ["--parallel.dp_shard=16", "--parallel.zero=3"]
+        for reduce in ("overlapped", "after_backward"):
+            cfg = cfg_of(*base, *axes, f"--cluster.grad_reduce={reduce}")
+            problem = Problem.from_config(cfg)
+            runs[layout, reduce] = evaluate(problem, Layout.from_config(cfg, 16)), problem
+    (ddp, _), (after, problem) = runs["ddp", "overlapped"], runs["ddp", "after_backward"]
+    assert after.breakdown_s["dp_comm"] >= after.detail["ddp_allreduce_s"] > ddp.breakdown_s["dp_comm"] > 0
+    assert problem.stack_for(after.layout).describe().endswith("DDP all-reduce after the backward")
+    assert runs["fsdp", "overlapped"][0].breakdown_s == runs["fsdp", "after_backward"][0].breakdown_s

@@ -165,11 +165,12 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
             comm["dp"] += t
         elif core.fsdp and c.phase in ("fwd", "bwd", "grad"):
             (fsdp_fwd if c.phase == "fwd" else fsdp_bwd).append(c)
-        elif c.phase == "grad":  # DDP bucketed all-reduce during the last backward
+        elif c.phase == "grad":  # DDP bucketed all-reduce during the last backward (or after it: plan/stack.py)
             last_bucket = min(c.payload, C.DDP_BUCKET_BYTES)
             t_last = time_of(Collective(c.axis, c.kind, last_bucket, 1, c.phase), place, cl)
             detail["ddp_allreduce_s"] = t
-            comm["dp"] += max(t_last, t - mb.bwd)
+            after = problem.stack_for(core).grad_reduce == "after_backward"
+            comm["dp"] += t if after else max(t_last, t - mb.bwd)
         else:  # ZeRO-1 broadcast after the step
             comm["dp"] += t
     if fsdp_fwd or fsdp_bwd:

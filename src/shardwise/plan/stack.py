@@ -15,6 +15,10 @@ loss — so a planner that only knows today's kernels mis-plans the cluster a us
               (unset: fused when compiled, unfused eager)
   loss        compiled | eager                   the chunked cross-entropy's kernels (train/loss.py
               LossKernels; unset: compiled when the blocks are)
+  grad_reduce overlapped | after_backward        data parallelism's gradient all-reduce (DDP, ZeRO-1): in
+              buckets during the last backward (torch DDP, what the trainer runs; Megatron-LM since its
+              --overlap-grad-reduce) or all of it after the backward (Megatron-LM's local DDP before
+              that): plan/cost.py exposes all of it then. FSDP / ZeRO-2/3 reduce-scatter per layer either way.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ ATTENTION_KERNELS = ("cudnn", "flash", "efficient", "math")
 OPTIMIZER_KERNELS = ("fused", "foreach")
 NORM_KERNELS = ("fused", "unfused")
 LOSS_KERNELS = ("compiled", "eager")
+GRAD_REDUCE = ("overlapped", "after_backward")
 CHOICES = {"attention_kernel": ATTENTION_KERNELS, "optimizer_kernel": OPTIMIZER_KERNELS,
-           "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS}
+           "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS, "grad_reduce": GRAD_REDUCE}
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,12 @@ class Stack:
     optimizer: str
     norms: str
     loss: str
+    grad_reduce: str = "overlapped"
 
     def describe(self) -> str:
         return (f"{'compiled blocks (inductor)' if self.compiled else 'eager'}, attention {self.attention}, "
-                f"AdamW {self.optimizer}, norms {self.norms}, loss {self.loss}")
+                f"AdamW {self.optimizer}, norms {self.norms}, loss {self.loss}"
+                + (", DDP all-reduce after the backward" if self.grad_reduce == "after_backward" else ""))
 
 
 def resolve(choices: dict[str, str | None], compiled: bool, attention_default: str, device_type: str) -> Stack:
@@ -47,4 +54,5 @@ def resolve(choices: dict[str, str | None], compiled: bool, attention_default: s
     return Stack(compiled, attention,
                  choices.get("optimizer_kernel") or ("fused" if device_type == "cuda" else "foreach"),
                  choices.get("norm_kernel") or ("fused" if compiled else "unfused"),
-                 choices.get("loss_kernel") or ("compiled" if compiled else "eager"))
+                 choices.get("loss_kernel") or ("compiled" if compiled else "eager"),
+                 choices.get("grad_reduce") or "overlapped")
