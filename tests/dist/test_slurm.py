@@ -77,7 +77,10 @@ def _compare(name: str, expected, got) -> None:
 
 def test_generated_sbatch_script_trains_like_local(cluster, reference, tmp_path):
     common, expected = reference
-    env = {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    # The job's TMPDIR (sbatch exports the environment): torchrun's log directories must not outlive the job.
+    node_tmp = tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    env = {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"], "TMPDIR": str(node_tmp)}
     (tmp_path / "run.toml").write_text("")  # every setting is an override: the script passes them through
     done = subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", "slurm", "--config", "run.toml",
                            "--nodes", "1", "--procs-per-node", "2", "--python", sys.executable, "--out", "job.sbatch",
@@ -89,6 +92,7 @@ def test_generated_sbatch_script_trains_like_local(cluster, reference, tmp_path)
     script = (tmp_path / "job.sbatch").read_text()
     assert "#SBATCH --cpus-per-task=2" in script and "--gpus-per-node" not in script
     _compare("sbatch", expected, _losses(tmp_path / "sbatch"))
+    assert not [p.name for p in node_tmp.iterdir() if "torchelastic" in p.name], list(node_tmp.iterdir())
 
 
 def test_srun_starts_workers_directly(cluster, reference, tmp_path):

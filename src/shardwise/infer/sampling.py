@@ -98,7 +98,8 @@ class Sampler:
     def _nucleus(self, values: torch.Tensor, ids: torch.Tensor, uniform: torch.Tensor, whole) -> torch.Tensor:
         """The draw from the candidates `values` / `ids` (most probable first, ties by id); the rows whose
         nucleus they do not decide are sorted whole from `whole(rows)`, their full probabilities."""
-        kept = values.cumsum(dim=-1) - values < self.top_p  # the mass before a token is below top_p
+        # The mass before a token is below top_p (vocab_parallel's padding, value -1, is never kept).
+        kept = (values.cumsum(dim=-1) - values < self.top_p) & (values >= 0)
         # A row is decided by its candidates when its nucleus ends before their smallest value: every token
         # more probable than that is among them, in the same order as in a full sort.
         chosen = _invert(values, ids, kept, uniform)

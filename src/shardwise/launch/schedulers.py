@@ -162,10 +162,15 @@ def sbatch_script(config: str, overrides: list[str], nodes: int, gpus_per_node: 
              "",
              *(["# srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05): give the agent's step every CPU.",
                 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"', ""] if procs_per_node else []),
+             "# torchrun's per-rank log directories, on each node's local disk (torch would leave a torchelastic_*",
+             "# directory in /tmp for every job): removed on every node when the job ends.",
+             'LOG_DIR="${TMPDIR:-/tmp}/shardwise-torchelastic-$SLURM_JOB_ID"',
+             "trap 'srun --ntasks-per-node=1 rm -rf \"$LOG_DIR\" || true' EXIT",
+             "",
              "# --kill-on-bad-exit: a node whose agent fails ends the job instead of leaving the others waiting.",
              f"# --signals-to-handle: torchrun forwards these to the workers ({SIGNALS_TO_HANDLE.split(',')[-1]} included).",
              "srun --kill-on-bad-exit=1 " + shlex.join([python, "-m", "torch.distributed.run"]) + " \\"]
-    body = [f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+    body = [f"--nnodes={nodes}", f"--nproc-per-node={per_node}", '--log-dir="$LOG_DIR"', "--rdzv-backend=c10d",
             '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
             f"--signals-to-handle={SIGNALS_TO_HANDLE}", shlex.join(["-m", "shardwise.train", "--config", config, *overrides])]
     return "\n".join(head + [f"    {line} \\" for line in body[:-1]] + [f"    {body[-1]}", ""])

@@ -281,7 +281,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         recompute = rank.dense_layers * replay_d + rank.moe_layers * replay_m + sum(fwd_kernels) * full_host
     elif lay.recompute == "selective" and lay.recompute_policy == "layer":
         recompute = math.ceil(n_blocks / lay.recompute_every) * ((replay_d if rank.dense_layers else replay_m)
-                                                                 + fwd_kernels[0] * full_host)
+                                                                 + (fwd_kernels[0] if fwd_kernels else 0) * full_host)
     elif lay.recompute == "selective" and not eager:
         # "op", compiled: the partitioner recomputes pointwise chains in the backward's fused kernels with
         # or without the policy; what the policy adds is rerunning the two norms (plan/compiled.py).
