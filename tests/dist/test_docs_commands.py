@@ -5,6 +5,7 @@ that holds only links to the checkout's .venv and configs/ — as a newcomer typ
 a cluster's, a GPU's or a long run's command, shown but not run here."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -34,8 +35,11 @@ def test_every_runnable_block_runs_as_written(tmp_path):
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     blocks = [(page, block) for page in pages for block in runnable_blocks(page)]
     assert len(blocks) >= 5
+    scratch = tmp_path / "tmp"  # the blocks' $TMPDIR (memory.md's NVMe directory): nothing lands in the machine's /tmp
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
     for page, block in blocks:
-        done = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        done = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
         assert done.returncode == 0, f"{page.name}:\n{block}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         # DTensor's note about one collective per mesh axis, once per rank (README's FSDP x TP run printed
         # it 4 times): parallel/mesh.py quiet_scalar_redistribute_notes
