@@ -73,8 +73,7 @@ class Sampler:
         uniform = self._uniform(rows, sequences or b, probs.device)
 
         def gathered(rest: torch.Tensor) -> torch.Tensor:  # b x vocab probabilities of the rows `rest`, every rank
-            parts = ALL_GATHER(torch.nn.functional.pad(probs[rest], (0, width - probs.shape[-1])).contiguous(), 0, mesh)
-            return parts.view(tp, len(rest), width).permute(1, 0, 2).reshape(len(rest), tp * width)[:, :vocab]
+            return _side_by_side(torch.nn.functional.pad(probs[rest], (0, width - probs.shape[-1])), mesh)[:, :vocab]
 
         if self.top_p >= 1:
             full = gathered(torch.arange(b, device=probs.device))
@@ -85,9 +84,7 @@ class Sampler:
         pad = k - values.shape[-1]  # a shorter last shard (or an empty one) pads with tokens that are never kept
         values = torch.nn.functional.pad(values, (0, pad), value=-1.0)
         ids = torch.nn.functional.pad(ids + start, (0, pad), value=vocab)
-        values = ALL_GATHER(values.contiguous(), 0, mesh).view(tp, b, k).permute(1, 0, 2).reshape(b, tp * k)
-        ids = ALL_GATHER(ids.contiguous(), 0, mesh).view(tp, b, k).permute(1, 0, 2).reshape(b, tp * k)
-        values, ids = _by_probability(values, ids)
+        values, ids = _by_probability(_side_by_side(values, mesh), _side_by_side(ids, mesh))
         return self._nucleus(values[:, :CANDIDATES], ids[:, :CANDIDATES], uniform, gathered)
 
     def _uniform(self, rows: list[int] | None, sequences: int, device: torch.device) -> torch.Tensor:
@@ -98,8 +95,7 @@ class Sampler:
     def _nucleus(self, values: torch.Tensor, ids: torch.Tensor, uniform: torch.Tensor, whole) -> torch.Tensor:
         """The draw from the candidates `values` / `ids` (most probable first, ties by id); the rows whose
         nucleus they do not decide are sorted whole from `whole(rows)`, their full probabilities."""
-        # The mass before a token is below top_p (vocab_parallel's padding, value -1, is never kept).
-        kept = (values.cumsum(dim=-1) - values < self.top_p) & (values >= 0)
+        kept = self._kept(values)
         # A row is decided by its candidates when its nucleus ends before their smallest value: every token
         # more probable than that is among them, in the same order as in a full sort.
         chosen = _invert(values, ids, kept, uniform)
@@ -108,9 +104,19 @@ class Sampler:
             rest = (~decided).nonzero().squeeze(-1)
             full = whole(rest)
             full_values, full_ids = _by_probability(full, None)
-            chosen[rest] = _invert(full_values, full_ids, full_values.cumsum(dim=-1) - full_values < self.top_p,
-                                   uniform[rest])
+            chosen[rest] = _invert(full_values, full_ids, self._kept(full_values), uniform[rest])
         return chosen
+
+    def _kept(self, values: torch.Tensor) -> torch.Tensor:
+        """The nucleus of probabilities sorted descending: a token whose mass before it is below top_p
+        (vocab_parallel's padding, value -1, is never kept)."""
+        return (values.cumsum(dim=-1) - values < self.top_p) & (values >= 0)
+
+
+def _side_by_side(x: torch.Tensor, mesh) -> torch.Tensor:
+    """(b, w) on each of the TP mesh's ranks -> (b, tp x w) on every rank, rank r's columns r x w onwards."""
+    tp, b = mesh.size(), x.shape[0]
+    return ALL_GATHER(x.contiguous(), 0, mesh).view(tp, b, -1).permute(1, 0, 2).reshape(b, -1)
 
 
 def _by_probability(values: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -259,8 +259,9 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         if measured is None or measured.device_type == "cuda":  # the GPU's gap between kernels, per kernel
             kf, kb = C.COMPILED_BLOCK_KERNELS[s.arch]
             fwd, bwd = fwd + rank.layers * kf * launch_s, bwd + rank.layers * kb * launch_s
+    # (forward, backward) kernels of one dense / MoE block in eager mode
+    dense, moe = eager_block_kernels(s, reg, False, lay.ep), eager_block_kernels(s, reg, True, lay.ep)
     if eager:  # launch_s per kernel the rank's eager forward / backward launches
-        dense, moe = eager_block_kernels(s, reg, False, lay.ep), eager_block_kernels(s, reg, True, lay.ep)
         rest = C.EAGER_REST_KERNELS[_kernel_key(s, reg)] if (rank.head or rank.embedding) else (0, 0)
         for i in (0, 1):
             launches = (rank.dense_layers * dense[i] + rank.moe_layers * moe[i] + rest[i]) * launch_s
@@ -274,14 +275,13 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # On a measured CPU the checkpoint's own host cost per forward kernel of a checkpointed block comes on top:
     # the replay's dispatch with autograd recording and the saved-tensor hooks (full); the policy's dispatch
     # mode in the forward and the recompute (selective "op").
-    fwd_kernels = [eager_block_kernels(s, reg, False, lay.ep)[0]] * rank.dense_layers
-    fwd_kernels += [eager_block_kernels(s, reg, True, lay.ep)[0]] * rank.moe_layers
+    fwd_kernels = rank.dense_layers * dense[0] + rank.moe_layers * moe[0]  # the rank's blocks' forward
     full_host = host.full_checkpoint_kernel_s if host and eager else 0.0
     if lay.recompute == "full":
-        recompute = rank.dense_layers * replay_d + rank.moe_layers * replay_m + sum(fwd_kernels) * full_host
+        recompute = rank.dense_layers * replay_d + rank.moe_layers * replay_m + fwd_kernels * full_host
     elif lay.recompute == "selective" and lay.recompute_policy == "layer":
-        recompute = math.ceil(n_blocks / lay.recompute_every) * ((replay_d if rank.dense_layers else replay_m)
-                                                                 + (fwd_kernels[0] if fwd_kernels else 0) * full_host)
+        recompute = math.ceil(n_blocks / lay.recompute_every) * (
+            replay_d + dense[0] * full_host if rank.dense_layers else replay_m + moe[0] * full_host)
     elif lay.recompute == "selective" and not eager:
         # "op", compiled: the partitioner recomputes pointwise chains in the backward's fused kernels with
         # or without the policy; what the policy adds is rerunning the two norms (plan/compiled.py).
@@ -296,13 +296,12 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
                      + gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, s.dim, w, elem))
                 for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
         if host:
-            recompute += sum(fwd_kernels) * host.selective_checkpoint_kernel_s
+            recompute += fwd_kernels * host.selective_checkpoint_kernel_s
         elif measured is not None and measured.device_type == "cpu":
             # A CPU runs the checkpoint policy's Python dispatch mode in line with the kernels (a GPU's host
             # runs ahead of them): every op of a block passes it in forward, recompute and backward.
-            blocks = [eager_block_kernels(s, reg, False, lay.ep)] * rank.dense_layers
-            blocks += [eager_block_kernels(s, reg, True, lay.ep)] * rank.moe_layers
-            recompute += sum(2 * f + b for f, b in blocks) * measured.selective_op_s
+            ops = rank.dense_layers * (2 * dense[0] + dense[1]) + rank.moe_layers * (2 * moe[0] + moe[1])
+            recompute += ops * measured.selective_op_s
     else:
         recompute = 0.0
     recompute += rank.dense_layers * tile_rc
