@@ -428,7 +428,7 @@ def overhead_section(a, device, timer) -> dict:
     for r in rows:
         r["chain_ops"] = n
         r["s_per_op"] = r["median_s"] / n if "median_s" in r else None
-    block = block_overhead(a, device, timer) if not a.smoke or device.type == "cpu" else None
+    block = block_overhead(a, device, timer)
     print(f"\nper-kernel overhead: chain of {n} dependent `x = x + 1` on 1024 elements, time per original op")
     print(f"{'mode':42s} {'chain ms':>9s} {'us/op':>9s}")
     for r in rows:
@@ -437,12 +437,11 @@ def overhead_section(a, device, timer) -> dict:
         else:
             extra = f"  (compile {r['compile_s']:.1f} s)" if "compile_s" in r else ""
             print(f"{r['mode']:42s} {1e3 * r['median_s']:9.3f} {1e6 * r['s_per_op']:9.3f}{extra}")
-    if block:
-        print(f"a llama block of this model on 1 token (host cost only), per kernel of plan/constants.py "
-              f"EAGER_BLOCK_KERNELS {block['kernels']} (views and autograd folded in):")
-        for r in block["rows"]:
-            print(f"  {r['mode']:40s} {1e3 * r['median_s']:9.3f} ms {1e6 * r['s_per_kernel']:9.3f} us/kernel")
-    return {"rows": rows, **({"block": block} if block else {})}
+    print(f"a llama block of this model on 1 token (host cost only), per kernel of plan/constants.py "
+          f"EAGER_BLOCK_KERNELS {block['kernels']} (views and autograd folded in):")
+    for r in block["rows"]:
+        print(f"  {r['mode']:40s} {1e3 * r['median_s']:9.3f} ms {1e6 * r['s_per_kernel']:9.3f} us/kernel")
+    return {"rows": rows, "block": block}
 
 
 def block_overhead(a, device, timer) -> dict:
