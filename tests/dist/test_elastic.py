@@ -48,6 +48,21 @@ def _wait(condition, timeout: float, what: str) -> float:
     return time.monotonic()
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (an agent's ranks)."""
+    return [int(p) for p in (Path("/proc") / str(pid) / "task" / str(pid) / "children").read_text().split()]
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """A SIGTERM sent to `pid` and not yet delivered (it is stopped): bit 15 - 1 of /proc's ShdPnd mask."""
+    try:
+        status = (Path("/proc") / str(pid) / "status").read_text()
+    except FileNotFoundError:
+        return True  # gone: nothing left to wait for
+    pending = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("ShdPnd:"))
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
 def _kill_node(net: netns.Network, k: int) -> None:
     """SIGKILL everything on node k, as a machine dying would: its agent and its workers."""
     for pid in subprocess.run(["ip", "netns", "pids", net.nodes[k]], capture_output=True, text=True).stdout.split():
@@ -82,10 +97,21 @@ def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened
         _kill_node(net, 1)
         trained = len(_losses(run))
         recovered = _wait(lambda: len(_losses(run)) > trained, 300, "a step trained after node 1 died")
-        # Rejoin with 40 steps to go: node 0 must not finish alone before the new node's agent has started
-        # (under a loaded CI machine its start takes tens of seconds; rejoining at step 30 once lost that race).
         _wait(lambda: max(_losses(run), default=0) >= 20, 300, "step 20 on node 0 alone")
+        # Node 0 must not finish alone before the new node's agent has started (tens of seconds on a loaded
+        # machine, against ~0.1 s per step: rejoining with 30 and then 40 steps to go both lost that race).
+        # So node 0's ranks pause until its agent, having seen the new node, asks them to stop (SIGTERM,
+        # pending while they are stopped); then they go on, checkpoint and exit as any restart has them do.
+        ranks = _children(node0.pid)
+        assert len(ranks) == 2, f"node 0's agent should have 2 ranks, has children {ranks}"
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
         rejoined = agent(1, "node1-again.log")
+        try:
+            _wait(lambda: all(_sigterm_pending(pid) for pid in ranks), 300, "node 0's agent to restart its ranks for node 1")
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
         assert node0.wait(timeout=300) == 0 and rejoined.wait(timeout=60) == 0, (tmp_path / "node0.log").read_text()[-3000:]
         assert node1.poll() == -signal.SIGKILL
     # The killed agent's torchelastic log directory and config copy were removed by the agent that replaced
