@@ -138,7 +138,8 @@ def check_run(cfg: Config) -> None:
     if not 0 < cfg.run.rendezvous_last_call_s < cfg.run.rendezvous_timeout_s:
         raise ConfigError("run.rendezvous_last_call_s", f"must be > 0 and below run.rendezvous_timeout_s "
                           f"({cfg.run.rendezvous_timeout_s:g}), got {cfg.run.rendezvous_last_call_s:g}",
-                          "the wait for more nodes must end before the rendezvous itself times out: e.g. 30")
+                          "the wait for more nodes must end before the rendezvous itself times out: e.g. "
+                          f"{min(30.0, cfg.run.rendezvous_timeout_s / 2):g}")
     if not cfg.run.collective_timeout_s > 0:
         raise ConfigError("run.collective_timeout_s", f"must be > 0, got {cfg.run.collective_timeout_s}",
                           "use e.g. 300 (seconds); raise it if a checkpoint save or first step takes longer")

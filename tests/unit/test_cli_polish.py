@@ -210,6 +210,22 @@ def test_an_elastic_job_is_checked_at_every_size_before_anything_starts(args, fi
     assert code == 2 and f"error: {field}" in err and words in err and "never-read" not in err, err
 
 
+def test_a_short_rendezvous_timeout_advises_a_last_call_that_fits(capsys):
+    """run.rendezvous_timeout_s=20 with the default 30 s last call is refused; the advised value (it once
+    said 30 whatever the timeout) is then accepted: the same command gets past the check to the data."""
+    cmd = ["train", "--nproc", "2", "--node-rank", "1", "--rdzv-endpoint", "198.51.100.1:29400", "--nnodes", "1:2",
+           "--parallel.dp_shard=-1", "--parallel.zero=3", "--run.max_restarts=2", "--run.rendezvous_timeout_s=20",
+           "--data.path=/nonexistent/never-read.txt"]
+    assert main(cmd) == 2
+    err = capsys.readouterr().err
+    assert "error: run.rendezvous_last_call_s" in err, err
+    advised = err.split("e.g. ")[-1].split()[0]
+    assert float(advised) < 20
+    assert main([*cmd, f"--run.rendezvous_last_call_s={advised}"]) == 2
+    err = capsys.readouterr().err
+    assert "rendezvous_last_call_s" not in err and "never-read" in err, err
+
+
 def test_an_elastic_launch_passes_the_range_and_the_rendezvous_timeouts():
     args = MultiNode(2, 1, "198.51.100.1:29400", "job", None, 1, 600.0, 2.5).torchrun_args()
     assert "--nnodes=1:2" in args and "--rdzv-conf=is_host=false,join_timeout=600,last_call_timeout=3" in args
