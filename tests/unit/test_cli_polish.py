@@ -232,6 +232,32 @@ def test_an_elastic_launch_passes_the_range_and_the_rendezvous_timeouts():
     assert "--nnodes=2" in MultiNode(2, 1, "198.51.100.1:29400", "job", None, 2).torchrun_args()  # 2:2 is not elastic
 
 
+@pytest.mark.parametrize("error,code,words", [
+    ("RendezvousConnectionError", 1, "cannot be reached, or closed while this node waited"),
+    ("RendezvousTimeoutError", 6, "fewer than 1 node(s) (--nnodes 1:2) met at the rendezvous at 198.51.100.1:29400 within "
+                                  "run.rendezvous_timeout_s (600 s)"),
+])
+def test_an_elastic_node_tells_a_lost_rendezvous_from_a_timeout(error, code, words, monkeypatch, tmp_path, capsys):
+    """A node that joins an elastic job just as it ends loses node 0's store (RendezvousConnectionError,
+    seen when a rejoining node came a few steps too late): it was told "fewer than MIN nodes met within
+    run.rendezvous_timeout_s" and exit 6, though nothing had timed out. Only a timeout is exit 6 now."""
+    import torch.distributed.elastic.rendezvous.api as rdzv
+    from torch.distributed import run as torch_run
+
+    from shardwise.launch.local import torchrun
+
+    def fail(args):
+        raise getattr(rdzv, error)("store gone")
+
+    monkeypatch.setattr(torch_run, "run", fail)
+    for name in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):  # torchrun() sets them for its workers
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    nodes = MultiNode(2, 1, "198.51.100.1:29400", "job", None, 1, 600.0, 2.5)
+    assert torchrun(2, "shardwise.train", [], nodes=nodes, checkpoints=tmp_path) == code
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and words in err and "no checkpoint was written yet" in err, err
+
+
 def test_a_mistyped_command_gets_a_suggestion(capsys):
     assert main(["trian"]) == 2
     assert "unknown command 'trian' (did you mean 'train'?)" in capsys.readouterr().err

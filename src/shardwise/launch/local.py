@@ -100,7 +100,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 
     # Split the cores between the workers (torchrun would pick 1 and warn); a user's setting wins.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -130,6 +130,14 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         return interrupt_exit_code(e.sigval)
     except RendezvousError as e:  # multi-node: the nodes never met (endpoint unreachable, a node missing, timeout)
         where = f" at {nodes.endpoint}" if nodes is not None else ""
+        if isinstance(e, RendezvousConnectionError):
+            # Not a timeout of run.rendezvous_timeout_s: node 0's store is gone or unreachable. A node that joins
+            # a job just as it ends meets this (the store closes with node 0's agent), as does an endpoint
+            # nobody listens on (after torch's own two 60 s connection attempts).
+            print(f"error: the rendezvous{where} cannot be reached, or closed while this node waited: node 0's agent "
+                  "is not running there (a job that ends, finished or failed, closes it) or its address is not "
+                  f"reachable from this node{_resume_hint(checkpoints)}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
         if nodes is not None and nodes.elastic:
             print(f"error: fewer than {nodes.min_nodes} node(s) (--nnodes {nodes.min_nodes}:{nodes.nnodes}) met at the "
                   f"rendezvous{where} within run.rendezvous_timeout_s ({nodes.join_timeout_s:g} s): "
