@@ -21,10 +21,10 @@ demo: $(STAMP)
 	$(BIN)/shardwise train --config configs/demo.toml --nproc 2
 
 # Two pytest-xdist workers, each taking whole files (--dist loadfile: a file's module fixtures, such as
-# the parity matrix's, run once): the multi-process tests leave about half of 2 cores idle while they wait
-# on rendezvous, heartbeats and restarts, so two at a time take ~24 minutes where one took ~31.
+# the parity matrix's, run once), longest first (tests/conftest.py LONGEST_FILES): the multi-process
+# tests leave about half of 2 cores idle while they wait on rendezvous, heartbeats and restarts.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # docs/config.md from the config tree's own documentation (tests/unit/test_docs.py fails when it is stale);
 # docs-check: that, the links, and every README / docs block marked runnable, as written (also in make test).
