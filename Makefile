@@ -21,10 +21,12 @@ demo: $(STAMP)
 	$(BIN)/shardwise train --config configs/demo.toml --nproc 2
 
 # Two pytest-xdist workers, each taking whole files (--dist loadfile: a file's module fixtures, such as
-# the parity matrix's, run once), longest first (tests/conftest.py LONGEST_FILES): the multi-process
-# tests leave about half of 2 cores idle while they wait on rendezvous, heartbeats and restarts.
+# the parity matrix's, run once), the files with the most tests first (xdist's default): the multi-process
+# tests leave about half of 2 cores idle while they wait on rendezvous, heartbeats and restarts (~24 minutes
+# where one worker took ~31; running the two heaviest files, parity and the docs' commands, side by side
+# instead took ~30: both keep the 2 cores busy on their own).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 # docs/config.md from the config tree's own documentation (tests/unit/test_docs.py fails when it is stale);
 # docs-check: that, the links, and every README / docs block marked runnable, as written (also in make test).

@@ -75,18 +75,3 @@ def small_disk(tmp_path):
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
-
-# The files that take longest in CI (`.ci/run` with --durations, 2026-11-26: 640 s down to 80 s each), longest
-# first. `make test` runs two pytest-xdist workers that take whole files (--dist loadfile: the parity matrix's
-# module fixture then trains once) in collection order (--no-loadscope-reorder: xdist would otherwise put the
-# files with the most tests first, which left the 1-test, 4-minute docs file running alone at the end).
-# Longest first, the short files after them fill in; a stale list only costs minutes, never a test.
-LONGEST_FILES = ("tests/parity/test_parity.py", "tests/dist/test_docs_commands.py", "tests/dist/test_recovery.py",
-                 "tests/dist/test_elastic.py", "tests/dist/test_clean_exit.py", "tests/dist/test_benchmarks_smoke.py",
-                 "tests/dist/test_hf_layouts.py", "tests/dist/test_checkpoint_resume.py", "tests/unit/test_generate.py",
-                 "tests/dist/test_run_safety_cli.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
