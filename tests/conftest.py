@@ -74,4 +74,3 @@ def small_disk(tmp_path):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
