@@ -22,9 +22,9 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers, each taking whole files (--dist loadfile: a file's module fixtures, such as
 # the parity matrix's, run once), the files with the most tests first (xdist's default): the multi-process
-# tests leave about half of 2 cores idle while they wait on rendezvous, heartbeats and restarts (~24 minutes
-# where one worker took ~31; running the two heaviest files, parity and the docs' commands, side by side
-# instead took ~30: both keep the 2 cores busy on their own).
+# tests leave about half of 2 cores idle while they wait on rendezvous, heartbeats and restarts (24-31 minutes
+# in three runs where one worker took 31-32 in four; this machine is shared and noisy). Running the two
+# heaviest files, parity and the docs' commands, side by side took 30: both keep the 2 cores busy alone.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
