@@ -124,6 +124,17 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, whichever of its threads started them (a launcher's ranks)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` is a live process (a zombie, exited but not yet reaped, counts as gone)."""
     try:

@@ -22,6 +22,7 @@ import pytest
 
 from shardwise.parity import LOSS_RTOL
 from tests import netns
+from tests.harness import children
 
 STEPS = 60
 LAYOUT = ["--parallel.dp_shard=-1", "--parallel.zero=3", "--train.micro_batch=2", f"--train.steps={STEPS}",
@@ -46,11 +47,6 @@ def _wait(condition, timeout: float, what: str) -> float:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.1)
     return time.monotonic()
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (an agent's ranks)."""
-    return [int(p) for p in (Path("/proc") / str(pid) / "task" / str(pid) / "children").read_text().split()]
 
 
 def _sigterm_pending(pid: int) -> bool:
@@ -102,7 +98,7 @@ def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened
         # machine, against ~0.1 s per step: rejoining with 30 and then 40 steps to go both lost that race).
         # So node 0's ranks pause until its agent, having seen the new node, asks them to stop (SIGTERM,
         # pending while they are stopped); then they go on, checkpoint and exit as any restart has them do.
-        ranks = _children(node0.pid)
+        ranks = children(node0.pid)
         assert len(ranks) == 2, f"node 0's agent should have 2 ranks, has children {ranks}"
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)

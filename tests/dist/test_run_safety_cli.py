@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import alive, processes_mentioning
+from tests.harness import alive, children, processes_mentioning
 
 ZERO3 = ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2"]
 
@@ -75,16 +75,6 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float 
             pass
         time.sleep(0.05)
     raise AssertionError(f"the run did not reach step {step}")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
 
 
 
@@ -161,7 +151,7 @@ def test_other_stop_signals(common, tmp_path, sig, code, target):
     if target == "group":
         os.killpg(proc.pid, sig)
     else:
-        os.kill(proc.pid if target == "launcher" else _children(proc.pid)[-1], sig)
+        os.kill(proc.pid if target == "launcher" else children(proc.pid)[-1], sig)
     err = _finish(proc)
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err and len(_errors(err)) == 1, err
@@ -173,7 +163,7 @@ def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, t
     run = tmp_path / "run"
     proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1")
     _wait_for_step(run, 3, proc)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 2
     proc.kill()
     proc.wait()
@@ -206,7 +196,7 @@ def test_a_stopped_rank_is_diagnosed_and_the_job_ends(common, tmp_path):
     proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1",
                   f"--run.collective_timeout_s={timeout_s}")
     _wait_for_step(run, 5, proc)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     os.kill(workers[-1], signal.SIGSTOP)
     start = time.monotonic()
     try:
@@ -309,7 +299,7 @@ def test_loader_workers_outlast_stop_signals(common, tmp_path):
     proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1",
                   "--data.num_workers=2")
     _wait_for_step(run, 5, proc)
-    workers = [w for rank in _children(proc.pid) for w in _children(rank)]
+    workers = [w for rank in children(proc.pid) for w in children(rank)]
     assert len(workers) == 4, workers  # 2 ranks x 2 loader workers
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         for w in workers:
