@@ -171,6 +171,7 @@ def test_fewer_than_min_nodes_end_the_job_with_exit_6_and_the_checkpoint_to_resu
         assert node0.returncode == 6, out[-2000:] + err[-2000:]
         last = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(last) == 1 and "fewer than 2 node(s)" in last[0] and "newest checkpoint" in last[0], err[-2000:]
+        assert "rerun the same command on every node" in last[0], last[0]
         newest = last[0].split("newest checkpoint ", 1)[1].split(":", 1)[0]
         again = [agent(k, "--checkpoint.resume=true") for k in (0, 1)]
         outputs = [a.communicate(timeout=300) for a in again]

@@ -35,11 +35,23 @@ def test_two_agents_train_like_one(common, tmp_path):
         # node 1 only checks it (a second lock would refuse the job's own node 0).
         run = tmp_path / "two"
         endpoint = f"{net.address(0)}:{RDZV_PORT}"
-        agents = [net.popen(k, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
-                                endpoint, f"--run.dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=tmp_path)
-                  for k in (0, 1)]
+
+        def agent(k: int) -> subprocess.Popen:
+            return net.popen(k, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
+                                 endpoint, f"--run.dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=tmp_path)
+
+        # Node 1 first, as when machines are started by hand: it waits for node 0's store (and says so)
+        # for run.rendezvous_timeout_s, not for torch's store timeout (launch/local.py wait_for_rendezvous).
+        agents = [None, agent(1)]
+        early = []
+        while not any("waiting for node 0's rendezvous" in line for line in early):
+            line = agents[1].stdout.readline()
+            assert line, f"node 1 ended before waiting for node 0:\n{''.join(early)}\n{agents[1].stderr.read()[-3000:]}"
+            early.append(line)
+        agents[0] = agent(0)
         outputs = [a.communicate(timeout=180) for a in agents]
+    outputs[1] = ("".join(early) + outputs[1][0], outputs[1][1])
     for k, (a, (out, err)) in enumerate(zip(agents, outputs)):
         assert a.returncode == 0, f"node {k}:\n{out[-2000:]}\n{err[-3000:]}"
     assert "owned by node 0" in outputs[1][0] and (run / "config.toml").is_file()

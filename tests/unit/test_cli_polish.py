@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
+import time
 
 import pytest
 
@@ -232,12 +235,28 @@ def test_an_elastic_launch_passes_the_range_and_the_rendezvous_timeouts():
     assert "--nnodes=2" in MultiNode(2, 1, "198.51.100.1:29400", "job", None, 2).torchrun_args()  # 2:2 is not elastic
 
 
+@pytest.fixture()
+def listening():
+    """A loopback TCP port that accepts connections (node 0's store, as far as a connect can tell)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
+@pytest.fixture()
+def refusing():
+    """A loopback port bound (so nobody else takes it) but not listening: every connect is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
 @pytest.mark.parametrize("error,code,words", [
     ("RendezvousConnectionError", 1, "cannot be reached, or closed while this node waited"),
-    ("RendezvousTimeoutError", 6, "fewer than 1 node(s) (--nnodes 1:2) met at the rendezvous at 198.51.100.1:29400 within "
+    ("RendezvousTimeoutError", 6, "fewer than 1 node(s) (--nnodes 1:2) met at the rendezvous at {} within "
                                   "run.rendezvous_timeout_s (600 s)"),
 ])
-def test_an_elastic_node_tells_a_lost_rendezvous_from_a_timeout(error, code, words, monkeypatch, tmp_path, capsys):
+def test_an_elastic_node_tells_a_lost_rendezvous_from_a_timeout(error, code, words, listening, monkeypatch, tmp_path,
+                                                                capsys):
     """A node that joins an elastic job just as it ends loses node 0's store (RendezvousConnectionError,
     seen when a rejoining node came a few steps too late): it was told "fewer than MIN nodes met within
     run.rendezvous_timeout_s" and exit 6, though nothing had timed out. Only a timeout is exit 6 now."""
@@ -252,10 +271,73 @@ def test_an_elastic_node_tells_a_lost_rendezvous_from_a_timeout(error, code, wor
     monkeypatch.setattr(torch_run, "run", fail)
     for name in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):  # torchrun() sets them for its workers
         monkeypatch.setenv(name, os.environ.get(name, "1"))
-    nodes = MultiNode(2, 1, "198.51.100.1:29400", "job", None, 1, 600.0, 2.5)
+    nodes = MultiNode(2, 1, listening, "job", None, 1, 600.0, 2.5)
     assert torchrun(2, "shardwise.train", [], nodes=nodes, checkpoints=tmp_path) == code
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and words in err and "no checkpoint was written yet" in err, err
+    assert err.count("error:") == 1 and words.format(listening) in err and "no checkpoint was written yet" in err, err
+
+
+def _no_torchrun(monkeypatch) -> list:
+    """torch's launcher replaced by a recorder; torchrun()'s environment settings undone after the test."""
+    from torch.distributed import run as torch_run
+
+    launched = []
+    monkeypatch.setattr(torch_run, "run", launched.append)
+    for name in ("OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    return launched
+
+
+def test_a_node_gives_up_on_a_silent_rendezvous_after_its_own_timeout(refusing, monkeypatch, tmp_path, capsys):
+    """torch dials node 0's store for its 60 s read timeout, then once more after a random delay, whatever
+    run.rendezvous_timeout_s says (64 s measured on loopback, 159 s between test hosts with a 20 s timeout).
+    A node now gives up after run.rendezvous_timeout_s, in one line that says what to do, before torch
+    is started."""
+    from shardwise.launch.local import torchrun
+
+    launched = _no_torchrun(monkeypatch)
+    start = time.monotonic()
+    code = torchrun(1, "shardwise.train", [], nodes=MultiNode(2, 1, refusing, "job", join_timeout_s=1.5),
+                    checkpoints=tmp_path)
+    took = time.monotonic() - start
+    out, err = capsys.readouterr()
+    assert code == 1 and not launched and 1.5 <= took < 10, (code, launched, took)
+    assert out.count("waiting for node 0's rendezvous at " + refusing) == 1 and "Connection refused" in out, out
+    assert err.count("\n") == 1 and err.startswith(f"error: nothing answered at the rendezvous {refusing} within "
+                                                   "run.rendezvous_timeout_s (1.5 s; last: Connection refused): "
+                                                   "start node 0 (--node-rank 0)"), err
+
+
+def test_a_node_waits_for_node_0_to_come_up(monkeypatch, tmp_path, capsys):
+    """Node 1 started before node 0 waits for it (and says so), then hands over to torch's launcher."""
+    from shardwise.launch.local import torchrun
+
+    launched = _no_torchrun(monkeypatch)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = []
+    late = threading.Timer(1.0, lambda: server.append(socket.create_server(("127.0.0.1", port))))
+    late.start()
+    try:
+        code = torchrun(1, "shardwise.train", [], nodes=MultiNode(2, 1, f"127.0.0.1:{port}", "job",
+                                                                  join_timeout_s=30), checkpoints=tmp_path)
+    finally:
+        late.join()
+        for s in server:
+            s.close()
+    out = capsys.readouterr().out
+    assert code == 0 and len(launched) == 1 and f"waiting for node 0's rendezvous at 127.0.0.1:{port}" in out, out
+
+
+def test_node_0_serves_the_rendezvous_and_does_not_wait_for_it(monkeypatch, tmp_path, capsys):
+    from shardwise.launch import local
+
+    launched = _no_torchrun(monkeypatch)
+    monkeypatch.setattr(local.socket, "create_connection", lambda *a, **k: pytest.fail("node 0 dialled its own store"))
+    assert local.torchrun(1, "shardwise.train", [], nodes=MultiNode(2, 0, "198.51.100.1:29400", "job",
+                                                                    join_timeout_s=1), checkpoints=tmp_path) == 0
+    assert len(launched) == 1 and "waiting" not in capsys.readouterr().out
 
 
 def test_a_mistyped_command_gets_a_suggestion(capsys):

@@ -287,3 +287,18 @@ def test_launcher_names_the_root_cause(capsys, tmp_path):
                            1: _failure(1, "ValueError: bad shape", 2, 7)}, tmp_path) == 1
     err = capsys.readouterr().err
     assert "rank 1 (pid 7) failed: ValueError: bad shape" in err and "errors/rank_1.txt" in err
+
+
+def test_a_multi_node_failure_says_to_rerun_on_every_node(capsys, tmp_path):
+    """One node rerun alone waits for the others at the rendezvous: a multi-node job's resume hint says
+    every node (test_elastic follows it: both nodes rerun and the job resumes)."""
+    from shardwise.train.manifest import MANIFEST, step_dir_name
+
+    newest = tmp_path / step_dir_name(8)
+    newest.mkdir()
+    (newest / MANIFEST).write_text("{}")
+    for every_node, words in ((False, "rerun the same command to resume"),
+                              (True, "rerun the same command on every node to resume")):
+        assert report_failure({0: _failure(-9, "", 1, 42)}, checkpoints=tmp_path, every_node=every_node) == 1
+        err = capsys.readouterr().err
+        assert f"newest checkpoint {newest}: {words} from it" in err, err

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,9 @@ from shardwise.train.network import is_loopback, source_address
 
 # When several workers failed with their own codes, the most specific wins.
 _PRIORITY = (EXIT_BAD_INPUT, EXIT_IO, EXIT_DIVERGED, EXIT_STALLED, EXIT_SIGTERM, EXIT_SIGINT)
+# torchrun's c10d defaults: the rendezvous port when --rdzv-endpoint names none, and join_timeout.
+RDZV_DEFAULT_PORT = 29400
+RDZV_DEFAULT_JOIN_TIMEOUT_S = 600.0
 # Seconds the agent waits for workers to checkpoint and exit after forwarding a stop signal.
 SHUTDOWN_GRACE_S = 60
 # What workers report when another worker died under them: consequences, not causes.
@@ -122,10 +126,12 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     argv += [f"--log-dir={log_dir or own_log_dir}"]
     argv += ["-m", module, *module_args]
     _quiet_torchrun(max_restarts)
+    if nodes is not None and nodes.node_rank != 0 and not wait_for_rendezvous(nodes):
+        return EXIT_FAILED
     try:
         torch_run.run(torch_run.get_args_parser().parse_args(argv))
     except ChildFailedError as e:
-        return report_failure(e.failures, run_dir, checkpoints)
+        return report_failure(e.failures, run_dir, checkpoints, every_node=nodes is not None)
     except SignalException as e:
         return interrupt_exit_code(e.sigval)
     except RendezvousError as e:  # multi-node: the nodes never met (endpoint unreachable, a node missing, timeout)
@@ -136,12 +142,12 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
             # nobody listens on (after torch's own two 60 s connection attempts).
             print(f"error: the rendezvous{where} cannot be reached, or closed while this node waited: node 0's agent "
                   "is not running there (a job that ends, finished or failed, closes it) or its address is not "
-                  f"reachable from this node{_resume_hint(checkpoints)}", file=sys.stderr, flush=True)
+                  f"reachable from this node{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         if nodes is not None and nodes.elastic:
             print(f"error: fewer than {nodes.min_nodes} node(s) (--nnodes {nodes.min_nodes}:{nodes.nnodes}) met at the "
                   f"rendezvous{where} within run.rendezvous_timeout_s ({nodes.join_timeout_s:g} s): "
-                  f"{type(e).__name__}{_resume_hint(checkpoints)}", file=sys.stderr, flush=True)
+                  f"{type(e).__name__}{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
         print(f"error: rendezvous{where} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
               "(is node 0 running, and its address reachable from this node?)", file=sys.stderr, flush=True)
@@ -152,9 +158,46 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     return 0
 
 
-def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Path | None = None) -> int:
+def wait_for_rendezvous(nodes: MultiNode, poll_s: float = 1.0) -> bool:
+    """Whether node 0's rendezvous store accepts a TCP connection within run.rendezvous_timeout_s; says so
+    in one line while it waits, and in one error line when it gives up.
+
+    torch's c10d rendezvous dials node 0's store with the store's read timeout (60 s, then a retry after
+    a random delay), not with the join timeout: an endpoint nobody serves was reported after 64 s on
+    loopback and 108-159 s between two test hosts with run.rendezvous_timeout_s=20, and a node started
+    150 s before node 0 failed though run.rendezvous_timeout_s allowed 600 s (75 s early still met it).
+    Plain connects (closed at once; the store drops a client that sends nothing) wait for the user's
+    timeout instead; torch's own connection then succeeds at once."""
+    host, port = split_endpoint(nodes.endpoint)
+    port = port or RDZV_DEFAULT_PORT
+    timeout_s = nodes.join_timeout_s if nodes.join_timeout_s is not None else RDZV_DEFAULT_JOIN_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(remaining, 10.0))):
+                return True
+        except OSError as e:
+            reason = e.strerror or str(e) or type(e).__name__  # "Connection refused", "No route to host", "timed out"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            print(f"error: nothing answered at the rendezvous {nodes.endpoint} within run.rendezvous_timeout_s "
+                  f"({timeout_s:g} s; last: {reason}): start node 0 (--node-rank 0) with the same --rdzv-endpoint, "
+                  "or pass node 0's address as this node reaches it", file=sys.stderr, flush=True)
+            return False
+        if not said:
+            print(f"waiting for node 0's rendezvous at {nodes.endpoint} ({reason}; up to "
+                  f"run.rendezvous_timeout_s = {timeout_s:g} s)", flush=True)
+            said = True
+        time.sleep(min(poll_s, remaining))
+
+
+def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Path | None = None,
+                   every_node: bool = False) -> int:
     """The job's exit code from torchelastic's per-rank ProcessFailure records; prints the root cause
-    unless a worker already printed its own line."""
+    unless a worker already printed its own line. `every_node`: a multi-node job, resumed by rerunning on
+    every node."""
     codes = sorted((f.exitcode for f in failures.values() if f.exitcode in _PRIORITY), key=_PRIORITY.index)
     if codes:
         return codes[0]
@@ -168,7 +211,7 @@ def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Pat
             what += f" (traceback: {run_dir / 'errors' / f'rank_{rank}.txt'})"
     others = len(failures) - 1
     tail = f"; {others} other rank(s) stopped with it" if others else ""
-    print(f"error: rank {rank} (pid {failure.pid}) {what}{tail}{_resume_hint(checkpoints)}", file=sys.stderr, flush=True)
+    print(f"error: rank {rank} (pid {failure.pid}) {what}{tail}{_resume_hint(checkpoints, every_node)}", file=sys.stderr, flush=True)
     return EXIT_FAILED
 
 
@@ -203,15 +246,18 @@ def _root_cause(failures: dict):
     return items[0]
 
 
-def _resume_hint(checkpoints: Path | None) -> str:
+def _resume_hint(checkpoints: Path | None, every_node: bool = False) -> str:
+    """Where to resume from. A multi-node job resumes only when every node reruns (`every_node`): one node
+    rerun alone waits for the others at the rendezvous."""
     if checkpoints is None:
         return ""
     from shardwise.train.manifest import complete_checkpoints
 
     found = complete_checkpoints(checkpoints)
     newest = found[-1] if found else None
-    return (f"; newest checkpoint {newest}: rerun the same command to resume from it (run.max_restarts restarts "
-            "automatically)" if newest else "; no checkpoint was written yet")
+    where = " on every node" if every_node else ""
+    return (f"; newest checkpoint {newest}: rerun the same command{where} to resume from it (run.max_restarts "
+            "restarts automatically)" if newest else "; no checkpoint was written yet")
 
 
 def check_nproc(nproc: int) -> None:
