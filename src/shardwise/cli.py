@@ -46,7 +46,7 @@ commands:
 
 shardwise --version prints the version; shardwise <command> --help the command's options.
 
-exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled collective, 6 too few nodes (elastic),
+exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled collective, 6 too few nodes,
             130 / 143 interrupted (SIGINT / SIGTERM, SIGUSR1) after writing a checkpoint
 """
 

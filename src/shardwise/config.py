@@ -194,7 +194,7 @@ class RunConfig:
                                               "join_timeout): at the start (a node started before node 0 waits this "
                                               "long for node 0's rendezvous to answer, then exits 1), and in an elastic "
                                               "job (--nnodes MIN:MAX) for MIN nodes after losing some; then the job ends "
-                                              "(elastic: exit code 6, naming the checkpoint to resume from).")
+                                              "(exit code 6, naming the checkpoint to resume from).")
     rendezvous_last_call_s: float = opt(30.0, "An elastic job's rendezvous, once MIN nodes are there, waits this long for "
                                                "more before it starts them (torchrun's last_call_timeout): most of the "
                                                "time from a lost node to the next step; shorter can start a smaller job "

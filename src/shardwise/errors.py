@@ -5,8 +5,8 @@ spawned. RunFailure and its subclasses are failures during a run that every rank
 one rank hit and reports): the worker prints one line and exits with the failure's code.
 
 Exit codes (docs/run-safety.md): 0 success, 1 an unexpected failure (a crash, a killed worker),
-2 bad input, 3 diverged, 4 an I/O error (disk full, read-only), 5 a stalled collective, 6 an elastic job
-with fewer than MIN nodes,
+2 bad input, 3 diverged, 4 an I/O error (disk full, read-only), 5 a stalled collective, 6 too few nodes
+(a multi-node job's nodes did not all meet; an elastic job had fewer than MIN),
 130 / 143 interrupted by SIGINT / SIGTERM (or SIGUSR1) after writing a checkpoint.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_IO = 4
 EXIT_STALLED = 5
-EXIT_TOO_FEW_NODES = 6  # an elastic job (--nnodes MIN:MAX) had fewer than MIN nodes for run.rendezvous_timeout_s
+EXIT_TOO_FEW_NODES = 6  # fewer nodes than --nnodes N (elastic MIN:MAX: than MIN) for run.rendezvous_timeout_s
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 # A restart (run.max_restarts) cannot help these: the same input, settings or disk fail the same way.

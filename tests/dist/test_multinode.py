@@ -41,7 +41,19 @@ def test_two_agents_train_like_one(common, tmp_path):
                                  endpoint, f"--run.dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=tmp_path)
 
-        # Node 1 first, as when machines are started by hand: it waits for node 0's store (and says so)
+        # Node 0 alone: it says what it waits for, and after run.rendezvous_timeout_s that a node is missing
+        # (exit 6); torch's own error is empty, and shardwise once asked node 0 whether node 0 was running.
+        alone = net.run(0, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+                            f"--run.dir={run}", "--run.rendezvous_timeout_s=8", "--run.rendezvous_last_call_s=4"],
+                        timeout=120)
+        assert alone.returncode == 6 and "Traceback" not in alone.stderr, alone.stdout[-2000:] + alone.stderr[-2000:]
+        assert f"node 0: waiting for all 2 nodes at the rendezvous {endpoint} (up to run.rendezvous_timeout_s = 8 s)" \
+            in alone.stdout, alone.stdout
+        assert [line for line in alone.stderr.splitlines() if line.startswith("error:")] == [
+            f"error: fewer than 2 nodes (--nnodes 2) met at the rendezvous at {endpoint} within run.rendezvous_timeout_s "
+            "(8 s): start every node, --node-rank 0 to 1, with the same config and --rdzv-endpoint; no checkpoint was "
+            "written yet"], alone.stderr
+        # What it advises, with node 1 first, as when machines are started by hand: it waits for node 0's store (and says so)
         # for run.rendezvous_timeout_s, not for torch's store timeout (launch/local.py wait_for_rendezvous).
         agents = [None, agent(1)]
         early = []

@@ -277,6 +277,37 @@ def test_an_elastic_node_tells_a_lost_rendezvous_from_a_timeout(error, code, wor
     assert err.count("error:") == 1 and words.format(listening) in err and "no checkpoint was written yet" in err, err
 
 
+
+@pytest.mark.parametrize("node_rank,error,code,words", [
+    (1, "RendezvousTimeoutError", 6, "error: fewer than 2 nodes (--nnodes 2) met at the rendezvous at {} within "
+                                     "run.rendezvous_timeout_s (20 s): start every node, --node-rank 0 to 1, with the "
+                                     "same config and --rdzv-endpoint; no checkpoint was written yet"),
+    (0, "RendezvousTimeoutError", 6, "error: fewer than 2 nodes"),
+    (0, "RendezvousClosedError", 1, "(are the other nodes running, and"),
+    (1, "RendezvousClosedError", 1, "(is node 0 running, and"),
+])
+def test_a_static_job_whose_nodes_never_meet_says_which_and_exits_6(node_rank, error, code, words, listening,
+                                                                     monkeypatch, tmp_path, capsys):
+    """--nnodes 2 with a node missing: torch's RendezvousTimeoutError has an empty message, and shardwise
+    said "rendezvous failed: RendezvousTimeoutError:  (is node 0 running ...?)", exit 1, on node 0 too."""
+    import torch.distributed.elastic.rendezvous.api as rdzv
+
+    from shardwise.launch.local import torchrun
+
+    _no_torchrun(monkeypatch)
+    from torch.distributed import run as torch_run
+
+    def fail(args):
+        raise getattr(rdzv, error)("")
+
+    monkeypatch.setattr(torch_run, "run", fail)
+    nodes = MultiNode(2, node_rank, listening, "job", None, None, 20.0, 10.0)
+    assert torchrun(1, "shardwise.train", [], nodes=nodes, checkpoints=tmp_path) == code
+    out, err = capsys.readouterr()
+    assert f"node {node_rank}: waiting for all 2 nodes at the rendezvous {listening} (up to " \
+           "run.rendezvous_timeout_s = 20 s)" in out, out
+    assert err.count("error:") == 1 and words.format(listening) in err, err
+
 def _no_torchrun(monkeypatch) -> list:
     """torch's launcher replaced by a recorder; torchrun()'s environment settings undone after the test."""
     from torch.distributed import run as torch_run
@@ -337,7 +368,7 @@ def test_node_0_serves_the_rendezvous_and_does_not_wait_for_it(monkeypatch, tmp_
     monkeypatch.setattr(local.socket, "create_connection", lambda *a, **k: pytest.fail("node 0 dialled its own store"))
     assert local.torchrun(1, "shardwise.train", [], nodes=MultiNode(2, 0, "198.51.100.1:29400", "job",
                                                                     join_timeout_s=1), checkpoints=tmp_path) == 0
-    assert len(launched) == 1 and "waiting" not in capsys.readouterr().out
+    assert len(launched) == 1 and "waiting for node 0's rendezvous" not in capsys.readouterr().out
 
 
 def test_a_mistyped_command_gets_a_suggestion(capsys):

@@ -104,7 +104,11 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousError,
+        RendezvousTimeoutError,
+    )
 
     # Split the cores between the workers (torchrun would pick 1 and warn); a user's setting wins.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -128,34 +132,52 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     _quiet_torchrun(max_restarts)
     if nodes is not None and nodes.node_rank != 0 and not wait_for_rendezvous(nodes):
         return EXIT_FAILED
+    if nodes is not None:  # the agents wait for each other without a word until the job starts or times out
+        wanted = f"{nodes.min_nodes} to {nodes.nnodes}" if nodes.elastic else f"all {nodes.nnodes}"
+        print(f"node {nodes.node_rank}: waiting for {wanted} nodes at the rendezvous {nodes.endpoint} (up to "
+              f"run.rendezvous_timeout_s = {_seconds(nodes)})", flush=True)
     try:
         torch_run.run(torch_run.get_args_parser().parse_args(argv))
     except ChildFailedError as e:
         return report_failure(e.failures, run_dir, checkpoints, every_node=nodes is not None)
     except SignalException as e:
         return interrupt_exit_code(e.sigval)
-    except RendezvousError as e:  # multi-node: the nodes never met (endpoint unreachable, a node missing, timeout)
+    except RendezvousError as e:  # multi-node: the nodes never met (a node missing, the store lost, timeout)
         where = f" at {nodes.endpoint}" if nodes is not None else ""
         if isinstance(e, RendezvousConnectionError):
             # Not a timeout of run.rendezvous_timeout_s: node 0's store is gone or unreachable. A node that joins
-            # a job just as it ends meets this (the store closes with node 0's agent), as does an endpoint
-            # nobody listens on (after torch's own two 60 s connection attempts).
+            # a job just as it ends meets this (the store closes with node 0's agent), as does one whose node 0
+            # stopped between wait_for_rendezvous and torch's own connection.
             print(f"error: the rendezvous{where} cannot be reached, or closed while this node waited: node 0's agent "
                   "is not running there (a job that ends, finished or failed, closes it) or its address is not "
                   f"reachable from this node{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         if nodes is not None and nodes.elastic:
             print(f"error: fewer than {nodes.min_nodes} node(s) (--nnodes {nodes.min_nodes}:{nodes.nnodes}) met at the "
-                  f"rendezvous{where} within run.rendezvous_timeout_s ({nodes.join_timeout_s:g} s): "
+                  f"rendezvous{where} within run.rendezvous_timeout_s ({_seconds(nodes)}): "
                   f"{type(e).__name__}{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
+        if nodes is not None and isinstance(e, RendezvousTimeoutError):
+            # A node never started, or started with another config (the rendezvous id derives from run.dir)
+            # or endpoint: torch's error says nothing more (its message is empty).
+            print(f"error: fewer than {nodes.nnodes} nodes (--nnodes {nodes.nnodes}) met at the rendezvous{where} "
+                  f"within run.rendezvous_timeout_s ({_seconds(nodes)}): start every node, --node-rank 0 to "
+                  f"{nodes.nnodes - 1}, with the same config and --rdzv-endpoint"
+                  f"{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
+            return EXIT_TOO_FEW_NODES
+        others = "are the other nodes running" if nodes is not None and nodes.node_rank == 0 else "is node 0 running"
         print(f"error: rendezvous{where} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-              "(is node 0 running, and its address reachable from this node?)", file=sys.stderr, flush=True)
+              f"({others}, and its address reachable from this node?)", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
         if own_log_dir is not None:
             shutil.rmtree(own_log_dir, ignore_errors=True)
     return 0
+
+
+def _seconds(nodes: MultiNode) -> str:
+    """run.rendezvous_timeout_s as the agents use it (torch's join_timeout when unset)."""
+    return f"{nodes.join_timeout_s if nodes.join_timeout_s is not None else RDZV_DEFAULT_JOIN_TIMEOUT_S:g} s"
 
 
 def wait_for_rendezvous(nodes: MultiNode, poll_s: float = 1.0) -> bool:
