@@ -1,12 +1,18 @@
 """A two-node launch, for real: two `shardwise train --nnodes 2` agents, each on a test host of its own
 (a network namespace with its own address: tests/netns.py), meet at a c10d rendezvous on node 0's
 address, two workers each, and train the same 4-rank layout bitwise like one `shardwise train --nproc 4`
-agent. Nothing is sent to this machine's own interfaces: the nodes see only their private switch."""
+agent; the nodes started in either order, or one missing; one node killed mid-run and the job resumed as
+the survivor's line advises. Nothing is sent to this machine's own interfaces: the nodes see only their
+private switch."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +104,51 @@ def test_gloo_binds_the_interface_towards_the_rendezvous():
         assert pinned(0, net.address(0)) == [netns.NODE_IFNAME] * 2  # node 0 itself: its own address's interface
         assert pinned(1, "127.0.0.1") == ["lo", "lo"]  # one node: loopback
         assert pinned(1, net.address(0), ", 'GLOO_SOCKET_IFNAME': 'lo'") == ["None", "lo"]  # the user's choice wins
+
+
+def test_a_node_dies_the_other_says_where_and_both_rerun_to_resume(common, tmp_path):
+    """Node 0 (agent and workers) SIGKILLed mid-run of a static two-node job. Node 1's ranks only lose their
+    peer: it ends at once (exit 1) with one line that points at node 0's address, not gloo's message
+    ("... pair.cc:553] Connection closed by peer ... GLHF!"), and names the checkpoint. What the line
+    advises (the same command on every node; checkpoint.resume is on by default, off in these tests'
+    base config) resumes from that checkpoint and finishes the job."""
+    steps = 60
+    cli = [sys.executable, "-m", "shardwise.cli", "train", *common, "--parallel.dp_shard=2", "--parallel.zero=1",
+           f"--train.steps={steps}", "--train.micro_batch=4", "--train.log_every=1", "--checkpoint.every=5"]
+    run = tmp_path / "run"
+    with netns.network(2) as net:
+        def agent(k: int, *extra: str) -> subprocess.Popen:
+            return net.popen(k, [*cli, "--nproc", "1", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
+                                 f"{net.address(0)}:{RDZV_PORT}", f"--run.dir={run}", *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+        agents = [agent(0), agent(1)]
+        deadline = time.monotonic() + 180
+        while len(_records(run)) < 12:
+            assert time.monotonic() < deadline and agents[1].poll() is None, "no step 12 within 180 s"
+            time.sleep(0.1)
+        for pid in subprocess.run(["ip", "netns", "pids", net.nodes[0]], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = agents[1].communicate(timeout=120)
+        took = time.monotonic() - killed
+        agents[0].wait(timeout=30)
+        assert agents[1].returncode == 1 and took < 30, (agents[1].returncode, took, err[-2000:])
+        last = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(last) == 1 and f"lost its connection to a rank at {net.address(0)}" in last[0], err[-3000:]
+        assert "rerun the same command on every node" in last[0] and "GLHF" not in last[0], last[0]
+        newest = last[0].split("newest checkpoint ", 1)[1].split(":", 1)[0]
+
+        again = [agent(k, "--checkpoint.resume=true") for k in (0, 1)]
+        outputs = [a.communicate(timeout=300) for a in again]
+    assert [a.returncode for a in again] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert f"resumed from {newest}" in outputs[0][0], outputs[0][0][-2000:]
+    assert max(r["step"] for r in _records(run)) == steps
+
+
+def _records(run: Path) -> list[dict]:
+    try:
+        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or a line being written
+        return []

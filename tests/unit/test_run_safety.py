@@ -289,6 +289,22 @@ def test_launcher_names_the_root_cause(capsys, tmp_path):
     assert "rank 1 (pid 7) failed: ValueError: bad shape" in err and "errors/rank_1.txt" in err
 
 
+
+GLOO_LOST = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+             "peer [198.18.0.1]:30119. This is typically caused by a remote worker crashing. Check the logs of the remote "
+             "worker before reporting an error. GLHF!")
+
+
+def test_a_rank_that_only_lost_its_peer_points_at_the_other_node(capsys):
+    """Node 0 SIGKILLed mid-run: node 1's ranks all fail with gloo's lost-peer error, and the line was that
+    error whole (a source path, "GLHF!"). It now says what happened and where to look."""
+    assert report_failure({1: _failure(1, GLOO_LOST, 1, 7)}, every_node=True) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 1 (pid 7) lost its connection to a rank at 198.18.0.1 (connection closed by "
+                          "peer): a process there died or the network to it failed, and that node's own output names "
+                          "the cause"), err
+    assert "GLHF" not in err and "pair.cc" not in err
+
 def test_a_multi_node_failure_says_to_rerun_on_every_node(capsys, tmp_path):
     """One node rerun alone waits for the others at the rendezvous: a multi-node job's resume hint says
     every node (test_elastic follows it: both nodes rerun and the job resumes)."""

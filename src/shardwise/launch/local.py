@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,10 +45,23 @@ SHUTDOWN_GRACE_S = 60
 # What workers report when another worker died under them: consequences, not causes.
 _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
               "socket closed", "connection refused")
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")  # gloo's "[198.18.0.1]:30119", "[fd00::1]:30119"
 
 
 def lost_peer(message: str) -> bool:
     return any(s in message.lower() for s in _LOST_PEER)
+
+
+def lost_peer_line(message: str) -> str:
+    """What a rank whose peer went away did, for the launcher's line: when no rank on this node failed of
+    its own accord the cause is on another node (one killed with its node, or a network failure), which
+    gloo's message ("Connection closed by peer [ADDRESS]:PORT. This is typically caused by a remote
+    worker crashing ... GLHF!") names only by its address."""
+    phrase = next(s for s in _LOST_PEER if s in message.lower())
+    peer = _PEER_ADDRESS.search(message)
+    at = f" at {peer.group(1)}" if peer else ""
+    return (f"lost its connection to a rank{at} ({phrase}): a process there died or the network to it failed, "
+            "and that node's own output names the cause")
 
 
 # The logger of torchelastic's process context: its one record per failed worker group names the first
@@ -209,8 +223,8 @@ def wait_for_rendezvous(nodes: MultiNode, poll_s: float = 1.0) -> bool:
                   "or pass node 0's address as this node reaches it", file=sys.stderr, flush=True)
             return False
         if not said:
-            print(f"waiting for node 0's rendezvous at {nodes.endpoint} ({reason}; up to "
-                  f"run.rendezvous_timeout_s = {timeout_s:g} s)", flush=True)
+            print(f"node {nodes.node_rank}: waiting for node 0's rendezvous at {nodes.endpoint} to open ({reason} so "
+                  f"far; up to run.rendezvous_timeout_s = {timeout_s:g} s)", flush=True)
             said = True
         time.sleep(min(poll_s, remaining))
 
@@ -228,7 +242,10 @@ def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Pat
         what = f"was killed by {_signal_name(-failure.exitcode)}"
     else:
         message = failure_message(failure).splitlines()
-        what = f"failed: {message[0][:300] if message else f'exit code {failure.exitcode}'}"
+        if message and lost_peer(message[0]):  # every rank here only lost a peer: the cause is on another node
+            what = lost_peer_line(message[0])
+        else:
+            what = f"failed: {message[0][:300] if message else f'exit code {failure.exitcode}'}"
         if run_dir is not None and (run_dir / "errors" / f"rank_{rank}.txt").is_file():
             what += f" (traceback: {run_dir / 'errors' / f'rank_{rank}.txt'})"
     others = len(failures) - 1
