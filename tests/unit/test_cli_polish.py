@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -408,3 +409,31 @@ def test_dtensor_notes_on_scalar_redistributions_are_dropped(caplog):
                        "Replicate()), 2 sequential all_gather operations will be performed.")
         logger.warning(other)
     assert [r.getMessage() for r in caplog.records] == [other]
+
+
+_WAITING_NODE = """
+import signal, sys
+from shardwise.launch.local import MultiNode, torchrun
+before = signal.getsignal(signal.SIGTERM)
+code = torchrun(1, "shardwise.train", [], nodes=MultiNode(2, 1, sys.argv[1], "job", join_timeout_s=60))
+print("restored" if signal.getsignal(signal.SIGTERM) is before else "not restored")
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_stop_request_while_waiting_for_node_0_ends_in_one_line(stop, refusing):
+    """scancel's SIGTERM (or SLURM's SIGUSR1 before a time limit) while a node waits for node 0, before torch's
+    agent has handlers of its own: the launcher died of the signal (exit -15 / -10) without a word."""
+    import subprocess
+    import sys
+
+    node = subprocess.Popen([sys.executable, "-c", _WAITING_NODE, refusing], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = node.stdout.readline()
+    assert "waiting for node 0's rendezvous" in line, line + node.stderr.read()
+    node.send_signal(stop)
+    out, err = node.communicate(timeout=60)
+    assert node.returncode == 143 and out.strip() == "restored", (node.returncode, out, err)
+    assert err.strip() == f"interrupted ({stop.name}) while waiting at the rendezvous {refusing}, before any worker " \
+                          "started", err

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,17 +145,22 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     argv += [f"--log-dir={log_dir or own_log_dir}"]
     argv += ["-m", module, *module_args]
     _quiet_torchrun(max_restarts)
-    if nodes is not None and nodes.node_rank != 0 and not wait_for_rendezvous(nodes):
-        return EXIT_FAILED
-    if nodes is not None:  # the agents wait for each other without a word until the job starts or times out
-        wanted = f"{nodes.min_nodes} to {nodes.nnodes}" if nodes.elastic else f"all {nodes.nnodes}"
-        print(f"node {nodes.node_rank}: waiting for {wanted} nodes at the rendezvous {nodes.endpoint} (up to "
-              f"run.rendezvous_timeout_s = {_seconds(nodes)})", flush=True)
+    before_workers = _StopBeforeWorkers(SignalException)
     try:
+        before_workers.install()
+        if nodes is not None and nodes.node_rank != 0 and not wait_for_rendezvous(nodes):
+            return EXIT_FAILED
+        if nodes is not None:  # the agents wait for each other without a word until the job starts or times out
+            wanted = f"{nodes.min_nodes} to {nodes.nnodes}" if nodes.elastic else f"all {nodes.nnodes}"
+            print(f"node {nodes.node_rank}: waiting for {wanted} nodes at the rendezvous {nodes.endpoint} (up to "
+                  f"run.rendezvous_timeout_s = {_seconds(nodes)})", flush=True)
         torch_run.run(torch_run.get_args_parser().parse_args(argv))
     except ChildFailedError as e:
         return report_failure(e.failures, run_dir, checkpoints, every_node=nodes is not None)
     except SignalException as e:
+        if before_workers.raised(e):  # no worker ran to say it stopped
+            where = f" while waiting at the rendezvous {nodes.endpoint}" if nodes is not None else ""
+            print(f"interrupted ({e.sigval.name}){where}, before any worker started", file=sys.stderr, flush=True)
         return interrupt_exit_code(e.sigval)
     except RendezvousError as e:  # multi-node: the nodes never met (a node missing, the store lost, timeout)
         where = f" at {nodes.endpoint}" if nodes is not None else ""
@@ -184,9 +190,42 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
               f"({others}, and its address reachable from this node?)", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
+        before_workers.restore()
         if own_log_dir is not None:
             shutil.rmtree(own_log_dir, ignore_errors=True)
     return 0
+
+
+class _StopBeforeWorkers:
+    """Stop requests before torch's agent has started the workers (and its own handlers, which turn them
+    into SignalException): waiting for node 0 or at the rendezvous, a SIGTERM from `scancel` or SLURM's
+    SIGUSR1 ahead of a time limit ended the launcher silently (exit -15 / -10, no line). They raise
+    torch's SignalException here too, which its agent handles as its own (it shuts down and re-raises).
+    SIGINT keeps Python's KeyboardInterrupt (cli.py says what was interrupted)."""
+
+    SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1")
+
+    def __init__(self, signal_exception: type):
+        self.signal_exception, self.previous, self.ours = signal_exception, {}, None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers belong to the main thread
+        ours = self.ours = type("StoppedBeforeWorkers", (self.signal_exception,), {})
+
+        def handler(signum: int, frame) -> None:
+            raise ours(f"signal {signum} before the workers started", signal.Signals(signum))
+
+        for name in self.SIGNALS:
+            self.previous[name] = signal.signal(getattr(signal, name), handler)
+
+    def raised(self, e: BaseException) -> bool:
+        return self.ours is not None and isinstance(e, self.ours)
+
+    def restore(self) -> None:
+        for name, previous in self.previous.items():
+            signal.signal(getattr(signal, name), previous)
+        self.previous = {}
 
 
 def _seconds(nodes: MultiNode) -> str:
