@@ -71,7 +71,8 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: derived from run.dir)")
     args, overrides = parser.parse_known_args(argv)
     # Imported after the arguments: --help and bad input answer without loading torch (train.data imports it).
-    from shardwise.launch.local import check_multinode, check_nproc, parse_nnodes, torchrun
+    from shardwise.launch.local import check_nproc, torchrun
+    from shardwise.launch.rendezvous import check_multinode, parse_nnodes
     from shardwise.preflight import check, check_elastic
     from shardwise.scratch import owned_file
     from shardwise.train import rundir

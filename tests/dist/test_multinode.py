@@ -47,6 +47,16 @@ def test_two_agents_train_like_one(common, tmp_path):
                                  endpoint, f"--run.dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=tmp_path)
 
+        # Port taken on node 0 (another job's rendezvous): refused before anything starts, exit 2.
+        hog = net.popen(0, [sys.executable, "-c", "import socket, sys; s = socket.create_server((sys.argv[1], "
+                            f"{RDZV_PORT})); print('up', flush=True); sys.stdin.read()", net.address(0)],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert hog.stdout.readline().strip() == "up"
+        taken = net.run(0, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+                            f"--run.dir={run}"], timeout=120)
+        hog.communicate("")
+        assert taken.returncode == 2 and taken.stderr.startswith(
+            f"error: --rdzv-endpoint: port {RDZV_PORT} of {net.address(0)} is in use"), taken.stderr
         # Node 0 alone: it says what it waits for, and after run.rendezvous_timeout_s that a node is missing
         # (exit 6); torch's own error is empty, and shardwise once asked node 0 whether node 0 was running.
         alone = net.run(0, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
@@ -60,7 +70,7 @@ def test_two_agents_train_like_one(common, tmp_path):
             "(8 s): start every node, --node-rank 0 to 1, with the same config and --rdzv-endpoint; no checkpoint was "
             "written yet"], alone.stderr
         # What it advises, with node 1 first, as when machines are started by hand: it waits for node 0's store (and says so)
-        # for run.rendezvous_timeout_s, not for torch's store timeout (launch/local.py wait_for_rendezvous).
+        # for run.rendezvous_timeout_s, not for torch's store timeout (launch/rendezvous.py wait_for_rendezvous).
         agents = [None, agent(1)]
         early = []
         while not any("waiting for node 0's rendezvous" in line for line in early):

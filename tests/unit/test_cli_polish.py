@@ -14,7 +14,7 @@ import pytest
 
 from shardwise.cli import main
 from shardwise.errors import ConfigError
-from shardwise.launch.local import MultiNode, check_multinode, split_endpoint
+from shardwise.launch.rendezvous import MultiNode, check_multinode, split_endpoint
 
 
 @pytest.mark.parametrize("endpoint", ["127.0.0.1:29400", "localhost:29400", "LOCALHOST", "127.0.1.1:1234",
@@ -189,7 +189,7 @@ def test_plan_search_explains_tiny_losers_in_milliseconds(capsys):
 
 @pytest.mark.parametrize("text,want", [("2", (2, 2)), ("1:4", (1, 4)), (" 2:2 ", (2, 2))])
 def test_nnodes_is_a_count_or_an_elastic_range(text, want):
-    from shardwise.launch.local import parse_nnodes
+    from shardwise.launch.rendezvous import parse_nnodes
 
     assert parse_nnodes(text) == want
 
@@ -286,6 +286,7 @@ def test_an_elastic_node_tells_a_lost_rendezvous_from_a_timeout(error, code, wor
     (0, "RendezvousTimeoutError", 6, "error: fewer than 2 nodes"),
     (0, "RendezvousClosedError", 1, "(are the other nodes running, and"),
     (1, "RendezvousClosedError", 1, "(is node 0 running, and"),
+    (0, "RendezvousConnectionError", 1, "error: node 0 cannot serve the rendezvous at {}: "),  # its store failed to bind
 ])
 def test_a_static_job_whose_nodes_never_meet_says_which_and_exits_6(node_rank, error, code, words, listening,
                                                                      monkeypatch, tmp_path, capsys):
@@ -363,10 +364,10 @@ def test_a_node_waits_for_node_0_to_come_up(monkeypatch, tmp_path, capsys):
 
 
 def test_node_0_serves_the_rendezvous_and_does_not_wait_for_it(monkeypatch, tmp_path, capsys):
-    from shardwise.launch import local
+    from shardwise.launch import local, rendezvous
 
     launched = _no_torchrun(monkeypatch)
-    monkeypatch.setattr(local.socket, "create_connection", lambda *a, **k: pytest.fail("node 0 dialled its own store"))
+    monkeypatch.setattr(rendezvous.socket, "create_connection", lambda *a, **k: pytest.fail("node 0 dialled its own store"))
     assert local.torchrun(1, "shardwise.train", [], nodes=MultiNode(2, 0, "198.51.100.1:29400", "job",
                                                                     join_timeout_s=1), checkpoints=tmp_path) == 0
     assert len(launched) == 1 and "waiting for node 0's rendezvous" not in capsys.readouterr().out
@@ -413,7 +414,8 @@ def test_dtensor_notes_on_scalar_redistributions_are_dropped(caplog):
 
 _WAITING_NODE = """
 import signal, sys
-from shardwise.launch.local import MultiNode, torchrun
+from shardwise.launch.local import torchrun
+from shardwise.launch.rendezvous import MultiNode
 before = signal.getsignal(signal.SIGTERM)
 code = torchrun(1, "shardwise.train", [], nodes=MultiNode(2, 1, sys.argv[1], "job", join_timeout_s=60))
 print("restored" if signal.getsignal(signal.SIGTERM) is before else "not restored")
@@ -437,3 +439,23 @@ def test_a_stop_request_while_waiting_for_node_0_ends_in_one_line(stop, refusing
     assert node.returncode == 143 and out.strip() == "restored", (node.returncode, out, err)
     assert err.strip() == f"interrupted ({stop.name}) while waiting at the rendezvous {refusing}, before any worker " \
                           "started", err
+
+
+def test_node_0_is_refused_a_rendezvous_port_in_use_before_anything_starts(listening, monkeypatch):
+    """Port 29400 held by another job on node 0: the agent started, its store failed to bind, and node 0 was told
+    the rendezvous "cannot be reached ... node 0's agent is not running there". Now exit 2 before any process
+    (for real between test hosts: tests/dist/test_multinode.py)."""
+    from shardwise.launch import rendezvous
+
+    host, port = listening.split(":")
+    monkeypatch.setattr(rendezvous, "_loopback", lambda host: None)  # loopback stands in for node 0's address
+    monkeypatch.setattr(rendezvous, "_is_local", lambda host: True)
+    with pytest.raises(ConfigError) as e:
+        check_multinode(2, 0, listening, "job")
+    assert e.value.field == "--rdzv-endpoint" and f"port {port} of {host} is in use" in e.value.problem
+    assert f"--rdzv-endpoint {host}:{int(port) + 1}" in e.value.fix and "ss -ltnp" in e.value.fix
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert not rendezvous._in_use("127.0.0.1", port)  # a port nobody holds
+    assert check_multinode(2, 1, listening, "job") is not None  # node 1 only dials the port

@@ -9,16 +9,12 @@ error that is not just the consequence of a lost peer (its traceback is in <run.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.errors import (
@@ -33,14 +29,11 @@ from shardwise.errors import (
     ConfigError,
     interrupt_exit_code,
 )
+from shardwise.launch.rendezvous import MultiNode, timeout_text, wait_for_rendezvous
 from shardwise.scratch import owned_directory
-from shardwise.train.network import is_loopback, source_address
 
 # When several workers failed with their own codes, the most specific wins.
 _PRIORITY = (EXIT_BAD_INPUT, EXIT_IO, EXIT_DIVERGED, EXIT_STALLED, EXIT_SIGTERM, EXIT_SIGINT)
-# torchrun's c10d defaults: the rendezvous port when --rdzv-endpoint names none, and join_timeout.
-RDZV_DEFAULT_PORT = 29400
-RDZV_DEFAULT_JOIN_TIMEOUT_S = 600.0
 # Seconds the agent waits for workers to checkpoint and exit after forwarding a stop signal.
 SHUTDOWN_GRACE_S = 60
 # What workers report when another worker died under them: consequences, not causes.
@@ -153,7 +146,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         if nodes is not None:  # the agents wait for each other without a word until the job starts or times out
             wanted = f"{nodes.min_nodes} to {nodes.nnodes}" if nodes.elastic else f"all {nodes.nnodes}"
             print(f"node {nodes.node_rank}: waiting for {wanted} nodes at the rendezvous {nodes.endpoint} (up to "
-                  f"run.rendezvous_timeout_s = {_seconds(nodes)})", flush=True)
+                  f"run.rendezvous_timeout_s = {timeout_text(nodes)})", flush=True)
         torch_run.run(torch_run.get_args_parser().parse_args(argv))
     except ChildFailedError as e:
         return report_failure(e.failures, run_dir, checkpoints, every_node=nodes is not None)
@@ -164,6 +157,11 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         return interrupt_exit_code(e.sigval)
     except RendezvousError as e:  # multi-node: the nodes never met (a node missing, the store lost, timeout)
         where = f" at {nodes.endpoint}" if nodes is not None else ""
+        if isinstance(e, RendezvousConnectionError) and nodes is not None and nodes.node_rank == 0:
+            # Node 0's agent serves the store: it could not (a port taken after check_multinode looked).
+            cause = (str(e.__cause__ or e).splitlines() or [type(e).__name__])[0][:300]
+            print(f"error: node 0 cannot serve the rendezvous{where}: {cause}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
         if isinstance(e, RendezvousConnectionError):
             # Not a timeout of run.rendezvous_timeout_s: node 0's store is gone or unreachable. A node that joins
             # a job just as it ends meets this (the store closes with node 0's agent), as does one whose node 0
@@ -174,14 +172,14 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
             return EXIT_FAILED
         if nodes is not None and nodes.elastic:
             print(f"error: fewer than {nodes.min_nodes} node(s) (--nnodes {nodes.min_nodes}:{nodes.nnodes}) met at the "
-                  f"rendezvous{where} within run.rendezvous_timeout_s ({_seconds(nodes)}): "
+                  f"rendezvous{where} within run.rendezvous_timeout_s ({timeout_text(nodes)}): "
                   f"{type(e).__name__}{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
         if nodes is not None and isinstance(e, RendezvousTimeoutError):
             # A node never started, or started with another config (the rendezvous id derives from run.dir)
             # or endpoint: torch's error says nothing more (its message is empty).
             print(f"error: fewer than {nodes.nnodes} nodes (--nnodes {nodes.nnodes}) met at the rendezvous{where} "
-                  f"within run.rendezvous_timeout_s ({_seconds(nodes)}): start every node, --node-rank 0 to "
+                  f"within run.rendezvous_timeout_s ({timeout_text(nodes)}): start every node, --node-rank 0 to "
                   f"{nodes.nnodes - 1}, with the same config and --rdzv-endpoint"
                   f"{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
@@ -226,46 +224,6 @@ class _StopBeforeWorkers:
         for name, previous in self.previous.items():
             signal.signal(getattr(signal, name), previous)
         self.previous = {}
-
-
-def _seconds(nodes: MultiNode) -> str:
-    """run.rendezvous_timeout_s as the agents use it (torch's join_timeout when unset)."""
-    return f"{nodes.join_timeout_s if nodes.join_timeout_s is not None else RDZV_DEFAULT_JOIN_TIMEOUT_S:g} s"
-
-
-def wait_for_rendezvous(nodes: MultiNode, poll_s: float = 1.0) -> bool:
-    """Whether node 0's rendezvous store accepts a TCP connection within run.rendezvous_timeout_s; says so
-    in one line while it waits, and in one error line when it gives up.
-
-    torch's c10d rendezvous dials node 0's store with the store's read timeout (60 s, then a retry after
-    a random delay), not with the join timeout: an endpoint nobody serves was reported after 64 s on
-    loopback and 108-159 s between two test hosts with run.rendezvous_timeout_s=20, and a node started
-    150 s before node 0 failed though run.rendezvous_timeout_s allowed 600 s (75 s early still met it).
-    Plain connects (closed at once; the store drops a client that sends nothing) wait for the user's
-    timeout instead; torch's own connection then succeeds at once."""
-    host, port = split_endpoint(nodes.endpoint)
-    port = port or RDZV_DEFAULT_PORT
-    timeout_s = nodes.join_timeout_s if nodes.join_timeout_s is not None else RDZV_DEFAULT_JOIN_TIMEOUT_S
-    deadline = time.monotonic() + timeout_s
-    said = False
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(remaining, 10.0))):
-                return True
-        except OSError as e:
-            reason = e.strerror or str(e) or type(e).__name__  # "Connection refused", "No route to host", "timed out"
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            print(f"error: nothing answered at the rendezvous {nodes.endpoint} within run.rendezvous_timeout_s "
-                  f"({timeout_s:g} s; last: {reason}): start node 0 (--node-rank 0) with the same --rdzv-endpoint, "
-                  "or pass node 0's address as this node reaches it", file=sys.stderr, flush=True)
-            return False
-        if not said:
-            print(f"node {nodes.node_rank}: waiting for node 0's rendezvous at {nodes.endpoint} to open ({reason} so "
-                  f"far; up to run.rendezvous_timeout_s = {timeout_s:g} s)", flush=True)
-            said = True
-        time.sleep(min(poll_s, remaining))
 
 
 def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Path | None = None,
@@ -343,143 +301,3 @@ def check_nproc(nproc: int) -> None:
         raise ConfigError("--nproc", f"must be >= 1, got {nproc}", "pass --nproc 1 or more")
 
 
-@dataclass(frozen=True)
-class MultiNode:
-    """One node's part of a multi-node launch (torch.distributed.run's c10d rendezvous arguments)."""
-
-    nnodes: int
-    node_rank: int
-    endpoint: str  # HOST:PORT as the user wrote it
-    rdzv_id: str
-    local_addr: str | None = None  # this node's address towards the endpoint (see check_multinode)
-    min_nodes: int | None = None  # elastic (--nnodes MIN:MAX): the fewest nodes the job goes on with
-    join_timeout_s: float | None = None  # run.rendezvous_timeout_s (None: torch's default)
-    last_call_s: float | None = None  # run.rendezvous_last_call_s (None: torch's default)
-
-    @property
-    def elastic(self) -> bool:
-        return self.min_nodes is not None and self.min_nodes < self.nnodes
-
-    def torchrun_args(self) -> list[str]:
-        # torchrun ignores --node-rank under c10d (the rendezvous orders the nodes itself); it is passed
-        # so the agent's view matches the command line, and shardwise uses it for run-directory ownership.
-        nodes = f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
-        out = [f"--nnodes={nodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
-               # Node 0 serves the rendezvous store at the endpoint, the others connect to it. torch would
-               # guess by matching the endpoint against the host name's addresses, which fails where the
-               # host name resolves to 127.0.x.1 (every agent then waits for a server nobody started).
-               f"--rdzv-conf=is_host={'true' if self.node_rank == 0 else 'false'}"
-               # Whole seconds: torch reads both as integers (a fraction would be refused).
-               + (f",join_timeout={math.ceil(self.join_timeout_s)}" if self.join_timeout_s is not None else "")
-               + (f",last_call_timeout={math.ceil(self.last_call_s)}" if self.last_call_s is not None else "")]
-        if self.local_addr:
-            out.append(f"--local-addr={self.local_addr}")
-        return out
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int | None]:
-    """'host:29400' / '[fd00::1]:29400' / 'host' -> (host, port or None)."""
-    field = "--rdzv-endpoint"
-    text = endpoint.strip()
-    if text.startswith("["):  # bracketed IPv6, torchrun's own notation
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else (None if not rest else "x")
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    else:  # a bare host name or IPv4 address, or an unbracketed IPv6 address
-        host, port_text = text, None
-    if not host:
-        raise ConfigError(field, f"{endpoint!r} names no host", "write HOST:PORT, e.g. --rdzv-endpoint node0.cluster:29400")
-    if port_text is None:
-        return host, None
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(field, f"{endpoint!r}: the port must be a number from 1 to 65535",
-                          "write HOST:PORT, e.g. --rdzv-endpoint node0.cluster:29400")
-    return host, int(port_text)
-
-
-def _loopback(host: str) -> str | None:
-    """The loopback address `host` is or resolves to, else None; raises ConfigError when it does not resolve."""
-    if host.lower() == "localhost":
-        return "localhost"
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except socket.gaierror as e:
-        raise ConfigError("--rdzv-endpoint", f"cannot resolve {host!r}: {e.strerror}",
-                          "use an address or host name of node 0 that every node resolves") from None
-    for info in infos:
-        addr = info[4][0].split("%")[0]
-        if is_loopback(addr):
-            return addr
-    return None
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """--nnodes "N" -> (N, N); "MIN:MAX" (elastic: the job goes on with any node count in the range) ->
-    (MIN, MAX)."""
-    low, _, high = text.strip().partition(":")
-    if not (low.isdigit() and (high.isdigit() or not _)):
-        raise ConfigError("--nnodes", f"{text!r} is not a node count N or a range MIN:MAX",
-                          "pass e.g. --nnodes 2, or --nnodes 1:2 for a job that goes on when a node is lost")
-    low_n, high_n = int(low), int(high or low)
-    if low_n > high_n:
-        raise ConfigError("--nnodes", f"{text!r}: MIN {low_n} is above MAX {high_n}", f"write --nnodes {high_n}:{low_n}")
-    return low_n, high_n
-
-
-def check_multinode(nnodes: int, node_rank: int, endpoint: str | None, rdzv_id: str,
-                    min_nodes: int | None = None) -> MultiNode | None:
-    """Validate a multi-node launch before anything is spawned; None for a single-node one. `min_nodes`
-    (below `nnodes`): an elastic job, which goes on with any node count from min_nodes to nnodes.
-
-    A rendezvous endpoint on a loopback address is refused: node 0's agent would listen there and the
-    other nodes would dial their own loopback, so every node waits for the rendezvous timeout (a hang,
-    not an error)."""
-    if nnodes < 1 or (min_nodes is not None and min_nodes < 1):
-        raise ConfigError("--nnodes", f"must be >= 1, got {min_nodes if min_nodes is not None and min_nodes < 1 else nnodes}",
-                          "pass the number of machines, e.g. --nnodes 2")
-    if not 0 <= node_rank < nnodes:
-        raise ConfigError("--node-rank", f"must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}",
-                          "give each machine its own rank: 0 on the first, 1 on the second, ...")
-    if nnodes == 1:
-        if endpoint or node_rank:
-            raise ConfigError("--rdzv-endpoint", "given for a single-node launch (--nnodes 1)",
-                              "pass --nnodes N (N > 1) with --node-rank and --rdzv-endpoint, or drop them")
-        return None
-    if not endpoint:
-        raise ConfigError("--rdzv-endpoint", f"--nnodes {nnodes} needs a rendezvous endpoint",
-                          "pass --rdzv-endpoint HOST:PORT with node 0's address as every node reaches it, e.g. 10.0.0.1:29400")
-    host, port = split_endpoint(endpoint)
-    loop = _loopback(host)
-    if loop is not None:
-        shown = host if loop == host else f"{host} ({loop})"
-        raise ConfigError("--rdzv-endpoint", f"{shown} is a loopback address: the other nodes cannot reach it, and a "
-                          "multi-node rendezvous on it waits until it times out (a known cause of hangs)",
-                          "use node 0's reachable address, e.g. the first address of `hostname -I` on node 0")
-    if node_rank == 0 and not _is_local(host):
-        raise ConfigError("--rdzv-endpoint", f"{host} is not an address of this machine, but node 0 serves the "
-                          "rendezvous (the other nodes would wait for a server at an address nobody listens on)",
-                          "on node 0 pass one of its own reachable addresses (`hostname -I`), the same on every node")
-    # The address the rendezvous publishes as MASTER_ADDR when this node's agent serves it: the one this
-    # machine reaches the endpoint from, not the host name's resolution (often 127.0.x.1: the other nodes
-    # would then dial themselves; train/network.py).
-    local = source_address(host, port)
-    return MultiNode(nnodes, node_rank, endpoint, rdzv_id, None if local is None or is_loopback(local) else local,
-                     min_nodes if min_nodes is not None and min_nodes < nnodes else None)
-
-
-def _is_local(host: str) -> bool:
-    """Whether `host` resolves to an address of this machine: binding to it succeeds only then."""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except socket.gaierror:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((sockaddr[0], 0) if family == socket.AF_INET else (sockaddr[0], 0, *sockaddr[2:]))
-            return True
-        except OSError:
-            continue
-    return False

@@ -1,6 +1,6 @@
 """This machine's network as a rank sees it: which address and interface lead to the rendezvous.
 
-Used by the launcher (launch/local.py: the address node 0 publishes as MASTER_ADDR) and by every worker
+Used by the launcher (launch/rendezvous.py: the address node 0 publishes as MASTER_ADDR) and by every worker
 (train/distributed.py: the interface gloo binds). Both questions have one answer: the route the kernel
 takes towards the rendezvous host. The host name's own resolution, which torch uses when nobody says
 otherwise, is often a loopback address (/etc/hosts maps it to 127.0.1.1 on Debian and Ubuntu, to
