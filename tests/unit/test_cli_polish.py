@@ -284,7 +284,7 @@ def test_an_elastic_node_tells_a_lost_rendezvous_from_a_timeout(error, code, wor
                                      "run.rendezvous_timeout_s (20 s): start every node, --node-rank 0 to 1, with the "
                                      "same config and --rdzv-endpoint; no checkpoint was written yet"),
     (0, "RendezvousTimeoutError", 6, "error: fewer than 2 nodes"),
-    (0, "RendezvousClosedError", 1, "(are the other nodes running, and"),
+    (0, "RendezvousClosedError", 1, "(are the other nodes running, with this node's address as their --rdzv-endpoint?)"),
     (1, "RendezvousClosedError", 1, "(is node 0 running, and"),
     (0, "RendezvousConnectionError", 1, "error: node 0 cannot serve the rendezvous at {}: "),  # its store failed to bind
 ])

@@ -183,9 +183,11 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
                   f"{nodes.nnodes - 1}, with the same config and --rdzv-endpoint"
                   f"{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
-        others = "are the other nodes running" if nodes is not None and nodes.node_rank == 0 else "is node 0 running"
+        ask = ("are the other nodes running, with this node's address as their --rdzv-endpoint?"
+               if nodes is not None and nodes.node_rank == 0 else "is node 0 running, and its address reachable from "
+               "this node?")
         print(f"error: rendezvous{where} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-              f"({others}, and its address reachable from this node?)", file=sys.stderr, flush=True)
+              f"({ask})", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
         before_workers.restore()
