@@ -146,7 +146,10 @@ def test_a_node_dies_the_other_says_where_and_both_rerun_to_resume(common, tmp_p
         agents[0].wait(timeout=30)
         assert agents[1].returncode == 1 and took < 30, (agents[1].returncode, took, err[-2000:])
         last = [line for line in err.splitlines() if line.startswith("error:")]
-        assert len(last) == 1 and f"lost its connection to a rank at {net.address(0)}" in last[0], err[-3000:]
+        # Which sees node 0 go first is a race: node 1's workers (their gloo peer) or its agent (node 0's store).
+        lost = (f"lost its connection to a rank at {net.address(0)}",
+                f"node 0 was lost during the run (its rendezvous at {net.address(0)}:{RDZV_PORT} closed)")
+        assert len(last) == 1 and any(words in last[0] for words in lost), err[-3000:]
         assert "rerun the same command on every node" in last[0] and "GLHF" not in last[0], last[0]
         newest = last[0].split("newest checkpoint ", 1)[1].split(":", 1)[0]
 

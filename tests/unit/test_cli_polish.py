@@ -310,6 +310,32 @@ def test_a_static_job_whose_nodes_never_meet_says_which_and_exits_6(node_rank, e
            "run.rendezvous_timeout_s = 20 s)" in out, out
     assert err.count("error:") == 1 and words.format(listening) in err, err
 
+
+def test_node_0_lost_during_the_run_is_not_called_a_rendezvous_this_node_waited_for(listening, monkeypatch, tmp_path,
+                                                                                     capsys):
+    """Node 0 SIGKILLed mid-run: node 1's agent may lose node 0's store before its workers report their lost peer
+    (seen once in five runs under load), and it was told "the rendezvous cannot be reached, or closed while this
+    node waited", though the job had trained 12 steps."""
+    import torch.distributed.elastic.rendezvous.api as rdzv
+
+    from shardwise.launch.local import torchrun
+
+    _no_torchrun(monkeypatch)
+    from torch.distributed import run as torch_run
+
+    logs = tmp_path / "logs"
+
+    def lose_node_0(args):
+        (logs / "job_x" / "attempt_0" / "0").mkdir(parents=True)  # what torch's agent makes for its workers
+        raise rdzv.RendezvousConnectionError("store gone")
+
+    monkeypatch.setattr(torch_run, "run", lose_node_0)
+    nodes = MultiNode(2, 1, listening, "job", None, None, 20.0, 10.0)
+    assert torchrun(1, "shardwise.train", [], log_dir=logs, nodes=nodes, checkpoints=tmp_path) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f"error: node 0 was lost during the run (its rendezvous at {listening} " \
+                                       "closed)" in err and "no checkpoint was written yet" in err, err
+
 def _no_torchrun(monkeypatch) -> list:
     """torch's launcher replaced by a recorder; torchrun()'s environment settings undone after the test."""
     from torch.distributed import run as torch_run

@@ -23,6 +23,16 @@ def test_torchrun_variables_are_taken_as_they_are():
     assert rank_env(TORCHRUN) == RankEnv(3, 1, 4, "node7", 29400, "torchrun", 2)
 
 
+def test_nodes_started_with_different_nproc_are_refused():
+    """`--nproc 2` on node 0 and `--nproc 1` on node 1: torchrun forms a job of 3 ranks, and the workers failed
+    on a layout rule about "data-parallel size(3)" (or trained 3 ranks if the batch divided), never naming
+    the cause."""
+    assert rank_env({**TORCHRUN, "GROUP_WORLD_SIZE": "2"}).world_size == 4  # 2 nodes x 2
+    with pytest.raises(ConfigError) as e:
+        rank_env({**TORCHRUN, "WORLD_SIZE": "3", "GROUP_WORLD_SIZE": "2"})
+    assert e.value.field == "--nproc" and "(2 on this one)" in e.value.problem and "same --nproc" in e.value.fix
+
+
 def test_nothing_set_is_a_single_process():
     assert rank_env({}) == RankEnv(0, 0, 1, "127.0.0.1", DEFAULT_PORT, "single", 1)
 

@@ -162,6 +162,13 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
             cause = (str(e.__cause__ or e).splitlines() or [type(e).__name__])[0][:300]
             print(f"error: node 0 cannot serve the rendezvous{where}: {cause}", file=sys.stderr, flush=True)
             return EXIT_FAILED
+        if isinstance(e, RendezvousConnectionError) and nodes is not None and _workers_started(log_dir or own_log_dir):
+            # Node 0 died during the run: this agent's heartbeat to its store can fail before this node's
+            # workers report their lost peers (a race; either way the cause is node 0).
+            print(f"error: node 0 was lost during the run (its rendezvous at {nodes.endpoint} closed): its agent "
+                  "stopped or its node died, or the network to it failed, and node 0's own output names the cause"
+                  f"{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
         if isinstance(e, RendezvousConnectionError):
             # Not a timeout of run.rendezvous_timeout_s: node 0's store is gone or unreachable. A node that joins
             # a job just as it ends meets this (the store closes with node 0's agent), as does one whose node 0
@@ -194,6 +201,12 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         if own_log_dir is not None:
             shutil.rmtree(own_log_dir, ignore_errors=True)
     return 0
+
+
+def _workers_started(log_dir: Path | str) -> bool:
+    """Whether torch's agent has started workers: it makes <log_dir>/<run>/attempt_N for them (torch 2.13),
+    none while the nodes wait at the rendezvous."""
+    return any(Path(log_dir).glob("*/attempt_*"))
 
 
 class _StopBeforeWorkers:

@@ -141,6 +141,13 @@ def rank_env(env: Mapping[str, str], first_host: Callable[[str], str] = first_sl
         raise ConfigError(rank_var, f"the {source} launcher's variables are not integers ({e})",
                           "start workers with torchrun, mpirun or srun, which set them") from None
     local_world = local_world or (world if local_rank == rank else local_rank + 1)
+    nodes = env.get("GROUP_WORLD_SIZE", "") if source == "torchrun" else ""  # torchrun's agents in the job
+    if nodes.isdigit() and int(nodes) * local_world != world:
+        # torchrun lets nodes start different numbers of workers; the layout rules (a TP group within a node,
+        # HSDP's replicas across nodes, the planner's nodes) assume the same count on every node.
+        raise ConfigError("--nproc", f"the job's {world} ranks are not the same number on each of its {nodes} nodes "
+                          f"({local_world} on this one): its nodes were started with different --nproc",
+                          "start every node with the same --nproc")
     job_id = next((env[v] for v in _JOB_ID_VARIABLES if env.get(v)), None)
     if port is None:
         # A numeric id as the sbatch script of `shardwise launch slurm` derives it; a text id by its CRC-32.
