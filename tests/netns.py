@@ -88,6 +88,14 @@ class Network:
         return subprocess.run(["ip", "netns", "exec", self.nodes[k], *argv], capture_output=True, text=True,
                               timeout=timeout)
 
+    def kill_node(self, k: int) -> None:
+        """SIGKILL everything on node k, as a machine dying would: its agent and its workers (not waited for)."""
+        for pid in _ip("netns", "pids", self.nodes[k], check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def remove(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

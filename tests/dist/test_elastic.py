@@ -59,15 +59,6 @@ def _sigterm_pending(pid: int) -> bool:
     return bool(pending & (1 << (signal.SIGTERM - 1)))
 
 
-def _kill_node(net: netns.Network, k: int) -> None:
-    """SIGKILL everything on node k, as a machine dying would: its agent and its workers."""
-    for pid in subprocess.run(["ip", "netns", "pids", net.nodes[k]], capture_output=True, text=True).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture()
 def cli(base_overrides) -> list[str]:
     skip = {"train.steps", "checkpoint.resume", "train.micro_batch"}
@@ -90,7 +81,7 @@ def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened
         _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8 on 4 processes")
         newest = max(p.name for p in (run / "checkpoints").glob("step_*"))
         killed_at = time.monotonic()
-        _kill_node(net, 1)
+        net.kill_node(1)
         trained = len(_losses(run))
         recovered = _wait(lambda: len(_losses(run)) > trained, 300, "a step trained after node 1 died")
         _wait(lambda: max(_losses(run), default=0) >= 20, 300, "step 20 on node 0 alone")
@@ -166,7 +157,7 @@ def test_fewer_than_min_nodes_end_the_job_with_exit_6_and_the_checkpoint_to_resu
 
         node0, _ = agent(0), agent(1)
         _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8")
-        _kill_node(net, 1)
+        net.kill_node(1)
         out, err = node0.communicate(timeout=240)
         assert node0.returncode == 6, out[-2000:] + err[-2000:]
         last = [line for line in err.splitlines() if line.startswith("error:")]

@@ -6,10 +6,7 @@ the survivor's line advises. Nothing is sent to this machine's own interfaces: t
 private switch."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -137,9 +134,7 @@ def test_a_node_dies_the_other_says_where_and_both_rerun_to_resume(common, tmp_p
         while len(_records(run)) < 12:
             assert time.monotonic() < deadline and agents[1].poll() is None, "no step 12 within 180 s"
             time.sleep(0.1)
-        for pid in subprocess.run(["ip", "netns", "pids", net.nodes[0]], capture_output=True, text=True).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        net.kill_node(0)
         killed = time.monotonic()
         out, err = agents[1].communicate(timeout=120)
         took = time.monotonic() - killed

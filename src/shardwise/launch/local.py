@@ -29,7 +29,7 @@ from shardwise.errors import (
     ConfigError,
     interrupt_exit_code,
 )
-from shardwise.launch.rendezvous import MultiNode, timeout_text, wait_for_rendezvous
+from shardwise.launch.rendezvous import MultiNode, wait_for_rendezvous
 from shardwise.scratch import owned_directory
 
 # When several workers failed with their own codes, the most specific wins.
@@ -42,8 +42,9 @@ _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken p
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")  # gloo's "[198.18.0.1]:30119", "[fd00::1]:30119"
 
 
-def lost_peer(message: str) -> bool:
-    return any(s in message.lower() for s in _LOST_PEER)
+def lost_peer(message: str) -> str | None:
+    """The _LOST_PEER phrase `message` carries, or None."""
+    return next((s for s in _LOST_PEER if s in message.lower()), None)
 
 
 def lost_peer_line(message: str) -> str:
@@ -51,7 +52,7 @@ def lost_peer_line(message: str) -> str:
     its own accord the cause is on another node (one killed with its node, or a network failure), which
     gloo's message ("Connection closed by peer [ADDRESS]:PORT. This is typically caused by a remote
     worker crashing ... GLHF!") names only by its address."""
-    phrase = next(s for s in _LOST_PEER if s in message.lower())
+    phrase = lost_peer(message)
     peer = _PEER_ADDRESS.search(message)
     at = f" at {peer.group(1)}" if peer else ""
     return (f"lost its connection to a rank{at} ({phrase}): a process there died or the network to it failed, "
@@ -146,7 +147,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         if nodes is not None:  # the agents wait for each other without a word until the job starts or times out
             wanted = f"{nodes.min_nodes} to {nodes.nnodes}" if nodes.elastic else f"all {nodes.nnodes}"
             print(f"node {nodes.node_rank}: waiting for {wanted} nodes at the rendezvous {nodes.endpoint} (up to "
-                  f"run.rendezvous_timeout_s = {timeout_text(nodes)})", flush=True)
+                  f"run.rendezvous_timeout_s = {nodes.timeout_s:g} s)", flush=True)
         torch_run.run(torch_run.get_args_parser().parse_args(argv))
     except ChildFailedError as e:
         return report_failure(e.failures, run_dir, checkpoints, every_node=nodes is not None)
@@ -179,14 +180,14 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
             return EXIT_FAILED
         if nodes is not None and nodes.elastic:
             print(f"error: fewer than {nodes.min_nodes} node(s) (--nnodes {nodes.min_nodes}:{nodes.nnodes}) met at the "
-                  f"rendezvous{where} within run.rendezvous_timeout_s ({timeout_text(nodes)}): "
+                  f"rendezvous{where} within run.rendezvous_timeout_s ({nodes.timeout_s:g} s): "
                   f"{type(e).__name__}{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
         if nodes is not None and isinstance(e, RendezvousTimeoutError):
             # A node never started, or started with another config (the rendezvous id derives from run.dir)
             # or endpoint: torch's error says nothing more (its message is empty).
             print(f"error: fewer than {nodes.nnodes} nodes (--nnodes {nodes.nnodes}) met at the rendezvous{where} "
-                  f"within run.rendezvous_timeout_s ({timeout_text(nodes)}): start every node, --node-rank 0 to "
+                  f"within run.rendezvous_timeout_s ({nodes.timeout_s:g} s): start every node, --node-rank 0 to "
                   f"{nodes.nnodes - 1}, with the same config and --rdzv-endpoint"
                   f"{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
@@ -213,27 +214,26 @@ class _StopBeforeWorkers:
     """Stop requests before torch's agent has started the workers (and its own handlers, which turn them
     into SignalException): waiting for node 0 or at the rendezvous, a SIGTERM from `scancel` or SLURM's
     SIGUSR1 ahead of a time limit ended the launcher silently (exit -15 / -10, no line). They raise
-    torch's SignalException here too, which its agent handles as its own (it shuts down and re-raises).
-    SIGINT keeps Python's KeyboardInterrupt (cli.py says what was interrupted)."""
+    torch's SignalException here too, which its agent handles as its own (it shuts down and re-raises
+    the same exception). SIGINT keeps Python's KeyboardInterrupt (cli.py says what was interrupted)."""
 
     SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
     def __init__(self, signal_exception: type):
-        self.signal_exception, self.previous, self.ours = signal_exception, {}, None
+        self.signal_exception, self.previous, self.stop = signal_exception, {}, None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers belong to the main thread
-        ours = self.ours = type("StoppedBeforeWorkers", (self.signal_exception,), {})
-
-        def handler(signum: int, frame) -> None:
-            raise ours(f"signal {signum} before the workers started", signal.Signals(signum))
-
         for name in self.SIGNALS:
-            self.previous[name] = signal.signal(getattr(signal, name), handler)
+            self.previous[name] = signal.signal(getattr(signal, name), self._handler)
+
+    def _handler(self, signum: int, frame) -> None:
+        self.stop = self.signal_exception(f"signal {signum} before the workers started", signal.Signals(signum))
+        raise self.stop
 
     def raised(self, e: BaseException) -> bool:
-        return self.ours is not None and isinstance(e, self.ours)
+        return e is self.stop
 
     def restore(self) -> None:
         for name, previous in self.previous.items():

@@ -38,6 +38,11 @@ class MultiNode:
     def elastic(self) -> bool:
         return self.min_nodes is not None and self.min_nodes < self.nnodes
 
+    @property
+    def timeout_s(self) -> float:
+        """run.rendezvous_timeout_s as the agents use it (torch's join_timeout when unset)."""
+        return self.join_timeout_s if self.join_timeout_s is not None else RDZV_DEFAULT_JOIN_TIMEOUT_S
+
     def torchrun_args(self) -> list[str]:
         # torchrun ignores --node-rank under c10d (the rendezvous orders the nodes itself); it is passed
         # so the agent's view matches the command line, and shardwise uses it for run-directory ownership.
@@ -169,11 +174,6 @@ def _is_local(host: str) -> bool:
     return False
 
 
-def timeout_text(nodes: MultiNode) -> str:
-    """run.rendezvous_timeout_s as the agents use it (torch's join_timeout when unset)."""
-    return f"{nodes.join_timeout_s if nodes.join_timeout_s is not None else RDZV_DEFAULT_JOIN_TIMEOUT_S:g} s"
-
-
 def wait_for_rendezvous(nodes: MultiNode, poll_s: float = 1.0) -> bool:
     """Whether node 0's rendezvous store accepts a TCP connection within run.rendezvous_timeout_s; says so
     in one line while it waits, and in one error line when it gives up.
@@ -186,7 +186,7 @@ def wait_for_rendezvous(nodes: MultiNode, poll_s: float = 1.0) -> bool:
     timeout instead; torch's own connection then succeeds at once."""
     host, port = split_endpoint(nodes.endpoint)
     port = port or RDZV_DEFAULT_PORT
-    timeout_s = nodes.join_timeout_s if nodes.join_timeout_s is not None else RDZV_DEFAULT_JOIN_TIMEOUT_S
+    timeout_s = nodes.timeout_s
     deadline = time.monotonic() + timeout_s
     said = False
     while True:
