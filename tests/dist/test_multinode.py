@@ -44,16 +44,18 @@ def test_two_agents_train_like_one(common, tmp_path):
                                  endpoint, f"--run.dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=tmp_path)
 
-        # Port taken on node 0 (another job's rendezvous): refused before anything starts, exit 2.
+        # Port taken on node 0 (another job's rendezvous): refused before anything starts, exit 2. The rest of
+        # the test follows the advice, the port it names, while the first one stays taken.
         hog = net.popen(0, [sys.executable, "-c", "import socket, sys; s = socket.create_server((sys.argv[1], "
                             f"{RDZV_PORT})); print('up', flush=True); sys.stdin.read()", net.address(0)],
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert hog.stdout.readline().strip() == "up"
         taken = net.run(0, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
                             f"--run.dir={run}"], timeout=120)
-        hog.communicate("")
         assert taken.returncode == 2 and taken.stderr.startswith(
             f"error: --rdzv-endpoint: port {RDZV_PORT} of {net.address(0)} is in use"), taken.stderr
+        endpoint = taken.stderr.split("e.g. --rdzv-endpoint ", 1)[1].split()[0]  # agent() dials it from here on
+        assert endpoint == f"{net.address(0)}:{RDZV_PORT + 1}", taken.stderr
         # Node 0 alone: it says what it waits for, and after run.rendezvous_timeout_s that a node is missing
         # (exit 6); torch's own error is empty, and shardwise once asked node 0 whether node 0 was running.
         alone = net.run(0, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
