@@ -3,13 +3,14 @@ script against its golden file, and bad input as ConfigError (exit 2) through th
 from __future__ import annotations
 
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from shardwise.cli import main as cli_main
 from shardwise.errors import ConfigError
-from shardwise.launch.schedulers import Host, main, mpirun_command, parse_hosts
+from shardwise.launch.schedulers import Host, main, mpirun_command, parse_hosts, sbatch_script
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "slurm" / "two_nodes.sbatch"
 # A layout that fits 16 ranks: ZeRO-3 over every rank, one sequence per rank per step.
@@ -94,7 +95,35 @@ def test_sbatch_script_matches_the_golden_file(in_run_dir, capsys):
     assert capsys.readouterr().out == "wrote job.sbatch\n"
     script = (in_run_dir / "job.sbatch").read_text()
     assert script == GOLDEN.read_text()
-    assert "#SBATCH --signal=USR1@120" in script and "--rdzv-backend=c10d" in script
+    assert "#SBATCH --signal=USR1@120" in script and "torch.distributed.run" not in script
+
+
+def _task_argv(script: str, env: dict[str, str], tmp_path: Path) -> list[str]:
+    """The argv one node's task runs: the script's srun line with bash, srun and python replaced by a
+    stand-in that prints its arguments (srun runs its command as given; the task's shell expands it)."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "python3").write_text('#!/bin/bash\nprintf \'%s\\0\' "$@"\n')
+    (fake / "python3").chmod(0o755)
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    argv = shlex.split(srun)[1:]  # after `srun`
+    done = subprocess.run(argv, env={**env, "PATH": f"{fake}:/usr/bin:/bin"}, capture_output=True, check=True)
+    return done.stdout.decode().split("\0")[:-1]
+
+
+def test_each_node_passes_its_own_rank_and_the_first_nodes_endpoint(in_run_dir, tmp_path):
+    """The generated srun line, run as node 1's task would run it: shardwise train (not plain torchrun: its
+    one-line failures and exit codes), SLURM_NODEID as --node-rank, and overrides that survive quoting."""
+    overrides = ["--train.steps=1000", "--run.dir=runs/it's a \"run\" $HOME"]
+    script = sbatch_script("run.toml", overrides, nodes=2, gpus_per_node=8, python="python3")
+    env = {"SLURM_NODEID": "1", "MASTER_ADDR": "198.51.100.7", "MASTER_PORT": "12345", "SLURM_JOB_ID": "77"}
+    assert _task_argv(script, env, tmp_path) == [
+        "-m", "shardwise.cli", "train", "--config", "run.toml", "--nproc", "8", "--nnodes", "2", "--node-rank", "1",
+        "--rdzv-endpoint", "198.51.100.7:12345", "--rdzv-id", "slurm-77", *overrides]
+    assert "export MASTER_ADDR MASTER_PORT" in script  # srun's tasks inherit only what is exported
+    one = sbatch_script("run.toml", overrides, nodes=1, gpus_per_node=0, python="python3", procs_per_node=2)
+    assert _task_argv(one, {}, tmp_path) == ["-m", "shardwise.cli", "train", "--config", "run.toml", "--nproc", "2",
+                                             *overrides]
 
 
 def test_submit_without_sbatch_is_refused(in_run_dir, monkeypatch):
