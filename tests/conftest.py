@@ -37,7 +37,8 @@ def base_overrides(corpus_file, tmp_path_factory) -> list[tuple[str, str]]:
             ("model.preset", "tiny"), ("model.vocab_size", "512"), ("train.seq_len", "32"),
             ("train.global_batch", "8"), ("train.micro_batch", "8"), ("train.steps", "20"),
             ("train.warmup_steps", "5"), ("train.lr", "3e-3"), ("train.precision", "fp32"), ("run.progress", "false"),
-            ("run.tensorboard", "false"), ("checkpoint.final", "false"), ("checkpoint.resume", "false")]
+            ("run.tensorboard", "false"), ("run.loss_curve", "false"), ("checkpoint.final", "false"),
+            ("checkpoint.resume", "false")]
 
 
 @pytest.fixture()

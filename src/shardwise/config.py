@@ -183,6 +183,7 @@ class RunConfig:
     dir: str = opt("runs/default", "Run directory: resolved config, metrics.jsonl, TensorBoard events, plots, checkpoints.")
     progress: bool = opt(True, "Show a progress bar on rank 0.")
     tensorboard: bool = opt(True, "Write TensorBoard events.")
+    loss_curve: bool = opt(True, "Draw <run.dir>/loss_curve.png (loss and lr against the step) when the run ends.")
     save_final_model: bool = opt(False, "Write the full (unsharded) final weights to <run.dir>/final_model.pt (used by parity).")
     max_restarts: int = opt(0, "Restart the whole worker group this many times after a worker fails (torchrun's elastic "
                                "agent); each restart resumes from the newest good checkpoint. Divergence, bad input and "

@@ -23,7 +23,8 @@ def common(base_overrides) -> list[str]:
 def test_train_two_processes_writes_a_run_and_resumes(common, tmp_path):
     run = tmp_path / "run"
     args = ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2",
-            f"--run.dir={run}", "--checkpoint.every=3", "--checkpoint.keep=1", "--run.tensorboard=true"]
+            f"--run.dir={run}", "--checkpoint.every=3", "--checkpoint.keep=1", "--run.tensorboard=true",
+            "--run.loss_curve=true"]
     first = _shardwise(["train"] + common + args + ["--train.steps=6"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert (run / "config.toml").is_file() and (run / "loss_curve.png").stat().st_size > 1000

@@ -294,3 +294,11 @@ def test_start_up_peak_reads_in_its_own_unit():
     assert _flops(989.4e12) == "989.4 TFLOP/s" and _flops(176.9e9) == "176.9 GFLOP/s"  # was "989400.0 GFLOP/s"
     flops, label = device_peak_flops("cuda", "bf16", cuda_name="NVIDIA H100 80GB HBM3")
     assert _flops(flops) == "989.4 TFLOP/s" and label == "h100-sxm-80gb datasheet dense bf16 peak, NVIDIA H100 80GB HBM3"
+
+
+def test_no_loss_curve_when_turned_off(tmp_path):
+    """run.loss_curve = false: the run ends without drawing (0.4 s a run; the parity matrix draws none)."""
+    logger = MetricsLogger(tmp_path, 2, 0, is_writer=True, progress=False, tensorboard=False, loss_curve=False)
+    logger.log(1, {"loss": 5.0})
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").is_file() and not (tmp_path / "loss_curve.png").exists()

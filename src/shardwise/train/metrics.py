@@ -90,8 +90,9 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, is_writer: bool, progress: bool,
-                 tensorboard: bool):
+                 tensorboard: bool, loss_curve: bool = True):
         self.run_dir = Path(run_dir)
+        self._loss_curve = loss_curve
         self.total_steps = total_steps
         self.start_step = start_step
         self.is_writer = is_writer
@@ -187,7 +188,7 @@ class MetricsLogger:
         self._hook(args)
 
     def close(self) -> None:
-        """Stop the bar, close the files and write loss_curve.png. Safe to call twice."""
+        """Stop the bar, close the files and write loss_curve.png (run.loss_curve). Safe to call twice."""
         if self._closed:
             return
         self._closed = True
@@ -202,6 +203,8 @@ class MetricsLogger:
             threading.excepthook = self._hook
         if self._file is not None:
             self._file.close()
+        if not self._loss_curve:
+            return
         try:
             plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png")
         except Exception as e:  # close() runs in the trainer's `finally`: never mask the real error

@@ -79,7 +79,7 @@ class StepLog:
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLogger(run_dir, t.steps, start_step, is_writer=writer, progress=cfg.run.progress,
-                                     tensorboard=cfg.run.tensorboard)
+                                     tensorboard=cfg.run.tensorboard, loss_curve=cfg.run.loss_curve)
         self.peak, peak_label = device_peak_flops(device.type, compute_precision(t.precision),
                                                   torch.cuda.get_device_name() if device.type == "cuda" else None)
         if not quiet:
