@@ -1,20 +1,27 @@
 """Real SLURM clusters for the tests, from Debian's packages (munged, slurmctld, slurmd), with every file
 (key, config, state, spool, logs, sockets) in one temporary directory:
 
-    start(root, commands)             one node on localhost
-    start_on(net, root, commands)     one node per network namespace of a tests/netns.py Network
+    start(commands)             one node on localhost
+    start_on(net, commands)     one node per network namespace of a tests/netns.py Network
 
 Nothing of the machine's own SLURM or munge setup is read or changed: the daemons get their paths on
 the command line and in the slurm.conf written here, and the client commands find that file through
 SLURM_CONF (SLURM's own variable) in the environment this returns. The daemons run as the current user
 (root: SLURM's daemons need it to start jobs as other users; here every job is ours) and are stopped,
-and waited for, by stop().
+and waited for, by stop(), which removes the directory.
+
+The directory is a short one of its own in /tmp, not the test's tmp_path: slurmstepd makes a Unix socket
+per job step in the spool directory, and a socket path is at most 107 bytes. Under pytest-xdist
+(.../popen-gw0/test_...) the batch step's was 110: slurmstepd died ("Unix socket path ... is too long") and
+the job was requeued, again and again, until the test's timeout.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,17 +77,19 @@ class LocalSlurm:
         return "\n".join(parts)
 
     def stop(self) -> None:
-        """Stop the slurmds, slurmctld and munged, in that order, and wait until their processes are gone."""
+        """Stop the slurmds, slurmctld and munged, in that order, wait until their processes are gone, and
+        remove the cluster's directory."""
         for group in (sorted(self.root.glob("slurmd-*.pid")), [self.root / "slurmctld.pid"], [self.root / "munged.pid"]):
             pids = [int(p.read_text().strip()) for p in group if p.is_file() and p.read_text().strip().isdigit()]
             stop_processes(stop_processes(pids, signal.SIGTERM, 30), signal.SIGKILL, 10)
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _start(root: Path, commands: dict[str, str], controller: str, nodes: list[tuple[str, str]],
-           ports: tuple[int, int], where: list[list[str]]) -> LocalSlurm:
+def _start(commands: dict[str, str], controller: str, nodes: list[tuple[str, str]], ports: tuple[int, int],
+           where: list[list[str]]) -> LocalSlurm:
     """Start munged and slurmctld (with where[0]'s prefix) and node k's slurmd (where[k]); return when
     every node is idle. Raises RuntimeError with the daemons' logs if they do not come up."""
-    root.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="swslurm-", dir="/tmp"))
     root.chmod(0o755)  # munged refuses a socket directory others cannot traverse
     for sub in ("state", *[f"spool-{name}" for name, _ in nodes]):  # slurmd does not make its spool directory
         (root / sub).mkdir()
@@ -115,13 +124,13 @@ def _start(root: Path, commands: dict[str, str], controller: str, nodes: list[tu
         raise RuntimeError(f"{e}\n{logs}") from e
 
 
-def start(root: Path, commands: dict[str, str]) -> LocalSlurm:
+def start(commands: dict[str, str]) -> LocalSlurm:
     """One node on localhost, at free ports: jobs rendezvous on loopback (tests talk only to loopback)."""
     host = "localhost"
-    return _start(root, commands, f"{host}(127.0.0.1)", [(host, "127.0.0.1")], (free_port(), free_port()), [[]])
+    return _start(commands, f"{host}(127.0.0.1)", [(host, "127.0.0.1")], (free_port(), free_port()), [[]])
 
 
-def start_on(net, root: Path, commands: dict[str, str]) -> LocalSlurm:
+def start_on(net, commands: dict[str, str]) -> LocalSlurm:
     """Node k (NodeName nodeK) in namespace net.nodes[k] at its address, the controller in node 0's.
 
     The daemons enter only the node's network namespace (nsenter --net): `ip netns exec` also mounts a
@@ -130,4 +139,4 @@ def start_on(net, root: Path, commands: dict[str, str]) -> LocalSlurm:
     checks SlurmctldHost against the host name, which every namespace shares)."""
     where = [["nsenter", f"--net=/run/netns/{ns}"] for ns in net.nodes]
     nodes = [(f"node{k}", net.address(k)) for k in range(len(net.nodes))]
-    return _start(root, commands, f"localhost({net.address(0)})", nodes, NAMESPACE_PORTS, where)
+    return _start(commands, f"localhost({net.address(0)})", nodes, NAMESPACE_PORTS, where)

@@ -30,6 +30,16 @@ EXIT_SIGTERM = 143
 NOT_RESTARTABLE = frozenset({EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_IO})
 
 
+# What a rank reports when another rank died under it: consequences, not causes (gloo's and the store's words).
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+              "socket closed", "connection refused")
+
+
+def lost_peer(message: str) -> str | None:
+    """The phrase of a lost peer that `message` carries (the error only follows another rank's death), or None."""
+    return next((s for s in _LOST_PEER if s in message.lower()), None)
+
+
 def interrupt_exit_code(signum: int) -> int:
     """130 for SIGINT (Ctrl-C), 143 for SIGTERM and the other stop requests (SIGUSR1: SLURM's warning)."""
     return EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM

@@ -35,14 +35,14 @@ JOB_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     if os.geteuid() != 0:
         reason = "SLURM's daemons need root to start jobs (slurmd runs them as the submitting user); not root"
         print(reason)
         pytest.skip(reason)
     commands = require_commands(["slurm-wlm", "munge"], ["munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo"])
     try:
-        running = slurm_cluster.start(tmp_path_factory.mktemp("slurm"), commands)
+        running = slurm_cluster.start(commands)
     except RuntimeError as e:
         reason = f"a localhost SLURM cluster did not start: {e}"
         print(reason)
@@ -111,7 +111,7 @@ def test_generated_sbatch_script_on_two_nodes_trains_like_one_node(reference, tm
     commands = require_commands(["slurm-wlm", "munge"], ["munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo"])
     with netns.network(2) as net:
         try:
-            cluster = slurm_cluster.start_on(net, tmp_path / "slurm", commands)
+            cluster = slurm_cluster.start_on(net, commands)
         except RuntimeError as e:
             pytest.skip(f"a two-node SLURM cluster did not start in network namespaces: {e}")
         try:
@@ -119,10 +119,16 @@ def test_generated_sbatch_script_on_two_nodes_trains_like_one_node(reference, tm
                 (tmp_path / name).mkdir()
                 (tmp_path / name / "run.toml").write_text("")
                 env = {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"]}
-                done = cluster.run([sys.executable, "-m", "shardwise.cli", "launch", "slurm", "--config", "run.toml",
-                                    "--nodes", "2", "--procs-per-node", "1", "--python", sys.executable, "--out",
-                                    "job.sbatch", "--submit", "--wait", *common, *args, f"--run.dir={tmp_path / name / 'run'}"],
-                                   env=env, capture_output=True, text=True, cwd=tmp_path / name, timeout=JOB_TIMEOUT_S)
+                try:
+                    done = cluster.run([sys.executable, "-m", "shardwise.cli", "launch", "slurm", "--config", "run.toml",
+                                        "--nodes", "2", "--procs-per-node", "1", "--python", sys.executable, "--out",
+                                        "job.sbatch", "--submit", "--wait", *common, *args,
+                                        f"--run.dir={tmp_path / name / 'run'}"],
+                                       env=env, capture_output=True, text=True, cwd=tmp_path / name, timeout=JOB_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    jobs = cluster.run(["scontrol", "show", "job"], env=env, capture_output=True, text=True, timeout=30)
+                    pytest.fail(f"the job did not end in {JOB_TIMEOUT_S} s:\n{jobs.stdout}\n{_job_output(tmp_path / name)}"
+                                f"\n{cluster.log_tail(40)}")
                 return done.returncode, done.stderr + _job_output(tmp_path / name) + cluster.log_tail()
 
             code, output = submit("trained")

@@ -28,6 +28,7 @@ from shardwise.errors import (
     EXIT_TOO_FEW_NODES,
     ConfigError,
     interrupt_exit_code,
+    lost_peer,
 )
 from shardwise.launch.rendezvous import MultiNode, wait_for_rendezvous
 from shardwise.scratch import owned_directory
@@ -36,15 +37,7 @@ from shardwise.scratch import owned_directory
 _PRIORITY = (EXIT_BAD_INPUT, EXIT_IO, EXIT_DIVERGED, EXIT_STALLED, EXIT_SIGTERM, EXIT_SIGINT)
 # Seconds the agent waits for workers to checkpoint and exit after forwarding a stop signal.
 SHUTDOWN_GRACE_S = 60
-# What workers report when another worker died under them: consequences, not causes.
-_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
-              "socket closed", "connection refused")
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")  # gloo's "[198.18.0.1]:30119", "[fd00::1]:30119"
-
-
-def lost_peer(message: str) -> str | None:
-    """The _LOST_PEER phrase `message` carries, or None."""
-    return next((s for s in _LOST_PEER if s in message.lower()), None)
 
 
 def lost_peer_line(message: str) -> str:

@@ -26,6 +26,9 @@ from pathlib import Path
 from shardwise.train.distributed import RESTART_COUNT, RUN_ID, agreed_attempt, finish_distributed, init_distributed, launcher, leave
 from shardwise.train.signals import StopRequest, exit_with_parent
 
+# Seconds a rank that only lost a peer waits before it fails, when the agent will restart the group.
+LOST_PEER_GRACE_S = 2.0
+
 
 def _say(text: str, prefix: str = "error: ") -> None:
     print(f"{prefix}{text}", file=sys.stderr, flush=True)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distributed: bool) -> int:
     import torch.distributed as dist
 
-    from shardwise.errors import EXIT_STALLED, ConfigError, Interrupted, RunFailure, storage_failure
+    from shardwise.errors import EXIT_STALLED, ConfigError, Interrupted, RunFailure, lost_peer, storage_failure
     from shardwise.train import rundir
     from shardwise.train.data import prepare_data
     from shardwise.train.trainer import Trainer
@@ -158,6 +161,12 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             elif report:
                 _say(report)
             return EXIT_STALLED
+        if lost_peer(str(e)) and attempt < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+            # Only a consequence of another rank's death. The agent's restart line names the failure it
+            # saw first (torchelastic: the earliest timestamp, in whole seconds): give the real one that
+            # time (a CI run named this rank instead of its SIGKILLed peer once the loss-curve plot no longer
+            # delayed its exit).
+            time.sleep(LOST_PEER_GRACE_S)
         _record_crash(run_dir, rank, e)  # the launcher names the root cause among the failed ranks
         if not distributed:
             raise
