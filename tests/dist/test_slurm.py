@@ -73,6 +73,11 @@ def _clean_env(env) -> dict[str, str]:
             k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 
+def _job_env(cluster, **extra: str) -> dict[str, str]:
+    """The environment for SLURM's client commands and the jobs they submit (sbatch exports it)."""
+    return {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"], **extra}
+
+
 def _compare(name: str, expected, got) -> None:
     print(f"step  local loss            {name} loss")
     for (step, a), (_, b) in zip(expected, got):
@@ -86,7 +91,7 @@ def test_generated_sbatch_script_trains_like_local(cluster, reference, tmp_path)
     # The job's TMPDIR (sbatch exports the environment): torchrun's log directories must not outlive the job.
     node_tmp = tmp_path / "node-tmp"
     node_tmp.mkdir()
-    env = {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"], "TMPDIR": str(node_tmp)}
+    env = _job_env(cluster, TMPDIR=str(node_tmp))
     (tmp_path / "run.toml").write_text("")  # every setting is an override: the script passes them through
     done = subprocess.run([sys.executable, "-m", "shardwise.cli", "launch", "slurm", "--config", "run.toml",
                            "--nodes", "1", "--procs-per-node", "2", "--python", sys.executable, "--out", "job.sbatch",
@@ -115,27 +120,14 @@ def test_generated_sbatch_script_on_two_nodes_trains_like_one_node(reference, tm
         except RuntimeError as e:
             pytest.skip(f"a two-node SLURM cluster did not start in network namespaces: {e}")
         try:
-            def submit(name: str, *args: str) -> tuple[int, str]:
-                (tmp_path / name).mkdir()
-                (tmp_path / name / "run.toml").write_text("")
-                env = {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"]}
-                try:
-                    done = cluster.run([sys.executable, "-m", "shardwise.cli", "launch", "slurm", "--config", "run.toml",
-                                        "--nodes", "2", "--procs-per-node", "1", "--python", sys.executable, "--out",
-                                        "job.sbatch", "--submit", "--wait", *common, *args,
-                                        f"--run.dir={tmp_path / name / 'run'}"],
-                                       env=env, capture_output=True, text=True, cwd=tmp_path / name, timeout=JOB_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    jobs = cluster.run(["scontrol", "show", "job"], env=env, capture_output=True, text=True, timeout=30)
-                    pytest.fail(f"the job did not end in {JOB_TIMEOUT_S} s:\n{jobs.stdout}\n{_job_output(tmp_path / name)}"
-                                f"\n{cluster.log_tail(40)}")
-                return done.returncode, done.stderr + _job_output(tmp_path / name) + cluster.log_tail()
-
-            code, output = submit("trained")
+            code, output = _submit(cluster, tmp_path / "trained", [*common, f"--run.dir={tmp_path / 'trained' / 'run'}"],
+                                   nodes=2, procs_per_node=1)
             assert code == 0, output
             assert f"rendezvous {net.address(0)}:" in output and "node 1 of 2" in output, output  # node 1 joined node 0's
             _compare("two nodes", expected, _losses(tmp_path / "trained" / "run"))
-            code, output = submit("diverged", "--train.lr=1e6", "--train.steps=30")
+            code, output = _submit(cluster, tmp_path / "diverged", [*common, "--train.lr=1e6", "--train.steps=30",
+                                                                    f"--run.dir={tmp_path / 'diverged' / 'run'}"],
+                                   nodes=2, procs_per_node=1)
             assert code == 3, output
             assert [line[:24] for line in _shardwise_lines(output)] == ["error: training diverged"], output
         finally:
@@ -144,7 +136,7 @@ def test_generated_sbatch_script_on_two_nodes_trains_like_one_node(reference, tm
 
 def test_srun_starts_workers_directly(cluster, reference, tmp_path):
     common, expected = reference
-    env = {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    env = _job_env(cluster)
     done = subprocess.run(["srun", "--kill-on-bad-exit=1", "-N", "1", "-n", "2", sys.executable, "-m", "shardwise.train",
                            *common, f"--run.dir={tmp_path / 'srun'}"], capture_output=True, text=True, cwd=tmp_path,
                           timeout=JOB_TIMEOUT_S, env=env)
@@ -154,21 +146,28 @@ def test_srun_starts_workers_directly(cluster, reference, tmp_path):
     _compare("srun", expected, _losses(tmp_path / "srun"))
 
 
-def _submit(cluster, tmp_path: Path, args: list[str], *, wait: bool = True):
-    """`shardwise launch slurm --nodes 1 --procs-per-node 2 --out job.sbatch` with `args`, submitted; with
-    wait, returns (exit code, the job's output); without, the sbatch --wait process (its code: the job's)."""
-    env = {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+def _submit(cluster, tmp_path: Path, args: list[str], *, nodes: int = 1, procs_per_node: int = 2, wait: bool = True):
+    """`shardwise launch slurm --nodes N --procs-per-node P --out job.sbatch` with `args`, submitted with sbatch
+    --wait where the controller is; with wait, returns (exit code, the job's output) and fails the test, saying
+    why, when the job does not end; without, the sbatch --wait process (its code: the job's)."""
+    env = _job_env(cluster)
     tmp_path.mkdir(exist_ok=True)
-    (tmp_path / "run.toml").write_text("")
-    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "slurm", "--config", "run.toml", "--nodes", "1",
-           "--procs-per-node", "2", "--python", sys.executable, "--out", "job.sbatch", *args]
+    (tmp_path / "run.toml").write_text("")  # every setting is an override: the script passes them through
+    cmd = [sys.executable, "-m", "shardwise.cli", "launch", "slurm", "--config", "run.toml", "--nodes", str(nodes),
+           "--procs-per-node", str(procs_per_node), "--python", sys.executable, "--out", "job.sbatch", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
-    job = subprocess.Popen(["sbatch", "--wait", "job.sbatch"], cwd=tmp_path, env=env, text=True,
+    job = subprocess.Popen([*cluster.client, "sbatch", "--wait", "job.sbatch"], cwd=tmp_path, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if not wait:
         return job
-    job.communicate(timeout=JOB_TIMEOUT_S)
+    try:
+        job.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.communicate()
+        jobs = cluster.run(["scontrol", "show", "job"], env=env, capture_output=True, text=True, timeout=30)
+        pytest.fail(f"the job did not end in {JOB_TIMEOUT_S} s:\n{jobs.stdout}\n{_job_output(tmp_path)}\n{cluster.log_tail(40)}")
     return job.returncode, _job_output(tmp_path)
 
 
@@ -214,10 +213,9 @@ def test_the_time_limit_signal_checkpoints_and_the_resubmitted_script_resumes(cl
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 5):
         assert job.poll() is None and time.monotonic() < deadline, _job_output(tmp_path)
         time.sleep(0.2)
-    env = {**_clean_env(cluster.env), "SLURM_CONF": cluster.env["SLURM_CONF"]}
-    job_id = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+    job_id = cluster.run(["squeue", "-h", "-o", "%i"], env=_job_env(cluster), capture_output=True, text=True, timeout=30).stdout.split()
     assert len(job_id) == 1, job_id
-    subprocess.run(["scancel", "--signal=USR1", job_id[0]], env=env, check=True, timeout=30)
+    cluster.run(["scancel", "--signal=USR1", job_id[0]], env=_job_env(cluster), check=True, timeout=30)
     job.communicate(timeout=JOB_TIMEOUT_S)
     output = _job_output(tmp_path)
     assert job.returncode == 143, output
@@ -228,8 +226,8 @@ def test_the_time_limit_signal_checkpoints_and_the_resubmitted_script_resumes(cl
     assert (tmp_path / "run" / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").is_file()
     for out in tmp_path.glob("shardwise-*.out"):
         out.rename(out.with_suffix(".first"))
-    resubmitted = subprocess.run(["sbatch", "--wait", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True,
-                                 text=True, timeout=JOB_TIMEOUT_S)
+    resubmitted = cluster.run(["sbatch", "--wait", "job.sbatch"], env=_job_env(cluster), cwd=tmp_path, capture_output=True,
+                              text=True, timeout=JOB_TIMEOUT_S)
     output = _job_output(tmp_path)
     assert resubmitted.returncode == 0, output
     assert f"at step {stopped_at}" in output and not _shardwise_lines(output), output

@@ -161,13 +161,12 @@ def sbatch_script(config: str, overrides: list[str], nodes: int, gpus_per_node: 
     train = [python, "-m", "shardwise.cli", "train", "--config", config, "--nproc", str(per_node)]
     why_srun = ["# srun runs the step (SLURM signals job steps, not this script). The job's exit code is shardwise's",
                 "# (docs/run-safety.md: 2 bad input, 3 diverged, 4 I/O, 5 stalled, 6 too few nodes, 143 stopped)."]
-    if nodes > 1:
-        why_srun += ["# No --kill-on-bad-exit: srun exits with the highest code of its tasks, and the nodes it would stop",
-                     "# after the first failure would exit 143 (stopped), hiding the failure's own code. Each node ends",
-                     "# by itself: a lost peer within seconds, a stalled collective after run.collective_timeout_s, a",
-                     "# node that never joins after run.rendezvous_timeout_s."]
     if nodes == 1:
         return "\n".join(head + why_srun + ["srun " + shlex.join([*train, *overrides]), ""])
+    why_srun += ["# No --kill-on-bad-exit: srun exits with the highest code of its tasks, and the nodes it would stop",
+                 "# after the first failure would exit 143 (stopped), hiding the failure's own code. Each node ends",
+                 "# by itself: a lost peer within seconds, a stalled collective after run.collective_timeout_s, a",
+                 "# node that never joins after run.rendezvous_timeout_s."]
     # The node's rank and the endpoint differ per node: expanded by each task's own shell, not by this script.
     per_task = shlex.join(["exec", *train, "--nnodes", str(nodes)]) + \
         ' --node-rank "$SLURM_NODEID" --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "slurm-$SLURM_JOB_ID"' + \
