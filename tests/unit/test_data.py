@@ -13,8 +13,10 @@ import torch
 
 from shardwise.config import DataConfig
 from shardwise.errors import ConfigError
+from shardwise.train import corpus
 from shardwise.train import data as D
-from shardwise.train.data import TokenBatches, corpus_files, iter_documents, load_or_train_tokenizer, prepare_data, split_inputs_targets
+from shardwise.train.corpus import corpus_files, iter_documents
+from shardwise.train.data import TokenBatches, load_or_train_tokenizer, prepare_data, split_inputs_targets
 from shardwise.train.loader import BatchPrefetcher
 
 EXCLUDED = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
@@ -30,7 +32,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_default_corpus_is_stdlib_sorted_without_tests():
-    root = D._stdlib_root()
+    root = corpus._stdlib_root()
     files = corpus_files(DataConfig(path=""))
     rel = [f.relative_to(root).as_posix() for f in files]
     assert len(files) > 100
@@ -46,7 +48,7 @@ def test_default_corpus_exclusions_on_a_fake_stdlib(tmp_path, monkeypatch):
                 "test/t.py", "pkg/tests/t.py", "idlelib/idle_test/t.py", "site-packages/s.py",
                 "dist-packages/d.py"]:
         _write(tmp_path / rel, "x = 1\n")
-    monkeypatch.setattr(D, "_stdlib_root", lambda: tmp_path)
+    monkeypatch.setattr(corpus, "_stdlib_root", lambda: tmp_path)
     rel = [f.relative_to(tmp_path).as_posix() for f in corpus_files(DataConfig())]
     assert rel == ["a.py", "a/b.py", "a/z.py", "b.py", "pkg/mytest.py"]
 
@@ -189,7 +191,7 @@ def test_prepare_data_is_cached(tmp_path, monkeypatch):
     assert warm.tokenizer_path == cold.tokenizer_path and "cached" in logs[-1]
     # Touching the corpus changes the fingerprint, so the cache is not reused.
     _write(tmp_path / "corpus/doc9.py", "x = 1\n")
-    assert D.corpus_fingerprint(cfg, corpus_files(cfg)) != cold.fingerprint
+    assert corpus.corpus_fingerprint(cfg, corpus_files(cfg)) != cold.fingerprint
 
 
 # ---------------------------------------------------------------- batches

@@ -25,7 +25,7 @@ from shardwise.train import manifest as mf
 from shardwise.train import rundir
 from shardwise.train.checkpoint import SafeLoadPlanner, metadata_problem, read_metadata, verify_directory
 from shardwise.train.control import Control
-from shardwise.train.data import file_kind, iter_documents
+from shardwise.train.corpus import file_kind, iter_documents
 from shardwise.train.health import StepGuard
 from shardwise.train.metrics import MetricsLogger, strict_record
 from shardwise.train.signals import StopRequest
