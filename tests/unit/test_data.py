@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -285,3 +287,51 @@ def test_prefetched_batches_equal_direct_ones_for_any_worker_count(tmp_path, num
     assert len(pickle.dumps(tb)) < 4096 < tokens.nbytes
     clone = pickle.loads(pickle.dumps(tb))
     assert isinstance(clone.tokens, np.memmap) and torch.equal(clone.global_batch_at(5), tb.global_batch_at(5))
+
+
+# Run in a process of its own: it installs torch's SIGCHLD handler and kills a loader worker.
+_WORKER_DIES_WHILE_STARTING = """
+import os, sys, time
+import numpy as np
+from torch.utils.data import dataloader
+from shardwise.train.data import TokenBatches
+from shardwise.train.loader import BatchPrefetcher
+
+reset = dataloader._MultiProcessingDataLoaderIter._reset
+
+def reset_after_the_worker_died(self, loader, first_iter=False):
+    # The workers are forked, torch's SIGCHLD handler is set, the iterator not yet complete: the moment
+    # at which a worker killed (the OOM killer, or a test's SIGKILL) interrupted its construction.
+    pid = self._workers[0].pid
+    os.kill(pid, 9)
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    time.sleep(0.1)  # SIGCHLD delivered: its handler, if unblocked, has run by now
+    reset(self, loader, first_iter)
+
+dataloader._MultiProcessingDataLoaderIter._reset = reset_after_the_worker_died
+tokens = (np.arange(20_000) % 300).astype(np.uint16)
+np.save(sys.argv[1], tokens)
+prefetcher = BatchPrefetcher(TokenBatches(np.load(sys.argv[1], mmap_mode="r"), 16, 8, seed=3), batch_rank=0,
+                             batch_size=2, micro_batch=2, num_workers=1, total_steps=12)
+try:
+    prefetcher.micro_batches(0)
+except RuntimeError as e:
+    print("raised:", e)
+finally:
+    prefetcher.close()
+"""
+
+
+def test_a_loader_worker_killed_while_the_loader_starts_fails_the_rank_without_stray_output(tmp_path):
+    """A loader worker that dies while the rank builds its DataLoader iterator: torch's SIGCHLD handler
+    raised inside the iterator's construction, and the half-built iterator's garbage collection then
+    printed 'Exception ignored in: ..._MultiProcessingDataLoaderIter.__del__' with a traceback (9 lines
+    of stderr: test_recovery.py's one-line check failed in CI of 2026-11-27). SIGCHLD is now blocked while
+    the iterator is built, like the stop signals: the death is reported once it is whole, and it shuts
+    down cleanly."""
+    done = subprocess.run([sys.executable, "-c", _WORKER_DIES_WHILE_STARTING, str(tmp_path / "tokens.npy")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "raised: DataLoader worker" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert done.stderr == "", done.stderr[-3000:]

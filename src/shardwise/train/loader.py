@@ -45,10 +45,11 @@ def _worker_init(_worker_id: int) -> None:
     SIGTERM that its parent did not send; the rank would then fail with "DataLoader worker killed"
     instead of finishing the step and checkpointing (train/signals.py). The rank closes its workers
     when it stops; PR_SET_PDEATHSIG ends them at once if it dies. The signals were blocked when the
-    worker was forked (BatchPrefetcher._start), so one sent meanwhile is discarded here, not fatal."""
+    worker was forked (BatchPrefetcher._start), so one sent meanwhile is discarded here, not fatal;
+    SIGCHLD, blocked with them, is the worker's own again (a dataset may start processes)."""
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (*STOP_SIGNALS, signal.SIGCHLD))
     exit_with_parent()
 
 
@@ -82,7 +83,10 @@ class BatchPrefetcher:
                                   worker_init_fn=_worker_init)
         # The workers are forked here: with the stop signals blocked, so that they are born blocked (and
         # ignore them once _worker_init runs); the rank receives any that arrive meanwhile on unblocking.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        # SIGCHLD too: torch's handler raises when a worker dies, and raised inside the iterator's
+        # construction it left a half-built iterator whose garbage collection printed a traceback
+        # ("Exception ignored in ... __del__"); blocked, the death is reported once the iterator is whole.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (*STOP_SIGNALS, signal.SIGCHLD))
         try:
             self._iterator = iter(self._loader)
         finally:
