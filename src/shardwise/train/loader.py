@@ -26,6 +26,9 @@ from shardwise.train.signals import STOP_SIGNALS, exit_with_parent
 # Batches each worker keeps ready (DataLoader's prefetch_factor): two steps per worker hides a slow read
 # behind the step before it without holding many batches in shared memory.
 PREFETCH_PER_WORKER = 2
+# Blocked in the rank while it forks its loader workers (BatchPrefetcher._start), unblocked in each worker
+# (_worker_init): the two must name the same signals.
+_BLOCKED_WHILE_FORKING = (*STOP_SIGNALS, signal.SIGCHLD)
 
 
 class _RankBatches(Dataset):
@@ -49,7 +52,7 @@ def _worker_init(_worker_id: int) -> None:
     SIGCHLD, blocked with them, is the worker's own again (a dataset may start processes)."""
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (*STOP_SIGNALS, signal.SIGCHLD))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED_WHILE_FORKING)
     exit_with_parent()
 
 
@@ -86,7 +89,7 @@ class BatchPrefetcher:
         # SIGCHLD too: torch's handler raises when a worker dies, and raised inside the iterator's
         # construction it left a half-built iterator whose garbage collection printed a traceback
         # ("Exception ignored in ... __del__"); blocked, the death is reported once the iterator is whole.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (*STOP_SIGNALS, signal.SIGCHLD))
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_WHILE_FORKING)
         try:
             self._iterator = iter(self._loader)
         finally:
