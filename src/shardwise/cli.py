@@ -11,7 +11,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from shardwise.config import Config, describe, load_config
+from shardwise.config import Config, load_config
+from shardwise.config_reference import describe
 from shardwise.errors import ConfigError, Interrupted, RunFailure, storage_failure
 
 USAGE = """shardwise <command> [options]

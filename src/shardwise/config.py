@@ -281,7 +281,8 @@ class Config:
         Path(path).write_text(self.to_toml())
 
 
-def _sections() -> dict[str, type]:
+def sections() -> dict[str, type]:
+    """Each top-level table ([model], [train], ...) with its dataclass."""
     return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
 
 
@@ -302,7 +303,18 @@ def _keys(prefix: str, cls: type) -> list[str]:
 
 def all_keys() -> list[str]:
     """Every settable key, three levels deep for sub-tables (model.moe.top_k)."""
-    return [k for s, cls in _sections().items() for k in _keys(f"{s}.", cls)]
+    return [k for s, cls in sections().items() for k in _keys(f"{s}.", cls)]
+
+
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config tree (Config.to_dict(), a parsed config.toml) as {"train.lr": 3e-4, "model.moe.top_k": 2, ...}."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _nearest(key: str, candidates: list[str]) -> str:
@@ -432,7 +444,7 @@ def build_config(toml: dict[str, Any] | None = None, overrides: list[tuple[str, 
     cfg = Config()
     for section, values in (toml or {}).items():
         if not isinstance(values, dict):
-            raise ConfigError(section, "top-level keys must be [sections]", _nearest(section, list(_sections())))
+            raise ConfigError(section, "top-level keys must be [sections]", _nearest(section, list(sections())))
         for name, value in values.items():
             _set(cfg, f"{section}.{name}", value, from_cli=False)
     for key, value in overrides or []:
@@ -503,40 +515,3 @@ MODEL_FALLBACKS = {"norm_eps": 1e-5, "rope_theta": 10000.0}
 # MoE defaults: dense; when enabled, top-2 (Mixtral), every block, dropless, Switch's alpha = 0.01.
 MOE_FALLBACKS = {"num_experts": 0, "top_k": 2, "every_k_layers": 1, "capacity_factor": 0.0, "expert_ffn_dim": 0,
                  "num_shared_experts": 0, "aux_loss_coef": 0.01, "z_loss_coef": 0.0}
-
-
-def _toml_value(name: str, value: Any) -> str:
-    """`name = value` as it would be written in a config file (true, "text", [1, 2]); TOML has no
-    null, so a key that is unset by default says so in a comment."""
-    if value is None:
-        return f"# {name} = (unset)"
-    return tomli_w.dumps({name: value}).strip()
-
-
-def describe(markdown: bool = False) -> str:
-    """Every key with its default and documentation: for `shardwise config --keys` the defaults as TOML, so
-    a line can be pasted into a config file as it is; `markdown` (`config --markdown`): docs/config.md's
-    tables, generated from the same fields so the reference cannot go stale (tests/unit/test_docs.py)."""
-    lines = []
-
-    def table(name: str, cls: type) -> None:
-        lines.extend([f"## [{name}]", "", "| key | default | meaning |", "|---|---|---|"] if markdown else [f"[{name}]"])
-        subs = []
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            if dataclasses.is_dataclass(default):
-                subs.append((f"{name}.{f.name}", type(default)))
-                continue
-            if markdown:
-                shown = "unset" if default is None else f"`{_toml_value(f.name, default).split(' = ', 1)[1]}`"
-                lines.append(f"| `{name}.{f.name}` | {shown} | {f.metadata['doc'].replace('|', chr(92) + '|')} |")
-            else:
-                lines.append(f"  {_toml_value(f.name, default)}\n      {f.metadata['doc']}")
-        if markdown:
-            lines.append("")
-        for sub, sub_cls in subs:
-            table(sub, sub_cls)
-
-    for section, cls in _sections().items():
-        table(section, cls)
-    return "\n".join(lines)

@@ -38,7 +38,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_every_key_has_documentation():
-    from shardwise.config import describe
+    from shardwise.config_reference import describe
 
     text = describe()
     for key in all_keys():

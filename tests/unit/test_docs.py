@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from shardwise.cli import CONFIG_REFERENCE_HEADER
-from shardwise.config import describe
+from shardwise.config_reference import describe
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from shardwise.config import build_config, describe
+from shardwise.config import build_config
+from shardwise.config_reference import describe
 from shardwise.errors import ConfigError
 from shardwise.models import build_model
 from shardwise.models.moe import MoE

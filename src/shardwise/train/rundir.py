@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardwise.config import dotted
 from shardwise.errors import NOT_RESTARTABLE, ConfigError
 from shardwise.scratch import process_alive
 from shardwise.train import manifest as mf
@@ -236,16 +237,6 @@ def supersede_previous_run(cfg) -> str | None:
             f"already in {directory} ({what}) moved to {target} (kept, never loaded)")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 # What a resume may not change is refused before this (manifest.py fingerprint: the model, the data and
 # the batch stream); every other key may change, and each takes effect: the optimizer's hyper-parameters
 # are re-applied after loading (optim.py apply_hyperparameters), the rest is read from the config as the
@@ -259,10 +250,10 @@ def resume_changes(saved_config: Path, cfg) -> list[str]:
     import tomllib
 
     try:
-        saved = _flat(tomllib.loads(saved_config.read_text()))
+        saved = dotted(tomllib.loads(saved_config.read_text()))
     except (OSError, tomllib.TOMLDecodeError):
         return []
-    now = _flat(cfg.to_dict())
+    now = dotted(cfg.to_dict())
     keys = sorted((set(saved) | set(now)) - _NOT_REPORTED)
     return [f"{k} {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in keys if saved.get(k) != now.get(k)]
 
