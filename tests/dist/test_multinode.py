@@ -39,9 +39,9 @@ def test_two_agents_train_like_one(common, tmp_path):
         run = tmp_path / "two"
         endpoint = f"{net.address(0)}:{RDZV_PORT}"
 
-        def agent(k: int) -> subprocess.Popen:
+        def agent(k: int, *extra: str) -> subprocess.Popen:
             return net.popen(k, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
-                                 endpoint, f"--run.dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 endpoint, f"--run.dir={run}", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=tmp_path)
 
         # Port taken on node 0 (another job's rendezvous): refused before anything starts, exit 2. The rest of
@@ -68,6 +68,16 @@ def test_two_agents_train_like_one(common, tmp_path):
             f"error: fewer than 2 nodes (--nnodes 2) met at the rendezvous at {endpoint} within run.rendezvous_timeout_s "
             "(8 s): start every node, --node-rank 0 to 1, with the same config and --rdzv-endpoint; no checkpoint was "
             "written yet"], alone.stderr
+        # Node 1 started with a stale override: unchecked, it trained its ZeRO-3 shards at its own learning rate
+        # (exit 0). Every node now says which setting differs, and neither trains (train/agreement.py).
+        stale = [agent(0), agent(1, "--train.lr=1e-2")]
+        for k, (out, err) in enumerate(a.communicate(timeout=180) for a in stale):
+            errors = [line for line in err.splitlines() if line.startswith("error:")]
+            assert stale[k].returncode == 2 and "Traceback" not in err, f"node {k}:\n{out[-2000:]}\n{err[-3000:]}"
+            assert len(errors) == 1 and errors[0].startswith("error: train.lr: the ranks of this job were started with "
+                                                             "different settings: 0.003 on ranks 0-1"), err
+            assert "0.01 on ranks 2-3" in errors[0] and "fix: start every node with the same config file" in err, err
+        assert not (run / "metrics.jsonl").exists()
         # What it advises, with node 1 first, as when machines are started by hand: it waits for node 0's store (and says so)
         # for run.rendezvous_timeout_s, not for torch's store timeout (launch/rendezvous.py wait_for_rendezvous).
         agents = [None, agent(1)]

@@ -97,6 +97,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
 
     from shardwise.errors import EXIT_STALLED, ConfigError, Interrupted, RunFailure, lost_peer, storage_failure
     from shardwise.train import rundir
+    from shardwise.train.agreement import SetupMismatch
     from shardwise.train.data import prepare_data
     from shardwise.train.trainer import Trainer
     from shardwise.train.watchdog import StallWatchdog, is_timeout
@@ -134,7 +135,8 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             watchdog.step, watchdog.axes = (lambda: trainer.step), (lambda: trainer.group_axes)
         trainer.train()
     except ConfigError as e:
-        if rank == 0:
+        # Ranks that disagree on their config: every node says so (its own log is often read alone).
+        if rank == 0 or (isinstance(e, SetupMismatch) and os.environ.get("LOCAL_RANK", "0") == "0"):
             _say(e.render())
             rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)
         return e.exit_code

@@ -35,6 +35,8 @@ _EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
 _BPE_TRAIN_CHARS = 8_000_000
 # Documents per encode call: bounds the memory held by Encoding objects on large corpora.
 _ENCODE_CHUNK_CHARS = 2_000_000
+# Tokens hashed per update when a token array's digest is first computed (64 MiB of uint16).
+_HASH_CHUNK_TOKENS = 1 << 25
 
 
 # ---------------------------------------------------------------- cache helpers
@@ -184,6 +186,7 @@ class PreparedData:
     eod_id: int
     num_documents: int
     fingerprint: str
+    tokens_sha256: str  # of the token array's bytes: the same data under any path (_tokens_sha256)
 
 
 def _tokenize(files: list[Path], cfg: DataConfig, tok: Tokenizer, eod: int, dtype: type) -> np.ndarray:
@@ -228,13 +231,29 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
         arr = _tokenize(files, cfg, tok, eod, dtype)
         _publish(lambda f: np.save(f, arr, allow_pickle=False), npy)
     tokens = np.load(npy, mmap_mode="r", allow_pickle=False)
+    tokens_sha256 = _tokens_sha256(npy, tokens)
     num_documents = int(np.count_nonzero(tokens == eod))
     trained = not tok_cached and cfg.tokenizer == "bpe"
     what = "cached" if tokens_cached else ("tokenizer trained, tokenized" if trained else "tokenized")
     source = "stdlib" if not cfg.path else cfg.path
     log(f"data: {source}, {len(files)} files, {num_documents} docs, {len(tokens) / 1e6:.1f}M tokens, "
         f"vocab {n_vocab} ({what}, {time.perf_counter() - t0:.1f}s)")
-    return PreparedData(tokens, tok_path, n_vocab, eod, num_documents, fingerprint)
+    return PreparedData(tokens, tok_path, n_vocab, eod, num_documents, fingerprint, tokens_sha256)
+
+
+def _tokens_sha256(npy: Path, tokens: np.ndarray) -> str:
+    """The SHA-256 of the token array's bytes, cached beside it (<key>.sha256): hashed once, when the
+    array is first tokenized (or first loaded without one), a stat and a read afterwards. What the ranks
+    of a job compare to know they train on the same data (train/agreement.py), whatever its path."""
+    path = npy.with_suffix(".sha256")
+    if path.is_file():
+        return path.read_text().strip()
+    digest = hashlib.sha256()
+    flat = tokens.reshape(-1)
+    for start in range(0, len(flat), _HASH_CHUNK_TOKENS):
+        digest.update(np.ascontiguousarray(flat[start:start + _HASH_CHUNK_TOKENS]).data)
+    _publish(lambda f: f.write(digest.hexdigest().encode()), path)
+    return path.read_text().strip()
 
 
 # ---------------------------------------------------------------- batches

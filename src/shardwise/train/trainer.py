@@ -40,6 +40,7 @@ from shardwise.spec.stages import stage_of_parameter, stage_rank
 from shardwise.tensors import local_shard
 from shardwise.train import manifest as mf
 from shardwise.train import moe_stats
+from shardwise.train.agreement import check_same_setup, setup_facts
 from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state, read_rank_state
 from shardwise.train.control import Control
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
@@ -74,6 +75,15 @@ class Trainer:
         self.precision_defaulted = cfg.train.precision is None
         cfg = self.cfg = resolve_precision(cfg, self.device)
         set_matmul_precision(cfg.train.tf32, self.device)
+        self.run_dir = Path(cfg.run.dir)
+        self.quiet = log is None or self.rank != 0
+        self.log = (lambda _msg: None) if self.quiet else log
+        self.data = data or prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
+        tokenizer_sha256 = mf.file_digest(self.data.tokenizer_path)[1]
+        self.fingerprint = mf.fingerprint(cfg, len(self.data.tokens), tokenizer_sha256)
+        if distributed:  # before any collective that depends on the layout (train/agreement.py)
+            check_same_setup(setup_facts(cfg, len(self.data.tokens), self.data.tokens_sha256, tokenizer_sha256),
+                             self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
         self.dims = check(cfg, world_size)
         check_stage_transport(self.dims.pp, dist.get_backend() if distributed else "none", self.device.type)
         self.accumulation = check_batch(cfg, self.dims)
@@ -84,12 +94,6 @@ class Trainer:
         self.cp_index = zigzag_index(cfg.train.seq_len, self.dims.cp, self.dims.coordinates(self.rank)["cp"]) \
             if self.dims.cp > 1 else None
         self.batch_rank = self.dims.batch_rank(self.rank)
-        self.run_dir = Path(cfg.run.dir)
-        self.quiet = log is None or self.rank != 0
-        self.log = (lambda _msg: None) if self.quiet else log
-
-        self.data = data or prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
-        self.fingerprint = mf.fingerprint(cfg, len(self.data.tokens), mf.file_digest(self.data.tokenizer_path)[1])
         self.run_id, self.restarted = run_id, restarted
         t = cfg.train
         self.batches = TokenBatches(self.data.tokens, t.seq_len, t.global_batch, t.seed)
