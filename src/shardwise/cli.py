@@ -53,8 +53,6 @@ exit codes: 0 ok, 1 failed, 2 bad input, 3 diverged, 4 I/O error, 5 stalled coll
 
 
 def _train(argv: list[str]) -> int:
-    import hashlib
-
     parser = argparse.ArgumentParser(
         prog="shardwise train", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="shardwise train [--config FILE.toml] [--nproc N] [--nnodes N --node-rank K --rdzv-endpoint HOST:PORT] "
@@ -71,6 +69,35 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, node 0's reachable address")
     parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: derived from run.dir)")
     args, overrides = parser.parse_known_args(argv)
+    try:
+        return _train_on_this_node(args, overrides)
+    except ConfigError as e:
+        print(f"error: {e.render()}", file=sys.stderr, flush=True)
+        _tell_the_other_nodes(args, e)
+        return 2
+
+
+def _tell_the_other_nodes(args, error: ConfigError) -> None:
+    """This node of a multi-node job (not node 0, not elastic) was refused before the rendezvous: the nodes
+    waiting there end now with its error instead of after run.rendezvous_timeout_s (launch/peer_failure.py)."""
+    from shardwise.launch.peer_failure import TELL_WAIT_S, tell_waiting_nodes
+    from shardwise.launch.rendezvous import parse_nnodes
+
+    try:
+        low, high = parse_nnodes(args.nnodes)
+    except ConfigError:
+        return
+    if high <= 1 or low != high or args.node_rank == 0 or not args.rdzv_endpoint or error.field == "--rdzv-endpoint":
+        return
+    print(f"node {args.node_rank}: telling the nodes at the rendezvous {args.rdzv_endpoint} (up to {TELL_WAIT_S:g} s)",
+          flush=True)
+    tell_waiting_nodes(args.rdzv_endpoint, args.node_rank, error.render())
+
+
+def _train_on_this_node(args, overrides: list[str]) -> int:
+    """`shardwise train` after its arguments: checks, then this node's workers (or the trainer in this process)."""
+    import hashlib
+
     # Imported after the arguments: --help and bad input answer without loading torch (train.data imports it).
     from shardwise.launch.local import check_nproc, torchrun
     from shardwise.launch.rendezvous import check_multinode, parse_nnodes

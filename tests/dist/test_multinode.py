@@ -78,6 +78,21 @@ def test_two_agents_train_like_one(common, tmp_path):
                                                              "different settings: 0.003 on ranks 0-1"), err
             assert "0.01 on ranks 2-3" in errors[0] and "fix: start every node with the same config file" in err, err
         assert not (run / "metrics.jsonl").exists()
+        # Node 1 refused before the rendezvous (its --nnodes 3 does not fit the layout): node 0, waiting there, ended
+        # after run.rendezvous_timeout_s with "fewer than 2 nodes met" (exit 6). It now ends at once with node 1's
+        # error (launch/peer_failure.py), node 0 started first as the waiting one.
+        waiting = agent(0)
+        assert "waiting for all 2 nodes" in waiting.stdout.readline() + waiting.stdout.readline() + waiting.stdout.readline()
+        refused = net.run(1, [*cli, "--nproc", "2", "--nnodes", "3", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                              f"--run.dir={run}"], timeout=120)
+        started = time.monotonic()
+        out, err = waiting.communicate(timeout=60)
+        assert refused.returncode == 2 and refused.stderr.startswith("error: parallel: "), refused.stderr
+        assert waiting.returncode == 2 and "Traceback" not in err, out[-2000:] + err[-3000:]
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [
+            "error: node 1 was refused before the rendezvous, so the job cannot start: "
+            + refused.stderr.splitlines()[0].removeprefix("error: ")], err
+        assert err.rstrip().endswith("; then rerun every node") and time.monotonic() - started < 30, err
         # What it advises, with node 1 first, as when machines are started by hand: it waits for node 0's store (and says so)
         # for run.rendezvous_timeout_s, not for torch's store timeout (launch/rendezvous.py wait_for_rendezvous).
         agents = [None, agent(1)]

@@ -30,6 +30,7 @@ from shardwise.errors import (
     interrupt_exit_code,
     lost_peer,
 )
+from shardwise.launch.peer_failure import RefusalWatch, workers_started
 from shardwise.launch.rendezvous import MultiNode, wait_for_rendezvous
 from shardwise.scratch import owned_directory
 
@@ -133,8 +134,11 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     argv += ["-m", module, *module_args]
     _quiet_torchrun(max_restarts)
     before_workers = _StopBeforeWorkers(SignalException)
+    watch = None
     try:
         before_workers.install()
+        if nodes is not None and not nodes.elastic:  # a node refused before the rendezvous ends the wait (peer_failure.py)
+            watch = RefusalWatch(nodes.endpoint, lambda: workers_started(log_dir or own_log_dir)).start()
         if nodes is not None and nodes.node_rank != 0 and not wait_for_rendezvous(nodes):
             return EXIT_FAILED
         if nodes is not None:  # the agents wait for each other without a word until the job starts or times out
@@ -145,6 +149,9 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     except ChildFailedError as e:
         return report_failure(e.failures, run_dir, checkpoints, every_node=nodes is not None)
     except SignalException as e:
+        if watch is not None and watch.refusal and before_workers.raised(e):
+            print(f"error: {watch.refusal}", file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
         if before_workers.raised(e):  # no worker ran to say it stopped
             where = f" while waiting at the rendezvous {nodes.endpoint}" if nodes is not None else ""
             print(f"interrupted ({e.sigval.name}){where}, before any worker started", file=sys.stderr, flush=True)
@@ -156,7 +163,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
             cause = (str(e.__cause__ or e).splitlines() or [type(e).__name__])[0][:300]
             print(f"error: node 0 cannot serve the rendezvous{where}: {cause}", file=sys.stderr, flush=True)
             return EXIT_FAILED
-        if isinstance(e, RendezvousConnectionError) and nodes is not None and _workers_started(log_dir or own_log_dir):
+        if isinstance(e, RendezvousConnectionError) and nodes is not None and workers_started(log_dir or own_log_dir):
             # Node 0 died during the run: this agent's heartbeat to its store can fail before this node's
             # workers report their lost peers (a race; either way the cause is node 0).
             print(f"error: node 0 was lost during the run (its rendezvous at {nodes.endpoint} closed): its agent "
@@ -191,16 +198,12 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
               f"({ask})", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
+        if watch is not None:
+            watch.stop()
         before_workers.restore()
         if own_log_dir is not None:
             shutil.rmtree(own_log_dir, ignore_errors=True)
     return 0
-
-
-def _workers_started(log_dir: Path | str) -> bool:
-    """Whether torch's agent has started workers: it makes <log_dir>/<run>/attempt_N for them (torch 2.13),
-    none while the nodes wait at the rendezvous."""
-    return any(Path(log_dir).glob("*/attempt_*"))
 
 
 class _StopBeforeWorkers:

@@ -1,0 +1,105 @@
+"""A node that fails before the rendezvous tells the nodes waiting there, which end at once.
+
+Every node of a multi-node job checks its config, layout, disks and data before it joins (cli.py
+`train`), each on its own. Measured on two nodes (network namespaces, 2026-11-27): node 1 started with
+--nnodes 3 was refused in a second (exit 2, its layout does not fit 3 nodes), while node 0 waited at
+the rendezvous for run.rendezvous_timeout_s (600 s by default) and then said that fewer than 2 nodes had
+met (exit 6), with no word of node 1's error. The same follows from a corpus missing on one node, a full
+disk there, or a typo in one node's command line.
+
+Now the refused node leaves its error line in node 0's rendezvous store (the c10d TCPStore torch's
+agent serves at --rdzv-endpoint), under a key of our own, and every waiting node's launcher polls that
+key until its workers start: it then ends with the refused node's line and exit 2, as that node did.
+Node 0 serves the store, so a refusal of node 0 itself cannot be told: the other nodes still wait for
+its rendezvous to open and end after run.rendezvous_timeout_s (exit 1, naming node 0). An elastic job
+(--nnodes MIN:MAX) goes on without the refused node, as it would after losing one, so it is not told.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from shardwise.launch.rendezvous import RDZV_DEFAULT_PORT, split_endpoint
+
+# The key in node 0's store: one job per store (its port is taken while the job runs), so no job id in it.
+KEY = "shardwise/refused_before_rendezvous"
+# How long a refused node waits for node 0's store to open (the nodes of a job start within seconds of
+# each other; node 0 needs a few to check its own data before its agent opens the store).
+TELL_WAIT_S = 30.0
+POLL_S = 1.0
+
+
+def _client(endpoint: str, timeout_s: float):
+    """A TCPStore client of the rendezvous store at `endpoint`; raises when none answers within timeout_s."""
+    import torch.distributed as dist
+
+    host, port = split_endpoint(endpoint)
+    return dist.TCPStore(host, port or RDZV_DEFAULT_PORT, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def tell_waiting_nodes(endpoint: str, node_rank: int, error: str, wait_s: float = TELL_WAIT_S) -> bool:
+    """Leaves this node's error (a ConfigError's render) in the rendezvous store at `endpoint` for the nodes
+    waiting there (the first refusal stays); waits up to wait_s for the store to open. Whether it was told."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            store = _client(endpoint, max(1.0, min(remaining, 5.0)))
+            store.compare_set(KEY, "", refusal_line(node_rank, error))
+            return True
+        except (RuntimeError, ValueError, OSError):  # not open yet (DistStoreError is a RuntimeError), or unreachable
+            if deadline - time.monotonic() <= 0:
+                return False
+            time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def refusal_line(node_rank: int, error: str) -> str:
+    """What the waiting nodes print for node K's error (its field, problem and fix)."""
+    return f"node {node_rank} was refused before the rendezvous, so the job cannot start: {error}; then rerun every node"
+
+
+class RefusalWatch:
+    """Polls the rendezvous store for a refused node's line while this node waits there; on one, stops the
+    waiting main thread with SIGTERM (launch/local.py's _StopBeforeWorkers turns it into torch's
+    SignalException before any worker runs) and keeps the line in `refusal`. Stops by itself once this
+    node's workers have started (`started()`), after which no node can have been refused."""
+
+    def __init__(self, endpoint: str, started):
+        self.endpoint, self.started = endpoint, started
+        self.refusal: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shardwise-refusal-watch", daemon=True)
+
+    def start(self) -> "RefusalWatch":
+        self._main = threading.main_thread().ident
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        store = None
+        while not self._done.wait(POLL_S):
+            if self.started():
+                return
+            try:
+                store = store or _client(self.endpoint, 2.0)
+                if store.check([KEY]):
+                    self.refusal = store.get(KEY).decode(errors="replace")
+                    if not self._done.is_set():
+                        signal.pthread_kill(self._main, signal.SIGTERM)
+                    return
+            except (RuntimeError, ValueError, OSError):  # not open yet, or closed: try again
+                store = None
+
+
+def workers_started(log_dir: Path | str) -> bool:
+    """Whether torch's agent has started workers: it makes <log_dir>/<run>/attempt_N for them (torch 2.13),
+    none while the nodes wait at the rendezvous."""
+    return any(Path(log_dir).glob("*/attempt_*"))
