@@ -78,20 +78,26 @@ def _train(argv: list[str]) -> int:
 
 
 def _tell_the_other_nodes(args, error: ConfigError) -> None:
-    """This node of a multi-node job (not node 0, not elastic) was refused before the rendezvous: the nodes
-    waiting there end now with its error instead of after run.rendezvous_timeout_s (launch/peer_failure.py)."""
-    from shardwise.launch.peer_failure import TELL_WAIT_S, tell_waiting_nodes
+    """This node of a multi-node job (not elastic) was refused before the rendezvous: the nodes waiting
+    there end now with its error instead of after run.rendezvous_timeout_s (launch/peer_failure.py)."""
+    from shardwise.launch.peer_failure import TELL_WAIT_S, serve_refusal, tell_waiting_nodes
     from shardwise.launch.rendezvous import parse_nnodes
 
     try:
         low, high = parse_nnodes(args.nnodes)
     except ConfigError:
         return
-    if high <= 1 or low != high or args.node_rank == 0 or not args.rdzv_endpoint or error.field == "--rdzv-endpoint":
+    if high <= 1 or low != high or not args.rdzv_endpoint or error.field == "--rdzv-endpoint":
         return
-    print(f"node {args.node_rank}: telling the nodes at the rendezvous {args.rdzv_endpoint} (up to {TELL_WAIT_S:g} s)",
-          flush=True)
-    tell_waiting_nodes(args.rdzv_endpoint, args.node_rank, error.render())
+    print(f"node {args.node_rank}: telling the {'other nodes' if args.node_rank == 0 else 'nodes'} at the rendezvous "
+          f"{args.rdzv_endpoint} (up to {TELL_WAIT_S:g} s)", flush=True)
+    if args.node_rank != 0:
+        tell_waiting_nodes(args.rdzv_endpoint, args.node_rank, error.render())
+        return
+    try:
+        serve_refusal(args.rdzv_endpoint, error.render(), readers=high - 1)
+    except (RuntimeError, ValueError, OSError):  # the port is another program's: the nodes will time out there
+        pass
 
 
 def _train_on_this_node(args, overrides: list[str]) -> int:

@@ -82,7 +82,8 @@ def test_two_agents_train_like_one(common, tmp_path):
         # after run.rendezvous_timeout_s with "fewer than 2 nodes met" (exit 6). It now ends at once with node 1's
         # error (launch/peer_failure.py), node 0 started first as the waiting one.
         waiting = agent(0)
-        assert "waiting for all 2 nodes" in waiting.stdout.readline() + waiting.stdout.readline() + waiting.stdout.readline()
+        while "waiting for all 2 nodes" not in (line := waiting.stdout.readline()):
+            assert line, f"node 0 ended before waiting at the rendezvous: {waiting.stderr.read()[-3000:]}"
         refused = net.run(1, [*cli, "--nproc", "2", "--nnodes", "3", "--node-rank", "1", "--rdzv-endpoint", endpoint,
                               f"--run.dir={run}"], timeout=120)
         started = time.monotonic()
@@ -93,6 +94,23 @@ def test_two_agents_train_like_one(common, tmp_path):
             "error: node 1 was refused before the rendezvous, so the job cannot start: "
             + refused.stderr.splitlines()[0].removeprefix("error: ")], err
         assert err.rstrip().endswith("; then rerun every node") and time.monotonic() - started < 30, err
+        # Node 0 refused (a micro-batch that does not divide the global batch) while node 1 waits for its rendezvous
+        # to open: it serves its error there itself until node 1 has read it; node 1 ended after
+        # run.rendezvous_timeout_s with "nothing answered" (exit 1) before.
+        waiting = agent(1)
+        while "waiting for node 0's rendezvous" not in (line := waiting.stdout.readline()):
+            assert line, f"node 1 ended before waiting for node 0: {waiting.stderr.read()[-3000:]}"
+        started = time.monotonic()
+        refused = net.run(0, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+                              f"--run.dir={run}", "--train.micro_batch=3"], timeout=120)
+        out, err = waiting.communicate(timeout=60)
+        assert refused.returncode == 2 and "node 0: telling the other nodes at the rendezvous" in refused.stdout, \
+            refused.stdout + refused.stderr
+        assert waiting.returncode == 2 and "Traceback" not in err, out[-2000:] + err[-3000:]
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [
+            "error: node 0 was refused before the rendezvous, so the job cannot start: "
+            + refused.stderr.splitlines()[0].removeprefix("error: ")], err
+        assert time.monotonic() - started < 30  # node 0 left once node 1 had read its error, not after 30 s
         # What it advises, with node 1 first, as when machines are started by hand: it waits for node 0's store (and says so)
         # for run.rendezvous_timeout_s, not for torch's store timeout (launch/rendezvous.py wait_for_rendezvous).
         agents = [None, agent(1)]

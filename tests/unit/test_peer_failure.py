@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gc
 import signal
+import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from shardwise.launch.peer_failure import KEY, RefusalWatch, refusal_line, tell_waiting_nodes
+from shardwise.launch.peer_failure import KEY, RefusalWatch, refusal_line, serve_refusal, tell_waiting_nodes
 from tests.harness import free_port
 
 
@@ -57,3 +58,24 @@ def test_the_watch_stops_the_waiting_main_thread_and_ends_once_workers_started(s
         assert signals == [signal.SIGTERM] and watch.refusal == refusal_line(1, "x: y")
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_refused_node_0_serves_its_error_until_every_node_has_read_it():
+    """Node 0 has no agent when it is refused: it serves the line itself, and leaves once the others read it."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    served = []
+    server = threading.Thread(target=lambda: served.append(serve_refusal(endpoint, "x: y", readers=1, wait_s=20)))
+    signals = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: signals.append(signum))
+    try:
+        began = time.monotonic()
+        server.start()
+        watch = RefusalWatch(endpoint, started=lambda: False).start()
+        server.join(timeout=30)
+        watch.stop()
+        assert served == [1] and time.monotonic() - began < 10  # read by the one other node: no 20 s wait
+        assert signals == [signal.SIGTERM] and watch.refusal == refusal_line(0, "x: y")
+        assert serve_refusal(f"127.0.0.1:{free_port()}", "x: y", readers=1, wait_s=1) == 0  # nobody came
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        gc.collect()

@@ -10,9 +10,10 @@ disk there, or a typo in one node's command line.
 Now the refused node leaves its error line in node 0's rendezvous store (the c10d TCPStore torch's
 agent serves at --rdzv-endpoint), under a key of our own, and every waiting node's launcher polls that
 key until its workers start: it then ends with the refused node's line and exit 2, as that node did.
-Node 0 serves the store, so a refusal of node 0 itself cannot be told: the other nodes still wait for
-its rendezvous to open and end after run.rendezvous_timeout_s (exit 1, naming node 0). An elastic job
-(--nnodes MIN:MAX) goes on without the refused node, as it would after losing one, so it is not told.
+A refused node 0 has no agent to serve that store, so it serves one itself at the endpoint, holding its
+line, until every other node has read it (each adds 1 to a second key) or TELL_WAIT_S have passed: the
+nodes waiting for its rendezvous to open see it open, read the line and end. An elastic job (--nnodes
+MIN:MAX) goes on without the refused node, as it would after losing one, so it is not told.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from pathlib import Path
 
 from shardwise.launch.rendezvous import RDZV_DEFAULT_PORT, split_endpoint
 
-# The key in node 0's store: one job per store (its port is taken while the job runs), so no job id in it.
+# The keys in node 0's store: one job per store (its port is taken while the job runs), so no job id in them.
 KEY = "shardwise/refused_before_rendezvous"
+READ_BY = "shardwise/refusal_read_by"  # how many nodes have read KEY
 # How long a refused node waits for node 0's store to open (the nodes of a job start within seconds of
 # each other; node 0 needs a few to check its own data before its agent opens the store).
 TELL_WAIT_S = 30.0
@@ -55,6 +57,21 @@ def tell_waiting_nodes(endpoint: str, node_rank: int, error: str, wait_s: float 
             if deadline - time.monotonic() <= 0:
                 return False
             time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def serve_refusal(endpoint: str, error: str, readers: int, wait_s: float = TELL_WAIT_S) -> int:
+    """Node 0 refused: serves a store at `endpoint` holding its refusal until `readers` nodes have read it or
+    wait_s have passed; how many read it. Raises when the port cannot be served (taken by another program)."""
+    import torch.distributed as dist
+
+    host, port = split_endpoint(endpoint)
+    store = dist.TCPStore(host, port or RDZV_DEFAULT_PORT, is_master=True, timeout=timedelta(seconds=wait_s),
+                          wait_for_workers=False)
+    store.set(KEY, refusal_line(0, error))
+    deadline = time.monotonic() + wait_s
+    while (read := store.add(READ_BY, 0)) < readers and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return read
 
 
 def refusal_line(node_rank: int, error: str) -> str:
@@ -92,6 +109,7 @@ class RefusalWatch:
                 store = store or _client(self.endpoint, 2.0)
                 if store.check([KEY]):
                     self.refusal = store.get(KEY).decode(errors="replace")
+                    store.add(READ_BY, 1)  # a refused node 0 serves the line until every node has read it
                     if not self._done.is_set():
                         signal.pthread_kill(self._main, signal.SIGTERM)
                     return
