@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 
 import numpy as np
@@ -25,8 +26,8 @@ def test_paths_are_not_compared_but_what_they_hold_is():
 
 
 def test_the_token_digest_is_of_the_tokens_and_cached_beside_them(corpus_file, tmp_path):
-    """The digest does not depend on the corpus's path or cache (another node's copy), is cached after the
-    first computation, and changes with one byte of the corpus (the same length)."""
+    """The digest does not depend on the corpus's path or cache (another node's copy), is cached with the
+    document count after the first computation, and changes with one byte of the corpus (the same length)."""
     from shardwise.train.data import prepare_data
 
     def prepared(path, cache):
@@ -35,8 +36,12 @@ def test_the_token_digest_is_of_the_tokens_and_cached_beside_them(corpus_file, t
 
     first = prepared(corpus_file, tmp_path / "a")
     assert first.tokens_sha256 == hashlib.sha256(np.ascontiguousarray(first.tokens).tobytes()).hexdigest()
-    cached = list((tmp_path / "a" / "tokens").glob("*.sha256"))
-    assert [p.read_text() for p in cached] == [first.tokens_sha256]
+    assert first.num_documents == int(np.count_nonzero(np.asarray(first.tokens) == first.eod_id)) > 0
+    [cached] = (tmp_path / "a" / "tokens").glob("*.facts.json")
+    assert json.loads(cached.read_text()) == {"sha256": first.tokens_sha256, "documents": first.num_documents}
+    cached.write_text(json.dumps({"sha256": "c" * 64, "documents": 7}))  # a warm start reads them, not the array
+    again = prepared(corpus_file, tmp_path / "a")
+    assert (again.tokens_sha256, again.num_documents) == ("c" * 64, 7)
     copy = tmp_path / "copy.txt"
     shutil.copy(corpus_file, copy)
     assert prepared(copy, tmp_path / "b").tokens_sha256 == first.tokens_sha256
