@@ -3,6 +3,7 @@ ranks that differ only in where their files are train. Two gloo ranks, each buil
 from its own config, as two nodes do (tests/dist/test_multinode.py runs it with two real agents)."""
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -48,15 +49,13 @@ def test_ranks_that_disagree_fail_together_and_paths_may_differ(base_overrides, 
     assert ranks[0] == ranks[1]  # every rank prints the same line
     layout, paths, data = ranks[0]
     # Unchecked, these ranks trained (ZeRO-3 shards at two learning rates, exit 0) or hung in their first collective.
+    # Each rank names its host (one machine here: the same name twice).
+    hosts = re.fullmatch(r"train\.lr: .*: 0\.003 on rank 0 \((.+)\), 0\.01 on rank 1 \((.+)\); also .*", layout.splitlines()[0])
+    assert hosts and hosts.group(1) == hosts.group(2), layout
     assert layout == ("train.lr: the ranks of this job were started with different settings: 0.003 on rank 0 "
-                      f"({_host()}), 0.01 on rank 1 ({_host()}); also parallel.dp_replicate, parallel.dp_shard\n  fix: start every node "
-                      "with the same config file and the same --a.b=c overrides, and the same corpus and tokenizer, then "
-                      "rerun every node; no step was taken"), layout
+                      f"({hosts.group(1)}), 0.01 on rank 1 ({hosts.group(1)}); also parallel.dp_replicate, "
+                      "parallel.dp_shard\n  fix: start every node with the same config file and the same --a.b=c "
+                      "overrides, and the same corpus and tokenizer, then rerun every node; no step was taken"), layout
     assert paths is None  # another path to the same corpus and another cache: one step trained
     assert data.startswith("data.tokens_sha256: the ranks of this job were started with different settings: sha256 "), data
 
-
-def _host() -> str:
-    import socket
-
-    return socket.gethostname()
