@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -33,10 +34,11 @@ def test_the_first_refusal_is_kept_and_nobody_listening_gives_up_in_time(served)
     assert store.get(KEY).decode() == refusal_line(1, "data.path: not found\n  fix: pass a file")
     assert refusal_line(1, "x: y\n  fix: z") == ("node 1 was refused before the rendezvous, so the job cannot start: "
                                                  "x: y\n  fix: z; then rerun every node")
-    closed = f"127.0.0.1:{free_port()}"
-    began = time.monotonic()
-    assert not tell_waiting_nodes(closed, 1, "x: y", wait_s=2)
-    assert time.monotonic() - began < 10
+    with socket.socket() as held:  # a port bound and not listening: refused, and nobody else can take it
+        held.bind(("127.0.0.1", 0))
+        began = time.monotonic()
+        assert not tell_waiting_nodes(f"127.0.0.1:{held.getsockname()[1]}", 1, "x: y", wait_s=2)
+        assert time.monotonic() - began < 10
 
 
 def test_the_watch_stops_the_waiting_main_thread_and_ends_once_workers_started(served):

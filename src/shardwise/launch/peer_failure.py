@@ -18,6 +18,7 @@ MIN:MAX) goes on without the refused node, as it would after losing one, so it i
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -35,10 +36,15 @@ POLL_S = 1.0
 
 
 def _client(endpoint: str, timeout_s: float):
-    """A TCPStore client of the rendezvous store at `endpoint`; raises when none answers within timeout_s."""
+    """A TCPStore client of the rendezvous store at `endpoint`; raises OSError while nothing accepts there.
+    A plain connect asks first (launch/rendezvous.py wait_for_rendezvous does the same): a TCPStore client
+    that cannot connect prints torch's C++ error and stack to stderr at every try, which the user would
+    read every second while node 0 is not up yet."""
     import torch.distributed as dist
 
     host, port = split_endpoint(endpoint)
+    with socket.create_connection((host, port or RDZV_DEFAULT_PORT), timeout=min(timeout_s, 1.0)):
+        pass
     return dist.TCPStore(host, port or RDZV_DEFAULT_PORT, is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
