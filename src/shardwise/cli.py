@@ -69,38 +69,34 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, node 0's reachable address")
     parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: derived from run.dir)")
     args, overrides = parser.parse_known_args(argv)
+    checked: list = []  # this node's part of a multi-node launch, once its arguments hold (_train_on_this_node)
     try:
-        return _train_on_this_node(args, overrides)
+        return _train_on_this_node(args, overrides, checked)
     except ConfigError as e:
         print(f"error: {e.render()}", file=sys.stderr, flush=True)
-        _tell_the_other_nodes(args, e)
+        if checked and not checked[0].elastic:
+            _tell_the_other_nodes(checked[0], e)
         return 2
 
 
-def _tell_the_other_nodes(args, error: ConfigError) -> None:
-    """This node of a multi-node job (not elastic) was refused before the rendezvous: the nodes waiting
-    there end now with its error instead of after run.rendezvous_timeout_s (launch/peer_failure.py)."""
+def _tell_the_other_nodes(nodes, error: ConfigError) -> None:
+    """This node of a multi-node job (not elastic), whose launch arguments held, was refused before the
+    rendezvous: the nodes waiting there end now with its error instead of after run.rendezvous_timeout_s
+    (launch/peer_failure.py). A node whose own --node-rank or --rdzv-endpoint is wrong tells nobody."""
     from shardwise.launch.peer_failure import TELL_WAIT_S, serve_refusal, tell_waiting_nodes
-    from shardwise.launch.rendezvous import parse_nnodes
 
-    try:
-        low, high = parse_nnodes(args.nnodes)
-    except ConfigError:
-        return
-    if high <= 1 or low != high or not args.rdzv_endpoint or error.field == "--rdzv-endpoint":
-        return
-    print(f"node {args.node_rank}: telling the {'other nodes' if args.node_rank == 0 else 'nodes'} at the rendezvous "
-          f"{args.rdzv_endpoint} (up to {TELL_WAIT_S:g} s)", flush=True)
-    if args.node_rank != 0:
-        tell_waiting_nodes(args.rdzv_endpoint, args.node_rank, error.render())
+    print(f"node {nodes.node_rank}: telling the {'other nodes' if nodes.node_rank == 0 else 'nodes'} at the rendezvous "
+          f"{nodes.endpoint} (up to {TELL_WAIT_S:g} s)", flush=True)
+    if nodes.node_rank != 0:
+        tell_waiting_nodes(nodes.endpoint, nodes.node_rank, error.render())
         return
     try:
-        serve_refusal(args.rdzv_endpoint, error.render(), readers=high - 1)
+        serve_refusal(nodes.endpoint, error.render(), readers=nodes.nnodes - 1)
     except (RuntimeError, ValueError, OSError):  # the port is another program's: the nodes will time out there
         pass
 
 
-def _train_on_this_node(args, overrides: list[str]) -> int:
+def _train_on_this_node(args, overrides: list[str], checked: list) -> int:
     """`shardwise train` after its arguments: checks, then this node's workers (or the trainer in this process)."""
     import hashlib
 
@@ -112,13 +108,17 @@ def _train_on_this_node(args, overrides: list[str]) -> int:
     from shardwise.train import rundir
 
     check_nproc(args.nproc)
+    # The launch's own arguments before the config: once they hold, a refusal below is told to the nodes
+    # waiting at the rendezvous (`checked`, _tell_the_other_nodes).
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    nodes = check_multinode(max_nodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id or "", min_nodes)
+    if nodes is not None:
+        checked.append(nodes)
     cfg = load_config(args.config, overrides)
     # Every node derives the same id from the same config; a rerun reuses it, hence clear_failure_record below.
     rdzv_id = args.rdzv_id or f"shardwise-{hashlib.sha256(cfg.run.dir.encode()).hexdigest()[:12]}"
-    min_nodes, max_nodes = parse_nnodes(args.nnodes)
-    nodes = check_multinode(max_nodes, args.node_rank, args.rdzv_endpoint, rdzv_id, min_nodes)
     if nodes is not None:
-        nodes = dataclasses.replace(nodes, join_timeout_s=cfg.run.rendezvous_timeout_s,
+        nodes = dataclasses.replace(nodes, rdzv_id=rdzv_id, join_timeout_s=cfg.run.rendezvous_timeout_s,
                                     last_call_s=cfg.run.rendezvous_last_call_s)
     if nodes is not None and nodes.elastic:
         check_elastic(cfg, args.nproc, min_nodes, max_nodes)
