@@ -8,9 +8,10 @@ first collective for run.collective_timeout_s and node 0 then reported a stall t
 not responding (exit 5, 10 minutes at the default timeout).
 
 Here every rank hashes what it is about to train (the resolved config, and the corpus and tokenizer it
-loaded) and the ranks all-gather the 32-byte digests: one tiny collective when they agree. When they
-do not, they exchange the facts themselves (JSON in uint8 tensors: nothing is unpickled) so every rank
-names the same keys, values and ranks, and the job ends with exit 2 before any weight is built.
+loaded) and the ranks all-gather the digests on the trainer's control channel (gloo, CPU): two tiny
+collectives when they agree. When they do not, they exchange the facts themselves (JSON, nothing is
+unpickled) so every rank names the same keys, values and ranks, and the job ends with exit 2 before any
+weight is built.
 """
 from __future__ import annotations
 
@@ -45,30 +46,14 @@ def setup_facts(cfg, num_tokens: int, tokens_sha256: str, tokenizer_sha256: str)
     return facts
 
 
-def check_same_setup(facts: dict[str, Any], device) -> None:
-    """Raises SetupMismatch on every rank unless all ranks of the default process group hold the same
-    `facts`. `device`: where the default group's collectives run (cuda under NCCL)."""
-    import torch
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    encoded = json.dumps(facts, sort_keys=True, default=str).encode()
-    digest = torch.tensor(list(hashlib.sha256(encoded).digest()), dtype=torch.uint8, device=device)
-    digests = [torch.empty_like(digest) for _ in range(world)]
-    dist.all_gather(digests, digest)
-    if all(torch.equal(d, digests[0]) for d in digests):
+def check_same_setup(facts: dict[str, Any], control) -> None:
+    """Raises SetupMismatch on every rank unless all ranks hold the same `facts`, compared on the trainer's
+    control channel (train/control.py): the digests first, the facts only when those differ."""
+    digests = control.all_gather_json(hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest())
+    if len(set(digests)) == 1:
         return
-    record = json.dumps({"host": socket.gethostname(), "facts": facts}, default=str).encode()  # in config order
-    length = torch.tensor([len(record)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length)
-    longest = max(int(n.item()) for n in lengths)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    mine[:len(record)] = torch.tensor(list(record), dtype=torch.uint8, device=device)
-    records = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(records, mine)
-    parsed = [json.loads(bytes(r[:int(n.item())].tolist()).decode()) for r, n in zip(records, lengths)]
-    raise mismatch([p["facts"] for p in parsed], [p["host"] for p in parsed])
+    records = control.all_gather_json({"host": socket.gethostname(), "facts": facts})  # in config order
+    raise mismatch([r["facts"] for r in records], [r["host"] for r in records])
 
 
 def mismatch(facts_per_rank: list[dict[str, Any]], hosts: list[str]) -> SetupMismatch:

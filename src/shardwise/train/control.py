@@ -56,6 +56,21 @@ class Control:
             dist.broadcast(buf, group=self.group, group_src=0)
         return json.loads(buf.numpy().tobytes().decode()) if self.rank != 0 else value
 
+    def all_gather_json(self, value) -> list:
+        """Every rank's JSON-serialisable value, in rank order, on every rank (bytes in tensors, padded to the
+        longest: nothing is unpickled)."""
+        if self.group is None:
+            return [value]
+        data = json.dumps(value).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        longest = max(int(n.item()) for n in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [json.loads(buf[:int(n.item())].numpy().tobytes().decode()) for buf, n in zip(every, sizes)]
+
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over ranks (partitioned work: each entry filled by one rank)."""
         if self.group is not None:

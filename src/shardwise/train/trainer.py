@@ -81,9 +81,10 @@ class Trainer:
         self.data = data or prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
         tokenizer_sha256 = mf.file_digest(self.data.tokenizer_path)[1]
         self.fingerprint = mf.fingerprint(cfg, len(self.data.tokens), tokenizer_sha256)
+        self.control = Control(distributed, cfg.run.collective_timeout_s)
         if distributed:  # before any collective that depends on the layout (train/agreement.py)
             check_same_setup(setup_facts(cfg, len(self.data.tokens), self.data.tokens_sha256, tokenizer_sha256),
-                             self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+                             self.control)
         self.dims = check(cfg, world_size)
         check_stage_transport(self.dims.pp, dist.get_backend() if distributed else "none", self.device.type)
         self.accumulation = check_batch(cfg, self.dims)
@@ -129,7 +130,6 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.world_group = dist.group.WORLD if distributed else None
-        self.control = Control(distributed, cfg.run.collective_timeout_s)
         self.stop = stop
         self.guard = StepGuard(self.control, t.max_skipped_steps, stop)
         self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len // self.dims.cp
