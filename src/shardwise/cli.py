@@ -69,14 +69,28 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous, node 0's reachable address")
     parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: derived from run.dir)")
     args, overrides = parser.parse_known_args(argv)
-    checked: list = []  # this node's part of a multi-node launch, once its arguments hold (_train_on_this_node)
+    nodes = None
     try:
-        return _train_on_this_node(args, overrides, checked)
+        # The launch's own arguments before the config: once they hold, a refusal is told to the nodes
+        # waiting at the rendezvous (_tell_the_other_nodes).
+        nodes = _launch_arguments(args)
+        return _train_on_this_node(args, overrides, nodes)
     except ConfigError as e:
         print(f"error: {e.render()}", file=sys.stderr, flush=True)
-        if checked and not checked[0].elastic:
-            _tell_the_other_nodes(checked[0], e)
+        if nodes is not None and not nodes.elastic:
+            _tell_the_other_nodes(nodes, e)
         return 2
+
+
+def _launch_arguments(args):
+    """--nproc, --nnodes, --node-rank and --rdzv-endpoint checked: this node's part of a multi-node launch
+    (launch/rendezvous.py MultiNode, its rendezvous id still unset), or None for a single-node one."""
+    from shardwise.launch.local import check_nproc
+    from shardwise.launch.rendezvous import check_multinode, parse_nnodes
+
+    check_nproc(args.nproc)
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    return check_multinode(max_nodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id or "", min_nodes)
 
 
 def _tell_the_other_nodes(nodes, error: ConfigError) -> None:
@@ -96,24 +110,17 @@ def _tell_the_other_nodes(nodes, error: ConfigError) -> None:
         pass
 
 
-def _train_on_this_node(args, overrides: list[str], checked: list) -> int:
-    """`shardwise train` after its arguments: checks, then this node's workers (or the trainer in this process)."""
+def _train_on_this_node(args, overrides: list[str], nodes) -> int:
+    """`shardwise train` after its launch arguments (`nodes`: _launch_arguments): the config, data and disk
+    checks, then this node's workers (or the trainer in this process)."""
     import hashlib
 
     # Imported after the arguments: --help and bad input answer without loading torch (train.data imports it).
-    from shardwise.launch.local import check_nproc, torchrun
-    from shardwise.launch.rendezvous import check_multinode, parse_nnodes
+    from shardwise.launch.local import torchrun
     from shardwise.preflight import check, check_elastic
     from shardwise.scratch import owned_file
     from shardwise.train import rundir
 
-    check_nproc(args.nproc)
-    # The launch's own arguments before the config: once they hold, a refusal below is told to the nodes
-    # waiting at the rendezvous (`checked`, _tell_the_other_nodes).
-    min_nodes, max_nodes = parse_nnodes(args.nnodes)
-    nodes = check_multinode(max_nodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id or "", min_nodes)
-    if nodes is not None:
-        checked.append(nodes)
     cfg = load_config(args.config, overrides)
     # Every node derives the same id from the same config; a rerun reuses it, hence clear_failure_record below.
     rdzv_id = args.rdzv_id or f"shardwise-{hashlib.sha256(cfg.run.dir.encode()).hexdigest()[:12]}"
@@ -121,9 +128,9 @@ def _train_on_this_node(args, overrides: list[str], checked: list) -> int:
         nodes = dataclasses.replace(nodes, rdzv_id=rdzv_id, join_timeout_s=cfg.run.rendezvous_timeout_s,
                                     last_call_s=cfg.run.rendezvous_last_call_s)
     if nodes is not None and nodes.elastic:
-        check_elastic(cfg, args.nproc, min_nodes, max_nodes)
+        check_elastic(cfg, args.nproc, nodes.min_nodes, nodes.nnodes)
     else:
-        check(cfg, args.nproc * max_nodes)
+        check(cfg, args.nproc * (nodes.nnodes if nodes is not None else 1))
     rundir.check_cache_dir(cfg)
     from shardwise.train.data import check_corpus, prepare_data
     from shardwise.train.manifest import file_digest
