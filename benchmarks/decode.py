@@ -13,7 +13,8 @@ JSON goes to --out. It also times sequences that end at different times (--finis
 shrinking as they end against every row decoding to the end (`finishing`).
 
     python benchmarks/decode.py [--device auto|cpu|cuda] [--batches 1,4,16] [--prompt-len 64] [--new-tokens 32]
-        [--transformers-batches 1] [--compare-unfused] [--finishing-batch B] [--compile-mode M] [--sample T,P]
+        [--transformers-batches 1] [--compare-unfused] [--finishing-batch B] [--compile-mode M] [--compare-mode M]
+        [--sample T,P]
         [--out F.json] [--smoke]
 
 On a GPU (--device cuda, the default where there is one) the model is issue 30's 886M LLaMA in bf16 (dim
@@ -32,7 +33,13 @@ each that do not reach the bandwidth (plan/constants.py DECODE_GEMM_KERNEL_S). I
 of two decoders part at the first near-tie of the random weights' flat logits (compiled vs eager after
 11% of the tokens, ours vs transformers after 2%): reported as agreement, not required. Those H200
 figures predate fusing q|k|v and w1|w3 (--compare-unfused measures that gain: on this CPU 1.10x at batch
-1 and 0.91x at 4, within its noise; on a GPU not measured yet, the planner predicts 1.25x at batch 1).
+1 and 0.91x at 4, within its noise).
+Measured on one H100 80GB (torch 2.11, `--batches 1,64 --new-tokens 128 --compare-unfused`), 2026-11-27,
+with the fusion: compiled 877 tokens/s at batch 1 (14.7x eager's 60; 43% of the 2,031 tokens/s roofline;
+1.14x the unfused engine's 771, where the planner predicts 1.25x; end to end 799 against transformers'
+best 331: 2.41x); the planner's decode 903 (+3%). `--compare-mode reduce-overhead` against
+coordinate_descent_tuning (inductor's own tuned one-row GEMMs): 782 against 888, 0.88x, so the engine
+keeps reduce-overhead (infer/engine.py compile_settings).
 Sequences ending at different times, on the 2-core CI machine (`--batches 16 --new-tokens 64`, 2026-11-26):
 ending after 19 of 64 tokens on average, the shrinking batch computed 37% of the rows eager (44% compiled)
 and decoded 1.49x (1.40x compiled) faster than every row to the end, the same ids.
@@ -92,10 +99,17 @@ def streaming_gbps(rows: int, cols: int, rounds: int = 5) -> float:
 
 def measure(engine: Engine, batch: int, prompt_len: int, new: int, rounds: int, compiled: bool = False,
             sampler=Sampler) -> dict:
-    """The best of `rounds` generations after a warm-up one (compiled: it compiles the step; eager on a
-    GPU: the first use of each kernel). `sampler`: makes each generation's Sampler (default greedy)."""
+    """The best of `rounds` generations after warm-up ones: one eager (on a GPU the first use of each
+    kernel), compiled one on a CPU (it compiles the steps) and two on a GPU. There the first compiles each
+    step and runs it once uncaptured (the warm-up of CUDA graph trees) and the second records its CUDA
+    graph; only later calls replay. Prefill runs once per generation, so after one warm-up the timed
+    prefill was the recording: 3,272 and 4,118 tokens/s on an H100, against 33,463 replayed (886M bf16,
+    batch 1, 2026-11-27). `sampler`: makes each generation's Sampler (default greedy)."""
+    warmups = 2 if compiled and engine.device.type == "cuda" else 1
+    for _ in range(warmups):
+        engine.generate(prompts(engine.cfg, batch, prompt_len), new, sampler(), compiled=compiled)
     best = None
-    for _ in range(rounds + 1):
+    for _ in range(rounds):
         result = engine.generate(prompts(engine.cfg, batch, prompt_len), new, sampler(), compiled=compiled)
         if best is None or result.decode_tokens_per_s > best.decode_tokens_per_s:
             best = result
@@ -167,15 +181,18 @@ def main() -> int:
     parser.add_argument("--batches", default=None, help="default: 1,4,16 on CPU, 1,8,64 on a GPU")
     parser.add_argument("--prompt-len", type=int, default=None, help="default: 64 on CPU, 63 on a GPU")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 32 on CPU, 256 on a GPU")
-    parser.add_argument("--rounds", type=int, default=None, help="timed generations after the warm-up (3 CPU, 1 GPU)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed generations after the warm-ups (3 CPU, 1 GPU)")
     parser.add_argument("--transformers-batches", default="1", help="batches transformers runs too ('' none; needs "
                         "transformers, else skipped with the reason)")
     parser.add_argument("--compare-unfused", action="store_true", help="also compiled decoding with q, k, v, w1 and w3 as "
                         "separate GEMMs (a second engine), and the fused engine's ratio to it")
     parser.add_argument("--finishing-batch", type=int, default=None, help="the batch of the sequences-ending-at-"
                         "different-times comparison (default: the largest of --batches; 0: none)")
-    parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled steps (default: "
-                        "reduce-overhead on a GPU, inductor's default on CPU), e.g. max-autotune")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled steps (default: the "
+                        "engine's, infer/engine.py compile_settings), e.g. max-autotune")
+    parser.add_argument("--compare-mode", default=None, help="also compiled decoding with torch.compile mode M (a "
+                        "second engine, e.g. reduce-overhead: CUDA graphs without the tuned one-row GEMMs), and the "
+                        "first engine's ratio to it")
     parser.add_argument("--sample", default=None, help="T,P: also compiled decoding sampled at temperature T and top-p P "
                         "(infer/sampling.py, on the device), against greedy")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode.json (decode.smoke.json with --smoke)")
@@ -185,6 +202,7 @@ def main() -> int:
     defaults = GPU_DEFAULTS if cuda else {"batches": "1,4,16", "prompt_len": 64, "new_tokens": 32, "rounds": 3}
     if args.smoke:
         args.compare_unfused, args.sample = True, "0.8,0.95"
+        args.compare_mode = args.compare_mode or "default"  # the comparison's code path (on CPU the same settings)
         defaults = {"batches": "2", "prompt_len": 8, "new_tokens": 4, "rounds": 1}
     for key, value in defaults.items():
         setattr(args, key, value if getattr(args, key) is None or args.smoke else getattr(args, key))
@@ -203,6 +221,7 @@ def main() -> int:
     # The same weights (same seed), q/k/v and w1/w3 as separate GEMMs.
     unfused = (Engine(cfg, device, dtype=dtype, fuse_projections=False, compile_mode=args.compile_mode)
                if args.compare_unfused else None)
+    other = Engine(cfg, device, dtype=dtype, compile_mode=args.compare_mode) if args.compare_mode else None
     if cuda:
         datasheet_gbps = DEVICES[gpu].memory_bandwidth_gbps if gpu else None
         gbps = flops = None  # the planner's datasheet figures for this GPU
@@ -222,8 +241,10 @@ def main() -> int:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         got = measure(engine, batch, args.prompt_len, args.new_tokens, args.rounds)
+        progress(batch, "eager", got)
         # `shardwise generate --compile=on`: one compiled graph per decode step over a static KV cache.
         comp = measure(engine, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True)
+        progress(batch, "compiled", comp)
         got["compiled_decode_tokens_per_s"] = comp["decode_tokens_per_s"]
         got["compiled_end_to_end_tokens_per_s"] = comp["end_to_end_tokens_per_s"]
         got["compiled_prefill_tokens_per_s"] = comp["prefill_tokens_per_s"]  # the bucketed, compiled prefill
@@ -240,6 +261,13 @@ def main() -> int:
             separate = measure(unfused, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True)
             got["compiled_unfused_decode_tokens_per_s"] = separate["decode_tokens_per_s"]
             got["fused_over_unfused"] = comp["decode_tokens_per_s"] / separate["decode_tokens_per_s"]
+            progress(batch, "compiled, unfused", separate)
+        if other is not None:
+            theirs_mode = measure(other, batch, args.prompt_len, args.new_tokens, args.rounds, compiled=True)
+            got["compiled_compare_mode_decode_tokens_per_s"] = theirs_mode["decode_tokens_per_s"]
+            got["over_compare_mode"] = comp["decode_tokens_per_s"] / theirs_mode["decode_tokens_per_s"]
+            got["compare_mode_ids_agree"] = agreement(theirs_mode["ids"], compiled_ids)
+            progress(batch, f"compiled, mode {args.compare_mode}", theirs_mode)
         plan = decode_estimate(cfg, batch, args.prompt_len, args.new_tokens, memory_bandwidth_gbps=gbps, gemm_flops_per_s=flops)
         # The roofline: the bytes one step must read (weights, the KV cache at the average context) at the
         # datasheet bandwidth (on CPU the measured streaming rate).
@@ -281,6 +309,10 @@ def main() -> int:
         if "sampled_over_greedy" in r:
             print(f"batch {r['batch']}: compiled, sampled at T,top-p {args.sample}: "
                   f"{r['compiled_sampled_decode_tokens_per_s']:,.0f} tokens/s, {r['sampled_over_greedy']:.2f}x greedy")
+        if "over_compare_mode" in r:
+            print(f"batch {r['batch']}: compiled {r['compiled_decode_tokens_per_s']:,.0f} tokens/s, with mode "
+                  f"{args.compare_mode} {r['compiled_compare_mode_decode_tokens_per_s']:,.0f}: {r['over_compare_mode']:.2f}x; "
+                  f"greedy ids agree {r['compare_mode_ids_agree']:.0%}")
         if "fused_over_unfused" in r:
             print(f"batch {r['batch']}: compiled with q|k|v and w1|w3 fused {r['compiled_decode_tokens_per_s']:,.0f} tokens/s, "
                   f"separate {r['compiled_unfused_decode_tokens_per_s']:,.0f}: {r['fused_over_unfused']:.2f}x")
@@ -296,11 +328,18 @@ def main() -> int:
     out.write_text(json.dumps({"smoke": args.smoke, "date": dt.datetime.now().isoformat(timespec="seconds"),
                                "machine": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                                "device": torch.cuda.get_device_name() if cuda else "cpu", "compile_mode": args.compile_mode,
+                               "compare_mode": args.compare_mode,
                                "sample": args.sample,
                                "streaming_gbps": gbps, "matmul_flops": flops, "model": vars(cfg.model) | {"moe": vars(cfg.model.moe)},
                                "rows": rows, "finishing": ended}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def progress(batch: int, what: str, got: dict) -> None:
+    """One line per measurement as it ends: a GPU run cut short still shows what it measured."""
+    print(f"  batch {batch}, {what}: decode {got['decode_tokens_per_s']:,.0f} tokens/s, prefill "
+          f"{got['prefill_tokens_per_s']:,.0f} tokens/s ({time.strftime('%H:%M:%S')})", flush=True)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:

@@ -70,6 +70,19 @@ class Generation:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def compile_settings(device_type: str, mode: str | None = None) -> dict[str, Any]:
+    """torch.compile's mode for the compiled steps on `device_type`; `mode`, when given, is used as it is
+    (benchmarks/decode.py --compile-mode). On a GPU, "reduce-overhead": every step is a CUDA graph, one
+    launch per step instead of one per kernel, which bounds eager decoding (886M bf16 at batch 1 on an
+    H100: 888 tokens/s against 61 eager). Measured and not taken: adding coordinate_descent_tuning, with
+    which inductor rewrites each one-row decode GEMM as a multiply-and-sum it generates and tunes
+    (torch/_inductor/decomposition.py `mm`), gave 782 tokens/s against 888 in the same run (H100, torch
+    2.11, `decode.py --batches 1 --compare-mode`), 0.88x. On a CPU: inductor's defaults."""
+    if mode is not None:
+        return {"mode": mode}
+    return {"mode": "reduce-overhead"} if device_type == "cuda" else {}
+
+
 class Engine:
     """One rank's share of the model, ready to prefill and decode."""
 
@@ -215,9 +228,8 @@ class Engine:
 
     def _compile(self, kind: str):
         """The compiled step of `kind` ("logits", "greedy": the decode steps; "prefill"), built on first
-        use: CUDA graphs on a GPU ("reduce-overhead": one launch per step instead of one per kernel, which
-        bounds eager decoding), inductor's kernels on a CPU. dynamic=False: a new batch size or capacity
-        is a new graph, never a dynamic-shape one."""
+        use with `compile_settings` (CUDA graphs on a GPU, inductor's kernels on a CPU). dynamic=False: a
+        new batch size or capacity is a new graph, never a dynamic-shape one."""
         if not self._compiled:
             # MoE feed-forwards stay eager, as in training (parallel/compile.py apply_compile: data-dependent
             # routing and Python-side load statistics): the step is then a few graphs around them.
@@ -225,9 +237,8 @@ class Engine:
                 for moe in moe_modules(block):
                     moe.forward = torch.compiler.disable(moe.forward)
         if kind not in self._compiled:
-            mode = self.compile_mode or ("reduce-overhead" if self.device.type == "cuda" else None)
             step = {"logits": self._decode_step, "greedy": self._greedy_step, "prefill": self._forward_into_cache}[kind]
-            self._compiled[kind] = torch.compile(step, mode=mode, dynamic=False)
+            self._compiled[kind] = torch.compile(step, dynamic=False, **compile_settings(self.device.type, self.compile_mode))
         return self._compiled[kind]
 
     def _decode_on_device(self, first: torch.Tensor, cache: StaticKVCache, max_new_tokens: int,
