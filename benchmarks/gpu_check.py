@@ -12,9 +12,10 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
   layout/{fsdp,hsdp,tp_sp,cp_ring,cp_ulysses,ep,tp2d,pp}            2-4 processes sharing the GPU over gloo
                                                                     (run.backend=gloo), `shardwise parity`
   doctor, bench/{kernels,cross_entropy,throughput,decode}            the machine check and four benchmarks
-The layout rows check placement and numbers, not speed: they run --jobs at a time (default 4 on a GPU
-machine, 1 on CPU), after every measured row, so nothing they do overlaps a timing; the others run one
-after another. A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
+The rows that time nothing (resume, hf, doctor and the layouts, which check placement and numbers, not
+speed) run --jobs at a time (default 4 on a GPU machine, 1 on CPU) after every measured row, so nothing
+they do overlaps a timing (hf/export after resume/bitwise, whose checkpoint it exports); the measured
+rows (training, offload, tiles, the benchmarks) run one after another. A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
 metrics.jsonl, and the planner's prediction for the same config (`shardwise plan evaluate` on the table
 entry of this GPU): step time and peak memory, and their errors. OUT/report.md (a table) and
 OUT/report.json (the same rows; the format is in docs/gpu.md) are rewritten after every row,
@@ -37,6 +38,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,6 +330,25 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
 
 
 DEFAULT_EXCLUDED = ("offload-big/*",)
+# Rows that report pass/fail and time nothing: they run in parallel, after the measured rows. On one H100
+# (2026-11-27) resume/bitwise took 47 s and hf/import 79 s, beside one other row.
+UNTIMED = ("resume/*", "hf/*", "doctor", "layout/*")
+AFTER = {"hf/export": "resume/bitwise"}  # exports the checkpoint that row leaves
+
+
+def schedule(chosen: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The measured rows, in order, to run one at a time; and the untimed rows as chains to run in parallel,
+    a row that needs another's output (AFTER) in that row's chain, after it."""
+    untimed = [n for n in chosen if any(fnmatch.fnmatch(n, p) for p in UNTIMED)]
+    chains: list[list[str]] = []
+    for name in untimed:
+        first = AFTER.get(name)
+        chain = next((c for c in chains if first in c), None)
+        if chain is None:
+            chains.append([name])
+        else:
+            chain.append(name)
+    return [n for n in chosen if n not in untimed], chains
 SMOKE_ROWS = "train/eager/fp32/none,resume/bitwise,layout/fsdp"  # a row of each kind of runner
 
 
@@ -456,9 +477,9 @@ def main(argv: list[str]) -> int:
     print(f"gpu-check: {len(chosen)} rows on {header['device_name']}; report in {ctx.out / 'report.md'}", flush=True)
     runners = all_rows(ctx)
     jobs = args.jobs or (4 if device == "cuda" else 1)
-    # Measured rows first, one at a time; then the layout rows, `jobs` at a time (no timing among them).
-    serial = [n for n in chosen if not n.startswith("layout/")]
-    parallel = [n for n in chosen if n.startswith("layout/")]
+    # Measured rows first, one at a time; then the untimed ones, `jobs` chains at a time (no timing among them).
+    serial, chains = schedule(chosen)
+    lock = threading.Lock()  # rows are recorded from the pool's threads
 
     def run_row(name: str) -> Row:
         start = time.perf_counter()
@@ -470,18 +491,23 @@ def main(argv: list[str]) -> int:
         return row
 
     def record(row: Row) -> None:
-        rows.append(row)
-        print(f"  {row.status.upper():4s} {row.name:34s} {row.seconds:6.1f} s  {row.reason}", flush=True)
-        write_report(ctx.out, rows, header)
+        with lock:
+            rows.append(row)
+            print(f"  {row.status.upper():4s} {row.name:34s} {row.seconds:6.1f} s  {row.reason}", flush=True)
+            write_report(ctx.out, rows, header)
+
+    def run_chain(chain: list[str]) -> None:
+        for name in chain:
+            record(run_row(name))
 
     for name in serial:
         record(run_row(name))
-    if parallel:
-        from concurrent.futures import ThreadPoolExecutor, as_completed
+    if chains:
+        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:  # each row is its own processes: threads only wait
-            for future in as_completed([pool.submit(run_row, n) for n in parallel]):
-                record(future.result())
+            for future in [pool.submit(run_chain, c) for c in chains]:
+                future.result()
         rows.sort(key=lambda r: chosen.index(r.name))
         write_report(ctx.out, rows, header)
     failed = [r.name for r in rows if r.status == "fail"]

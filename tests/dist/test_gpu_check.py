@@ -30,6 +30,19 @@ def test_rows_and_selection():
         [f"train/compiled/{p}/full" for p in gpu_check.PRECISIONS] + ["hf/import"]
 
 
+def test_untimed_rows_run_in_parallel_after_the_measured_ones():
+    """Rows that time nothing go to the pool (after every measured row); hf/export in resume/bitwise's chain,
+    since it exports that row's checkpoint; alone when resume/bitwise is not selected."""
+    ctx = gpu_check.Ctx(Path("/nonexistent"), "cpu", 8, 300, None, Path("/nonexistent/corpus"), {})
+    names = gpu_check.select(list(gpu_check.all_rows(ctx)), None)
+    measured, chains = gpu_check.schedule(names)
+    assert all(n.startswith(("train/", "offload/", "tiles/", "bench/")) for n in measured), measured
+    assert ["resume/bitwise", "hf/export"] in chains and ["hf/import"] in chains and ["doctor"] in chains
+    assert sorted(measured + [n for c in chains for n in c]) == sorted(names)  # every row once
+    assert {c[0] for c in chains if len(c) > 1} == {"resume/bitwise"}
+    assert gpu_check.schedule(["hf/export", "train/eager/fp32/none"]) == (["train/eager/fp32/none"], [["hf/export"]])
+
+
 def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
     rows = [gpu_check.Row("train/compiled/bf16/none", "pass", "", 41.0,
                           {"tokens_per_s": 90000.0, "mfu": 0.52, "step_s": 0.2, "peak_gib": 30.0, "j_per_token": 0.001},

@@ -272,3 +272,26 @@ def test_a_gpu_kernels_file_calibrates_every_h100_row_within_ten_percent():
     problem = Problem.from_config(run.cfg)
     est = evaluate(problem, Layout.from_config(run.cfg, 1))
     assert est.mfu == pytest.approx(est.model_tflops_per_gpu / 989.4)
+
+
+# benchmarks/gpu_check.py offload-big/cpu on one H100 80GB, 2026-11-27 (bbd39f7; ../shared/gpu/h100-2026-11-27/
+# gcbig_report.json): a 6.1B LLaMA whose 98 GB of model states live in host memory (ZeRO-Offload on one
+# GPU), bf16 compiled, the median of step 3. The config is the row's own (gpu_check.py MODELS + offload_big).
+OFFLOAD_BIG = ["--model.preset=small", "--model.dim=4096", "--model.n_layers=33", "--model.n_heads=32",
+               "--model.n_kv_heads=8", "--model.ffn_dim=11008", "--model.vocab_size=32000", "--model.max_seq_len=512",
+               "--train.seq_len=512", "--train.micro_batch=1", "--train.global_batch=1", "--parallel.offload=cpu",
+               "--parallel.zero=3", "--train.recompute=full", "--train.precision=bf16", "--train.compile=true",
+               "--cluster.gpu=h100-sxm-80gb", "--cluster.num_gpus=1", "--cluster.gpus_per_node=1"]
+OFFLOAD_BIG_STEP_S, OFFLOAD_BIG_PEAK_GIB = 5.5770, 2.2916
+
+
+def test_the_offload_row_larger_than_the_gpu_within_ten_percent_in_step_time(capsys):
+    """The step is the host's: copies over the host link and CPU AdamW over 6.1B parameters (99% of it).
+    Measured today: -3.4%. Its GPU peak is predicted +38% (3.15 vs 2.29 GiB), open (issue 29): the FSDP2
+    transients (staging of each gathered unit, the unsharded gradients and their reduce-scatter buffers)
+    are summed as if they coexisted; FSDP2 frees each fp32 staging copy per parameter, right after its cast
+    (FSDPParam.all_gather_inputs), while the reduce-scatter holds fp32 input and output buffers at once."""
+    assert main(["plan", "evaluate", "--json", *OFFLOAD_BIG]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert abs(plan["step_time_s"] / OFFLOAD_BIG_STEP_S - 1) <= STEP_RTOL, plan["step_time_s"]
+    assert 0.30 <= plan["memory_gib"]["total"] / OFFLOAD_BIG_PEAK_GIB - 1 <= 0.45, plan["memory_gib"]  # the open error
