@@ -15,8 +15,8 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
 The rows that time nothing (resume, hf, doctor and the layouts, which check placement and numbers, not
 speed) run --jobs at a time (default 4 on a GPU machine, 1 on CPU) after every measured row, so nothing
 they do overlaps a timing (hf/export after resume/bitwise, whose checkpoint it exports); the measured
-rows (training, offload, tiles, the benchmarks) run one after another. A training row records pass/fail with a one-line reason, tokens/s, MFU, peak memory and J/token from
-metrics.jsonl, and the planner's prediction for the same config (`shardwise plan evaluate` on the table
+rows (training, offload, tiles, the benchmarks) run one after another. A training row records pass/fail
+with a one-line reason, tokens/s, MFU, peak memory and J/token from metrics.jsonl, and the planner's prediction for the same config (`shardwise plan evaluate` on the table
 entry of this GPU): step time and peak memory, and their errors. OUT/report.md (a table) and
 OUT/report.json (the same rows; the format is in docs/gpu.md) are rewritten after every row,
 so an interrupted check keeps what it measured. --only takes shell patterns over row names
