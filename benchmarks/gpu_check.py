@@ -14,15 +14,15 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
   doctor, bench/{kernels,cross_entropy,throughput,decode}            the machine check and four benchmarks
 The rows that time nothing (resume, hf, doctor and the layouts, which check placement and numbers, not
 speed) run --jobs at a time (default 4 on a GPU machine, 1 on CPU) after every measured row, so nothing
-they do overlaps a timing (hf/export after resume/bitwise, whose checkpoint it exports); the measured
-rows (training, offload, tiles, the benchmarks) run one after another. A training row records pass/fail
-with a one-line reason, tokens/s, MFU, peak memory and J/token from metrics.jsonl, and the planner's prediction for the same config (`shardwise plan evaluate` on the table
-entry of this GPU): step time and peak memory, and their errors. OUT/report.md (a table) and
-OUT/report.json (the same rows; the format is in docs/gpu.md) are rewritten after every row,
-so an interrupted check keeps what it measured. --only takes shell patterns over row names
-(`train/compiled/*`, `hf/*`). Without a CUDA GPU it says so and exits 0; --device cpu runs the rows
-on the CPU with a tiny model: the harness's own test (tests/dist/test_gpu_check.py), not a measurement;
---smoke runs three of them so.
+they do overlaps a timing (hf/export after resume/bitwise, whose checkpoint it exports); the measured rows
+(training, offload, tiles, the benchmarks) run one after another. A training row records pass/fail with a
+one-line reason, tokens/s, MFU, peak memory and J/token from metrics.jsonl, and the planner's prediction
+for the same config (`shardwise plan evaluate` on the table entry of this GPU): step time and peak memory,
+and their errors. OUT/report.md (a table) and OUT/report.json (the same rows; the format is in
+docs/gpu.md) are rewritten after every row, so an interrupted check keeps what it measured. --only takes
+shell patterns over row names (`train/compiled/*`, `hf/*`). Without a CUDA GPU it says so and exits 0;
+--device cpu runs the rows on the CPU with a tiny model: the harness's own test
+(tests/dist/test_gpu_check.py), not a measurement; --smoke runs three of them so.
 Runs from a checkout (PYTHONPATH=src) on whatever torch the machine has. Exit: 0 when no row failed,
 1 when one did, 2 for bad arguments.
 """
