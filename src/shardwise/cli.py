@@ -116,6 +116,7 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
     import hashlib
 
     # Imported after the arguments: --help and bad input answer without loading torch (train.data imports it).
+    from shardwise.launch.host_memory import check_offload_fits_host
     from shardwise.launch.local import torchrun
     from shardwise.preflight import check, check_elastic
     from shardwise.scratch import owned_file
@@ -131,6 +132,8 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
         check_elastic(cfg, args.nproc, nodes.min_nodes, nodes.nnodes)
     else:
         check(cfg, args.nproc * (nodes.nnodes if nodes is not None else 1))
+    # Offloaded states against this node's memory, at the fewest nodes the job may run on (the largest shards).
+    check_offload_fits_host(cfg, args.nproc * ((nodes.min_nodes or nodes.nnodes) if nodes is not None else 1), args.nproc)
     rundir.check_cache_dir(cfg)
     from shardwise.train.data import check_corpus, prepare_data
     from shardwise.train.manifest import file_digest

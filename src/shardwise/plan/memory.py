@@ -481,5 +481,18 @@ def host_bytes(problem: Problem, core: Layout) -> float:
     return max(_states_and_other(problem, core, r)[4] for r in ((first, last) if core.pp > 1 else (first,)))
 
 
+def offloaded_state_bytes(problem: Problem, lay: Layout) -> float:
+    """Model states the most loaded rank keeps in host memory with offload (parameters, gradients, AdamW
+    state, less the moments "nvme" puts on disk), whether the planned device is a GPU (they were moved
+    there: `cpu`) or the CPU itself (they never left); 0 without offload. launch/host_memory.py holds it
+    against a node's memory before any worker starts."""
+    if not lay.offload:
+        return 0.0
+    core = core_layout(lay)
+    first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
+    ranks = (first, last) if core.pp > 1 else (first,)
+    return max(sum(_states_and_other(problem, core, r)[i] for i in (0, 1, 2, 4)) for r in ranks)
+
+
 def capacity_bytes(problem: Problem) -> float:
     return problem.cluster.device.memory_gib * GIB * C.USABLE_MEMORY_FRACTION
