@@ -60,6 +60,46 @@ def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
     assert data["rows"][0]["predicted"]["step_s_error"] == -0.05
 
 
+def test_the_report_states_each_issue_target_with_what_this_check_measured(tmp_path):
+    """The benchmark rows' JSON (the shapes gpu_throughput.py and decode.py write: today's H100 figures) and
+    the training rows give each open issue's target a measured value and a verdict; a target whose row did
+    not run says so; on a CPU nothing is judged (the check tests itself there)."""
+    def throughput(ours: float, plain: float, mfu: float) -> dict:
+        return {"rows": [{"variant": "shardwise+compile", "tokens_per_s": ours, "mfu": mfu},
+                         {"variant": "plain+compile", "tokens_per_s": plain, "mfu": 0.5}]}
+    (tmp_path / "fp8.json").write_text(json.dumps(throughput(102357.0, 90517.0, 0.593)))
+    (tmp_path / "decode.json").write_text(json.dumps({"rows": [
+        {"batch": 1, "compiled_roofline_fraction": 0.432, "compiled_over_transformers_best": 2.41,
+         "compiled_decode_ratio": 1.03}, {"batch": 64, "compiled_roofline_fraction": 0.9}]}))
+    rows = [gpu_check.Row("train/compiled/bf16/none", "pass", measured={"step_s": 0.1, "peak_gib": 5.0},
+                          predicted={"step_s": 0.096, "peak_gib": 5.6, "step_s_error": -0.04, "peak_gib_error": 0.12}),
+            gpu_check.Row("offload-big/cpu", "pass")]
+    header = {"device_name": "NVIDIA H100 80GB HBM3", "device": "cuda", "torch": "2.11.0", "commit": "abc1234",
+              "steps": 8, "planner_gpu": "h100-sxm-80gb", "when": "2026-11-27", "only": None, "seconds": 1200.0}
+    gpu_check.write_report(tmp_path, rows, header)
+    goals = {g["target"]: g for g in json.loads((tmp_path / "report.json").read_text())["targets"]}
+    fp8 = goals["FP8 compiled / bf16 plain compiled loop (886M)"]
+    assert fp8["measured"] == pytest.approx(102357 / 90517) and fp8["met"] is False  # 1.131 < 1.15
+    assert goals["shardwise compiled / plain compiled loop (886M bf16)"]["measured"] is None  # its row did not run
+    assert goals["shardwise compiled / plain compiled loop (886M bf16)"]["met"] is None
+    decode = goals["batch-1 compiled decode, fraction of the HBM roofline (886M bf16)"]
+    assert decode["measured"] == 0.432 and decode["met"] is False  # batch 1's row, not batch 64's
+    assert goals["batch-1 end to end / transformers' best"]["met"] is True
+    assert goals["planner decode / measured compiled decode, batch 1"]["met"] is True
+    assert goals["planner step time, worst |error| over the training rows"]["met"] is True
+    assert goals["planner peak memory, worst |error| over the training rows"]["met"] is False
+    assert goals["offload-big: model states larger than the GPU train"]["met"] is True
+    assert goals["the whole check (no --only), minutes"]["measured"] == 20.0 and goals["the whole check (no --only), minutes"]["met"] is False
+    md = (tmp_path / "report.md").read_text()
+    assert "| 27 | FP8 compiled / bf16 plain compiled loop (886M) | >= 1.15x | 1.131 | **no** |" in md
+    assert "| 27 | shardwise compiled / plain compiled loop (886M bf16) | >= 1.00x | not run |  |" in md
+    gpu_check.write_report(tmp_path, rows, {**header, "only": "bench/*"})  # a partial check: no wall-time verdict
+    partial = json.loads((tmp_path / "report.json").read_text())["targets"]
+    assert next(g for g in partial if g["target"].startswith("the whole check"))["measured"] is None
+    gpu_check.write_report(tmp_path, rows, {**header, "device": "cpu"})
+    assert all(g["met"] is None for g in json.loads((tmp_path / "report.json").read_text())["targets"])
+
+
 def test_the_planners_prediction_of_a_run_directory(tmp_path):
     """predict() on a real run directory, as a GPU row calls it: the step time, the total peak (a number: it
     was the whole memory dict before, so no memory error was ever reported) and the stack priced; the

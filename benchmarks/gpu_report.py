@@ -1,0 +1,146 @@
+"""The report of `make gpu-check` (benchmarks/gpu_check.py; not a script of its own): the rows as a table
+(report.md) and as JSON (report.json, format in docs/gpu.md), the planner's error over the training rows,
+and the open issues' targets, each with what this check measured: the training rows, and the JSON files
+the benchmark rows write into the check's folder (throughput.json, fp8.json, decode.json).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+NINE_MINUTES_S = 9 * 60  # issue 27: the whole check on one H100
+
+
+@dataclass
+class Row:
+    name: str
+    status: str = "skip"  # pass | fail | skip
+    reason: str = ""
+    seconds: float = 0.0
+    measured: dict[str, float] = field(default_factory=dict)  # tokens_per_s, mfu, step_s, peak_gib, j_per_token
+    predicted: dict[str, float] = field(default_factory=dict)  # step_s, peak_gib (and their relative errors)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _json(out: Path, name: str) -> dict | None:
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _variant(data: dict | None, variant: str, key: str) -> float | None:
+    row = next((r for r in (data or {}).get("rows", []) if r.get("variant") == variant), None)
+    return row.get(key) if row else None
+
+
+def _ratio(data: dict | None) -> float | None:
+    """shardwise compiled over the plain compiled loop, both measured in the same run (gpu_throughput.py)."""
+    ours, plain = _variant(data, "shardwise+compile", "tokens_per_s"), _variant(data, "plain+compile", "tokens_per_s")
+    return ours / plain if ours and plain else None
+
+
+def _decode(data: dict | None, key: str) -> float | None:
+    row = next((r for r in (data or {}).get("rows", []) if r.get("batch") == 1), None)
+    return row.get(key) if row else None
+
+
+def _worst(rows: list[Row], key: str) -> float | None:
+    errors = [abs(r.predicted[key]) for r in rows if isinstance(r.predicted.get(key), float)]
+    return max(errors) if errors else None
+
+
+def _offload_big(rows: list[Row]) -> float | None:
+    big = [r for r in rows if r.name.startswith("offload-big/")]
+    return float(all(r.status == "pass" for r in big)) if big else None
+
+
+# (issue, target, bar as text, measured value from (folder, rows, header), met by the value, value's format)
+TARGETS: list[tuple[str, str, str, Callable[[Path, list[Row], dict], float | None], Callable[[float], bool], str]] = [
+    ("27", "shardwise compiled / plain compiled loop (886M bf16)", ">= 1.00x",
+     lambda out, rows, h: _ratio(_json(out, "throughput.json")), lambda v: v >= 1.0, ".3f"),
+    ("27", "shardwise compiled MFU (886M bf16)", ">= 55%",
+     lambda out, rows, h: _variant(_json(out, "throughput.json"), "shardwise+compile", "mfu"), lambda v: v >= 0.55, ".1%"),
+    ("27", "FP8 compiled / bf16 plain compiled loop (886M)", ">= 1.15x",
+     lambda out, rows, h: _ratio(_json(out, "fp8.json")), lambda v: v >= 1.15, ".3f"),
+    ("27", "offload-big: model states larger than the GPU train", "every row passes",
+     lambda out, rows, h: _offload_big(rows), lambda v: v == 1.0, ".0f"),
+    ("27", "the whole check (no --only), minutes", "<= 9",
+     lambda out, rows, h: h["seconds"] / 60 if h.get("seconds") and not h.get("only") else None,
+     lambda v: v <= NINE_MINUTES_S / 60, ".1f"),
+    ("29", "planner step time, worst |error| over the training rows", "<= 10%",
+     lambda out, rows, h: _worst(rows, "step_s_error"), lambda v: v <= 0.10, ".1%"),
+    ("29", "planner peak memory, worst |error| over the training rows", "<= 10%",
+     lambda out, rows, h: _worst(rows, "peak_gib_error"), lambda v: v <= 0.10, ".1%"),
+    ("30", "batch-1 compiled decode, fraction of the HBM roofline (886M bf16)", ">= 50%",
+     lambda out, rows, h: _decode(_json(out, "decode.json"), "compiled_roofline_fraction"), lambda v: v >= 0.5, ".1%"),
+    ("30", "batch-1 end to end / transformers' best", ">= 1.5x",
+     lambda out, rows, h: _decode(_json(out, "decode.json"), "compiled_over_transformers_best"), lambda v: v >= 1.5, ".2f"),
+    ("30", "planner decode / measured compiled decode, batch 1", "within 20%",
+     lambda out, rows, h: _decode(_json(out, "decode.json"), "compiled_decode_ratio"), lambda v: abs(v - 1) <= 0.2, ".3f"),
+]
+
+
+def targets(out: Path, rows: list[Row], header: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target with its measured value (None: not run in this check) and whether it is met (None where
+    not run, or on a CPU, where the check tests itself and measures nothing)."""
+    found = []
+    for issue, what, bar, measure, met, spec in TARGETS:
+        value = measure(out, rows, header)
+        found.append({"issue": issue, "target": what, "bar": bar, "measured": value, "format": spec,
+                      "met": None if value is None or header.get("device") != "cuda" else bool(met(value))})
+    return found
+
+
+def report_md(rows: list[Row], header: dict[str, Any], goals: list[dict[str, Any]] | None = None) -> str:
+    lines = [f"# shardwise GPU check: {header['device_name']}", "",
+             f"{header['when']}, torch {header['torch']}, commit {header['commit']}, {header['steps']} steps per "
+             f"training row; planner device: {header['planner_gpu'] or 'none (no table entry)'}", "",
+             "| row | result | tokens/s | MFU | step s (plan, err) | peak GiB (plan, err) | J/token | s | reason |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, p = r.measured, r.predicted
+        step = _fmt(m.get("step_s"), ".4f") + (f" ({p['step_s']:.4f}, {p['step_s_error']:+.0%})" if "step_s_error" in p else "")
+        peak = _fmt(m.get("peak_gib"), ".2f") + (f" ({p['peak_gib']:.2f}, {p['peak_gib_error']:+.0%})"
+                                                 if "peak_gib_error" in p else "")
+        lines.append(f"| {r.name} | {r.status.upper()} | {_fmt(m.get('tokens_per_s'), ',.0f')} | "
+                     f"{_fmt(m.get('mfu'), '.1%')} | {step} | {peak} | {_fmt(m.get('j_per_token'), '.2e')} | "
+                     f"{r.seconds:.0f} | {r.reason.replace('|', '/')} |")
+    counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "skip")}
+    lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"]
+    lines += planner_summary(rows)
+    if goals:
+        lines += ["", "| issue | target | bar | measured | met |", "|---|---|---|---|---|"]
+        verdict = {True: "yes", False: "**no**", None: ""}
+        lines += [f"| {g['issue']} | {g['target']} | {g['bar']} | "
+                  f"{'not run' if g['measured'] is None else format(g['measured'], g['format'])} | {verdict[g['met']]} |"
+                  for g in goals]
+    return "\n".join(lines) + "\n"
+
+
+def planner_summary(rows: list[Row]) -> list[str]:
+    """The planner's error over every row it predicted: mean and worst |error| of step time and peak memory
+    (issue 29's bar is 10% on each)."""
+    out = []
+    for key, what in (("step_s_error", "step time"), ("peak_gib_error", "peak memory")):
+        errors = [(abs(r.predicted[key]), r.name) for r in rows if isinstance(r.predicted.get(key), float)]
+        if errors:
+            worst, name = max(errors)
+            out.append(f"planner {what}: mean |error| {statistics.mean(e for e, _ in errors):.1%}, worst {worst:.1%} "
+                       f"({name}) over {len(errors)} rows")
+    return [""] + out if out else []
+
+
+def write_report(out: Path, rows: list[Row], header: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    goals = targets(out, rows, header)
+    (out / "report.json").write_text(json.dumps({**header, "rows": [dataclasses.asdict(r) for r in rows],
+                                                 "targets": goals}, indent=1))
+    (out / "report.md").write_text(report_md(rows, header, goals))
