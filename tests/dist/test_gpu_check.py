@@ -86,8 +86,8 @@ def test_the_report_states_each_issue_target_with_what_this_check_measured(tmp_p
     assert decode["measured"] == 0.432 and decode["met"] is False  # batch 1's row, not batch 64's
     assert goals["batch-1 end to end / transformers' best"]["met"] is True
     assert goals["planner decode / measured compiled decode, batch 1"]["met"] is True
-    assert goals["planner step time, worst |error| over the training rows"]["met"] is True
-    assert goals["planner peak memory, worst |error| over the training rows"]["met"] is False
+    assert goals["planner step time, worst absolute error over the training rows"]["met"] is True
+    assert goals["planner peak memory, worst absolute error over the training rows"]["met"] is False
     assert goals["offload-big: model states larger than the GPU train"]["met"] is True
     assert goals["the whole check (no --only), minutes"]["measured"] == 20.0 and goals["the whole check (no --only), minutes"]["met"] is False
     md = (tmp_path / "report.md").read_text()
