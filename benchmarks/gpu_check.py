@@ -314,7 +314,7 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
             ctx, n, [sys.executable, str(bench / "gpu_throughput.py"), *smoke, *([] if smoke else [
                 *pr, "--variants", "shardwise+compile,plain+compile", "--steps", "6", "--warmup", "3"]), "--out", str(ctx.out / o)],
             timeout=max(ctx.timeout, 600))
-    rows["bench/decode"] = lambda: command_row(  # issue 30's decode: eager, compiled, unfused, transformers
+    rows["bench/decode"] = lambda: command_row(  # issue 30's decode: eager, compiled, transformers, sampled, finishing
         ctx, "bench/decode", [sys.executable, str(bench / "decode.py"), *smoke, *([] if smoke else [
             "--batches", "1,64", "--new-tokens", "128", "--transformers-batches", "1", "--finishing-batch", "8",
             "--sample", "0.8,0.95"]),
@@ -344,6 +344,8 @@ def schedule(chosen: list[str]) -> tuple[list[str], list[list[str]]]:
         else:
             chain.append(name)
     return [n for n in chosen if n not in untimed], chains
+
+
 SMOKE_ROWS = "train/eager/fp32/none,resume/bitwise,layout/fsdp"  # a row of each kind of runner
 
 

@@ -6,9 +6,10 @@ state (less the moments "nvme" writes to disk) in host memory: 16 bytes per para
 cannot hold them the kernel's out-of-memory killer ends a rank minutes into initialisation, and the
 launcher can only say that it was killed by SIGKILL. The planner's bytes for the most loaded rank
 (plan/memory.py offloaded_state_bytes, the same closed form as the states it prices) times this node's
-ranks, against the node's physical memory and swap (/proc/meminfo MemTotal + SwapTotal: room that no
-other process's use can add to, so a run this refuses could not have fitted), refuse the run with the
-numbers and the ways out. Elsewhere (no /proc/meminfo) nothing is checked.
+ranks (pipeline stages are the outermost mesh axis, spec/dims.py, so a node's ranks share a stage: this is
+the most loaded node's need) against the node's physical memory and swap (/proc/meminfo MemTotal +
+SwapTotal: room that no other process's use can add to) refuse the run with the numbers and the ways out.
+Elsewhere (no /proc/meminfo) nothing is checked.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def check_offload_fits_host(cfg, world_size: int, local_ranks: int, node_bytes: 
     try:
         per_rank = offloaded_state_bytes(Problem.from_config(cfg), Layout.from_config(cfg, world_size))
     except ConfigError:
-        return  # a [cluster] the planner refuses is not the trainer's business; the states are still checked in training
+        return  # a [cluster] section the planner refuses (the trainer never reads it): no check, as before
     need = per_rank * local_ranks
     if need <= node_bytes:
         return
