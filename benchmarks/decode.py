@@ -102,9 +102,10 @@ def measure(engine: Engine, batch: int, prompt_len: int, new: int, rounds: int, 
     """The best of `rounds` generations after warm-up ones: one eager (on a GPU the first use of each
     kernel), compiled one on a CPU (it compiles the steps) and two on a GPU. There the first compiles each
     step and runs it once uncaptured (the warm-up of CUDA graph trees) and the second records its CUDA
-    graph; only later calls replay. Prefill runs once per generation, so after one warm-up the timed
-    prefill was the recording: 3,272 and 4,118 tokens/s on an H100, against 33,463 replayed (886M bf16,
-    batch 1, 2026-11-27). `sampler`: makes each generation's Sampler (default greedy)."""
+    graph (torch/_inductor/cudagraph_trees.py); only later calls replay. Prefill runs once per generation,
+    so after one warm-up the timed prefill was the recording: 3,272 and 4,118 tokens/s on an H100 (886M
+    bf16, batch 1, 2026-11-27), where a second engine in the same run measured 33,463; not yet measured
+    with two warm-ups. `sampler`: makes each generation's Sampler (default greedy)."""
     warmups = 2 if compiled and engine.device.type == "cuda" else 1
     for _ in range(warmups):
         engine.generate(prompts(engine.cfg, batch, prompt_len), new, sampler(), compiled=compiled)
@@ -191,8 +192,7 @@ def main() -> int:
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled steps (default: the "
                         "engine's, infer/engine.py compile_settings), e.g. max-autotune")
     parser.add_argument("--compare-mode", default=None, help="also compiled decoding with torch.compile mode M (a "
-                        "second engine, e.g. reduce-overhead: CUDA graphs without the tuned one-row GEMMs), and the "
-                        "first engine's ratio to it")
+                        "second engine, e.g. max-autotune: inductor's own GEMMs), and the first engine's ratio to it")
     parser.add_argument("--sample", default=None, help="T,P: also compiled decoding sampled at temperature T and top-p P "
                         "(infer/sampling.py, on the device), against greedy")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode.json (decode.smoke.json with --smoke)")
