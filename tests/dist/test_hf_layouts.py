@@ -77,6 +77,8 @@ def _serving(directory: Path, **parallel) -> dict:
     out["new_graphs"] += compiled_graphs() - before
     out["eos_eager"] = engine.generate(PROMPTS, NEW, Sampler(), eos_ids=stop).ids
     out["sampled"] = engine.generate(PROMPTS, NEW, Sampler(False, 0.9, 0.8, seed=3)).ids  # TP: from the vocab shards
+    # Compiled: PP draws inside the last stage's graph (Engine._decode_on_device), TP on the host's schedule.
+    out["sampled_compiled"] = engine.generate(PROMPTS, NEW, Sampler(False, 0.9, 0.8, seed=3), compiled=True).ids
     return out
 
 
@@ -161,7 +163,8 @@ def test_continued_training_from_an_import_matches_across_layouts(model_dir):
 
 def test_sampled_ids_under_tp_and_pp_equal_one_process(model_dir, two_ranks):
     """Temperature 0.9, top-p 0.8, seed 3: TP samples from the vocabulary shards (Sampler.vocab_parallel) and
-    draws what one process draws; the logits differ by rounding only, far from the draws' edges."""
+    draws what one process draws; the logits differ by rounding only, far from the draws' edges. Compiled
+    too: PP's last stage draws inside its graph."""
     def work(rank: int) -> list[list[int]]:
         from shardwise.infer.engine import Engine
         from shardwise.infer.sampling import Sampler
@@ -173,6 +176,7 @@ def test_sampled_ids_under_tp_and_pp_equal_one_process(model_dir, two_ranks):
     assert len({tuple(ids) for ids in one}) > 1 and one != two_ranks[0]["tp"]["eager"]  # sampled, not greedy
     for rank in range(2):
         assert two_ranks[rank]["tp"]["sampled"] == two_ranks[rank]["pp"]["sampled"] == one
+        assert two_ranks[rank]["tp"]["sampled_compiled"] == two_ranks[rank]["pp"]["sampled_compiled"] == one
 
 
 def test_vocab_parallel_sampling_equals_one_process_on_uneven_shards_ties_and_few_candidates():

@@ -176,6 +176,36 @@ def test_greedy_compiled_decoding_looks_at_the_ids_every_few_steps(model_dir):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_sampled_compiled_decoding_draws_on_the_device_and_equals_eager(model_dir):
+    """Sampled compiled decoding runs like greedy (infer/engine.py _decode_on_device): the draw inside the
+    compiled step, the ids read back every DONE_CHECK_EVERY steps, the block's random numbers drawn up
+    front in the step-by-step order; so the same seed samples the same ids as eager decoding, with
+    prompts of unequal lengths, sequences ending mid-block and the batch shrinking. One graph per
+    temperature and top_p, none more for the next generation."""
+    from shardwise.infer.engine import DONE_CHECK_EVERY
+    from shardwise.parallel.compile import compiled_graphs
+
+    engine, new = _engine(model_dir), 24
+    for temperature, top_p in ((0.8, 0.9), (1.2, 1.0)):
+        sampler = lambda t=temperature, p=top_p: Sampler(False, t, p, seed=11)  # noqa: E731
+        eager = engine.generate(BATCH, new, sampler())
+        assert engine.generate(BATCH, new, sampler(), compiled=True).ids == eager.ids
+        assert len({tuple(ids) for ids in eager.ids}) > 1 and eager.ids != engine.generate(BATCH, new, Sampler()).ids
+        eos = {ids[2] for ids in eager.ids[:6]}  # most sequences end early, at different steps: the batch shrinks
+        want = engine.generate(BATCH, new, sampler(), eos_ids=eos)
+        assert engine.generate(BATCH, new, sampler(), eos_ids=eos, compiled=True).ids == want.ids
+    engine.generate(PROMPTS, NEW, Sampler(False, 0.8, 0.9, seed=2), compiled=True)  # batch 3's graphs
+    graphs = compiled_graphs()
+    key = ("sampled", 0.8, 0.9)
+    step, calls = engine._compiled[key], []
+    engine._compiled[key] = lambda *args: calls.append(args[2].shape) or step(*args)  # (tokens, cache, uniform)
+    got = engine.generate(PROMPTS, NEW, Sampler(False, 0.8, 0.9, seed=2), compiled=True)
+    assert got.ids == engine.generate(PROMPTS, NEW, Sampler(False, 0.8, 0.9, seed=2)).ids
+    assert len(calls) == NEW - 1 and set(calls) == {(len(PROMPTS),)}  # one number per row and step
+    assert compiled_graphs() == graphs and DONE_CHECK_EVERY < NEW - 1  # the blocks replayed the compiled step
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 def test_one_process_serving_runs_qkv_and_w1_w3_as_one_gemm_each(model_dir):
     """A decode step's GEMMs are small and each pays a fixed kernel time (plan/constants.py
     DECODE_GEMM_KERNEL_S): one process serves with q|k|v and w1|w3 fused (models/feed_forward.py

@@ -75,3 +75,21 @@ def test_the_logits_never_leave_their_device(monkeypatch):
         ids = sampler(logits)
         assert ids.shape == (3,) and ids.device == logits.device
     assert all(n <= 3 for n in moved), moved
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_the_in_graph_draw_equals_the_samplers_choice():
+    """sampling.draw_in_graph (a compiled decode step's choice: no host sync, every row sorted whole) takes the
+    same ids as Sampler from the same numbers, on rows of every kind (peaked, flat, tied, all equal), with
+    and without a nucleus, and compiled as the engine compiles it."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.cat([torch.randn(5, 300, generator=generator) * 6, torch.randn(5, 300, generator=generator) * 0.3,
+                        torch.randint(0, 3, (5, 300), generator=generator).float() * 2, torch.zeros(2, 300)])
+    compiled = torch.compile(sampling.draw_in_graph, dynamic=False)
+    for temperature, top_p in ((1.0, 0.5), (0.7, 0.9), (1.3, 0.999), (1.0, 1.0)):
+        ours, theirs = Sampler(False, temperature, top_p, seed=4), Sampler(False, temperature, top_p, seed=4)
+        for _ in range(4):
+            uniform = ours.uniform(None, len(logits), logits.device)
+            want = theirs(logits)
+            assert torch.equal(sampling.draw_in_graph(logits, uniform, temperature, top_p), want)
+            assert torch.equal(compiled(logits, uniform, temperature, top_p), want)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.config import Config
-from shardwise.infer.sampling import Sampler, vocab_parallel_argmax
+from shardwise.infer.sampling import Sampler, draw_in_graph, vocab_parallel_argmax
 from shardwise.models import ARCHS, build_model
 from shardwise.models.common import Attention
 from shardwise.models.kv_cache import KVCache, StaticKVCache
@@ -207,6 +207,16 @@ class Engine:
             return vocab_parallel_argmax(last)[:, None]
         return (last.full_tensor() if isinstance(last, DTensor) else last).float().argmax(dim=-1, keepdim=True)
 
+    def _sampled_step(self, tokens: torch.Tensor, cache: StaticKVCache, uniform: torch.Tensor, temperature: float,
+                      top_p: float) -> torch.Tensor:
+        """`_decode_step` and the sampled choice in the same graph (sampling.draw_in_graph, given the step's
+        numbers `uniform`): (b, 1) next ids on the device, like `_greedy_step`; one process or a pipeline
+        (under TP the choice is made from the vocabulary shards on the host's schedule: Engine.choose)."""
+        out = self._decode_step(tokens, cache)
+        if self.pp_rank < self.pp - 1:
+            return out
+        return draw_in_graph(out[:, -1], uniform, temperature, top_p)[:, None]
+
     def static_cache(self, batch: int, capacity: int) -> StaticKVCache:
         """The static cache for a generation, reused (emptied in place) while the batch and capacity stay
         the same: its buffers keep their addresses, so the CUDA graph recorded for the first generation
@@ -226,33 +236,47 @@ class Engine:
         self._static_cache = cache
         return cache
 
-    def _compile(self, kind: str):
-        """The compiled step of `kind` ("logits", "greedy": the decode steps; "prefill"), built on first
-        use with `compile_settings` (CUDA graphs on a GPU, inductor's kernels on a CPU). dynamic=False: a
-        new batch size or capacity is a new graph, never a dynamic-shape one."""
+    def _compile(self, kind: str, sampler: Sampler | None = None):
+        """The compiled step of `kind` ("logits", "greedy", "sampled": the decode steps; "prefill"), built on
+        first use with `compile_settings` (CUDA graphs on a GPU, inductor's kernels on a CPU); "sampled":
+        one per temperature and top_p of `sampler`. dynamic=False: a new batch size or capacity is a new
+        graph, never a dynamic-shape one."""
         if not self._compiled:
             # MoE feed-forwards stay eager, as in training (parallel/compile.py apply_compile: data-dependent
             # routing and Python-side load statistics): the step is then a few graphs around them.
             for block in self.model.blocks():
                 for moe in moe_modules(block):
                     moe.forward = torch.compiler.disable(moe.forward)
-        if kind not in self._compiled:
-            step = {"logits": self._decode_step, "greedy": self._greedy_step, "prefill": self._forward_into_cache}[kind]
-            self._compiled[kind] = torch.compile(step, dynamic=False, **compile_settings(self.device.type, self.compile_mode))
-        return self._compiled[kind]
+        key = (kind, sampler.temperature, sampler.top_p) if kind == "sampled" else kind
+        if key not in self._compiled:
+            if kind == "sampled":
+                def step(tokens, cache, uniform, temperature=sampler.temperature, top_p=sampler.top_p):
+                    return self._sampled_step(tokens, cache, uniform, temperature, top_p)
+            else:
+                step = {"logits": self._decode_step, "greedy": self._greedy_step, "prefill": self._forward_into_cache}[kind]
+            self._compiled[key] = torch.compile(step, dynamic=False, **compile_settings(self.device.type, self.compile_mode))
+        return self._compiled[key]
 
     def _decode_on_device(self, first: torch.Tensor, cache: StaticKVCache, max_new_tokens: int,
-                          running: "Running") -> None:
-        """Greedy compiled decoding with no host round trip per step: each step's ids stay on the device
-        and feed the next step, so the host queues steps ahead of the GPU (a CUDA graph replay each)
-        instead of waiting for every token. The ids come back to the host every DONE_CHECK_EVERY steps,
-        where `running` keeps what each sequence produced up to its end token and says which rows to keep
+                          running: "Running", sampler: Sampler) -> None:
+        """Compiled decoding with no host round trip per step: each step's ids stay on the device and feed
+        the next step, so the host queues steps ahead of the GPU (a CUDA graph replay each) instead of
+        waiting for every token. The ids come back to the host every DONE_CHECK_EVERY steps, where
+        `running` keeps what each sequence produced up to its end token and says which rows to keep
         (`Running.shrink`); a finished sequence costs at most DONE_CHECK_EVERY - 1 steps more in its row,
-        whose ids are dropped."""
+        whose ids are dropped. Sampled: the block's random numbers are drawn up front, one step's after
+        another as the step-by-step loop draws them (Sampler.uniform), so the ids are the same."""
         ids, pending = first[:, None].to(self.device), []
-        step = self._compile("greedy")
+        step = self._compile("greedy") if sampler.greedy else self._compile("sampled", sampler)
         for n in range(1, max_new_tokens):
-            out = self._through_stage(step, ids, cache)
+            extra: tuple[torch.Tensor, ...] = ()
+            if not sampler.greedy:
+                if not pending:  # a block's numbers: each row its own sequence's (Running.rows)
+                    steps = min(DONE_CHECK_EVERY, max_new_tokens - n)
+                    draws = torch.stack([sampler.uniform(running.rows, len(running.out), torch.device("cpu"))
+                                         for _ in range(steps)]).to(self.device)
+                extra = (draws[len(pending)],)
+            out = self._through_stage(step, ids, cache, *extra)
             # A copy: the graph's output buffer is overwritten by its next replay. Under TP alone every
             # rank chose the same ids (vocab_parallel_argmax): only a pipeline's first stage needs them sent.
             ids = out.clone() if self.pp == 1 else self._share(out, like=ids)
@@ -306,8 +330,8 @@ class Engine:
         self._sync()
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
-        if not ended and compiled and sampler.greedy:
-            self._decode_on_device(chosen, cache, max_new_tokens, running)
+        if not ended and compiled and (sampler.greedy or self.dims.tp == 1):
+            self._decode_on_device(chosen, cache, max_new_tokens, running, sampler)
         elif not ended:
             step_tokens = chosen[:, None]
             for _ in range(1, max_new_tokens):

@@ -45,7 +45,7 @@ class Sampler:
         if self.greedy:
             return logits.float().argmax(dim=-1)
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        uniform = self._uniform(rows, sequences or len(logits), probs.device)
+        uniform = self.uniform(rows, sequences or len(logits), probs.device)
         if self.top_p >= 1:  # nothing is cut: the distribution in id order needs no sorting
             ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
             return _invert(probs, ids, torch.ones_like(probs, dtype=torch.bool), uniform)
@@ -70,7 +70,7 @@ class Sampler:
         top = funcol.all_reduce(top, "max", mesh)
         exp = (local - top[:, None]).exp()
         probs = exp / funcol.all_reduce(exp.sum(dim=-1), "sum", mesh)[:, None]
-        uniform = self._uniform(rows, sequences or b, probs.device)
+        uniform = self.uniform(rows, sequences or b, probs.device)
 
         def gathered(rest: torch.Tensor) -> torch.Tensor:  # b x vocab probabilities of the rows `rest`, every rank
             return _side_by_side(torch.nn.functional.pad(probs[rest], (0, width - probs.shape[-1])), mesh)[:, :vocab]
@@ -87,8 +87,9 @@ class Sampler:
         values, ids = _by_probability(_side_by_side(values, mesh), _side_by_side(ids, mesh))
         return self._nucleus(values[:, :CANDIDATES], ids[:, :CANDIDATES], uniform, gathered)
 
-    def _uniform(self, rows: list[int] | None, sequences: int, device: torch.device) -> torch.Tensor:
-        """One number in [0, 1) per sequence from the seeded generator, the rows' ones, on `device`."""
+    def uniform(self, rows: list[int] | None, sequences: int, device: torch.device) -> torch.Tensor:
+        """One number in [0, 1) per sequence from the seeded generator, the rows' ones, on `device`: what
+        one step draws (a compiled decode loop draws a block of steps' at once, in the same order)."""
         uniform = torch.rand(sequences, generator=self.generator, dtype=torch.float64)
         return (uniform if rows is None else uniform[rows]).to(device=device, dtype=torch.float32)
 
@@ -108,9 +109,28 @@ class Sampler:
         return chosen
 
     def _kept(self, values: torch.Tensor) -> torch.Tensor:
-        """The nucleus of probabilities sorted descending: a token whose mass before it is below top_p
-        (vocab_parallel's padding, value -1, is never kept)."""
-        return (values.cumsum(dim=-1) - values < self.top_p) & (values >= 0)
+        return _kept(values, self.top_p)
+
+
+def _kept(values: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus of probabilities sorted descending: a token whose mass before it is below top_p
+    (vocab_parallel's padding, value -1, is never kept)."""
+    return (values.cumsum(dim=-1) - values < top_p) & (values >= 0)
+
+
+def draw_in_graph(logits: torch.Tensor, uniform: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampler's choice (b,) from (b, vocab) logits, given this step's (b,) numbers `uniform`, with nothing
+    that waits for the host: every row's nucleus from a sort of the whole row, the path Sampler falls back
+    to (and whose ids its candidate shortcut equals, tests/unit/test_sampling.py). That shortcut needs the
+    host to learn which rows the candidates decided, once per step; a compiled decode step that draws on
+    the device instead feeds its ids to the next step without a host round trip (infer/engine.py
+    _decode_on_device), at the cost of sorting the vocabulary of each row: microseconds on a GPU."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1:
+        ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+        return _invert(probs, ids, torch.ones_like(probs, dtype=torch.bool), uniform)
+    values, ids = _by_probability(probs, None)
+    return _invert(values, ids, _kept(values, top_p), uniform)
 
 
 def _side_by_side(x: torch.Tensor, mesh) -> torch.Tensor:
