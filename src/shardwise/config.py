@@ -142,7 +142,7 @@ class ParallelConfig:
     offload: str = opt("none", '"none"; "cpu": parameters, gradients and optimizer state live in host memory (FSDP2 '
                        'CPU offload, zero 2/3, any number of ranks, 1 included) and the optimizer step runs on the CPU; '
                        '"nvme": as "cpu", with the optimizer state in files under offload_dir. true/false mean "cpu"/"none". '
-                       "`shardwise train` refuses a node whose memory and swap cannot hold its ranks' offloaded states.",
+                       "`shardwise train` refuses a node whose memory and swap cannot hold the states its ranks offload.",
                        aliases={True: "cpu", False: "none"})
     offload_dir: str = opt("", 'Directory on a local disk for offload="nvme" (each rank writes its optimizer state into a '
                            "fresh subdirectory, removed when the run ends).")
