@@ -44,7 +44,9 @@ Sequences ending at different times, on the 2-core CI machine (`--batches 16 --n
 ending after 19 of 64 tokens on average, the shrinking batch computed 37% of the rows eager (44% compiled)
 and decoded 1.49x (1.40x compiled) faster than every row to the end, the same ids.
 `--sample 0.8,0.95` (sampling on the device, infer/sampling.py) on the 2-core CI machine, 2026-11-26
-(`--batches 1,16`): compiled sampled decoding 0.91x greedy's tokens/s at batch 1, 0.99x at batch 16.
+(`--batches 1,16`): compiled sampled decoding 0.91x greedy's tokens/s at batch 1, 0.99x at batch 16;
+2026-11-27, the draw inside the compiled step (infer/engine.py _decode_on_device; every row's 8,192
+probabilities sorted each step): 0.97x at batch 1, 0.91x at batch 16. On a GPU not measured yet.
 Measured on the 2-core CI machine (torch 2.13, 2 threads), 2026-11-25: compiled decode steps 1.86x eager at
 batch 1 (56 vs 30 tokens/s), 1.07x at batch 4, 0.99x at batch 16. Earlier: the KV cache bytes match exactly; decode at batch 1
 is predicted 1.2-1.35x too fast (55-64 vs 44-47 tokens/s over three runs, the streaming figure varying 22-26
