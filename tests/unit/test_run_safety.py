@@ -280,7 +280,8 @@ def test_launcher_names_the_root_cause(capsys, tmp_path):
     assert report_failure({0: _failure(1, "RuntimeError: Connection closed by peer", 5), 1: _failure(-9, "", 6, 42),
                            2: _failure(-15, "", 7)}) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: rank 1 (pid 42) was killed by SIGKILL; 2 other rank(s) stopped with it"]
+    assert err == ["error: rank 1 (pid 42) was killed by SIGKILL (sent by the kernel when host memory runs out, by a "
+                   "scheduler's hard stop or by kill -9: dmesg names an out-of-memory kill); 2 other rank(s) stopped with it"]
     (tmp_path / "errors").mkdir()
     (tmp_path / "errors" / "rank_1.txt").write_text("Traceback ...")
     assert report_failure({0: _failure(1, "RuntimeError: connection reset by peer", 1),

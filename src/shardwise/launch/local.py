@@ -248,6 +248,9 @@ def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Pat
     rank, failure = _root_cause(failures)
     if failure.exitcode < 0:
         what = f"was killed by {_signal_name(-failure.exitcode)}"
+        if -failure.exitcode == signal.SIGKILL:  # uncatchable: the rank could print nothing itself
+            what += (" (sent by the kernel when host memory runs out, by a scheduler's hard stop or by kill -9: "
+                     "dmesg names an out-of-memory kill)")
     else:
         message = failure_message(failure).splitlines()
         if message and lost_peer(message[0]):  # every rank here only lost a peer: the cause is on another node
