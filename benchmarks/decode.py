@@ -192,9 +192,10 @@ def main() -> int:
     parser.add_argument("--finishing-batch", type=int, default=None, help="the batch of the sequences-ending-at-"
                         "different-times comparison (default: the largest of --batches; 0: none)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled steps (default: the "
-                        "engine's, infer/engine.py compile_settings), e.g. max-autotune")
-    parser.add_argument("--compare-mode", default=None, help="also compiled decoding with torch.compile mode M (a "
-                        "second engine, e.g. max-autotune: inductor's own GEMMs), and the first engine's ratio to it")
+                        "engine's, infer/engine.py compile_settings), e.g. max-autotune, or inductor options k=v[,k=v] "
+                        "(on a GPU over CUDA graphs), e.g. combo_kernels=1")
+    parser.add_argument("--compare-mode", default=None, help="also compiled decoding with torch.compile mode or options M "
+                        "(as --compile-mode; a second engine), and the first engine's ratio to it")
     parser.add_argument("--sample", default=None, help="T,P: also compiled decoding sampled at temperature T and top-p P "
                         "(infer/sampling.py, on the device), against greedy")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode.json (decode.smoke.json with --smoke)")
@@ -204,7 +205,7 @@ def main() -> int:
     defaults = GPU_DEFAULTS if cuda else {"batches": "1,4,16", "prompt_len": 64, "new_tokens": 32, "rounds": 3}
     if args.smoke:
         args.compare_unfused, args.sample = True, "0.8,0.95"
-        args.compare_mode = args.compare_mode or "default"  # the comparison's code path (on CPU the same settings)
+        args.compare_mode = args.compare_mode or "epilogue_fusion=1"  # the options path (inductor's default value)
         defaults = {"batches": "2", "prompt_len": 8, "new_tokens": 4, "rounds": 1}
     for key, value in defaults.items():
         setattr(args, key, value if getattr(args, key) is None or args.smoke else getattr(args, key))
@@ -219,11 +220,11 @@ def main() -> int:
         # fp32, as the engine decodes on a CPU: the planner then prices 4-byte weights and KV cache too.
         cfg = load_config(None, (SMOKE_MODEL if args.smoke else MODEL) + ["--data.tokenizer=byte", "--train.precision=fp32"])
         device, dtype = torch.device("cpu"), "float32"
-    engine = Engine(cfg, device, dtype=dtype, compile_mode=args.compile_mode)
+    engine = Engine(cfg, device, dtype=dtype, compile_mode=compile_mode(args.compile_mode))
     # The same weights (same seed), q/k/v and w1/w3 as separate GEMMs.
-    unfused = (Engine(cfg, device, dtype=dtype, fuse_projections=False, compile_mode=args.compile_mode)
+    unfused = (Engine(cfg, device, dtype=dtype, fuse_projections=False, compile_mode=compile_mode(args.compile_mode))
                if args.compare_unfused else None)
-    other = Engine(cfg, device, dtype=dtype, compile_mode=args.compare_mode) if args.compare_mode else None
+    other = Engine(cfg, device, dtype=dtype, compile_mode=compile_mode(args.compare_mode)) if args.compare_mode else None
     if cuda:
         datasheet_gbps = DEVICES[gpu].memory_bandwidth_gbps if gpu else None
         gbps = flops = None  # the planner's datasheet figures for this GPU
@@ -336,6 +337,22 @@ def main() -> int:
                                "rows": rows, "finishing": ended}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def compile_mode(text: str | None) -> str | dict | None:
+    """--compile-mode / --compare-mode: a torch.compile mode name, or inductor options "k=v,k=v" (values 1 / 0,
+    true / false, numbers, else strings), e.g. "combo_kernels=1,coordinate_descent_tuning=1"."""
+    if text is None or "=" not in text:
+        return text
+
+    def value(v: str):
+        if v.lower() in ("1", "true", "0", "false"):
+            return v.lower() in ("1", "true")
+        try:
+            return float(v) if "." in v else int(v)
+        except ValueError:
+            return v
+    return {k.strip(): value(v.strip()) for k, v in (item.split("=", 1) for item in text.split(",") if item.strip())}
 
 
 def progress(batch: int, what: str, got: dict) -> None:

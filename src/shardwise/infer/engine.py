@@ -70,14 +70,18 @@ class Generation:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def compile_settings(device_type: str, mode: str | None = None) -> dict[str, Any]:
-    """torch.compile's mode for the compiled steps on `device_type`; `mode`, when given, is used as it is
-    (benchmarks/decode.py --compile-mode). On a GPU, "reduce-overhead": every step is a CUDA graph, one
-    launch per step instead of one per kernel, which bounds eager decoding (886M bf16 at batch 1 on an
-    H100: 888 tokens/s against 61 eager). Measured and not taken: adding coordinate_descent_tuning, with
-    which inductor rewrites each one-row decode GEMM as a multiply-and-sum it generates and tunes
-    (torch/_inductor/decomposition.py `mm`), gave 782 tokens/s against 888 in the same run (H100, torch
-    2.11, `decode.py --batches 1 --compare-mode`), 0.88x. On a CPU: inductor's defaults."""
+def compile_settings(device_type: str, mode: str | dict[str, Any] | None = None) -> dict[str, Any]:
+    """torch.compile's mode or options for the compiled steps on `device_type`. On a GPU, "reduce-overhead":
+    every step is a CUDA graph, one launch per step instead of one per kernel, which bounds eager decoding
+    (886M bf16 at batch 1 on an H100: 888 tokens/s against 61 eager). Measured and not taken: adding
+    coordinate_descent_tuning, with which inductor rewrites each one-row decode GEMM as a multiply-and-sum
+    it generates and tunes (torch/_inductor/decomposition.py `mm`), gave 782 tokens/s against 888 in the
+    same run (H100, torch 2.11, `decode.py --batches 1 --compare-mode`), 0.88x. On a CPU: inductor's
+    defaults. `mode` (benchmarks/decode.py --compile-mode, --compare-mode): a mode name, used as it is, or
+    inductor options (e.g. {"combo_kernels": True}), on a GPU over CUDA graphs (torch.compile takes a mode
+    or options, not both; {"triton.cudagraphs": True} is what "reduce-overhead" sets)."""
+    if isinstance(mode, dict):
+        return {"options": {**({"triton.cudagraphs": True} if device_type == "cuda" else {}), **mode}}
     if mode is not None:
         return {"mode": mode}
     return {"mode": "reduce-overhead"} if device_type == "cuda" else {}
@@ -87,11 +91,10 @@ class Engine:
     """One rank's share of the model, ready to prefill and decode."""
 
     def __init__(self, cfg: Config, device: torch.device, dtype: str = "float32", checkpoint: Path | None = None,
-                 fuse_projections: bool = True, compile_mode: str | None = None):
+                 fuse_projections: bool = True, compile_mode: str | dict[str, Any] | None = None):
         """`fuse_projections`: on one TP rank, q|k|v and w1|w3 as one GEMM each (False: the benchmark's
-        comparison). `compile_mode`: torch.compile's mode for the compiled steps (default: see _compile;
-        benchmarks/decode.py --compile-mode compares others, e.g. "max-autotune": inductor's own GEMM
-        kernels, which may suit a decode step's one-row GEMMs better than the library's)."""
+        comparison). `compile_mode`: torch.compile's mode or inductor options for the compiled steps
+        (compile_settings; benchmarks/decode.py --compile-mode compares others)."""
         self.cfg, self.device, self.compile_mode = cfg, device, compile_mode
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
