@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,24 @@ def test_untimed_rows_run_in_parallel_after_the_measured_ones():
     assert sorted(measured + [n for c in chains for n in c]) == sorted(names)  # every row once
     assert {c[0] for c in chains if len(c) > 1} == {"resume/bitwise"}
     assert gpu_check.schedule(["hf/export", "train/eager/fp32/none"]) == (["train/eager/fp32/none"], [["hf/export"]])
+    # The rows the targets read run first (a check cut by --budget has them), in FIRST's order.
+    assert measured[:6] == ["bench/throughput", "bench/fp8", "bench/decode", "train/compiled/bf16/none",
+                            "train/compiled/fp8/none", "train/eager/bf16/none"]
+
+
+def test_a_budget_ends_the_check_in_time_and_says_what_it_left(tmp_path):
+    """--budget: no row runs past it (the one running is cut), the rows not started are skipped with the
+    reason, the report is whole, and the check exits 0 (nothing failed)."""
+    start = time.monotonic()
+    done = _run("--smoke", "--budget", "3", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert time.monotonic() - start < 60  # the budget, the cut row's 1-second floor, Python's start-up
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert len(rows) == 3 and all(r["status"] in ("pass", "skip") for r in rows), rows  # a cut row is not a failure
+    reasons = {r["reason"] for r in rows if r["status"] == "skip"}
+    assert reasons <= {"cut at the end of the --budget of 3 s", "not started: the --budget of 3 s ran out"}, rows
+    assert rows[-1]["reason"] == "not started: the --budget of 3 s ran out", rows  # layout/fsdp, after the others
+    assert _run("--budget", "0").returncode == 2
 
 
 def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
