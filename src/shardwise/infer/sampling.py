@@ -47,8 +47,7 @@ class Sampler:
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         uniform = self.uniform(rows, sequences or len(logits), probs.device)
         if self.top_p >= 1:  # nothing is cut: the distribution in id order needs no sorting
-            ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
-            return _invert(probs, ids, torch.ones_like(probs, dtype=torch.bool), uniform)
+            return _draw_whole(probs, uniform, self.top_p)
         values, ids = probs.topk(min(CANDIDATES, probs.shape[-1]), dim=-1)
         return self._nucleus(*_by_probability(values, ids), uniform, lambda rest: probs[rest])
 
@@ -76,9 +75,7 @@ class Sampler:
             return _side_by_side(torch.nn.functional.pad(probs[rest], (0, width - probs.shape[-1])), mesh)[:, :vocab]
 
         if self.top_p >= 1:
-            full = gathered(torch.arange(b, device=probs.device))
-            ids = torch.arange(vocab, device=probs.device).expand_as(full)
-            return _invert(full, ids, torch.ones_like(full, dtype=torch.bool), uniform)
+            return _draw_whole(gathered(torch.arange(b, device=probs.device)), uniform, self.top_p)
         k = min(CANDIDATES, width)
         values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
         pad = k - values.shape[-1]  # a shorter last shard (or an empty one) pads with tokens that are never kept
@@ -96,20 +93,15 @@ class Sampler:
     def _nucleus(self, values: torch.Tensor, ids: torch.Tensor, uniform: torch.Tensor, whole) -> torch.Tensor:
         """The draw from the candidates `values` / `ids` (most probable first, ties by id); the rows whose
         nucleus they do not decide are sorted whole from `whole(rows)`, their full probabilities."""
-        kept = self._kept(values)
+        kept = _kept(values, self.top_p)
         # A row is decided by its candidates when its nucleus ends before their smallest value: every token
         # more probable than that is among them, in the same order as in a full sort.
         chosen = _invert(values, ids, kept, uniform)
         decided = ~(kept & (values == values[:, -1:])).any(dim=-1)
         if not bool(decided.all()):  # the same on every TP rank: computed from gathered candidates
             rest = (~decided).nonzero().squeeze(-1)
-            full = whole(rest)
-            full_values, full_ids = _by_probability(full, None)
-            chosen[rest] = _invert(full_values, full_ids, self._kept(full_values), uniform[rest])
+            chosen[rest] = _draw_whole(whole(rest), uniform[rest], self.top_p)
         return chosen
-
-    def _kept(self, values: torch.Tensor) -> torch.Tensor:
-        return _kept(values, self.top_p)
 
 
 def _kept(values: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -125,7 +117,12 @@ def draw_in_graph(logits: torch.Tensor, uniform: torch.Tensor, temperature: floa
     host to learn which rows the candidates decided, once per step; a compiled decode step that draws on
     the device instead feeds its ids to the next step without a host round trip (infer/engine.py
     _decode_on_device), at the cost of sorting the vocabulary of each row: microseconds on a GPU."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return _draw_whole(torch.softmax(logits.float() / temperature, dim=-1), uniform, top_p)
+
+
+def _draw_whole(probs: torch.Tensor, uniform: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The draw from whole rows of probabilities (b, vocab): in id order when nothing is cut (top_p 1: no
+    sorting), else from each row sorted by probability (ties: lower id first), its nucleus kept."""
     if top_p >= 1:
         ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
         return _invert(probs, ids, torch.ones_like(probs, dtype=torch.bool), uniform)
