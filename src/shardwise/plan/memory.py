@@ -465,11 +465,17 @@ def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
     return best
 
 
+def _end_rank_states(problem: Problem, core: Layout) -> list[tuple]:
+    """_states_and_other of the ranks that can be the most loaded: the first and last pipeline rank (the
+    embedding, the head), the one rank without a pipeline."""
+    first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
+    return [_states_and_other(problem, core, r) for r in ((first, last) if core.pp > 1 else (first,))]
+
+
 def states_lower_bound(problem: Problem, core: Layout) -> float:
     """Bytes that no micro-batch, schedule or recompute choice can remove (the micro-batch-1 core's
     model states and buffers on its most loaded rank): above the capacity, the whole structure is out."""
-    first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
-    return max(sum(_states_and_other(problem, core, r)[:4]) for r in ((first, last) if core.pp > 1 else (first,)))
+    return max(sum(states[:4]) for states in _end_rank_states(problem, core))
 
 
 def host_bytes(problem: Problem, core: Layout) -> float:
@@ -477,8 +483,7 @@ def host_bytes(problem: Problem, core: Layout) -> float:
     holds against Cluster.host_memory_bytes to choose between "cpu" and "nvme"."""
     if not core.offload:
         return 0.0
-    first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
-    return max(_states_and_other(problem, core, r)[4] for r in ((first, last) if core.pp > 1 else (first,)))
+    return max(states[4] for states in _end_rank_states(problem, core))
 
 
 def offloaded_state_bytes(problem: Problem, lay: Layout) -> float:
@@ -488,10 +493,7 @@ def offloaded_state_bytes(problem: Problem, lay: Layout) -> float:
     against a node's memory before any worker starts."""
     if not lay.offload:
         return 0.0
-    core = core_layout(lay)
-    first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
-    ranks = (first, last) if core.pp > 1 else (first,)
-    return max(sum(_states_and_other(problem, core, r)[i] for i in (0, 1, 2, 4)) for r in ranks)
+    return max(sum(states[i] for i in (0, 1, 2, 4)) for states in _end_rank_states(problem, core_layout(lay)))
 
 
 def capacity_bytes(problem: Problem) -> float:
