@@ -91,6 +91,10 @@ class Ctx:
         timeout = timeout or self.timeout
         return timeout if self.deadline is None else max(1.0, min(timeout, self.deadline - time.monotonic()))
 
+    def spent(self) -> bool:
+        """Whether the --budget is (within a second of being) used up: a row starting now would get 1 s."""
+        return self.deadline is not None and time.monotonic() >= self.deadline - 1
+
     def shardwise(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
                               cwd=self.out, env=self.env, timeout=self.limit(timeout))
@@ -455,13 +459,12 @@ def main(argv: list[str]) -> int:
 
     def run_row(name: str) -> Row:
         start = time.perf_counter()
-        if ctx.deadline is not None and time.monotonic() >= ctx.deadline - 1:
+        if ctx.spent():
             return Row(name, "skip", f"not started: the --budget of {args.budget:.0f} s ran out")
         try:
             row = runners[name]()
         except subprocess.TimeoutExpired as e:
-            cut = ctx.deadline is not None and time.monotonic() >= ctx.deadline - 1
-            row = Row(name, "skip", f"cut at the end of the --budget of {args.budget:.0f} s") if cut else \
+            row = Row(name, "skip", f"cut at the end of the --budget of {args.budget:.0f} s") if ctx.spent() else \
                 Row(name, "fail", f"timed out after {e.timeout:.0f} s")
         row.seconds = time.perf_counter() - start
         return row
