@@ -285,13 +285,13 @@ OFFLOAD_BIG = ["--model.preset=small", "--model.dim=4096", "--model.n_layers=33"
 OFFLOAD_BIG_STEP_S, OFFLOAD_BIG_PEAK_GIB = 5.5770, 2.2916
 
 
-def test_the_offload_row_larger_than_the_gpu_within_ten_percent_in_step_time(capsys):
-    """The step is the host's: copies over the host link and CPU AdamW over 6.1B parameters (99% of it).
-    Measured today: -3.4%. Its GPU peak is predicted +38% (3.15 vs 2.29 GiB), open (issue 29): the FSDP2
-    transients (staging of each gathered unit, the unsharded gradients and their reduce-scatter buffers)
-    are summed as if they coexisted; FSDP2 frees each fp32 staging copy per parameter, right after its cast
-    (FSDPParam.all_gather_inputs), while the reduce-scatter holds fp32 input and output buffers at once."""
+def test_the_offload_row_larger_than_the_gpu_within_ten_percent(capsys):
+    """The step is the host's: copies over the host link and CPU AdamW over 6.1B parameters (99% of it):
+    -3.4%. Its GPU peak is FSDP2's world-size-1 transients (plan/memory.py one_rank): one block and the
+    root gathered, the block's bf16 gradients, the previous block's fp32 reduce-scatter input held until
+    this one reduces, the head's gradients: 2.41 GiB, +5%. Before, two gathered blocks, a block's fp32
+    gradients and a whole block's fp32 + bf16 staging copy, as if they coexisted, gave 3.15 (+38%)."""
     assert main(["plan", "evaluate", "--json", *OFFLOAD_BIG]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert abs(plan["step_time_s"] / OFFLOAD_BIG_STEP_S - 1) <= STEP_RTOL, plan["step_time_s"]
-    assert 0.30 <= plan["memory_gib"]["total"] / OFFLOAD_BIG_PEAK_GIB - 1 <= 0.45, plan["memory_gib"]  # the open error
+    assert abs(plan["memory_gib"]["total"] / OFFLOAD_BIG_PEAK_GIB - 1) <= MEMORY_RTOL, plan["memory_gib"]

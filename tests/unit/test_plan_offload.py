@@ -50,11 +50,20 @@ def test_one_rank_offload_is_valid_and_keeps_the_states_on_the_host(zero):
     assert off.params == off.grads == off.optimizer == 0 and off.disk_bytes == 0
     assert off.total < on_device.total - 0.8 * off.cpu_bytes
     d = off.detail
-    # device: the FSDP working copies (ZeRO-3: ~2 blocks + root; ZeRO-2: the whole model, bf16) and one
-    # block's fp32 + bf16 staging copy
-    assert d["offload_staging"] == st.block_numel * (4 + 2)
-    unsharded = (2 * st.block_numel + st.root_numel) * 2 if zero == 3 else st.unsharded_param_numel * 2
-    assert d["fsdp_unsharded_params"] == unsharded
+    # device, by hand from the shape (dim 2048, ffn 8192, kv 512, vocab 8192, 16 layers): FSDP2's one-rank
+    # path gathers one block + the root (ZeRO-3) or everything (ZeRO-2), bf16, with no prefetch
+    block = 2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 8192 * 2048 + 2 * 2048
+    head, embedding = 8192 * 2048 + 2048, 8192 * 2048
+    assert (st.block_numel, st.head_numel, st.block_largest_numel) == (block, head, 8192 * 2048)
+    assert lay.accumulation(p) == 2
+    assert d["fsdp_unsharded_params"] == 2 * (block + embedding + head if zero == 3 else 16 * block + embedding + head)
+    # a block's backward: its bf16 gradients, the previous block's fp32 reduce-scatter input, the head's
+    # bf16 gradients; ZeRO-2 with 2 micro-batches reduces at the last only: every unit's fp32 gradients.
+    # The staging (one tensor's fp32 copy + its cast) precedes the gradients and is smaller.
+    everything = 16 * block + embedding + head
+    assert d["fsdp_unsharded_grads"] == (6 * block if zero == 3 else 4 * everything) + 2 * head
+    assert 6 * 8192 * 2048 < 2 * block and d["offload_staging"] == 0
+    assert "fsdp_root_reduce" not in d  # 8 B x the root (268 MB) < the block moment (~780 MB)
     assert off.host_fits and off.host_capacity == 256 * GIB * C.HOST_USABLE_FRACTION
     # time: the copies over PCIe and the CPU AdamW are in the optimizer term
     e = evaluate(p, lay)
@@ -64,6 +73,25 @@ def test_one_rank_offload_is_valid_and_keeps_the_states_on_the_host(zero):
     assert e.detail["offload_copy_s"] == pytest.approx(copies)
     adamw = (st.optimizer - 4 * st.tensors) / 8 * C.OPTIMIZER_BYTES_PER_PARAM / (C.HOST_MEMORY_GBPS_PER_GPU * 1e9)
     assert e.breakdown_s["optimizer"] == pytest.approx(copies + adamw)
+
+
+def test_offload_staging_over_ranks_and_the_root_reduce_of_a_large_vocabulary():
+    """Over 4 ranks a unit's gather stages each fp32 shard, casts it and frees the copy: the unit's bf16
+    shards + one fp32 shard (not the whole unit in fp32 + bf16). One rank with a 128k vocabulary: the
+    root's fp32 reduce-scatter input + output at the end of backward (8 B x 525M) exceed the block moment,
+    so the peak is that reduce."""
+    block = 2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 8192 * 2048 + 2 * 2048
+    p, plain = setup("--cluster.gpu=h100-sxm-80gb", "--cluster.num_gpus=4", "--train.precision=bf16",
+                     "--train.compile=false", *ONE_B)
+    four = memory(p, plain.with_(dp_shard=4, zero=3, offload=True))
+    assert four.detail["offload_staging"] == (2 * block + 4 * 8192 * 2048) / 4
+    assert four.detail["fsdp_unsharded_params"] == 2 * (2 * block + 2 * 8192 * 2048 + 2048)  # 2 blocks + root
+    p, plain = setup(*ONE_GPU, *ONE_B, "--model.vocab_size=128256")
+    one = memory(p, plain.with_(zero=3, offload=True))
+    root = 2 * 128256 * 2048 + 2048
+    moment = 2 * (block + root) + 6 * block + 2 * (128256 * 2048 + 2048)
+    assert one.detail["fsdp_root_reduce"] == 8 * root - moment > 0
+    assert one.other == 8 * root + one.detail["logits_transient"]
 
 
 def test_nvme_moves_the_moments_to_disk():

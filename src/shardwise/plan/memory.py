@@ -19,24 +19,16 @@ tensor (train/optim.py): 4Ψ + 4Ψ + 8Ψ (+4 B per tensor) — `model_states="sh
      split one tensor (e.g. the embedding) across ranks.
   2  FSDP2 reshard_after_forward=False, 3 FSDP2 reshard_after_forward=True: each parameter's dim 0 is
      padded to a multiple of the shard group and split (FSDP2 FSDPParam); the persistent local shards
-     of params, grads (reduce-scatter output) and optimizer state are 1/N each. Transient on top:
-     ZeRO-2 keeps every unsharded (param_dtype) parameter of the stage from forward until its backward;
-     ZeRO-3 holds ~2 blocks unsharded (current + prefetched) plus the root unit (embedding, final norm,
-     head: not resharded after forward); with accumulation, ZeRO-2 (which syncs only on the last
-     micro-batch) keeps unsharded fp32 gradients of the whole stage; else one block's worth exists
-     before its reduce-scatter. Under a pipeline schedule (pp > 1) ZeRO-2 and ZeRO-3 alike end the
-     step with the whole stage unsharded, parameters and fp32 gradients (the schedule disables
-     resharding after backward and reduce-scatters once, at its end). CPU offload moves the
-     persistent shards to host memory.
+     of params, grads (reduce-scatter output) and optimizer state are 1/N each. Transient on top: the
+     gathered working copies and the gradients before their reduce-scatter (plan/fsdp_memory.py). CPU
+     offload moves the persistent shards to host memory.
 Offload (parallel.offload = "cpu" | "nvme"; FSDP2 CPUOffloadPolicy, also over a shard group of ONE rank:
-ZeRO-Offload on one device). Device: the FSDP working copies above (ZeRO-3: ~2 blocks + the root
-unsharded; ZeRO-2: the whole stage from forward to backward), one block's fp32 gradient before it
-is copied out, and a staging copy per unit gathered (FSDP2 FSDPParam.all_gather_inputs: the fp32 shard
-`.to(device)`, then its param_dtype cast, both freed after the gather): `offload_staging`, one
-block's worth. Host (`Memory.cpu_bytes`): the persistent shards of parameters, gradients and AdamW
-state. "nvme" (parallel/offload.py NvmeAdamW) moves the two moments, 8 bytes per parameter of the
-shard, to a file (`Memory.disk_bytes`); host memory keeps the step counters (4 B per tensor) and two
-chunk buffers, each holding the largest chunk of state: at most max(64 MiB, 8 B x the largest tensor)
+ZeRO-Offload on one device). Device: the FSDP transients (plan/fsdp_memory.py: over a one-rank group
+torch's world-size-1 path, measured on an H100 within 5%) and the staging of each gather. Host
+(`Memory.cpu_bytes`): the persistent shards of parameters, gradients and AdamW state. "nvme"
+(parallel/offload.py NvmeAdamW) moves the two moments, 8 bytes per parameter of the shard, to a file
+(`Memory.disk_bytes`); host memory keeps the step counters (4 B per tensor) and two chunk buffers, each
+holding the largest chunk of state: at most max(64 MiB, 8 B x the largest tensor)
 (constants.NVME_CHUNK_BYTES; the whole state when smaller). When the planned device is the CPU itself
 (cluster.gpu = "cpu") host memory IS device memory: offload moves nothing off it (the states stay in
 their categories, cpu_bytes = 0) and only "nvme" takes the moments out of memory.
@@ -51,6 +43,7 @@ from functools import lru_cache
 from shardwise.plan import activations as A
 from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
+from shardwise.plan import fsdp_memory as F
 from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches
 from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params
 from shardwise.plan.layout import Problem
@@ -107,6 +100,8 @@ class StateBytes:
     block_numel: float             # one block's TP-local parameters (FSDP ZeRO-3 working set)
     root_numel: float              # embedding + head on this rank (FSDP root unit)
     largest_numel: float = 0.0     # the largest local tensor's shard (NVMe chunk buffers)
+    head_numel: float = 0.0        # final norm + output head on this rank (their gradients wait for the root's reduce)
+    block_largest_numel: float = 0.0  # the largest tensor of a block, TP-local, unsharded (offload's staging copy)
 
 
 @lru_cache(maxsize=65536)
@@ -127,10 +122,12 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
     fsdp = zero >= 2 and shard > 1
     local = padded = 0.0
     tensors = 0
-    block_numel = root_numel = 0.0
+    block_numel = root_numel = block_largest = 0.0
     sizes_decay: list[int] = []
     sizes_other: list[int] = []
     largest = 0.0
+    head = {p.name for p in shape.head_params()} if rank.head else set()
+    head_numel = 0.0
     for spec, repeat, in_block in rank_params(shape, rank):
         ls = local_shape(spec, shape, tp, ep, tp_mode)
         n = numel(ls)
@@ -144,8 +141,10 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
         tensors += repeat
         if in_block:
             block_numel += n if repeat else 0
+            block_largest = max(block_largest, n)
         else:
             root_numel += n
+            head_numel += n if spec.name in head else 0
         if zero == 1 and not mixed:
             (sizes_decay if spec.decay else sizes_other).extend([n] * repeat)
     if rank.layers:
@@ -156,16 +155,17 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
         p = 2 * (local / n if zero >= 3 else local)
         g = 2 * (local / n if zero >= 2 else local)
         o = 12 * (local / n if zero >= 1 else local)
-        return StateBytes(p, g, o, tensors, local, local, block_numel, root_numel, largest)
+        return StateBytes(p, g, o, tensors, local, local, block_numel, root_numel, largest, head_numel, block_largest)
     if fsdp:
         # Persistent padded shards; AdamW state matches the (unpadded on the last rank, padded-size on
         # rank 0 = the most loaded) local shard; + a 4-byte step per tensor.
         return StateBytes(4 * padded, 4 * padded, 8 * padded + 4 * tensors, tensors, local, local, block_numel, root_numel,
-                          largest)
+                          largest, head_numel, block_largest)
     opt = 8 * local + 4 * tensors
     if zero == 1 and shard > 1:
         opt = _zero1_most_loaded(tuple(sizes_decay), tuple(sizes_other), shard)
-    return StateBytes(4 * local, 4 * local, opt, tensors, local, local, block_numel, root_numel, largest)
+    return StateBytes(4 * local, 4 * local, opt, tensors, local, local, block_numel, root_numel, largest, head_numel,
+                      block_largest)
 
 
 @lru_cache(maxsize=4096)
@@ -373,20 +373,10 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
     other = 0.0
     mixed = problem.model_states == "mixed" and problem.low_precision
     param_dtype = 2 if problem.low_precision else 4
+    # FSDP2 over a one-rank group (offload on one device): torch's world-size-1 path (plan/fsdp_memory.py).
+    one_rank = fsdp and offload and shard == 1 and not pipelined and not mixed
     if fsdp and not mixed:
-        if pipelined:
-            # The pipeline schedule turns off resharding after backward and holds the gradient sync to
-            # its end (torch.distributed.pipelining stage: reduce-scatter once, after the last
-            # micro-batch): by the last backward every unit of the stage is unsharded, with its fp32
-            # unsharded gradients — ZeRO-3 too (it reshards after each forward only).
-            unsharded = st.unsharded_param_numel * param_dtype
-            grad_work = st.unsharded_param_numel * 4
-        elif zero == 2:
-            unsharded = st.unsharded_param_numel * param_dtype
-            grad_work = st.unsharded_param_numel * 4 if accumulating else st.block_numel * 4
-        else:
-            unsharded = (2 * st.block_numel + st.root_numel) * param_dtype
-            grad_work = st.block_numel * 4
+        unsharded, grad_work = F.working_bytes(st, zero, param_dtype, accumulating, pipelined, one_rank)
         detail["fsdp_unsharded_params"] = unsharded
         detail["fsdp_unsharded_grads"] = grad_work
         other += unsharded + grad_work
@@ -408,8 +398,12 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
         detail["offloaded_to_cpu"] = cpu
         params = grads = opt = 0.0
         if fsdp and not mixed:
-            # FSDP2 copies each unit's fp32 shard to the device and casts it for the gather: one block's worth.
-            staging = st.block_numel / max(1, shard) * (4 + (param_dtype if param_dtype != 4 else 0))
+            staging = F.offload_staging_bytes(st, shard, param_dtype)
+            if one_rank:
+                staging, root_reduce = F.one_rank_excess(st, param_dtype, other)
+                if root_reduce:
+                    detail["fsdp_root_reduce"] = root_reduce
+                    other += root_reduce
             detail["offload_staging"] = staging
             other += staging
     comm = C.COMM_BUFFER_BYTES_PER_AXIS * comm_axes
