@@ -6,8 +6,8 @@ one rank hit and reports): the worker prints one line and exits with the failure
 
 Exit codes (docs/run-safety.md): 0 success, 1 an unexpected failure (a crash, a killed worker),
 2 bad input, 3 diverged, 4 an I/O error (disk full, read-only), 5 a stalled collective, 6 too few nodes
-(a multi-node job's nodes did not all meet; an elastic job had fewer than MIN),
-130 / 143 interrupted by SIGINT / SIGTERM (or SIGUSR1) after writing a checkpoint.
+(a multi-node job's nodes did not all meet; an elastic job had fewer than MIN), 7 out of memory (a rank's
+allocation failed in a step), 130 / 143 interrupted by SIGINT / SIGTERM (or SIGUSR1) after writing a checkpoint.
 """
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ EXIT_DIVERGED = 3
 EXIT_IO = 4
 EXIT_STALLED = 5
 EXIT_TOO_FEW_NODES = 6  # fewer nodes than --nnodes N (elastic MIN:MAX: than MIN) for run.rendezvous_timeout_s
+EXIT_OUT_OF_MEMORY = 7
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 # A restart (run.max_restarts) cannot help these: the same input, settings or disk fail the same way.
 # Interruptions are not restarted either when the launcher itself was signalled (torchrun's agent
 # shuts down), and a worker signalled on its own resumes from the checkpoint it just wrote.
-NOT_RESTARTABLE = frozenset({EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_IO})
+NOT_RESTARTABLE = frozenset({EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_IO, EXIT_OUT_OF_MEMORY})
 
 
 # What a rank reports when another rank died under it: consequences, not causes (gloo's and the store's words).
@@ -38,6 +39,23 @@ _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken p
 def lost_peer(message: str) -> str | None:
     """The phrase of a lost peer that `message` carries (the error only follows another rank's death), or None."""
     return next((s for s in _LOST_PEER if s in message.lower()), None)
+
+
+# The allocators' own words: CUDA's caching allocator (torch.OutOfMemoryError) and the host's (c10's
+# DefaultCPUAllocator raises a plain RuntimeError).
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """The allocator's first line when `error` is a failed allocation (GPU or host), else None."""
+    if isinstance(error, MemoryError):
+        return "Python could not allocate memory"
+    text = str(error)
+    if type(error).__name__ == "OutOfMemoryError" or any(s in text for s in _OUT_OF_MEMORY):
+        line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        # c10's "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..." prefix
+        return line.split("] ", 1)[-1].removeprefix("err == 0. ").strip()
+    return None
 
 
 def interrupt_exit_code(signum: int) -> int:
@@ -97,6 +115,12 @@ class Diverged(RunFailure):
     """Too many consecutive non-finite steps, or non-finite weights at a checkpoint."""
 
     exit_code = EXIT_DIVERGED
+
+
+class OutOfMemory(RunFailure):
+    """An allocation failed in a training step: the same layout fails the same way, so no restart."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
 
 
 class StorageFailure(RunFailure):

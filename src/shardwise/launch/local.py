@@ -22,6 +22,7 @@ from shardwise.errors import (
     EXIT_DIVERGED,
     EXIT_FAILED,
     EXIT_IO,
+    EXIT_OUT_OF_MEMORY,
     EXIT_SIGINT,
     EXIT_SIGTERM,
     EXIT_STALLED,
@@ -35,7 +36,7 @@ from shardwise.launch.rendezvous import MultiNode, wait_for_rendezvous
 from shardwise.scratch import owned_directory
 
 # When several workers failed with their own codes, the most specific wins.
-_PRIORITY = (EXIT_BAD_INPUT, EXIT_IO, EXIT_DIVERGED, EXIT_STALLED, EXIT_SIGTERM, EXIT_SIGINT)
+_PRIORITY = (EXIT_BAD_INPUT, EXIT_IO, EXIT_OUT_OF_MEMORY, EXIT_DIVERGED, EXIT_STALLED, EXIT_SIGTERM, EXIT_SIGINT)
 # Seconds the agent waits for workers to checkpoint and exit after forwarding a stop signal.
 SHUTDOWN_GRACE_S = 60
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")  # gloo's "[198.18.0.1]:30119", "[fd00::1]:30119"

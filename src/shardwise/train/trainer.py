@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.config import Config
-from shardwise.errors import Diverged, Interrupted
+from shardwise.errors import Diverged, Interrupted, OutOfMemory, out_of_memory
 from shardwise.models import build_model
 from shardwise.parallel.activation_checkpoint import SELECTIVE_SAVE_OPS
 from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names
@@ -317,7 +317,13 @@ class Trainer:
             while self.step < t.steps:
                 logging_step = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
                 self.timeline.recording = self.pipeline is not None and logging_step
-                r = self.train_step(measure_memory=logging_step)
+                try:
+                    r = self.train_step(measure_memory=logging_step)
+                except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                    what = out_of_memory(e)
+                    if what is None:
+                        raise
+                    raise OutOfMemory(self._out_of_memory_message(what)) from None
                 timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
                 diverged = self.guard.record(self.step, r.skipped)
@@ -364,6 +370,18 @@ class Trainer:
                 f"as step_N.diverged (they replay the same steps); newest good checkpoint: "
                 f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr ({t.lr:g}) or raise train.warmup_steps, then "
                 "rerun to resume from it (--checkpoint.resume=false starts over)")
+
+    def _out_of_memory_message(self, what: str) -> str:
+        """One line for a failed allocation in step `self.step + 1`: where, the allocator's words, and what
+        lowers the peak, each knob with its current value (the planner prices every one of them)."""
+        t, p = self.cfg.train, self.cfg.parallel
+        place = {"cuda": "GPU", "cpu": "host"}.get(self.device.type, self.device.type)
+        batch = f"train.micro_batch (now {t.micro_batch}; train.global_batch stays, by accumulation), " \
+            if t.micro_batch > 1 else ""
+        return (f"rank {self.rank} ran out of {place} memory in step {self.step + 1}: {what}; fix: lower {batch}"
+                f"set train.recompute=full (now {t.recompute}), parallel.zero=3 (now {p.zero}) or parallel.offload=cpu "
+                f"(now {p.offload}); `shardwise plan evaluate` with the same options shows the memory by category "
+                "and `shardwise plan search` a layout that fits (docs/memory.md)")
 
     def _stop(self, code: int) -> None:
         """A stop signal reached some rank: checkpoint this step (when checkpoints are on) and raise."""
