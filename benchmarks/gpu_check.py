@@ -286,6 +286,8 @@ def offload_big(ctx: Ctx, tier: str) -> list[str]:
     return [f"--model.dim={d}", f"--model.n_layers={layers}", "--model.n_heads=32", "--model.n_kv_heads=8",
             f"--model.ffn_dim={ffn}", "--train.seq_len=512", "--train.micro_batch=1", "--train.global_batch=1",
             "--model.max_seq_len=512", f"--parallel.offload={tier}", "--parallel.zero=3", "--train.recompute=full",
+            # the allocator's history of step 2 (plan/fsdp_memory.py's transients, checked against it)
+            "--run.memory_snapshot=true",
             *([f"--parallel.offload_dir={ctx.out / 'nvme'}"] if tier == "nvme" else [])]
 
 

@@ -201,6 +201,11 @@ class RunConfig:
                                                "more before it starts them (torchrun's last_call_timeout): most of the "
                                                "time from a lost node to the next step; shorter can start a smaller job "
                                                "just before a restarting node is back, which then joins (one more restart).")
+    memory_snapshot: bool = opt(False, "CUDA: record the caching allocator's history and write "
+                                       "<run.dir>/memory_snapshot/rank_R_step_2.pickle after step 2 (and "
+                                       "rank_R_out_of_memory.pickle if a step runs out of memory): every allocation "
+                                       "with its stack, over time; open it at https://pytorch.org/memory_viz. Costs a "
+                                       "few percent of step time while recording; a CPU records nothing.")
     collective_timeout_s: float = opt(300.0, "A collective that waits longer than this fails the run (exit code 5) after "
                                              "every rank's Python stack and last collective are written to "
                                              "<run.dir>/stall/ and the ranks that did not arrive are named.")

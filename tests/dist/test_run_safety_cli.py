@@ -133,9 +133,10 @@ def test_out_of_memory_exits_7_with_the_fix_and_the_fix_trains(common, tmp_path)
     run = tmp_path / "oom"
     cwd = tmp_path
     cmd = [sys.executable, "-m", "shardwise.cli", "train", *common, *shape, f"--run.dir={run}"]
-    p = subprocess.run([*cmd, "--train.micro_batch=16", "--run.max_restarts=1"], capture_output=True, text=True,
-                       timeout=240, cwd=cwd, preexec_fn=cap)
+    p = subprocess.run([*cmd, "--train.micro_batch=16", "--run.max_restarts=1", "--run.memory_snapshot=true"],
+                       capture_output=True, text=True, timeout=240, cwd=cwd, preexec_fn=cap)
     assert p.returncode == 7, p.stderr[-3000:]
+    assert "run.memory_snapshot: records the CUDA caching allocator's history; cpu has none" in p.stdout
     assert "Traceback" not in p.stdout + p.stderr
     errors = _errors(p.stderr)
     assert len(errors) == 1, errors

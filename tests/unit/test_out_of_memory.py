@@ -1,13 +1,18 @@
-"""errors.out_of_memory: which failures are a failed allocation (exit 7, errors.OutOfMemory) and the line the
-user reads. The GPU's words are tested here on CPU (torch.OutOfMemoryError is the CUDA caching allocator's
-exception class; its text below is the allocator's format); tests/dist/test_run_safety_cli.py provokes a
-real host-memory failure and follows the fix."""
+"""errors.out_of_memory: which failures are a failed allocation (exit 7, errors.OutOfMemory); the line the user
+reads (train/memory_snapshot.py out_of_memory_line); run.memory_snapshot's recording decisions. The GPU's
+words are tested here on CPU (torch.OutOfMemoryError is the CUDA caching allocator's exception class; its
+text below is the allocator's format); tests/dist/test_run_safety_cli.py provokes a real host-memory
+failure and follows the fix."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from shardwise.config import load_config
 from shardwise.errors import EXIT_OUT_OF_MEMORY, NOT_RESTARTABLE, OutOfMemory, out_of_memory
+from shardwise.train.memory_snapshot import MAX_ENTRIES, SNAPSHOT_AFTER_STEP, MemorySnapshot, out_of_memory_line
 
 CUDA_TEXT = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
              "1.02 GiB is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use.\n"
@@ -35,3 +40,62 @@ def test_other_failures_are_not_out_of_memory():
 
 def test_out_of_memory_is_its_own_code_and_never_restarted():
     assert OutOfMemory("x").exit_code == EXIT_OUT_OF_MEMORY == 7 and EXIT_OUT_OF_MEMORY in NOT_RESTARTABLE
+
+
+def _fake_allocator(monkeypatch) -> list[tuple]:
+    """torch.cuda.memory's recording and dumping, replaced by a log: the decisions run on CPU."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", max_entries=0, **_: calls.append(("record", enabled, max_entries)))
+
+    def dump(path):
+        calls.append(("dump", path))
+        Path(path).write_bytes(b"snapshot")
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    return calls
+
+
+def test_a_gpu_run_records_from_the_start_and_writes_after_step_two(monkeypatch, tmp_path):
+    calls = _fake_allocator(monkeypatch)
+    snap = MemorySnapshot(True, torch.device("cuda"), tmp_path, rank=3)
+    assert snap.note is None and calls == [("record", "all", MAX_ENTRIES)]
+    assert snap.after_step(1, last=False) is None
+    path = snap.after_step(SNAPSHOT_AFTER_STEP, last=False)
+    assert path == tmp_path / "memory_snapshot" / "rank_3_step_2.pickle" and path.read_bytes() == b"snapshot"
+    assert calls[1:] == [("dump", str(path)), ("record", None, 0)]  # written once, then recording stops
+    assert snap.after_step(3, last=True) is None and snap.out_of_memory() is None and len(calls) == 3
+
+
+def test_a_one_step_run_writes_after_it_and_an_out_of_memory_step_writes_its_history(monkeypatch, tmp_path):
+    calls = _fake_allocator(monkeypatch)
+    assert MemorySnapshot(True, torch.device("cuda"), tmp_path, 0).after_step(1, last=True).name == "rank_0_step_1.pickle"
+    snap = MemorySnapshot(True, torch.device("cuda"), tmp_path, 1)
+    path = snap.out_of_memory()
+    assert path.name == "rank_1_out_of_memory.pickle" and calls[-2:] == [("dump", str(path)), ("record", None, 0)]
+
+
+def test_off_or_on_a_cpu_nothing_is_recorded(monkeypatch, tmp_path):
+    calls = _fake_allocator(monkeypatch)
+    cpu = MemorySnapshot(True, torch.device("cpu"), tmp_path, 0)
+    assert "cpu has none, nothing is recorded" in cpu.note
+    off = MemorySnapshot(False, torch.device("cuda"), tmp_path, 0)
+    assert off.note is None
+    assert [s.after_step(2, last=True) for s in (cpu, off)] == [None, None] and cpu.out_of_memory() is None
+    assert calls == [] and not (tmp_path / "memory_snapshot").exists()
+
+
+def test_the_line_names_the_settings_and_the_history():
+    cfg = load_config(None, ["--train.micro_batch=8", "--train.global_batch=16", "--train.recompute=selective"])
+    line = out_of_memory_line(cfg, 5, 3, "cuda", CUDA_TEXT.splitlines()[0], None)
+    assert line.startswith("rank 5 ran out of GPU memory in step 3: CUDA out of memory. Tried to allocate 2.00 GiB.")
+    assert "lower train.micro_batch (now 8; train.global_batch stays, by accumulation), set train.recompute=full " \
+           "(now selective), parallel.zero=3 (now 0) or parallel.offload=cpu (now none)" in line
+    assert line.endswith("; rerun with --run.memory_snapshot=true to record what held it")
+    snapshot = Path("runs/x/memory_snapshot/rank_5_out_of_memory.pickle")
+    assert line.replace("; rerun with --run.memory_snapshot=true to record what held it", "") + \
+        f"; what held the memory: {snapshot} (https://pytorch.org/memory_viz)" == \
+        out_of_memory_line(cfg, 5, 3, "cuda", CUDA_TEXT.splitlines()[0], snapshot)
+    one = load_config(None, ["--train.micro_batch=1"])
+    host = out_of_memory_line(one, 0, 1, "cpu", "DefaultCPUAllocator: can't allocate memory", None)
+    assert "host memory" in host and "micro_batch" not in host and "memory_snapshot" not in host

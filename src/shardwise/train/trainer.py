@@ -50,6 +50,7 @@ from shardwise.train.loader import BatchPrefetcher
 from shardwise.train.loss import EAGER as EAGER_LOSS
 from shardwise.train.loss import LossKernels, token_cross_entropy_sum
 from shardwise.train.memory_meter import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
+from shardwise.train.memory_snapshot import VIEWER, MemorySnapshot, out_of_memory_line
 from shardwise.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm
 from shardwise.train.pipeline_chart import TimelineRecorder
 from shardwise.train.rundir import resume_changes
@@ -96,6 +97,10 @@ class Trainer:
             if self.dims.cp > 1 else None
         self.batch_rank = self.dims.batch_rank(self.rank)
         self.run_id, self.restarted = run_id, restarted
+        # Before the model exists: the snapshot then shows the parameters' allocations too.
+        self.snapshot = MemorySnapshot(cfg.run.memory_snapshot, self.device, self.run_dir, self.rank)
+        if self.snapshot.note:
+            self.log(self.snapshot.note)
         t = cfg.train
         self.batches = TokenBatches(self.data.tokens, t.seq_len, t.global_batch, t.seed)
         self.loader = BatchPrefetcher(self.batches, self.batch_rank, self.dims.dp, t.micro_batch, cfg.data.num_workers,
@@ -323,11 +328,14 @@ class Trainer:
                     what = out_of_memory(e)
                     if what is None:
                         raise
-                    raise OutOfMemory(self._out_of_memory_message(what)) from None
+                    raise OutOfMemory(out_of_memory_line(self.cfg, self.rank, self.step + 1, self.device.type, what,
+                                                           self.snapshot.out_of_memory())) from None
                 timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
                 diverged = self.guard.record(self.step, r.skipped)
                 report.after_step(r, self.step, logging_step, timeline, self.comm_bytes or {}, self.last_memory)
+                if snapshot := self.snapshot.after_step(self.step, last=self.step == t.steps):
+                    self.log(f"memory snapshot: {snapshot} (open it at {VIEWER})")
                 if diverged:
                     self._set_aside_diverged(self.guard.streak_start - 1)
                     raise Diverged(self._divergence_message(r), report=self.rank == 0)
@@ -370,18 +378,6 @@ class Trainer:
                 f"as step_N.diverged (they replay the same steps); newest good checkpoint: "
                 f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr ({t.lr:g}) or raise train.warmup_steps, then "
                 "rerun to resume from it (--checkpoint.resume=false starts over)")
-
-    def _out_of_memory_message(self, what: str) -> str:
-        """One line for a failed allocation in step `self.step + 1`: where, the allocator's words, and what
-        lowers the peak, each knob with its current value (the planner prices every one of them)."""
-        t, p = self.cfg.train, self.cfg.parallel
-        place = {"cuda": "GPU", "cpu": "host"}.get(self.device.type, self.device.type)
-        batch = f"train.micro_batch (now {t.micro_batch}; train.global_batch stays, by accumulation), " \
-            if t.micro_batch > 1 else ""
-        return (f"rank {self.rank} ran out of {place} memory in step {self.step + 1}: {what}; fix: lower {batch}"
-                f"set train.recompute=full (now {t.recompute}), parallel.zero=3 (now {p.zero}) or parallel.offload=cpu "
-                f"(now {p.offload}); `shardwise plan evaluate` with the same options shows the memory by category "
-                "and `shardwise plan search` a layout that fits (docs/memory.md)")
 
     def _stop(self, code: int) -> None:
         """A stop signal reached some rank: checkpoint this step (when checkpoints are on) and raise."""

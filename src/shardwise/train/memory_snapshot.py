@@ -1,0 +1,71 @@
+"""run.memory_snapshot: the CUDA caching allocator's history, to read what held the memory at a step's
+peak or at an out-of-memory failure (open the file at https://pytorch.org/memory_viz: every allocation
+with its Python and C++ stack, over time). What torchtitan's `profiling.enable_memory_snapshot` and
+Megatron-LM's `--record-memory-history` give; it is how the planner's memory model is checked on a GPU
+(plan/fsdp_memory.py).
+
+Recording starts when the trainer does (the parameters' allocations included) and stops at the first
+dump: after step SNAPSHOT_AFTER_STEP, the first step that runs as every later one does (compiled, the
+optimizer's state allocated), or the run's last step, whichever comes first; and when a step runs out of
+memory. One file per rank under <run.dir>/memory_snapshot/. The history is a ring of MAX_ENTRIES
+allocator events; recording slows allocation-heavy steps by a few percent, so it is off by default.
+A CPU has no such allocator: the option says so and records nothing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shardwise.config import Config
+
+SNAPSHOT_AFTER_STEP = 2
+# Allocator events kept: a training step of a large model makes ~10^4 (the parameters, per-block
+# activations and their gradients), so two steps and the start fit.
+MAX_ENTRIES = 200_000
+VIEWER = "https://pytorch.org/memory_viz"
+
+
+class MemorySnapshot:
+    def __init__(self, enabled: bool, device: torch.device, run_dir: Path, rank: int):
+        self.directory, self.rank = Path(run_dir) / "memory_snapshot", rank
+        self.recording = enabled and device.type == "cuda"
+        self.note = (f"run.memory_snapshot: records the CUDA caching allocator's history; {device.type} has none, "
+                     "nothing is recorded") if enabled and not self.recording else None
+        if self.recording:
+            torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
+
+    def after_step(self, step: int, last: bool) -> Path | None:
+        """The file written after `step` (SNAPSHOT_AFTER_STEP, or the run's last), else None."""
+        if self.recording and (step >= SNAPSHOT_AFTER_STEP or last):
+            return self._dump(f"rank_{self.rank}_step_{step}.pickle")
+        return None
+
+    def out_of_memory(self) -> Path | None:
+        """The history up to a failed allocation, when recording."""
+        return self._dump(f"rank_{self.rank}_out_of_memory.pickle") if self.recording else None
+
+    def _dump(self, name: str) -> Path:
+        # torch writes the snapshot as a pickle (the viewer's format); nothing here ever reads one back.
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / name
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording = False
+        return path
+
+
+def out_of_memory_line(cfg: Config, rank: int, step: int, device_type: str, what: str, snapshot: Path | None) -> str:
+    """The one line of a failed allocation (errors.OutOfMemory, exit 7) in `step`: where, the allocator's
+    words (`what`), what lowers the peak, each setting with its value (the planner prices every one), and
+    the allocator's history up to it (`snapshot`) or, on a GPU, how to record it."""
+    t, p = cfg.train, cfg.parallel
+    place = {"cuda": "GPU", "cpu": "host"}.get(device_type, device_type)
+    batch = f"train.micro_batch (now {t.micro_batch}; train.global_batch stays, by accumulation), " \
+        if t.micro_batch > 1 else ""
+    history = f"; what held the memory: {snapshot} ({VIEWER})" if snapshot else \
+        "; rerun with --run.memory_snapshot=true to record what held it" if device_type == "cuda" else ""
+    return (f"rank {rank} ran out of {place} memory in step {step}: {what}; fix: lower {batch}set "
+            f"train.recompute=full (now {t.recompute}), parallel.zero=3 (now {p.zero}) or parallel.offload=cpu (now "
+            f"{p.offload}); `shardwise plan evaluate` with the same options shows the memory by category and "
+            f"`shardwise plan search` a layout that fits (docs/memory.md){history}")
