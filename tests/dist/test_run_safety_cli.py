@@ -118,36 +118,36 @@ def test_divergence_is_not_restarted(common, tmp_path):
 
 
 def test_out_of_memory_exits_7_with_the_fix_and_the_fix_trains(common, tmp_path):
-    """A step that cannot allocate: the worker's address space is capped (RLIMIT_AS, 3 GB; a worker maps
-    ~1.4 GB) and the micro-batch's logits need 16 x 512 x 65,536 x 4 B = 2 GiB at once. Before, the
-    launcher named the RuntimeError's first line (C++ enforce text) with exit 1, and run.max_restarts ran
-    the same step again. Now: exit 7, one line with the allocator's words and the knobs that lower the
-    peak, no restart. Then the user does what it says: a smaller micro-batch, the same global batch."""
+    """A step that cannot allocate, on both ranks of a ZeRO-3 job: each worker's address space is capped
+    (RLIMIT_AS, 3 GB; a worker maps ~1.4 GB) and a micro-batch's logits need 16 x 512 x 65,536 x 4 B =
+    2 GiB at once. Before, the launcher named a RuntimeError's first line (C++ enforce text) with exit 1,
+    and run.max_restarts ran the same step again. Now: exit 7, one line (from the first rank to fail)
+    with the allocator's words and the settings that lower the peak, no restart. Then the user does what
+    it says: a smaller micro-batch, the same global batch."""
     import resource
 
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (3_000_000_000, 3_000_000_000))
 
-    shape = ["--model.vocab_size=65536", "--train.seq_len=512", "--train.global_batch=16", "--train.steps=1",
-             "--data.tokenizer=byte"]
+    shape = ["--model.vocab_size=65536", "--train.seq_len=512", "--train.global_batch=32", "--train.steps=1",
+             "--data.tokenizer=byte", "--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3"]
     run = tmp_path / "oom"
-    cwd = tmp_path
     cmd = [sys.executable, "-m", "shardwise.cli", "train", *common, *shape, f"--run.dir={run}"]
     p = subprocess.run([*cmd, "--train.micro_batch=16", "--run.max_restarts=1", "--run.memory_snapshot=true"],
-                       capture_output=True, text=True, timeout=240, cwd=cwd, preexec_fn=cap)
+                       capture_output=True, text=True, timeout=240, cwd=tmp_path, preexec_fn=cap)
     assert p.returncode == 7, p.stderr[-3000:]
     assert "run.memory_snapshot: records the CUDA caching allocator's history; cpu has none" in p.stdout
     assert "Traceback" not in p.stdout + p.stderr
     errors = _errors(p.stderr)
     assert len(errors) == 1, errors
-    assert errors[0].startswith("error: rank 0 ran out of host memory in step 1: DefaultCPUAllocator: can't "
-                                "allocate memory: you tried to allocate 2147483648 bytes"), errors
+    assert re.match(r"error: rank [01] ran out of host memory in step 1: DefaultCPUAllocator: can't allocate memory: "
+                    r"you tried to allocate 2147483648 bytes", errors[0]), errors
     assert "lower train.micro_batch (now 16; train.global_batch stays, by accumulation)" in errors[0]
     assert p.stdout.count("not training again: this job failed with exit code 7") == 1  # the restart ended at once
-    p = subprocess.run([*cmd, "--train.micro_batch=2"], capture_output=True, text=True, timeout=240, cwd=cwd,
+    p = subprocess.run([*cmd, "--train.micro_batch=2"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
                        preexec_fn=cap)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "done: 1 steps, 8,192 tokens" in p.stdout
+    assert "done: 1 steps, 16,384 tokens" in p.stdout
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_resumes_bitwise(common, tmp_path):

@@ -12,7 +12,13 @@ import torch
 
 from shardwise.config import load_config
 from shardwise.errors import EXIT_OUT_OF_MEMORY, NOT_RESTARTABLE, OutOfMemory, out_of_memory
-from shardwise.train.memory_snapshot import MAX_ENTRIES, SNAPSHOT_AFTER_STEP, MemorySnapshot, out_of_memory_line
+from shardwise.train.memory_snapshot import (
+    MAX_ENTRIES,
+    SNAPSHOT_AFTER_STEP,
+    MemorySnapshot,
+    first_to_report,
+    out_of_memory_line,
+)
 
 CUDA_TEXT = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
              "1.02 GiB is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use.\n"
@@ -99,3 +105,12 @@ def test_the_line_names_the_settings_and_the_history():
     one = load_config(None, ["--train.micro_batch=1"])
     host = out_of_memory_line(one, 0, 1, "cpu", "DefaultCPUAllocator: can't allocate memory", None)
     assert "host memory" in host and "micro_batch" not in host and "memory_snapshot" not in host
+
+
+def test_the_first_rank_of_a_job_to_fail_prints_the_line(tmp_path):
+    assert first_to_report(tmp_path, "job-a", "rank 1 ran out") and not first_to_report(tmp_path, "job-a", "rank 0 ran out")
+    assert (tmp_path / "errors" / "out_of_memory.job-a.txt").read_text() == "rank 1 ran out\n"
+    assert first_to_report(tmp_path, "job-b", "rank 0 ran out")  # the next job in the same directory prints again
+    assert first_to_report(tmp_path, "", "x") and first_to_report(tmp_path, "", "x")  # no job id: every rank
+    (tmp_path / "a-file").write_text("")
+    assert first_to_report(tmp_path / "a-file", "job-a", "x")  # cannot record it: print rather than hide it

@@ -69,3 +69,23 @@ def out_of_memory_line(cfg: Config, rank: int, step: int, device_type: str, what
             f"train.recompute=full (now {t.recompute}), parallel.zero=3 (now {p.zero}) or parallel.offload=cpu (now "
             f"{p.offload}); `shardwise plan evaluate` with the same options shows the memory by category and "
             f"`shardwise plan search` a layout that fits (docs/memory.md){history}")
+
+
+def first_to_report(run_dir: Path, run_id: str, line: str) -> bool:
+    """Whether this rank prints the out-of-memory line: ranks run out of memory together (the same
+    layout on every rank), and they cannot agree in a collective then, so the first to create
+    <run_dir>/errors/out_of_memory.<run_id>.txt (exclusive create, atomic) prints it and the others stay
+    quiet; one line per job on a shared run directory, one per node on local ones. Without a job id (an
+    in-process run) or a writable directory, every rank prints its own."""
+    if not run_id:
+        return True
+    path = Path(run_dir) / "errors" / f"out_of_memory.{run_id}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "x") as f:
+            f.write(line + "\n")
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True

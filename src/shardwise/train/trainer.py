@@ -50,7 +50,7 @@ from shardwise.train.loader import BatchPrefetcher
 from shardwise.train.loss import EAGER as EAGER_LOSS
 from shardwise.train.loss import LossKernels, token_cross_entropy_sum
 from shardwise.train.memory_meter import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
-from shardwise.train.memory_snapshot import VIEWER, MemorySnapshot, out_of_memory_line
+from shardwise.train.memory_snapshot import VIEWER, MemorySnapshot, first_to_report, out_of_memory_line
 from shardwise.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm
 from shardwise.train.pipeline_chart import TimelineRecorder
 from shardwise.train.rundir import resume_changes
@@ -328,8 +328,9 @@ class Trainer:
                     what = out_of_memory(e)
                     if what is None:
                         raise
-                    raise OutOfMemory(out_of_memory_line(self.cfg, self.rank, self.step + 1, self.device.type, what,
-                                                           self.snapshot.out_of_memory())) from None
+                    line = out_of_memory_line(self.cfg, self.rank, self.step + 1, self.device.type, what,
+                                              self.snapshot.out_of_memory())
+                    raise OutOfMemory(line, report=first_to_report(self.run_dir, self.run_id, line)) from None
                 timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
                 diverged = self.guard.record(self.step, r.skipped)
