@@ -7,7 +7,8 @@ one rank hit and reports): the worker prints one line and exits with the failure
 Exit codes (docs/run-safety.md): 0 success, 1 an unexpected failure (a crash, a killed worker),
 2 bad input, 3 diverged, 4 an I/O error (disk full, read-only), 5 a stalled collective, 6 too few nodes
 (a multi-node job's nodes did not all meet; an elastic job had fewer than MIN), 7 out of memory (a rank's
-allocation failed in a step), 130 / 143 interrupted by SIGINT / SIGTERM (or SIGUSR1) after writing a checkpoint.
+allocation failed in a step or while the model was built), 130 / 143 interrupted by SIGINT / SIGTERM (or
+SIGUSR1) after writing a checkpoint.
 """
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ class Diverged(RunFailure):
 
 
 class OutOfMemory(RunFailure):
-    """An allocation failed in a training step: the same layout fails the same way, so no restart."""
+    """An allocation failed in a training step or while the model was built: the same layout fails the same
+    way, so no restart."""
 
     exit_code = EXIT_OUT_OF_MEMORY
 

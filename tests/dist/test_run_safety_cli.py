@@ -150,6 +150,33 @@ def test_out_of_memory_exits_7_with_the_fix_and_the_fix_trains(common, tmp_path)
     assert "done: 1 steps, 16,384 tokens" in p.stdout
 
 
+@pytest.mark.parametrize("layout", [["--nproc", "1"], ["--nproc", "2", "--parallel.dp_replicate=2"]],
+                         ids=["in-process", "two-ranks"])
+def test_out_of_memory_while_building_the_model_exits_7_with_one_line(common, tmp_path, layout):
+    """Parameters alone larger than a worker may map (a 131k x 2048 embedding and head, 1 GiB each, under
+    the 3 GB RLIMIT_AS of the test above): before, a traceback (one process) or exit 1 naming C++ enforce
+    text (torchrun). Now: exit 7 and one line that says it happened before the first step and offers only
+    what shards the model states (the batch and recomputation do not matter yet)."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (3_000_000_000, 3_000_000_000))
+
+    big = ["--model.dim=2048", "--model.vocab_size=131072", "--train.seq_len=64", "--train.micro_batch=2",
+           f"--train.global_batch={2 * int(layout[1])}", "--train.steps=1", "--data.tokenizer=byte"]
+    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", *common, *big, *layout,
+                        f"--run.dir={tmp_path / 'big'}"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                       preexec_fn=cap)
+    assert p.returncode == 7, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr
+    errors = _errors(p.stderr)
+    assert len(errors) == 1, errors
+    assert re.match(r"error: rank [01] ran out of host memory before the first step \(building the model or loading "
+                    r"its checkpoint\): DefaultCPUAllocator: can't allocate memory: .*; fix: shard the model states: "
+                    r"parallel.zero=3 \(now 0\) over more ranks", errors[0]), errors
+    assert "micro_batch" not in errors[0] and "recompute" not in errors[0]
+
+
 def test_sigterm_to_the_launcher_checkpoints_and_resumes_bitwise(common, tmp_path):
     args = [*ZERO3, "--train.steps=40", "--train.log_every=1", "--checkpoint.every=0"]
     reference = _train(common, tmp_path / "reference", *args)

@@ -95,8 +95,9 @@ def test_the_line_names_the_settings_and_the_history():
     cfg = load_config(None, ["--train.micro_batch=8", "--train.global_batch=16", "--train.recompute=selective"])
     line = out_of_memory_line(cfg, 5, 3, "cuda", CUDA_TEXT.splitlines()[0], None)
     assert line.startswith("rank 5 ran out of GPU memory in step 3: CUDA out of memory. Tried to allocate 2.00 GiB.")
-    assert "lower train.micro_batch (now 8; train.global_batch stays, by accumulation), set train.recompute=full " \
-           "(now selective), parallel.zero=3 (now 0) or parallel.offload=cpu (now none)" in line
+    assert "fix: lower train.micro_batch (now 8; train.global_batch stays, by accumulation), set train.recompute=full " \
+           "(now selective), parallel.zero=3 (now 0) over more ranks, parallel.offload=cpu (now none) or parallel.tp " \
+           "(now 1);" in line
     assert line.endswith("; rerun with --run.memory_snapshot=true to record what held it")
     snapshot = Path("runs/x/memory_snapshot/rank_5_out_of_memory.pickle")
     assert line.replace("; rerun with --run.memory_snapshot=true to record what held it", "") + \
@@ -105,6 +106,11 @@ def test_the_line_names_the_settings_and_the_history():
     one = load_config(None, ["--train.micro_batch=1"])
     host = out_of_memory_line(one, 0, 1, "cpu", "DefaultCPUAllocator: can't allocate memory", None)
     assert "host memory" in host and "micro_batch" not in host and "memory_snapshot" not in host
+    # before the first step only the model states exist: neither the batch nor recomputation helps
+    setup = out_of_memory_line(cfg, 0, None, "cuda", "CUDA out of memory.", None)
+    assert "before the first step (building the model or loading its checkpoint): CUDA out of memory.; fix: shard " \
+           "the model states: parallel.zero=3 (now 0) over more ranks, parallel.offload=cpu (now none) or parallel.tp " \
+           "(now 1);" in setup and "micro_batch" not in setup and "recompute" not in setup
 
 
 def test_the_first_rank_of_a_job_to_fail_prints_the_line(tmp_path):

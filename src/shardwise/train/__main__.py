@@ -23,7 +23,16 @@ import time
 import traceback
 from pathlib import Path
 
-from shardwise.train.distributed import RESTART_COUNT, RUN_ID, agreed_attempt, finish_distributed, init_distributed, launcher, leave
+from shardwise.train.distributed import (
+    RESTART_COUNT,
+    RUN_ID,
+    agreed_attempt,
+    default_device,
+    finish_distributed,
+    init_distributed,
+    launcher,
+    leave,
+)
 from shardwise.train.signals import StopRequest, exit_with_parent
 
 # Seconds a rank that only lost a peer waits before it fails, when the agent will restart the group.
@@ -95,10 +104,20 @@ def main(argv: list[str] | None = None) -> int:
 def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distributed: bool) -> int:
     import torch.distributed as dist
 
-    from shardwise.errors import EXIT_STALLED, ConfigError, Interrupted, RunFailure, lost_peer, storage_failure
+    from shardwise.errors import (
+        EXIT_OUT_OF_MEMORY,
+        EXIT_STALLED,
+        ConfigError,
+        Interrupted,
+        RunFailure,
+        lost_peer,
+        out_of_memory,
+        storage_failure,
+    )
     from shardwise.train import rundir
     from shardwise.train.agreement import SetupMismatch
     from shardwise.train.data import prepare_data
+    from shardwise.train.memory_snapshot import first_to_report, out_of_memory_line
     from shardwise.train.trainer import Trainer
     from shardwise.train.watchdog import StallWatchdog, is_timeout
 
@@ -111,7 +130,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
               f"after a failure or a change of nodes{world}; resuming from the newest intact checkpoint", flush=True)
     watchdog = StallWatchdog(run_dir, rank, dist.get_world_size(), f"{run_id}/{attempt}") \
         if distributed and "MASTER_ADDR" in os.environ else None
-    lock = None
+    lock = trainer = None
     try:
         if rank == 0:  # plain torchrun: the launcher did not lock the run directory for us
             lock = rundir.lock_unless_parent_holds(cfg)
@@ -155,6 +174,13 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)
         return e.exit_code
     except Exception as e:
+        if trainer is None and (what := out_of_memory(e)):  # a step's own is an OutOfMemory, above
+            line = out_of_memory_line(cfg, rank, None, default_device().type, what, None)
+            if first_to_report(run_dir, run_id, line):
+                _say(line)
+            if rank == 0:
+                rundir.record_unrestartable_failure(run_dir, run_id, EXIT_OUT_OF_MEMORY)
+            return EXIT_OUT_OF_MEMORY
         if watchdog is not None and is_timeout(e):
             report = watchdog.report(e)
             if report and attempt < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):

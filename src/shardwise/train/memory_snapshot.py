@@ -55,20 +55,25 @@ class MemorySnapshot:
         return path
 
 
-def out_of_memory_line(cfg: Config, rank: int, step: int, device_type: str, what: str, snapshot: Path | None) -> str:
-    """The one line of a failed allocation (errors.OutOfMemory, exit 7) in `step`: where, the allocator's
-    words (`what`), what lowers the peak, each setting with its value (the planner prices every one), and
-    the allocator's history up to it (`snapshot`) or, on a GPU, how to record it."""
+def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: str, what: str,
+                       snapshot: Path | None) -> str:
+    """The one line of a failed allocation (errors.OutOfMemory, exit 7) in `step` (None: before the first
+    step, building the model or loading its checkpoint): where, the allocator's words (`what`), what lowers
+    the peak, each setting with its value (the planner prices every one), and the allocator's history up
+    to it (`snapshot`) or, on a GPU, how to record it."""
     t, p = cfg.train, cfg.parallel
     place = {"cuda": "GPU", "cpu": "host"}.get(device_type, device_type)
-    batch = f"train.micro_batch (now {t.micro_batch}; train.global_batch stays, by accumulation), " \
-        if t.micro_batch > 1 else ""
+    states = f"parallel.zero=3 (now {p.zero}) over more ranks, parallel.offload=cpu (now {p.offload}) or parallel.tp (now {p.tp})"
+    if step is None:  # the model states alone: activations do not exist yet
+        when, fix = "before the first step (building the model or loading its checkpoint)", f"shard the model states: {states}"
+    else:
+        batch = f"train.micro_batch (now {t.micro_batch}; train.global_batch stays, by accumulation), " \
+            if t.micro_batch > 1 else ""
+        when, fix = f"in step {step}", f"{'lower ' + batch if batch else ''}set train.recompute=full (now {t.recompute}), {states}"
     history = f"; what held the memory: {snapshot} ({VIEWER})" if snapshot else \
         "; rerun with --run.memory_snapshot=true to record what held it" if device_type == "cuda" else ""
-    return (f"rank {rank} ran out of {place} memory in step {step}: {what}; fix: lower {batch}set "
-            f"train.recompute=full (now {t.recompute}), parallel.zero=3 (now {p.zero}) or parallel.offload=cpu (now "
-            f"{p.offload}); `shardwise plan evaluate` with the same options shows the memory by category and "
-            f"`shardwise plan search` a layout that fits (docs/memory.md){history}")
+    return (f"rank {rank} ran out of {place} memory {when}: {what}; fix: {fix}; `shardwise plan evaluate` with the same "
+            f"options shows the memory by category and `shardwise plan search` a layout that fits (docs/memory.md){history}")
 
 
 def first_to_report(run_dir: Path, run_id: str, line: str) -> bool:
