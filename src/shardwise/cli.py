@@ -196,10 +196,9 @@ def _train_in_process(cfg: Config, data) -> int:
             what = out_of_memory(e)
             if what is None or trainer is not None:
                 raise
-            from shardwise.train.distributed import default_device
-            from shardwise.train.memory_snapshot import out_of_memory_line
+            from shardwise.train.memory_snapshot import setup_out_of_memory_line
 
-            raise OutOfMemory(out_of_memory_line(cfg, 0, None, default_device().type, what, None)) from None
+            raise OutOfMemory(setup_out_of_memory_line(cfg, 0, 1, what)) from None
     except RunFailure as e:
         print(("" if isinstance(e, Interrupted) else "error: ") + e.message, file=sys.stderr)
         return e.exit_code

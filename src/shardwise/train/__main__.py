@@ -27,7 +27,6 @@ from shardwise.train.distributed import (
     RESTART_COUNT,
     RUN_ID,
     agreed_attempt,
-    default_device,
     finish_distributed,
     init_distributed,
     launcher,
@@ -117,7 +116,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     from shardwise.train import rundir
     from shardwise.train.agreement import SetupMismatch
     from shardwise.train.data import prepare_data
-    from shardwise.train.memory_snapshot import first_to_report, out_of_memory_line
+    from shardwise.train.memory_snapshot import first_to_report, setup_out_of_memory_line
     from shardwise.train.trainer import Trainer
     from shardwise.train.watchdog import StallWatchdog, is_timeout
 
@@ -175,7 +174,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
         return e.exit_code
     except Exception as e:
         if trainer is None and (what := out_of_memory(e)):  # a step's own is an OutOfMemory, above
-            line = out_of_memory_line(cfg, rank, None, default_device().type, what, None)
+            line = setup_out_of_memory_line(cfg, rank, dist.get_world_size() if distributed else 1, what)
             if first_to_report(run_dir, run_id, line):
                 _say(line)
             if rank == 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config import Config
+from shardwise.train.planned_memory import PlannedMemory
 
 SNAPSHOT_AFTER_STEP = 2
 # Allocator events kept: a training step of a large model makes ~10^4 (the parameters, per-block
@@ -56,11 +57,12 @@ class MemorySnapshot:
 
 
 def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: str, what: str,
-                       snapshot: Path | None) -> str:
+                       snapshot: Path | None, planned: PlannedMemory | None = None) -> str:
     """The one line of a failed allocation (errors.OutOfMemory, exit 7) in `step` (None: before the first
-    step, building the model or loading its checkpoint): where, the allocator's words (`what`), what lowers
-    the peak, each setting with its value (the planner prices every one), and the allocator's history up
-    to it (`snapshot`) or, on a GPU, how to record it."""
+    step, building the model or loading its checkpoint): where, the allocator's words (`what`), what the
+    planner expected (`planned`, on a GPU of its table), what lowers the peak, each setting with its value
+    (the planner prices every one), and the allocator's history up to it (`snapshot`) or, on a GPU, how to
+    record it."""
     t, p = cfg.train, cfg.parallel
     place = {"cuda": "GPU", "cpu": "host"}.get(device_type, device_type)
     states = f"parallel.zero=3 (now {p.zero}) over more ranks, parallel.offload=cpu (now {p.offload}) or parallel.tp (now {p.tp})"
@@ -72,7 +74,9 @@ def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: st
         when, fix = f"in step {step}", f"{'lower ' + batch if batch else ''}set train.recompute=full (now {t.recompute}), {states}"
     history = f"; what held the memory: {snapshot} ({VIEWER})" if snapshot else \
         "; rerun with --run.memory_snapshot=true to record what held it" if device_type == "cuda" else ""
-    return (f"rank {rank} ran out of {place} memory {when}: {what}; fix: {fix}; `shardwise plan evaluate` with the same "
+    expected = "" if planned is None else f"; the planner expected {planned.words()}" + (
+        ": this layout does not fit" if planned.total_bytes > planned.capacity_bytes else "")
+    return (f"rank {rank} ran out of {place} memory {when}: {what}{expected}; fix: {fix}; `shardwise plan evaluate` with the same "
             f"options shows the memory by category and `shardwise plan search` a layout that fits (docs/memory.md){history}")
 
 
@@ -94,3 +98,15 @@ def first_to_report(run_dir: Path, run_id: str, line: str) -> bool:
     except OSError:
         return True
     return True
+
+
+def setup_out_of_memory_line(cfg: Config, rank: int, world_size: int, what: str) -> str:
+    """The out-of-memory line before the first step (no trainer yet): this process's device, and on a GPU
+    of the planner's table what it expected for the layout."""
+    from shardwise.train.distributed import default_device
+    from shardwise.train.planned_memory import local_world_size, planned_memory
+
+    device_type = default_device().type
+    planned = planned_memory(cfg, world_size, local_world_size(world_size), torch.cuda.get_device_name()) \
+        if device_type == "cuda" else None
+    return out_of_memory_line(cfg, rank, None, device_type, what, None, planned)

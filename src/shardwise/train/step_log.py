@@ -27,6 +27,7 @@ from shardwise.train.health import StepGuard
 from shardwise.train.metrics import MetricsLogger, mfu, tokens_per_s_per_device
 from shardwise.train.peak_flops import device_peak_flops
 from shardwise.train.pipeline_chart import CHART_FILE, describe, write_timeline
+from shardwise.train.planned_memory import PlannedMemory, local_world_size, planned_memory
 from shardwise.train.power import JOULES_PER_KWH, EnergyMeter, agreed, nvml_energy_reader
 
 
@@ -80,8 +81,11 @@ class StepLog:
             run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLogger(run_dir, t.steps, start_step, is_writer=writer, progress=cfg.run.progress,
                                      tensorboard=cfg.run.tensorboard, loss_curve=cfg.run.loss_curve)
-        self.peak, peak_label = device_peak_flops(device.type, compute_precision(t.precision),
-                                                  torch.cuda.get_device_name() if device.type == "cuda" else None)
+        cuda_name = torch.cuda.get_device_name() if device.type == "cuda" else None
+        self.peak, peak_label = device_peak_flops(device.type, compute_precision(t.precision), cuda_name)
+        # The planner's peak for this run on this GPU, beside the measured one (train/planned_memory.py).
+        self.planned = planned_memory(cfg, dims.world_size, local_world_size(dims.world_size), cuda_name) \
+            if cuda_name else None
         if not quiet:
             layout = "one process" if dims.world_size == 1 else f"{dims.describe()} x{dims.world_size}"
             self.metrics.print(f"model: {cfg.model.arch} {num_params / 1e6:.2f}M params, layout "
@@ -92,7 +96,8 @@ class StepLog:
                                f"peak {_flops(self.peak)} ({peak_label})"
                                + (f", offload {offload_tier(cfg.parallel)}" if offload_tier(cfg.parallel) != "none" else "")
                                + (f", MLP in {cfg.parallel.linear_tiles} tiles" if cfg.parallel.linear_tiles > 1 else "")
-                               + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else ""))
+                               + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else "")
+                               + (f", planned peak {self.planned.words()}" if self.planned else ""))
 
     def after_step(self, r: StepResult, step: int, logging: bool, timeline: dict | None,
                    comm_bytes: dict[str, dict[str, int]], memory: dict[str, list[int]]) -> None:
@@ -176,7 +181,7 @@ class StepLog:
             parts.append(f"median {statistics.median_high(rates):,.0f} tokens/s{mfu}")
         peak = max((r.get("mem_max_memory_allocated_bytes") or 0) for r in self.logged) if self.logged else 0
         if peak:
-            parts.append(f"peak memory {peak / 2**30:.2f} GiB on rank 0")
+            parts.append(peak_words(peak, self.planned))
         if self.energy.enabled and self.energy.total_tokens:
             parts.append(f"GPU energy {self.energy.total_joules / JOULES_PER_KWH:.3g} kWh, "
                          f"{self.energy.total_joules / self.energy.total_tokens:.3g} J/token (all GPUs)")
@@ -192,6 +197,12 @@ class StepLog:
 def _flops(per_s: float) -> str:
     """A GPU's 989.4 TFLOP/s read 989400.0 GFLOP/s; a CPU's probe stays in GFLOP/s."""
     return f"{per_s / 1e12:.1f} TFLOP/s" if per_s >= 1e12 else f"{per_s / 1e9:.1f} GFLOP/s"
+
+
+def peak_words(peak_bytes: int, planned: PlannedMemory | None) -> str:
+    """The summary's memory: rank 0's allocator peak and, on a GPU of the planner's table, its prediction."""
+    return f"peak memory {peak_bytes / 2**30:.2f} GiB on rank 0" + (
+        f" (planned {planned.total_bytes / 2**30:.2f} for the most loaded rank)" if planned else "")
 
 
 def _precision_words(precision: str, defaulted: bool, device: torch.device) -> str:

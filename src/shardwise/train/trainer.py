@@ -329,7 +329,7 @@ class Trainer:
                     if what is None:
                         raise
                     line = out_of_memory_line(self.cfg, self.rank, self.step + 1, self.device.type, what,
-                                              self.snapshot.out_of_memory())
+                                              self.snapshot.out_of_memory(), report.planned)
                     raise OutOfMemory(line, report=first_to_report(self.run_dir, self.run_id, line)) from None
                 timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
