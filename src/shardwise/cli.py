@@ -196,7 +196,7 @@ def _train_in_process(cfg: Config, data) -> int:
             what = out_of_memory(e)
             if what is None or trainer is not None:
                 raise
-            from shardwise.train.memory_snapshot import setup_out_of_memory_line
+            from shardwise.train.out_of_memory import setup_out_of_memory_line
 
             raise OutOfMemory(setup_out_of_memory_line(cfg, 0, 1, what)) from None
     except RunFailure as e:

@@ -204,8 +204,8 @@ class RunConfig:
     memory_snapshot: bool = opt(False, "CUDA: record the caching allocator's history and write "
                                        "<run.dir>/memory_snapshot/rank_R_step_2.pickle after step 2 (and "
                                        "rank_R_out_of_memory.pickle if a step runs out of memory): every allocation "
-                                       "with its stack, over time; open it at https://pytorch.org/memory_viz. Costs a "
-                                       "few percent of step time while recording; a CPU records nothing.")
+                                       "with its stack, over time; open it at https://pytorch.org/memory_viz. Takes a "
+                                       "stack trace at every allocation while recording; a CPU records nothing.")
     collective_timeout_s: float = opt(300.0, "A collective that waits longer than this fails the run (exit code 5) after "
                                              "every rank's Python stack and last collective are written to "
                                              "<run.dir>/stall/ and the ranks that did not arrive are named.")

@@ -1,5 +1,5 @@
 """errors.out_of_memory: which failures are a failed allocation (exit 7, errors.OutOfMemory); the line the user
-reads (train/memory_snapshot.py out_of_memory_line); run.memory_snapshot's recording decisions. The GPU's
+reads (train/out_of_memory.py out_of_memory_line); run.memory_snapshot's recording decisions. The GPU's
 words are tested here on CPU (torch.OutOfMemoryError is the CUDA caching allocator's exception class; its
 text below is the allocator's format); tests/dist/test_run_safety_cli.py provokes a real host-memory
 failure and follows the fix."""
@@ -12,7 +12,7 @@ import torch
 
 from shardwise.config import load_config
 from shardwise.errors import EXIT_OUT_OF_MEMORY, NOT_RESTARTABLE, OutOfMemory, out_of_memory
-from shardwise.train.memory_snapshot import (
+from shardwise.train.out_of_memory import (
     MAX_ENTRIES,
     SNAPSHOT_AFTER_STEP,
     MemorySnapshot,

@@ -7,7 +7,7 @@ import json
 
 from shardwise.cli import main
 from shardwise.config import load_config
-from shardwise.train.memory_snapshot import out_of_memory_line
+from shardwise.train.out_of_memory import out_of_memory_line
 from shardwise.train.planned_memory import GIB, PlannedMemory, planned_memory
 from shardwise.train.step_log import peak_words
 

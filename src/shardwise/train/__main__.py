@@ -116,7 +116,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     from shardwise.train import rundir
     from shardwise.train.agreement import SetupMismatch
     from shardwise.train.data import prepare_data
-    from shardwise.train.memory_snapshot import first_to_report, setup_out_of_memory_line
+    from shardwise.train.out_of_memory import first_to_report, setup_out_of_memory_line
     from shardwise.train.trainer import Trainer
     from shardwise.train.watchdog import StallWatchdog, is_timeout
 

@@ -50,8 +50,8 @@ from shardwise.train.loader import BatchPrefetcher
 from shardwise.train.loss import EAGER as EAGER_LOSS
 from shardwise.train.loss import LossKernels, token_cross_entropy_sum
 from shardwise.train.memory_meter import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
-from shardwise.train.memory_snapshot import VIEWER, MemorySnapshot, first_to_report, out_of_memory_line
 from shardwise.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm
+from shardwise.train.out_of_memory import VIEWER, MemorySnapshot, first_to_report, out_of_memory_line
 from shardwise.train.pipeline_chart import TimelineRecorder
 from shardwise.train.rundir import resume_changes
 from shardwise.train.signals import StopRequest

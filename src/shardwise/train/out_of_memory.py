@@ -1,15 +1,20 @@
-"""run.memory_snapshot: the CUDA caching allocator's history, to read what held the memory at a step's
-peak or at an out-of-memory failure (open the file at https://pytorch.org/memory_viz: every allocation
-with its Python and C++ stack, over time). What torchtitan's `profiling.enable_memory_snapshot` and
-Megatron-LM's `--record-memory-history` give; it is how the planner's memory model is checked on a GPU
-(plan/fsdp_memory.py).
+"""When memory runs out: the one line of a failed allocation (errors.OutOfMemory, exit 7), and the CUDA
+caching allocator's history that shows what held the memory (run.memory_snapshot).
 
-Recording starts when the trainer does (the parameters' allocations included) and stops at the first
-dump: after step SNAPSHOT_AFTER_STEP, the first step that runs as every later one does (compiled, the
-optimizer's state allocated), or the run's last step, whichever comes first; and when a step runs out of
-memory. One file per rank under <run.dir>/memory_snapshot/. The history is a ring of MAX_ENTRIES
-allocator events; recording slows allocation-heavy steps by a few percent, so it is off by default.
-A CPU has no such allocator: the option says so and records nothing.
+The line: the rank, the step (or before the first), the allocator's own words, what the planner
+expected on this GPU (train/planned_memory.py), the settings that lower the peak with their values, and
+the history's file or how to record one. Ranks of one layout fail together and cannot agree in a
+collective then: the first to claim a file prints (`first_to_report`).
+
+The history (open the file at https://pytorch.org/memory_viz: every allocation with its Python and C++
+stack, over time) is what torchtitan's `profiling.enable_memory_snapshot` and Megatron-LM's
+`--record-memory-history` give, and how the planner's memory model is checked on a GPU
+(plan/fsdp_memory.py). Recording starts when the trainer does (the parameters' allocations included)
+and stops at the first file: after step SNAPSHOT_AFTER_STEP, the first step that runs as every later one
+does (compiled, the optimizer's state allocated), or the run's last step, whichever comes first; or when
+a step runs out of memory. One file per rank under <run.dir>/memory_snapshot/. Recording takes a stack
+trace at every allocation, which costs time, so it is off by default. A CPU has no such allocator: the
+option says so and records nothing.
 """
 from __future__ import annotations
 
@@ -18,11 +23,11 @@ from pathlib import Path
 import torch
 
 from shardwise.config import Config
-from shardwise.train.planned_memory import PlannedMemory
+from shardwise.train.planned_memory import PlannedMemory, local_world_size, planned_memory
 
 SNAPSHOT_AFTER_STEP = 2
-# Allocator events kept: a training step of a large model makes ~10^4 (the parameters, per-block
-# activations and their gradients), so two steps and the start fit.
+# Allocator events kept, a ring that drops the oldest first: PyTorch's guide to memory snapshots records
+# 100,000; twice that keeps more of a deep model's start by the end of step 2.
 MAX_ENTRIES = 200_000
 VIEWER = "https://pytorch.org/memory_viz"
 
@@ -104,7 +109,6 @@ def setup_out_of_memory_line(cfg: Config, rank: int, world_size: int, what: str)
     """The out-of-memory line before the first step (no trainer yet): this process's device, and on a GPU
     of the planner's table what it expected for the layout."""
     from shardwise.train.distributed import default_device
-    from shardwise.train.planned_memory import local_world_size, planned_memory
 
     device_type = default_device().type
     planned = planned_memory(cfg, world_size, local_world_size(world_size), torch.cuda.get_device_name()) \
