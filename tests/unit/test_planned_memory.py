@@ -35,6 +35,10 @@ def test_no_prediction_off_the_table_or_for_a_config_the_planner_refuses():
 
 def test_the_lines_that_show_it():
     planned = PlannedMemory(30 * GIB, 72 * GIB, "h100-sxm-80gb")
+    assert planned.fits and planned.warning() is None
+    assert PlannedMemory(73 * GIB, 72 * GIB, "h100-sxm-80gb").warning() == (
+        "warning: the planner expects 73.00 GiB per GPU of 72.0 usable (h100-sxm-80gb), more than fits: this run will "
+        "likely run out of memory (exit 7); `shardwise plan search` with the same options finds a layout that fits")
     assert planned.words() == "30.00 GiB per GPU of 72.0 usable (h100-sxm-80gb)"
     assert peak_words(int(28.5 * GIB), planned) == "peak memory 28.50 GiB on rank 0 (planned 30.00 for the most loaded rank)"
     assert peak_words(int(28.5 * GIB), None) == "peak memory 28.50 GiB on rank 0"

@@ -80,7 +80,7 @@ def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: st
     history = f"; what held the memory: {snapshot} ({VIEWER})" if snapshot else \
         "; rerun with --run.memory_snapshot=true to record what held it" if device_type == "cuda" else ""
     expected = "" if planned is None else f"; the planner expected {planned.words()}" + (
-        ": this layout does not fit" if planned.total_bytes > planned.capacity_bytes else "")
+        ": this layout does not fit" if not planned.fits else "")
     return (f"rank {rank} ran out of {place} memory {when}: {what}{expected}; fix: {fix}; `shardwise plan evaluate` with the same "
             f"options shows the memory by category and `shardwise plan search` a layout that fits (docs/memory.md){history}")
 

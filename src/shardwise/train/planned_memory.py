@@ -22,8 +22,19 @@ class PlannedMemory:
     capacity_bytes: float  # what the planner lets a rank use of the GPU (constants.USABLE_MEMORY_FRACTION)
     gpu: str               # the table entry it priced
 
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.capacity_bytes
+
     def words(self) -> str:
         return f"{self.total_bytes / GIB:.2f} GiB per GPU of {self.capacity_bytes / GIB:.1f} usable ({self.gpu})"
+
+    def warning(self) -> str | None:
+        """The start-up warning when the plan does not fit (the run goes on: the plan is an estimate)."""
+        if self.fits:
+            return None
+        return (f"warning: the planner expects {self.words()}, more than fits: this run will likely run out of "
+                "memory (exit 7); `shardwise plan search` with the same options finds a layout that fits")
 
 
 def planned_memory(cfg: Any, world_size: int, gpus_per_node: int, cuda_name: str) -> PlannedMemory | None:

@@ -98,6 +98,8 @@ class StepLog:
                                + (f", MLP in {cfg.parallel.linear_tiles} tiles" if cfg.parallel.linear_tiles > 1 else "")
                                + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else "")
                                + (f", planned peak {self.planned.words()}" if self.planned else ""))
+            if self.planned is not None and self.planned.warning():
+                self.metrics.print(self.planned.warning())
 
     def after_step(self, r: StepResult, step: int, logging: bool, timeline: dict | None,
                    comm_bytes: dict[str, dict[str, int]], memory: dict[str, list[int]]) -> None:
