@@ -54,8 +54,10 @@ def out_of_memory(error: BaseException) -> str | None:
     text = str(error)
     if type(error).__name__ == "OutOfMemoryError" or any(s in text for s in _OUT_OF_MEMORY):
         line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-        # c10's "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..." prefix
-        return line.split("] ", 1)[-1].removeprefix("err == 0. ").strip()
+        # c10's "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..." prefix; the CUDA
+        # allocator's closing pointer to its documentation ("See documentation for Memory Management (URL)")
+        line = line.split("] ", 1)[-1].removeprefix("err == 0. ").split("See documentation for Memory")[0]
+        return " ".join(line.split())
     return None
 
 

@@ -20,15 +20,22 @@ from shardwise.train.out_of_memory import (
     out_of_memory_line,
 )
 
+# The CUDA caching allocator's message (c10/cuda/CUDACachingAllocator.cpp, torch 2.11): one line.
 CUDA_TEXT = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
-             "1.02 GiB is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use.\n"
-             "Of the allocated memory 75.3 GiB is allocated by PyTorch, and 1.4 GiB is reserved by PyTorch but "
-             "unallocated. If reserved but unallocated memory is large try setting "
-             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+             "1.02 GiB is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use. Of the allocated "
+             "memory 75.30 GiB is allocated by PyTorch, and 1.40 GiB is reserved by PyTorch but unallocated. If reserved "
+             "but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+             "fragmentation.  See documentation for Memory Management  "
+             "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+CUDA_WORDS = CUDA_TEXT[:CUDA_TEXT.index("  See documentation")]
 
 
-def test_the_gpu_allocators_error_gives_its_first_line():
-    assert out_of_memory(torch.OutOfMemoryError(CUDA_TEXT)) == CUDA_TEXT.splitlines()[0]
+def test_the_gpu_allocators_error_keeps_its_numbers_and_advice_but_not_its_link():
+    """Where the memory went (free, in use, allocated, reserved but unallocated: fragmentation) and torch's
+    own advice for fragmentation stay; the link to the documentation goes."""
+    assert out_of_memory(torch.OutOfMemoryError(CUDA_TEXT)) == CUDA_WORDS
+    assert CUDA_WORDS.endswith("1.40 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is "
+                               "large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
 
 def test_the_host_allocators_error_loses_its_c10_prefix():
@@ -93,7 +100,7 @@ def test_off_or_on_a_cpu_nothing_is_recorded(monkeypatch, tmp_path):
 
 def test_the_line_names_the_settings_and_the_history():
     cfg = load_config(None, ["--train.micro_batch=8", "--train.global_batch=16", "--train.recompute=selective"])
-    line = out_of_memory_line(cfg, 5, 3, "cuda", CUDA_TEXT.splitlines()[0], None)
+    line = out_of_memory_line(cfg, 5, 3, "cuda", CUDA_WORDS, None)
     assert line.startswith("rank 5 ran out of GPU memory in step 3: CUDA out of memory. Tried to allocate 2.00 GiB.")
     assert "fix: lower train.micro_batch (now 8; train.global_batch stays, by accumulation), set train.recompute=full " \
            "(now selective), parallel.zero=3 (now 0) over more ranks, parallel.offload=cpu (now none) or parallel.tp " \
@@ -102,7 +109,7 @@ def test_the_line_names_the_settings_and_the_history():
     snapshot = Path("runs/x/memory_snapshot/rank_5_out_of_memory.pickle")
     assert line.replace("; rerun with --run.memory_snapshot=true to record what held it", "") + \
         f"; what held the memory: {snapshot} (https://pytorch.org/memory_viz)" == \
-        out_of_memory_line(cfg, 5, 3, "cuda", CUDA_TEXT.splitlines()[0], snapshot)
+        out_of_memory_line(cfg, 5, 3, "cuda", CUDA_WORDS, snapshot)
     one = load_config(None, ["--train.micro_batch=1"])
     host = out_of_memory_line(one, 0, 1, "cpu", "DefaultCPUAllocator: can't allocate memory", None)
     assert "host memory" in host and "micro_batch" not in host and "memory_snapshot" not in host
