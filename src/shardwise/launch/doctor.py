@@ -2,8 +2,9 @@
 would NCCL take? `shardwise doctor --disk DIR [--disk-mib N]`: how fast is the disk under DIR for
 parallel.offload = "nvme" (and the `--cluster.disk_gbps` to plan with)?
 
-It reports versions, devices, cores, /dev/shm, locked memory, InfiniBand ports and the NCCL_* / UCX_*
-variables in effect, then runs a short all-reduce in fresh processes: NCCL on GPUs (with NCCL_DEBUG=INFO
+It reports versions, devices, each GPU's health (launch/gpu_health.py: power limit, what holds its
+clocks, memory errors, MIG, PCIe width), cores, /dev/shm, locked memory, InfiniBand ports and the NCCL_* /
+UCX_* variables in effect, then runs a short all-reduce in fresh processes: NCCL on GPUs (with NCCL_DEBUG=INFO
 for those children only; the log is read by nccl_log.py into a verdict per path), gloo on CPU. Exit 0
 when nothing is wrong, 1 when a check failed (each failed check is named), 2 for bad input.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from shardwise.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from shardwise.launch import nccl_log
+from shardwise.launch.gpu_health import health_checks, nvml_gpus, skipped
 from shardwise.launch.local import check_nproc
 from shardwise.launch.nccl_log import FAIL, OK, SKIP, WARN
 from shardwise.plan.calibration import bandwidths
@@ -322,6 +324,9 @@ def diagnose(nproc: int | None) -> dict:
     if gpus and nproc > len(gpus):
         raise ConfigError("--nproc", f"{nproc} processes but {len(gpus)} GPU(s) visible",
                           f"pass --nproc {len(gpus)} or fewer, or widen CUDA_VISIBLE_DEVICES")
+    if gpus:  # before the collective test: an idle GPU's clocks say what holds them down
+        found = nvml_gpus(len(gpus))
+        checks += [Check(*c) for c in (health_checks(*found) if isinstance(found, tuple) else [skipped(found)])]
     ib_ports = infiniband()
     env, nccl_env = env_check(dict(os.environ))
     checks += [cpu_check(nproc, cpu_cores()), shm_check(), memlock_check(rdma=bool(ib_ports)), infiniband_check(ib_ports), env]
