@@ -319,12 +319,13 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
         ctx, "bench/cross_entropy", [sys.executable, str(bench / "cross_entropy.py"), *smoke, "--out",
                                      str(ctx.out / "cross_entropy.json")])
     # Issue 27's speed targets: shardwise compiled against the plain compiled loop, bf16 and FP8 (the plain
-    # loop stays bf16), two passes each (gpu_throughput.py); its eager variants are the train/eager rows' paths.
-    # On an H100 the FP8 pair took 139 s (2026-11-27).
+    # loop stays bf16), two passes each (gpu_throughput.py), and with train.fuse_projections beside them; its eager
+    # variants are the train/eager rows' paths. On an H100 the FP8 pair took 139 s (2026-11-27), before the third.
     for name, out, precision in (("bench/throughput", "throughput.json", []), ("bench/fp8", "fp8.json", ["--precision", "fp8"])):
         rows[name] = lambda n=name, o=out, pr=precision: command_row(
             ctx, n, [sys.executable, str(bench / "gpu_throughput.py"), *smoke, *([] if smoke else [
-                *pr, "--variants", "shardwise+compile,plain+compile", "--steps", "6", "--warmup", "3"]), "--out", str(ctx.out / o)],
+                *pr, "--variants", "shardwise+compile,shardwise+compile+fused,plain+compile", "--steps", "6", "--warmup",
+                "3"]), "--out", str(ctx.out / o)],
             timeout=max(ctx.timeout, 600))
     rows["bench/decode"] = lambda: command_row(  # issue 30's decode: eager, compiled, transformers, sampled, finishing
         ctx, "bench/decode", [sys.executable, str(bench / "decode.py"), *smoke, *([] if smoke else [

@@ -3,6 +3,8 @@
 Four variants train the same model class from the same seeded weights on the same batches:
   shardwise          `Trainer` with train.compile=false (one process, no parallelism)
   shardwise+compile  `Trainer` with train.compile=true (each block compiled in place)
+  shardwise+compile+fused  the same with train.fuse_projections=true (q|k|v and w1|w3 as one GEMM each);
+                     not in the default set: name it in --variants
   plain              a hand-written loop: AdamW (fused on CUDA), autocast, F.cross_entropy(logits.float())
   plain+compile      the same loop over torch.compile(model)
 Each variant is built, warmed up (compilation happens there), timed and freed in turn, so its peak
@@ -58,6 +60,7 @@ from shardwise.train.peak_flops import device_peak_flops  # noqa: E402
 from shardwise.train.trainer import Trainer  # noqa: E402
 
 VARIANTS = ("shardwise", "shardwise+compile", "plain", "plain+compile")
+EXTRA_VARIANTS = ("shardwise+compile+fused",)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_throughput.json"
 SIZES = {
     # The issue's H100 model (../shared/gpu/h100-runs.json): 886M parameters.
@@ -93,9 +96,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
         p.set_defaults(**SMOKE)
         args, rest = p.parse_known_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    unknown = [v for v in args.variants if v not in VARIANTS + EXTRA_VARIANTS]
     if unknown or not args.variants:
-        p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+        p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS + EXTRA_VARIANTS)}")
     if args.steps < 1 or args.warmup < 2:
         p.error("--steps must be >= 1 and --warmup >= 2 (shardwise+compile compiles at its second step)")
     try:
@@ -105,7 +108,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     return args, overrides
 
 
-def make_config(args, overrides, size: dict, tmp: Path, compiled: bool) -> Config:
+def make_config(args, overrides, size: dict, tmp: Path, compiled: bool, fused: bool = False) -> Config:
     steps = 2 * (args.warmup + args.steps)
     micro = args.micro_batch or size["micro_batch"]
     base = size["model"] + [
@@ -113,6 +116,7 @@ def make_config(args, overrides, size: dict, tmp: Path, compiled: bool) -> Confi
         ("train.micro_batch", str(micro)), ("train.precision", args.precision or size["precision"]),
         ("train.steps", str(steps)), ("train.compile", str(compiled).lower()),
         ("train.compile_backend", args.compile_backend), ("train.log_every", str(steps)),
+        ("train.fuse_projections", str(fused).lower()),
         ("data.path", str(tmp / "corpus.txt")), ("data.tokenizer", "byte"), ("data.cache_dir", str(tmp / "cache"))]
     cfg = build_config({}, base + overrides)
     cfg.run.dir, cfg.run.progress, cfg.run.tensorboard = str(tmp / "run"), False, False
@@ -170,8 +174,8 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     # graphs dynamo held until the reset above) would otherwise still count. Without this the H100 run of
     # 2026-11-25 read 52.9 and 61.3 GiB for two passes of the same 2.4B variant (8.4 GiB left behind).
     gc.collect()
-    compiled = name.endswith("+compile")
-    cfg = make_config(args, overrides, size, tmp, compiled and name.startswith("shardwise"))
+    compiled = "+compile" in name
+    cfg = make_config(args, overrides, size, tmp, compiled and name.startswith("shardwise"), name.endswith("+fused"))
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             for variant in order:
                 results[variant].append(run_variant(variant, args, overrides, size, tmp, device))
                 r = results[variant][-1]
-                print(f"  {variant:18s} {r['tokens_per_s']:>12,.0f} tok/s  step {1e3 * r['step_s']:8.1f} ms  "
+                print(f"  {variant:24s} {r['tokens_per_s']:>12,.0f} tok/s  step {1e3 * r['step_s']:8.1f} ms  "
                       f"first loss {r['first_loss']:.5f}  (warm-up incl. compile {r['warmup_s']:.1f} s)", flush=True)
     precision = args.precision or size["precision"]
     # MFU against the compute dtype's peak: FP8 counts against bf16's, as the trainer does (spec/layout.py).
@@ -248,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{name}, {precision}, seq {first['seq_len']}, micro-batch {first['micro_batch']}, "
           f"{rows[0]['num_params'] / 1e6:.1f}M params; "
           f"MFU against {peak_flops / 1e12:.1f} TFLOP/s ({peak_label})")
-    print(f"{'variant':18s} {'tokens/s':>12s} {'MFU':>7s} {'peak GiB':>9s} {'vs plain':>9s} {'vs plain+compile':>17s}")
+    print(f"{'variant':24s} {'tokens/s':>12s} {'MFU':>7s} {'peak GiB':>9s} {'vs plain':>9s} {'vs plain+compile':>17s}")
     for r in rows:
         vs = [f"{r['tokens_per_s'] / by[b]['tokens_per_s']:.3f}" if b in by else "-" for b in ("plain", "plain+compile")]
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
-        print(f"{r['variant']:18s} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>6.1f}% {peak:>9s} {vs[0]:>9s} {vs[1]:>17s}")
+        print(f"{r['variant']:24s} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>6.1f}% {peak:>9s} {vs[0]:>9s} {vs[1]:>17s}")
     if args.smoke:
         print("smoke run: checks that the benchmark runs; its numbers are not a measurement")
     out = {"benchmark": "gpu_throughput", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -104,6 +104,11 @@ class TrainConfig:
                                      "win yet).")
     compile_backend: str = opt("inductor", '"inductor" (generated kernels) or "aot_eager" (traced and partitioned, no code '
                                            'generation: quick to compile; the CPU tests use it).')
+    fuse_projections: bool = opt(False, "One GEMM for q|k|v and one for w1|w3 (SwiGLU), each over the weights of its linears "
+                                        "joined at every step (as Megatron-LM does: linear_qkv, linear_fc1): fewer, larger "
+                                        "kernels from the same parameters, names and checkpoints. tp = 1 only; with "
+                                        "fp8, not with FSDP's FP8 all-gather (tensorwise): each weight is gathered with "
+                                        "its own scale. FP8 tensorwise then scales the joined weight as one tensor.")
     seed: int = opt(0, "Seed for weight initialization and data order; identical for every layout.")
     log_every: int = opt(10, "Write metrics every this many steps (the progress bar updates every step).")
     tokens: int = opt(0, "Tokens to train on in total, for planning; 0 means steps x global_batch x seq_len.")

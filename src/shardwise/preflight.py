@@ -86,6 +86,8 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     raise_first(rules.layout_rules(shape, layout, cfg.train.seq_len, cfg.train.global_batch,
                                    precision=cfg.train.precision),
                 rules.pipeline_split_rules(p, cfg.model.n_layers),
+                rules.fused_projection_rules(cfg.train.fuse_projections, dims.tp, cfg.train.precision, cfg.train.fp8_recipe,
+                                             dims.wrapper(p.zero) == "fsdp"),
                 [rules.powersgd_warmup_rule(p.grad_compression, p.powersgd_warmup_steps)])
     if dims.tp_mode == "2d" and cfg.train.compile:
         raise ConfigError("train.compile", 'tp_mode="2d" with compiled blocks is not implemented yet (the SUMMA '

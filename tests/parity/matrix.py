@@ -276,4 +276,16 @@ TP2D_FAMILY = [
     Layout("tp4_2d_ddp2", 8, {**_TP2D, "parallel.dp_replicate": 2, "train.micro_batch": 4}),
 ]
 
-MATRIX = DP_FAMILY + TILES_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY + MOE_FAMILY + COMPILE_FAMILY + TP2D_FAMILY
+# Joined projections (train.fuse_projections, models/feed_forward.py fused_linear): q|k|v and w1|w3 as one GEMM
+# each from the same parameters; the input's gradient sums the joined rows in one GEMM instead of adding
+# separate ones: fp32 rounding, like the other layouts. One process, under ZeRO-3 (FSDP2's unsharded
+# weights joined), and GPT's biased projections compiled.
+FUSED_FAMILY = [
+    Layout("fused_single", 1, {"train.fuse_projections": True}),
+    Layout("fused_zero3_dp2", 2, {"train.fuse_projections": True, "parallel.dp_shard": 2, "parallel.zero": 3,
+                                  "train.micro_batch": 4}),
+    Layout("fused_gpt_compile_single", 1, {**_COMPILE, **_GPT, "train.fuse_projections": True}, reference="gpt"),
+]
+
+MATRIX = (DP_FAMILY + TILES_FAMILY + TP_FAMILY + PP_FAMILY + CP_FAMILY + MOE_FAMILY + COMPILE_FAMILY + TP2D_FAMILY
+          + FUSED_FAMILY)

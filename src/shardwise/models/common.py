@@ -46,9 +46,13 @@ class Attention(nn.Module):
         # fuse_projections (inference): q, k and v in one GEMM; None (no buffer) for training.
         self.register_buffer("wqkv", None, persistent=False)
         self.register_buffer("wqkv_bias", None, persistent=False)
+        self.fused_projection = None  # training: q, k and v in one GEMM (feed_forward.py fuse_training_projections)
 
     def fuse_projections(self) -> None:
         fuse_linears(self, "wqkv", self.wq, self.wk, self.wv)
+
+    def training_projections(self) -> tuple[nn.Linear, ...]:
+        return self.wq, self.wk, self.wv
 
     def forward(self, x: torch.Tensor, rope: "RotaryEmbedding | None" = None,
                 positions: torch.Tensor | None = None, cache: "LayerCache | None" = None) -> torch.Tensor:
@@ -57,6 +61,8 @@ class Attention(nn.Module):
         if self.wqkv is not None:
             q, k, v = F.linear(x, self.wqkv, self.wqkv_bias).split(
                 [self.wq.out_features, self.wk.out_features, self.wv.out_features], dim=-1)
+        elif self.fused_projection is not None:
+            q, k, v = self.fused_projection(x, (self.wq, self.wk, self.wv))
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)

@@ -24,6 +24,35 @@ def fuse_linears(owner: nn.Module, name: str, *linears: nn.Linear) -> None:
         owner.register_buffer(buffer, fused, persistent=False)
 
 
+def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """For training (train.fuse_projections): `linears`, which read the same input, as one GEMM over their
+    weights (and biases) joined at every call, split back per linear. The weights stay parameters of
+    their own (names, checkpoints, FSDP's units); the join is a copy the size of the weights, next to a
+    GEMM over every token. Outputs and weight gradients are the separate GEMMs' products; the input's
+    gradient is one GEMM's sum over the joined rows instead of separate GEMMs added (a different order
+    of the same fp32 additions)."""
+    weight = torch.cat([lin.weight for lin in linears])
+    bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+    return F.linear(x, weight, bias).split([lin.out_features for lin in linears], dim=-1)
+
+
+def fuse_training_projections(model: nn.Module, choose=lambda linears: fused_linear) -> int:
+    """Every module of `model` that has linears reading one input (`training_projections`: attention's
+    q, k, v; SwiGLU's w1, w3) computes them with `choose(linears)` (fused_linear, or the FP8 one that
+    parallel/float8.py gives for torchao's linears); returns how many. A group whose linears are not all of
+    one type stays as it is."""
+    fused = 0
+    for module in model.modules():
+        group = getattr(module, "training_projections", None)
+        if group is None:
+            continue
+        linears = group()
+        if len({type(lin) for lin in linears}) == 1:
+            module.fused_projection = choose(linears)
+            fused += 1
+    return fused
+
+
 class GELUMLP(nn.Module):
     """proj(gelu(fc x)) with the tanh approximation (GPT-2 / Megatron), biases on both linears."""
 
@@ -45,12 +74,19 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.register_buffer("w13", None, persistent=False)  # fuse_projections (inference): w1 and w3 in one GEMM
+        self.fused_projection = None  # training: w1 and w3 in one GEMM (fuse_training_projections)
 
     def fuse_projections(self) -> None:
         fuse_linears(self, "w13", self.w1, self.w3)
 
+    def training_projections(self) -> tuple[nn.Linear, ...]:
+        return self.w1, self.w3
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
             gate, up = F.linear(x, self.w13).split(self.w1.out_features, dim=-1)
+            return self.w2(F.silu(gate) * up)
+        if self.fused_projection is not None:
+            gate, up = self.fused_projection(x, (self.w1, self.w3))
             return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

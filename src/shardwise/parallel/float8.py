@@ -94,6 +94,31 @@ def _convertible(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def float8_fused_linear(x, linears: tuple[nn.Module, ...]):
+    """train.fuse_projections over torchao Float8Linears (models/feed_forward.py fused_linear): one FP8 GEMM
+    over their joined weights, by torchao's own autograd function, as each Float8Linear.forward does (the
+    input in the autocast dtype; the bias added after). Rowwise scales are per row of each weight, so the
+    same as apart; tensorwise takes one scale over the joined weight."""
+    import torch
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    first = linears[0]
+    if torch.is_autocast_enabled():  # Float8Linear.forward's own rule: the output in the autocast dtype
+        x = x.to(torch.get_autocast_gpu_dtype())
+    weight = torch.cat([lin.weight for lin in linears])
+    out = matmul_with_hp_or_float8_args.apply(x, weight.t(), first.linear_mm_config, first.config)
+    if first.bias is not None:
+        out = out + torch.cat([lin.bias for lin in linears]).to(out.dtype)
+    return out.split([lin.out_features for lin in linears], dim=-1)
+
+
+def fused_linear_for(linears: tuple[nn.Module, ...]):
+    """The joined GEMM for `linears`: FP8 for torchao's Float8Linears, else the plain one."""
+    from shardwise.models.feed_forward import fused_linear
+
+    return float8_fused_linear if type(linears[0]).__name__ == "Float8Linear" else fused_linear
+
+
 def apply_float8(model: nn.Module, recipe: str, fsdp: bool, emulate: bool = False) -> list[str]:
     """Convert the model's eligible linears in place; returns their names. `emulate` runs the FP8
     arithmetic without FP8 hardware (torchao's emulation: for the CPU numerics tests only)."""

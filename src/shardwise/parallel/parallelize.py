@@ -36,13 +36,14 @@ from torch import nn
 
 from shardwise.config import Config
 from shardwise.models.common import Transformer
+from shardwise.models.feed_forward import fuse_training_projections
 from shardwise.models.weights import WeightSource, weight_source
 from shardwise.parallel.activation_checkpoint import apply_activation_checkpointing
 from shardwise.parallel.compile import apply_compile, compile_enabled
 from shardwise.parallel.context import apply_context_parallel
 from shardwise.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from shardwise.parallel.expert import apply_expert_parallel, moe_modules
-from shardwise.parallel.float8 import apply_float8, check_fp8
+from shardwise.parallel.float8 import apply_float8, check_fp8, fused_linear_for
 from shardwise.parallel.precision import resolve_precision
 from shardwise.parallel.tensor import align_gradients_with_parameters, apply_tensor_parallel
 from shardwise.parallel.tensor2d import apply_tensor_parallel_2d
@@ -68,6 +69,10 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
         # FSDP wrap them (parallel/float8.py); FSDP2 then gathers their weights in FP8 (tensorwise).
         check_fp8(device_type)
         apply_float8(model, cfg.train.fp8_recipe, fsdp=wrapper == "fsdp", emulate=device_type != "cuda")
+    if cfg.train.fuse_projections:
+        # After FP8 (its linears take torchao's joined GEMM), before checkpointing, compile and FSDP wrap the
+        # blocks; tp = 1 (spec/rules.py fused_projection_rules).
+        fuse_training_projections(model, fused_linear_for)
     if dims.tp > 1 and dims.tp_mode == "2d":
         apply_tensor_parallel_2d(model, mesh.tp_grid)  # SUMMA on the q x q grid (parallel/tensor2d.py)
     elif dims.tp > 1:

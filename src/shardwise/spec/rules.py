@@ -318,6 +318,25 @@ def linear_tiles_rules(s: Any, lay: Layout, precision: str | None = None) -> Rul
                         "set parallel.linear_tiles=1, or model.moe.num_experts=0", trainer_only=True)
 
 
+def fused_projection_rules(fuse: bool, tp: int, precision: str | None, fp8_recipe: str, fsdp: bool) -> Rules:
+    """train.fuse_projections (models/feed_forward.py fused_linear): trainer-only, not priced by the planner.
+    The joined weight must be whole on the rank (TP splits q, k and v by heads, each its own DTensor), and
+    FSDP's FP8 all-gather (tensorwise, parallel/float8.py) gathers each weight already cast with its own
+    scale, which cannot be joined."""
+    if not fuse:
+        return
+    if tp > 1:
+        yield Violation("fuse_projections with tp", "train.fuse_projections", f"joined projections with tp={tp} are not "
+                        "implemented (TP splits q, k, v and w1, w3 over ranks, each weight a DTensor of its own)",
+                        "set train.fuse_projections=false, or parallel.tp=1", trainer_only=True)
+    if precision == "fp8" and fp8_recipe == "tensorwise" and fsdp:
+        yield Violation("fuse_projections with fp8 all-gather", "train.fuse_projections", "joined projections with "
+                        'train.precision="fp8" (tensorwise) under FSDP: each weight is all-gathered in FP8 with its own '
+                        "scale, and weights of different scales cannot be joined into one GEMM operand",
+                        'set train.fuse_projections=false, or train.fp8_recipe="rowwise" (gathered in bf16)',
+                        trainer_only=True)
+
+
 def grad_compression_rules(lay: Layout) -> Rules:
     """parallel.grad_compression (parallel/grad_compression.py): the values, then where each method can
     run. DDP (zero 0/1 without tp / pp) takes any method through its communication hooks. FSDP2 (zero

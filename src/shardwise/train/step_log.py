@@ -96,6 +96,7 @@ class StepLog:
                                f"peak {_flops(self.peak)} ({peak_label})"
                                + (f", offload {offload_tier(cfg.parallel)}" if offload_tier(cfg.parallel) != "none" else "")
                                + (f", MLP in {cfg.parallel.linear_tiles} tiles" if cfg.parallel.linear_tiles > 1 else "")
+                               + (", q|k|v and w1|w3 joined" if t.fuse_projections else "")
                                + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else "")
                                + (f", planned peak {self.planned.words()}" if self.planned else ""))
             if self.planned is not None and self.planned.warning():
