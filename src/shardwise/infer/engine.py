@@ -31,6 +31,7 @@ from shardwise.models.weights import weight_source
 from shardwise.parallel.expert import moe_modules
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import materialize
+from shardwise.parallel.precision import set_matmul_precision
 from shardwise.parallel.tensor import apply_tensor_parallel
 from shardwise.preflight import check_generation_length, check_serving
 from shardwise.spec.stages import layers_per_stage, stage_layers
@@ -87,6 +88,14 @@ def compile_settings(device_type: str, mode: str | dict[str, Any] | None = None)
     return {"mode": "reduce-overhead"} if device_type == "cuda" else {}
 
 
+def serving_tf32(dtype: str) -> bool:
+    """TF32 for fp32 matmuls on a GPU when serving in 16 bits: every GEMM of the model then runs in bf16 /
+    fp16, so nothing changes, but inductor stops warning that TF32 is "available but not enabled" when it
+    compiles the steps (seen in GPU runs of `generate`). An fp32 engine keeps full fp32: its
+    greedy ids must equal transformers' (gpu_check.py hf/import)."""
+    return dtype != "float32"
+
+
 class Engine:
     """One rank's share of the model, ready to prefill and decode."""
 
@@ -96,6 +105,7 @@ class Engine:
         comparison). `compile_mode`: torch.compile's mode or inductor options for the compiled steps
         (compile_settings; benchmarks/decode.py --compile-mode compares others)."""
         self.cfg, self.device, self.compile_mode = cfg, device, compile_mode
+        set_matmul_precision(serving_tf32(dtype), device)
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         world = dist.get_world_size() if distributed else 1
