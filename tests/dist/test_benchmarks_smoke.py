@@ -89,11 +89,19 @@ def test_cross_entropy_smoke(tmp_path):
     assert max(losses) - min(losses) <= 1e-6 * abs(losses[0]), data["rows"]
 
 
+def test_store_polling_smoke(tmp_path):
+    """The rendezvous store answers while 20 clients poll it, and the script reports what it measured."""
+    data = _smoke("store_polling.py", tmp_path / "store_polling.json")
+    assert data["smoke"] is True and [r["clients"] for r in data["rows"]] == [0, 20]
+    assert all(r["median_ms"] > 0 for r in data["rows"]) and data["rows"][1]["polls_per_s"] > 0
+
+
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one (gpu_check.py's
     --smoke runs in tests/dist/test_gpu_check.py, kill_soak.py's two trials in tests/dist/test_clean_exit.py)."""
     smoked = {"gpu_check.py", "cross_entropy.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
-              "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py"}
+              "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py",
+              "store_polling.py"}
     helpers = {"gpu_report.py"}  # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py)
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
 
