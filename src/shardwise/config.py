@@ -6,7 +6,6 @@ lists the whole tree and error messages can suggest the nearest valid key.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +15,8 @@ from typing import Any
 import tomli_w
 import tomllib
 
-from shardwise.errors import ConfigError
+from shardwise.config_model import resolve_model
+from shardwise.errors import ConfigError, did_you_mean
 
 
 def opt(default: Any, doc: str, aliases: dict[bool, Any] | None = None) -> Any:
@@ -328,11 +328,6 @@ def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _nearest(key: str, candidates: list[str]) -> str:
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    return f"did you mean '{match[0]}'?" if match else f"valid keys: {', '.join(candidates)}"
-
-
 def _base_type(hint: Any) -> type:
     """int for `int` and for `int | None`."""
     args = typing.get_args(hint)
@@ -397,14 +392,14 @@ def _set(cfg: Config, key: str, value: Any, from_cli: bool) -> None:
     node: Any = cfg
     for depth, part in enumerate(parts):
         if not dataclasses.is_dataclass(node) or part not in _field_types(type(node)):
-            raise ConfigError(key, "unknown config key", _nearest(key, all_keys()))
+            raise ConfigError(key, "unknown config key", did_you_mean(key, all_keys()))
         hint = _field_types(type(node))[part]
         if depth == len(parts) - 1:
             break
         node = getattr(node, part)
     name = parts[-1]
     if len(parts) < 2:
-        raise ConfigError(key, "unknown config key", _nearest(key, all_keys()))
+        raise ConfigError(key, "unknown config key", did_you_mean(key, all_keys()))
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(key, f"is a table of keys, got {value!r}", f"set its keys, e.g. {key}.{dataclasses.fields(hint)[0].name}=...")
@@ -455,12 +450,12 @@ def build_config(toml: dict[str, Any] | None = None, overrides: list[tuple[str, 
     cfg = Config()
     for section, values in (toml or {}).items():
         if not isinstance(values, dict):
-            raise ConfigError(section, "top-level keys must be [sections]", _nearest(section, list(sections())))
+            raise ConfigError(section, "top-level keys must be [sections]", did_you_mean(section, list(sections())))
         for name, value in values.items():
             _set(cfg, f"{section}.{name}", value, from_cli=False)
     for key, value in overrides or []:
         _set(cfg, key, value, from_cli=True)
-    resolve_model(cfg.model)
+    resolve_model(cfg.model)  # config_model.py: the preset, or the Hugging Face checkpoint's shape
     if cfg.model.init_from and cfg.data.tokenizer == "bpe":
         # A pretrained model comes with its tokenizer: training a new BPE would scramble its embeddings.
         from shardwise.spec.hf import hf_directory
@@ -473,56 +468,3 @@ def build_config(toml: dict[str, Any] | None = None, overrides: list[tuple[str, 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     return build_config(load_toml(path) if path else None, parse_overrides(overrides or []))
-
-
-def resolve_model(model: ModelConfig) -> None:
-    """Fill every unset model field from the preset (explicit keys win), or from the Hugging Face
-    config.json of model.init_from."""
-    from shardwise.spec.presets import PRESETS
-
-    if model.init_from:
-        _resolve_from_hf(model)
-    if model.preset not in PRESETS:
-        raise ConfigError("model.preset", f"unknown preset {model.preset!r}", _nearest(model.preset, sorted(PRESETS)))
-    for key, value in PRESETS[model.preset].items():
-        if key == "moe":
-            for sub, v in value.items():
-                if getattr(model.moe, sub) is None:
-                    setattr(model.moe, sub, v)
-        elif getattr(model, key) is None:
-            setattr(model, key, value)
-    for key, default in MOE_FALLBACKS.items():
-        if getattr(model.moe, key) is None:
-            setattr(model.moe, key, default)
-    if model.n_kv_heads is None:
-        model.n_kv_heads = model.n_heads
-    for key, default in MODEL_FALLBACKS.items():
-        if getattr(model, key) is None:
-            setattr(model, key, default)
-
-
-def _resolve_from_hf(model: ModelConfig) -> None:
-    """The shape is the checkpoint's: an explicit model key may only repeat it (max_seq_len may be
-    shorter: it sizes the RoPE table, not a weight); the preset is not used."""
-    from shardwise.spec import hf
-
-    directory = hf.hf_directory(model.init_from)
-    fields, tied = hf.model_fields(hf.read_hf_config(directory), str(directory / "config.json"))
-    hf.check_weights(directory, fields, tied)
-    for key, value in fields.items():
-        given = getattr(model, key)
-        if given is None or (key == "max_seq_len" and given <= value):
-            setattr(model, key, value if given is None else given)
-        elif given != value:
-            raise ConfigError(f"model.{key}", f"{given} differs from {value} in {directory / 'config.json'} "
-                              f"(model.init_from)", f"drop model.{key}: an imported model keeps its shape")
-    if model.moe.num_experts:
-        raise ConfigError("model.moe.num_experts", "a Llama checkpoint has dense MLPs", "drop model.moe.* with model.init_from")
-    model.moe.num_experts = 0
-
-
-# Values for model fields that neither the config nor the preset sets.
-MODEL_FALLBACKS = {"norm_eps": 1e-5, "rope_theta": 10000.0}
-# MoE defaults: dense; when enabled, top-2 (Mixtral), every block, dropless, Switch's alpha = 0.01.
-MOE_FALLBACKS = {"num_experts": 0, "top_k": 2, "every_k_layers": 1, "capacity_factor": 0.0, "expert_ffn_dim": 0,
-                 "num_shared_experts": 0, "aux_loss_coef": 0.01, "z_loss_coef": 0.0}

@@ -61,6 +61,14 @@ def out_of_memory(error: BaseException) -> str | None:
     return None
 
 
+def did_you_mean(key: str, candidates: list[str]) -> str:
+    """A ConfigError's fix for an unknown name: the closest candidate, else the list of them."""
+    import difflib
+
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    return f"did you mean '{match[0]}'?" if match else f"valid keys: {', '.join(candidates)}"
+
+
 def interrupt_exit_code(signum: int) -> int:
     """130 for SIGINT (Ctrl-C), 143 for SIGTERM and the other stop requests (SIGUSR1: SLURM's warning)."""
     return EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
