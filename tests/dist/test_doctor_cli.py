@@ -19,6 +19,7 @@ def test_doctor_json_on_cpu(tmp_path):
     assert {"python", "torch", "gloo", "cpu", "/dev/shm", "ulimit -l", "infiniband", "NCCL_*/UCX_*"} <= checks.keys()
     assert report["collective"]["ok"] and report["collective"]["bytes"] == 4 << 20
     assert any("GPUDirect" in line for line in report["not_checked"])
+    assert any(line.startswith("GPU health") for line in report["not_checked"])  # launch/gpu_health.py: GPUs only
     assert _left_in(tmp_path) == []
 
 

@@ -343,7 +343,8 @@ def diagnose(nproc: int | None) -> dict:
         checks.append(_collective_check(result, f"gloo on {nproc} CPU process(es)"))
         run = {"collective": {k: v for k, v in result.items() if k != "log"}}
         not_checked += ["NCCL transports (IB/RoCE, P2P/NVLink, SHM, socket fallback): no GPU visible",
-                        "GPUDirect RDMA: no GPU visible", "GPU memory: no GPU visible"]
+                        "GPUDirect RDMA: no GPU visible", "GPU memory: no GPU visible",
+                        "GPU health (power limit, clocks, memory errors, MIG, PCIe; NVML): no GPU visible"]
     failed = [c.name for c in checks if c.status == FAIL]
     return {"ok": not failed, "exit_code": EXIT_FAILED if failed else EXIT_OK, "backend": backend, "nproc": nproc,
             "failed": failed, "checks": [c.to_json() for c in checks], "not_checked": not_checked,
