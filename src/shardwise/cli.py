@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardwise.config import Config, load_config
 from shardwise.config_reference import describe
-from shardwise.errors import ConfigError, Interrupted, OutOfMemory, RunFailure, out_of_memory, storage_failure
+from shardwise.errors import ConfigError, Interrupted, RunFailure, storage_failure
 
 USAGE = """shardwise <command> [options]
 
@@ -180,25 +180,19 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
 
 def _train_in_process(cfg: Config, data) -> int:
     """One process, no launcher: the trainer runs here (a restart needs torchrun's agent)."""
+    from shardwise.train.out_of_memory import building_the_trainer
     from shardwise.train.trainer import Trainer
 
-    trainer = None
     try:
         try:
-            trainer = Trainer(cfg, data=data)
+            with building_the_trainer(cfg, 0, 1):  # out of memory there: exit 7, not a traceback
+                trainer = Trainer(cfg, data=data)
             trainer.train()
         except OSError as e:
             failure = storage_failure(e)  # disk full / read-only -> StorageFailure (exit 4); anything else as it is
             if failure is None:
                 raise
             raise failure from e
-        except (RuntimeError, MemoryError) as e:  # a step's own is an OutOfMemory already: this is the set-up's
-            what = out_of_memory(e)
-            if what is None or trainer is not None:
-                raise
-            from shardwise.train.out_of_memory import setup_out_of_memory_line
-
-            raise OutOfMemory(setup_out_of_memory_line(cfg, 0, 1, what)) from None
     except RunFailure as e:
         print(("" if isinstance(e, Interrupted) else "error: ") + e.message, file=sys.stderr)
         return e.exit_code

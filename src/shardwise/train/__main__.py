@@ -103,20 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distributed: bool) -> int:
     import torch.distributed as dist
 
-    from shardwise.errors import (
-        EXIT_OUT_OF_MEMORY,
-        EXIT_STALLED,
-        ConfigError,
-        Interrupted,
-        RunFailure,
-        lost_peer,
-        out_of_memory,
-        storage_failure,
-    )
+    from shardwise.errors import EXIT_STALLED, ConfigError, Interrupted, RunFailure, lost_peer, storage_failure
     from shardwise.train import rundir
     from shardwise.train.agreement import SetupMismatch
     from shardwise.train.data import prepare_data
-    from shardwise.train.out_of_memory import first_to_report, setup_out_of_memory_line
+    from shardwise.train.out_of_memory import building_the_trainer
     from shardwise.train.trainer import Trainer
     from shardwise.train.watchdog import StallWatchdog, is_timeout
 
@@ -129,7 +120,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
               f"after a failure or a change of nodes{world}; resuming from the newest intact checkpoint", flush=True)
     watchdog = StallWatchdog(run_dir, rank, dist.get_world_size(), f"{run_id}/{attempt}") \
         if distributed and "MASTER_ADDR" in os.environ else None
-    lock = trainer = None
+    lock = None
     try:
         if rank == 0:  # plain torchrun: the launcher did not lock the run directory for us
             lock = rundir.lock_unless_parent_holds(cfg)
@@ -148,7 +139,8 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             watchdog.wait_for_rank0("data")
         elif distributed:
             dist.barrier()
-        trainer = Trainer(cfg, data=data, stop=stop, run_id=run_id, restarted=attempt > 0)
+        with building_the_trainer(cfg, rank, dist.get_world_size() if distributed else 1, run_dir, run_id):
+            trainer = Trainer(cfg, data=data, stop=stop, run_id=run_id, restarted=attempt > 0)
         if watchdog is not None:
             watchdog.step, watchdog.axes = (lambda: trainer.step), (lambda: trainer.group_axes)
         trainer.train()
@@ -173,13 +165,6 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)
         return e.exit_code
     except Exception as e:
-        if trainer is None and (what := out_of_memory(e)):  # a step's own is an OutOfMemory, above
-            line = setup_out_of_memory_line(cfg, rank, dist.get_world_size() if distributed else 1, what)
-            if first_to_report(run_dir, run_id, line):
-                _say(line)
-            if rank == 0:
-                rundir.record_unrestartable_failure(run_dir, run_id, EXIT_OUT_OF_MEMORY)
-            return EXIT_OUT_OF_MEMORY
         if watchdog is not None and is_timeout(e):
             report = watchdog.report(e)
             if report and attempt < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):

@@ -18,11 +18,13 @@ option says so and records nothing.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
 from shardwise.config import Config
+from shardwise.errors import OutOfMemory, out_of_memory
 from shardwise.train.planned_memory import PlannedMemory, local_world_size, planned_memory
 
 SNAPSHOT_AFTER_STEP = 2
@@ -105,7 +107,22 @@ def first_to_report(run_dir: Path, run_id: str, line: str) -> bool:
     return True
 
 
-def setup_out_of_memory_line(cfg: Config, rank: int, world_size: int, what: str) -> str:
+@contextlib.contextmanager
+def building_the_trainer(cfg: Config, rank: int, world_size: int, run_dir: Path | None = None, run_id: str = ""):
+    """Around `Trainer(...)`: a failed allocation there (the model, its checkpoint) becomes errors.OutOfMemory
+    (exit 7) with the line for before the first step, which the callers' RunFailure handling prints and
+    records like any other; a step's own is raised by the trainer's loop."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        what = out_of_memory(e)
+        if what is None:
+            raise
+        line = _setup_line(cfg, rank, world_size, what)
+        raise OutOfMemory(line, report=first_to_report(run_dir, run_id, line) if run_dir else True) from None
+
+
+def _setup_line(cfg: Config, rank: int, world_size: int, what: str) -> str:
     """The out-of-memory line before the first step (no trainer yet): this process's device, and on a GPU
     of the planner's table what it expected for the layout."""
     from shardwise.train.distributed import default_device
