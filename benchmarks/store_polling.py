@@ -26,7 +26,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-KEY = "shardwise/refused_before_rendezvous"
+try:
+    import shardwise  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from shardwise.launch.peer_failure import KEY  # noqa: E402  (the key the refusal watch polls)
 
 
 def _client(port: int):

@@ -398,12 +398,13 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
         detail["offloaded_to_cpu"] = cpu
         params = grads = opt = 0.0
         if fsdp and not mixed:
-            staging = F.offload_staging_bytes(st, shard, param_dtype)
             if one_rank:
                 staging, root_reduce = F.one_rank_excess(st, param_dtype, other)
                 if root_reduce:
                     detail["fsdp_root_reduce"] = root_reduce
                     other += root_reduce
+            else:
+                staging = F.offload_staging_bytes(st, shard, param_dtype)
             detail["offload_staging"] = staging
             other += staging
     comm = C.COMM_BUFFER_BYTES_PER_AXIS * comm_axes

@@ -99,8 +99,8 @@ class StepLog:
                                + (", q|k|v and w1|w3 joined" if t.fuse_projections else "")
                                + (f", weights from {cfg.model.init_from}" if cfg.model.init_from else "")
                                + (f", planned peak {self.planned.words()}" if self.planned else ""))
-            if self.planned is not None and self.planned.warning():
-                self.metrics.print(self.planned.warning())
+            if self.planned is not None and (warning := self.planned.warning()):
+                self.metrics.print(warning)
 
     def after_step(self, r: StepResult, step: int, logging: bool, timeline: dict | None,
                    comm_bytes: dict[str, dict[str, int]], memory: dict[str, list[int]]) -> None:
