@@ -14,7 +14,7 @@ shrinking as they end against every row decoding to the end (`finishing`).
 
     python benchmarks/decode.py [--device auto|cpu|cuda] [--batches 1,4,16] [--prompt-len 64] [--new-tokens 32]
         [--transformers-batches 1] [--compare-unfused] [--finishing-batch B] [--compile-mode M] [--compare-mode M]
-        [--sample T,P]
+        [--sample T,P] [--profile DIR]
         [--out F.json] [--smoke]
 
 On a GPU (--device cuda, the default where there is one) the model is issue 30's 886M LLaMA in bf16 (dim
@@ -57,6 +57,11 @@ terms fits the measurements better (batch 4: 20 + 22 ms against 39 ms measured).
 decode GEMM overlaps its loads, the roofline is the usual model; pricing each kernel by shape is the
 planner-accuracy work (issue 17).
 
+--profile DIR: one more compiled generation per batch under torch.profiler; DIR/decode_b<B>.json.gz is its
+Chrome trace, and the row gets the decode steps' GPU time by kernel class (benchmarks/kernel_breakdown.py,
+the kernels inside infer/engine.py's DECODE_MARK: the prefill left out), printed with the GEMMs' share and
+the bandwidth the step's weights were read at (the planner's bytes over the GEMM time).
+
 --smoke (tests/dist/test_benchmarks_smoke.py): the `tiny` preset, one batch size, a few tokens; its ratios
 are not a measurement.
 """
@@ -73,8 +78,9 @@ from pathlib import Path
 import torch
 
 from gpu_throughput import SIZES  # this folder: the script's own path
+from kernel_breakdown import record, table  # this folder
 from shardwise.config import load_config
-from shardwise.infer.engine import Engine
+from shardwise.infer.engine import DECODE_MARK, Engine
 from shardwise.infer.sampling import Sampler
 from shardwise.plan.decode import decode_estimate
 from shardwise.train.peak_flops import measure_cpu_peak_flops
@@ -198,6 +204,8 @@ def main() -> int:
                         "(as --compile-mode; a second engine), and the first engine's ratio to it")
     parser.add_argument("--sample", default=None, help="T,P: also compiled decoding sampled at temperature T and top-p P "
                         "(infer/sampling.py, on the device), against greedy")
+    parser.add_argument("--profile", type=Path, default=None, help="write a Chrome trace of one compiled generation per "
+                        "batch here, and add its kernel breakdown to the row")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/decode.json (decode.smoke.json with --smoke)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -205,6 +213,8 @@ def main() -> int:
     defaults = GPU_DEFAULTS if cuda else {"batches": "1,4,16", "prompt_len": 64, "new_tokens": 32, "rounds": 3}
     if args.smoke:
         args.compare_unfused, args.sample = True, "0.8,0.95"
+        # --profile's path too, its traces beside the JSON (on a CPU: operators only)
+        args.profile = args.profile or Path(args.out or ROOT / "benchmarks/results/decode.smoke.json").with_suffix(".profile")
         args.compare_mode = args.compare_mode or "epilogue_fusion=1"  # the options path (inductor's default value)
         defaults = {"batches": "2", "prompt_len": 8, "new_tokens": 4, "rounds": 1}
     for key, value in defaults.items():
@@ -285,6 +295,8 @@ def main() -> int:
                      "decode_ratio": plan.decode_tokens_per_s / got["decode_tokens_per_s"],
                      "compiled_decode_ratio": plan.decode_tokens_per_s / got["compiled_decode_tokens_per_s"],
                      "prefill_ratio": plan.prefill_tokens_per_s / got["prefill_tokens_per_s"]})
+        if args.profile is not None:
+            rows[-1]["profile"] = profile(engine, batch, args.prompt_len, args.new_tokens, args.profile, read)
         if batch in hf_batches:
             theirs = transformers_generate(engine, batch, args.prompt_len, args.new_tokens)
             rows[-1]["transformers_static_ids_agree"] = agreement(theirs.pop("transformers_static_ids"), compiled_ids)
@@ -353,6 +365,21 @@ def compile_mode(text: str | None) -> str | dict | None:
         except ValueError:
             return v
     return {k.strip(): value(v.strip()) for k, v in (item.split("=", 1) for item in text.split(",") if item.strip())}
+
+
+def profile(engine: Engine, batch: int, prompt_len: int, new: int, out: Path, read_bytes: float) -> dict:
+    """One compiled generation (warm: `measure` compiled and recorded it) under torch.profiler: the decode
+    steps' kernels by class, per step, with the rate the GEMMs read the step's bytes at (None on a CPU)."""
+    path = out / f"decode_b{batch}.json.gz"
+    got = record(lambda: engine.generate(prompts(engine.cfg, batch, prompt_len), new, Sampler(), compiled=True), 1, path,
+                 engine._sync, steps_per_call=new - 1, window=DECODE_MARK)
+    gemm = got["classes"].get("gemm", {}).get("ms", 0.0)
+    got["gemm_gbps"] = read_bytes / (gemm * 1e-3) / 1e9 if gemm else None
+    print(f"batch {batch}, compiled decode step by kernel class ({path}):\n{table([got], ['ms per step'])}")
+    if got["gemm_gbps"]:
+        print(f"GEMMs {gemm:.3f} ms of {got['busy_ms']:.3f} busy: the step's {read_bytes / 1e9:.2f} GB read at "
+              f"{got['gemm_gbps']:,.0f} GB/s", flush=True)
+    return got
 
 
 def progress(batch: int, what: str, got: dict) -> None:

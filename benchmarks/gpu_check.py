@@ -321,16 +321,17 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     # Issue 27's speed targets: shardwise compiled against the plain compiled loop, bf16 and FP8 (the plain
     # loop stays bf16), two passes each (gpu_throughput.py), and with train.fuse_projections beside them; its eager
     # variants are the train/eager rows' paths. On an H100 the FP8 pair took 139 s (2026-11-27), before the third.
+    # --profile: 3 more steps per variant (decode: per batch) under torch.profiler, by kernel class (kernel_breakdown.py).
     for name, out, precision in (("bench/throughput", "throughput.json", []), ("bench/fp8", "fp8.json", ["--precision", "fp8"])):
         rows[name] = lambda n=name, o=out, pr=precision: command_row(
             ctx, n, [sys.executable, str(bench / "gpu_throughput.py"), *smoke, *([] if smoke else [
                 *pr, "--variants", "shardwise+compile,shardwise+compile+fused,plain+compile", "--steps", "6", "--warmup",
-                "3"]), "--out", str(ctx.out / o)],
+                "3", "--profile", str(ctx.out / "profile" / Path(o).stem)]), "--out", str(ctx.out / o)],
             timeout=max(ctx.timeout, 600))
     rows["bench/decode"] = lambda: command_row(  # issue 30's decode: eager, compiled, transformers, sampled, finishing
         ctx, "bench/decode", [sys.executable, str(bench / "decode.py"), *smoke, *([] if smoke else [
             "--batches", "1,64", "--new-tokens", "128", "--transformers-batches", "1", "--finishing-batch", "8",
-            "--sample", "0.8,0.95"]),
+            "--sample", "0.8,0.95", "--profile", str(ctx.out / "profile" / "decode")]),
             "--out", str(ctx.out / "decode.json")], timeout=max(ctx.timeout, 600))
     for tier in ("cpu", "nvme"):  # only when named: minutes of host-side initialisation and CPU AdamW
         rows[f"offload-big/{tier}"] = lambda t=tier: train_row(ctx, f"offload-big/{t}", offload_big(ctx, t), steps=3)

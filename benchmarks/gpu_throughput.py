@@ -15,7 +15,8 @@ on CPU a measured matmul peak).
 
     python benchmarks/gpu_throughput.py [--device auto|cuda|cpu] [--size 886m|tiny] [--steps 20] [--warmup 5]
         [--micro-batch 8] [--seq-len 2048] [--precision bf16|fp8] [--compile-backend inductor]
-        [--variants shardwise,shardwise+compile,plain,plain+compile] [--out F] [--smoke] [--model.k=v ...]
+        [--variants shardwise,shardwise+compile,plain,plain+compile] [--out F] [--profile DIR] [--smoke]
+        [--model.k=v ...]
 
 --precision fp8: the shardwise variants train with FP8 linears (parallel/float8.py) and the plain loop
 stays bf16, so "vs plain" is FP8's speed-up over a bf16 loop; MFU still counts against the bf16 peak.
@@ -24,8 +25,12 @@ Default size on CUDA: the LLaMA of the issue (886M parameters: dim 2048, 16 laye
 and exits 0. On CPU (`--device cpu`): the tiny preset widened to dim 128 x 4 layers, seq 128, batch 8,
 fp32 — the question there is whether compiling wins on CPU (train.compile stays off on CPU until it
 does). shardwise+compile compiles at its second step (its first counts the communication eagerly), so
---warmup is at least 2 for it. --smoke: CPU, 2 warm-up steps and 1 timed step per variant, aot_eager, a file of its own; not a
-measurement. The exit status is 0 whatever the numbers (2 for bad arguments).
+--warmup is at least 2 for it. --profile DIR: after its first pass's timed steps, each variant runs
+--profile-steps more under torch.profiler; DIR/trace_<variant>.json.gz is its Chrome trace, and the
+script ends with the GPU time per step by kernel class of every variant side by side
+(benchmarks/kernel_breakdown.py; also in the JSON's "profile"). --smoke: CPU, 2 warm-up steps and 1 timed
+step per variant, aot_eager, a file of its own, --profile beside it; not a measurement. The exit status
+is 0 whatever the numbers (2 for bad arguments).
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_breakdown import record, table  # noqa: E402  (this folder)
 from overhead import write_corpus  # noqa: E402  (the same fixed stdlib corpus)
 from shardwise.config import Config, build_config, parse_overrides  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
@@ -90,17 +96,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--profile", type=Path, default=None, help="write each variant's Chrome trace here (after timing)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per variant")
     p.add_argument("--smoke", action="store_true", help="does the script still run? (not a measurement)")
     args, rest = p.parse_known_args(argv)
     if args.smoke:
         p.set_defaults(**SMOKE)
         args, rest = p.parse_known_args(argv)
+        args.profile = args.profile or args.out.with_suffix(".profile")  # --profile's path too, beside the JSON
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS + EXTRA_VARIANTS]
     if unknown or not args.variants:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS + EXTRA_VARIANTS)}")
-    if args.steps < 1 or args.warmup < 2:
-        p.error("--steps must be >= 1 and --warmup >= 2 (shardwise+compile compiles at its second step)")
+    if args.steps < 1 or args.warmup < 2 or args.profile_steps < 1:
+        p.error("--steps and --profile-steps must be >= 1 and --warmup >= 2 (shardwise+compile compiles at its "
+                "second step)")
     try:
         overrides = parse_overrides(rest)
     except ConfigError as e:
@@ -109,7 +119,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
 
 
 def make_config(args, overrides, size: dict, tmp: Path, compiled: bool, fused: bool = False) -> Config:
-    steps = 2 * (args.warmup + args.steps)
+    steps = 2 * (args.warmup + args.steps) + (args.profile_steps if args.profile else 0)
     micro = args.micro_batch or size["micro_batch"]
     base = size["model"] + [
         ("train.seq_len", str(args.seq_len or size["seq_len"])), ("train.global_batch", str(micro)),
@@ -165,8 +175,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch.device) -> dict:
-    """Build, warm up, time `args.steps` steps, free; tokens/s, peak memory (CUDA) and the first loss."""
+def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch.device,
+                profile: Path | None = None) -> dict:
+    """Build, warm up, time `args.steps` steps, free; tokens/s, peak memory (CUDA) and the first loss.
+    `profile`: then `args.profile_steps` more under torch.profiler, their Chrome trace written there and
+    their kernel breakdown returned as "profile"."""
     import torch._dynamo
 
     torch._dynamo.reset()  # every variant compiles from scratch (inductor's on-disk cache may still help)
@@ -200,7 +213,8 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     seconds = time.perf_counter() - t0
     tokens = args.steps * cfg.train.global_batch * cfg.train.seq_len
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"variant": name, "tokens_per_s": tokens / seconds, "step_s": seconds / args.steps, "peak_gib": peak,
+    profiled = {} if profile is None else {"profile": record(step, args.profile_steps, profile, lambda: sync(device))}
+    return {**profiled, "variant": name, "tokens_per_s": tokens / seconds, "step_s": seconds / args.steps, "peak_gib": peak,
             "allocated_before_gib": leftover if device.type == "cuda" else None,
             "first_loss": losses[0], "warmup_s": warm_s, "num_params": num_params, "flops_per_token": flops,
             "precision": cfg.train.precision, "seq_len": cfg.train.seq_len, "micro_batch": cfg.train.micro_batch}
@@ -232,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         write_corpus(tmp / "corpus.txt")
         for order in (args.variants, list(reversed(args.variants))):
             for variant in order:
-                results[variant].append(run_variant(variant, args, overrides, size, tmp, device))
+                trace = args.profile / f"trace_{variant}.json.gz" if args.profile and not results[variant] else None
+                results[variant].append(run_variant(variant, args, overrides, size, tmp, device, trace))
                 r = results[variant][-1]
                 print(f"  {variant:24s} {r['tokens_per_s']:>12,.0f} tok/s  step {1e3 * r['step_s']:8.1f} ms  "
                       f"first loss {r['first_loss']:.5f}  (warm-up incl. compile {r['warmup_s']:.1f} s)", flush=True)
@@ -257,13 +272,17 @@ def main(argv: list[str] | None = None) -> int:
         vs = [f"{r['tokens_per_s'] / by[b]['tokens_per_s']:.3f}" if b in by else "-" for b in ("plain", "plain+compile")]
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
         print(f"{r['variant']:24s} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>6.1f}% {peak:>9s} {vs[0]:>9s} {vs[1]:>17s}")
+    profiles = {v: runs[0].pop("profile") for v, runs in results.items() if "profile" in runs[0]}
+    if profiles:
+        print(f"\nGPU time by kernel class, {args.profile_steps} steps profiled per variant (traces in {args.profile}):")
+        print(table(list(profiles.values()), list(profiles)))
     if args.smoke:
         print("smoke run: checks that the benchmark runs; its numbers are not a measurement")
     out = {"benchmark": "gpu_throughput", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "device": name, "device_type": device.type, "precision": precision, "peak_flops": peak_flops,
            "peak_label": peak_label, "compile_backend": args.compile_backend, "steps": args.steps,
            "warmup": args.warmup, "rows": rows, "runs": results, "torch": torch.__version__,
-           "overrides": [f"--{k}={v}" for k, v in overrides], "smoke": bool(args.smoke)}
+           "overrides": [f"--{k}={v}" for k, v in overrides], "smoke": bool(args.smoke), "profile": profiles}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

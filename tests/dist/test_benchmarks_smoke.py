@@ -57,6 +57,9 @@ def test_gpu_throughput_smoke(tmp_path):
                                                                               "plain+compile"]
     first = {r["first_loss"] for r in data["rows"]}
     assert max(first) - min(first) <= 1e-5 * max(first), data["rows"]
+    # --profile (on in the smoke): each variant's trace beside the JSON, its breakdown in the JSON
+    assert set(data["profile"]) == {r["variant"] for r in data["rows"]}
+    assert (tmp_path / "gpu_throughput.profile" / "trace_plain+compile.json.gz").is_file()
 
 
 def test_gpu_throughput_without_a_gpu_says_so_and_exits_0():
@@ -102,7 +105,9 @@ def test_every_benchmark_has_a_smoke_test():
     smoked = {"gpu_check.py", "cross_entropy.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
               "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py",
               "store_polling.py"}
-    helpers = {"gpu_report.py"}  # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py)
+    # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py); kernel_breakdown.py, run by the
+    # --profile of gpu_throughput.py and decode.py (on in their smokes) and tested in tests/unit.
+    helpers = {"gpu_report.py", "kernel_breakdown.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
 
 
@@ -117,6 +122,7 @@ def test_decode_smoke(tmp_path):
     # --compare-mode (a second engine compiled with other settings, here inductor options): same greedy ids in fp32.
     assert data["compare_mode"] == "epilogue_fusion=1" and row["compiled_compare_mode_decode_tokens_per_s"] > 0, row
     assert row["compare_mode_ids_agree"] == 1.0, row
+    assert row["profile"]["steps"] == 3 and (tmp_path / "decode.profile" / "decode_b2.json.gz").is_file(), row
     # Sequences ending at different times: the ended one left the eager batch (2 rows -> 1).
     assert data["finishing"]["batch"] == 2 and data["finishing"]["eager_rows_fraction"] < 1, data["finishing"]
 

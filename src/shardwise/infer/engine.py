@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.profiler import record_function
 
 from shardwise.config import Config
 from shardwise.infer.sampling import Sampler, draw_in_graph, vocab_parallel_argmax
@@ -40,6 +41,9 @@ from shardwise.train.checkpoint import load_model_weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
 DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) every this many steps
+# torch.profiler ranges around a generation's two phases (benchmarks/decode.py --profile reads the decode
+# steps' kernels from inside DECODE_MARK); when nothing profiles, a range costs a check.
+PREFILL_MARK, DECODE_MARK = "shardwise.prefill", "shardwise.decode"
 
 
 def bucket(n: int) -> int:
@@ -304,6 +308,31 @@ class Engine:
                 if keep is not None:
                     cache, ids = cache.keep_rows(keep), ids[torch.tensor(keep, device=self.device)]
 
+    def _decode(self, chosen: torch.Tensor, cache: KVCache | StaticKVCache, max_new_tokens: int, running: "Running",
+                sampler: Sampler, compiled: bool) -> None:
+        """The decode steps after the prefill chose `chosen`: on the device (compiled, `_decode_on_device`) or
+        one step at a time with the host choosing each token."""
+        if compiled and (sampler.greedy or self.dims.tp == 1):
+            self._decode_on_device(chosen, cache, max_new_tokens, running, sampler)
+            return
+        step_tokens = chosen[:, None]
+        for _ in range(1, max_new_tokens):
+            if compiled:
+                logits = self._through_stage(self._compile("logits"), step_tokens, cache)
+                cache.length += 1
+            else:
+                positions = cache.begin(torch.ones(len(running.rows), 1, dtype=torch.bool, device=self.device))
+                logits = self.forward(step_tokens, positions, cache, last_only=True, gather=False)
+                cache.end(1)
+            running.rows_computed += step_tokens.shape[0]
+            chosen = self.choose(None if logits is None else logits[:, -1], sampler, running)
+            if running.take(chosen[:, None]):
+                break
+            step_tokens = chosen[:, None]
+            keep = running.shrink(bucketed=compiled)
+            if keep is not None:
+                cache, step_tokens = cache.keep_rows(keep), step_tokens[keep]
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
                  eos_ids: set[int] | frozenset[int] = frozenset(), compiled: bool = False,
@@ -330,39 +359,23 @@ class Engine:
 
         self._sync()
         start = time.perf_counter()
-        if compiled:  # the padded prompts in one forward: one compiled graph per batch size and bucket
-            logits = self._through_stage(self._compile("prefill"), tokens, valid.to(self.device), cache)
-            cache.length += width
-        else:
-            positions = cache.begin(valid.to(self.device))
-            logits = self.forward(tokens, positions, cache, last_only=True, gather=False)
-            cache.end(width)
-        chosen = self.choose(None if logits is None else logits[:, -1], sampler, running)
-        ended = running.take(chosen[:, None])
+        with record_function(PREFILL_MARK):
+            if compiled:  # the padded prompts in one forward: one compiled graph per batch size and bucket
+                logits = self._through_stage(self._compile("prefill"), tokens, valid.to(self.device), cache)
+                cache.length += width
+            else:
+                positions = cache.begin(valid.to(self.device))
+                logits = self.forward(tokens, positions, cache, last_only=True, gather=False)
+                cache.end(width)
+            chosen = self.choose(None if logits is None else logits[:, -1], sampler, running)
+            ended = running.take(chosen[:, None])
         kv_bytes = cache.nbytes()  # allocated by now (the eager cache allocates on first use), before any shrinking
         self._sync()
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
-        if not ended and compiled and (sampler.greedy or self.dims.tp == 1):
-            self._decode_on_device(chosen, cache, max_new_tokens, running, sampler)
-        elif not ended:
-            step_tokens = chosen[:, None]
-            for _ in range(1, max_new_tokens):
-                if compiled:
-                    logits = self._through_stage(self._compile("logits"), step_tokens, cache)
-                    cache.length += 1
-                else:
-                    positions = cache.begin(torch.ones(len(running.rows), 1, dtype=torch.bool, device=self.device))
-                    logits = self.forward(step_tokens, positions, cache, last_only=True, gather=False)
-                    cache.end(1)
-                running.rows_computed += step_tokens.shape[0]
-                chosen = self.choose(None if logits is None else logits[:, -1], sampler, running)
-                if running.take(chosen[:, None]):
-                    break
-                step_tokens = chosen[:, None]
-                keep = running.shrink(bucketed=compiled)
-                if keep is not None:
-                    cache, step_tokens = cache.keep_rows(keep), step_tokens[keep]
+        if not ended:
+            with record_function(DECODE_MARK):
+                self._decode(chosen, cache, max_new_tokens, running, sampler, compiled)
         self._sync()
         decode_s = time.perf_counter() - start
         decode_tokens = sum(max(0, len(o) - 1) for o in running.out)
