@@ -16,12 +16,13 @@ The rows that time nothing (resume, hf, doctor and the layouts, which check plac
 speed) run --jobs at a time (default 4 on a GPU machine, 1 on CPU) after every measured row, so nothing
 they do overlaps a timing (hf/export after resume/bitwise, whose checkpoint it exports); the measured rows
 (training, offload, tiles, the benchmarks) run one after another. A training row records pass/fail with a
-one-line reason, tokens/s, MFU, peak memory and J/token from metrics.jsonl, and the planner's prediction
+one-line reason, tokens/s, MFU, peak memory and J/token from metrics.jsonl, the planner's prediction
 for the same config (`shardwise plan evaluate` on the table entry of this GPU): step time and peak memory,
-and their errors. OUT/report.md (a table) and OUT/report.json (the same rows; the format is in
-docs/gpu.md) are rewritten after every row, so an interrupted check keeps what it measured. --only takes
-shell patterns over row names (`train/compiled/*`, `hf/*`). Without a CUDA GPU it says so and exits 0;
---device cpu runs the rows on the CPU with a tiny model: the harness's own test
+and their errors, and what made up step 2's peak (memory_peak.py on the allocator history each row records
+in its untimed first two steps: before the step, gradients, activations). OUT/report.md (a table) and
+OUT/report.json (the same rows; the format is in docs/gpu.md) are rewritten after every row, so an
+interrupted check keeps what it measured. --only takes shell patterns over row names (`train/compiled/*`,
+`hf/*`). Without a CUDA GPU it says so and exits 0; --device cpu runs the rows on the CPU with a tiny model: the harness's own test
 (tests/dist/test_gpu_check.py), not a measurement; --smoke runs three of them so.
 Runs from a checkout (PYTHONPATH=src) on whatever torch the machine has. Exit: 0 when no row failed,
 1 when one did, 2 for bad arguments.
@@ -34,7 +35,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gpu_report import Row, planner_summary, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
+from gpu_report import Row, metrics, peak_split, planner_summary, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # a checkout runs as it is (PYTHONPATH=src on the GPU machine)
@@ -107,22 +107,6 @@ def one_line(p: subprocess.CompletedProcess) -> str:
     return (errors[-1] if errors else lines[-1] if lines else f"exit code {p.returncode}")[:300]
 
 
-def metrics(run: Path, skip: int = 2) -> dict[str, float]:
-    """Medians over the logged steps after the first `skip` (compilation, the communication count)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steady = records[skip:] or records
-
-    def median(key: str) -> float | None:
-        values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
-        return statistics.median(values) if values else None
-
-    peak = max((r.get("mem_max_memory_allocated_bytes") or 0) for r in records)
-    out = {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "step_s": median("step_time_s"),
-           "peak_gib": peak / 2**30 if peak else None, "j_per_token": median("energy_j_per_token"),
-           "final_loss": records[-1]["loss"]}
-    return {k: v for k, v in out.items() if v is not None}
-
-
 def predict(ctx: Ctx, run: Path) -> dict[str, float]:
     """The planner on the run's own config.toml for this GPU's table entry; {} where there is none."""
     if ctx.gpu is None:
@@ -139,10 +123,10 @@ def train_row(ctx: Ctx, name: str, overrides: list[str], steps: int | None = Non
     run = ctx.out / "runs" / name.replace("/", "_")
     shutil.rmtree(run, ignore_errors=True)
     p = ctx.shardwise("train", "--nproc", "1", *ctx.common(), f"--train.steps={steps or ctx.steps}",
-                      *overrides, f"--run.dir={run}")
+                      "--run.memory_snapshot=true", *overrides, f"--run.dir={run}")
     if p.returncode != 0:
         return Row(name, "fail", one_line(p))
-    row = Row(name, "pass", measured=metrics(run), predicted=predict(ctx, run))
+    row = Row(name, "pass", measured={**metrics(run), **peak_split(run)}, predicted=predict(ctx, run))
     for key in ("step_s", "peak_gib"):
         got, want = row.measured.get(key), row.predicted.get(key)
         if isinstance(got, float) and isinstance(want, float) and got > 0:
@@ -286,8 +270,6 @@ def offload_big(ctx: Ctx, tier: str) -> list[str]:
     return [f"--model.dim={d}", f"--model.n_layers={layers}", "--model.n_heads=32", "--model.n_kv_heads=8",
             f"--model.ffn_dim={ffn}", "--train.seq_len=512", "--train.micro_batch=1", "--train.global_batch=1",
             "--model.max_seq_len=512", f"--parallel.offload={tier}", "--parallel.zero=3", "--train.recompute=full",
-            # the allocator's history of step 2 (plan/fsdp_memory.py's transients, checked against it)
-            "--run.memory_snapshot=true",
             *([f"--parallel.offload_dir={ctx.out / 'nvme'}"] if tier == "nvme" else [])]
 
 
@@ -302,9 +284,7 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
                     ctx, n, [f"--train.compile={str(m == 'compiled').lower()}", f"--train.precision={pr}",
                              f"--train.recompute={rc}"]))
     nvme = [f"--parallel.offload_dir={ctx.out / 'nvme'}"]
-    # offload/cpu records the allocator's history: its peak read 28% above the planner's on an H200 (2026-11-26)
-    rows["offload/cpu"] = lambda: train_row(ctx, "offload/cpu", ["--parallel.offload=cpu", "--parallel.zero=3",
-                                                                 "--run.memory_snapshot=true"])
+    rows["offload/cpu"] = lambda: train_row(ctx, "offload/cpu", ["--parallel.offload=cpu", "--parallel.zero=3"])
     rows["offload/nvme"] = lambda: train_row(ctx, "offload/nvme", ["--parallel.offload=nvme", "--parallel.zero=3", *nvme])
     rows["tiles/4"] = lambda: train_row(ctx, "tiles/4", ["--parallel.linear_tiles=4"])
     rows["resume/bitwise"] = lambda: resume_row(ctx)

@@ -1,4 +1,5 @@
-"""The report of `make gpu-check` (benchmarks/gpu_check.py; not a script of its own): the rows as a table
+"""The report of `make gpu-check` (benchmarks/gpu_check.py; not a script of its own): what a training row's
+run directory says it measured (metrics.jsonl, the allocator history's peak split), the rows as a table
 (report.md) and as JSON (report.json, format in docs/gpu.md), the planner's error over the training rows,
 and the open issues' targets, each with what this check measured: the training rows, and the JSON files
 the benchmark rows write into the check's folder (throughput.json, fp8.json, decode.json).
@@ -11,6 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from memory_peak import analyse, load  # this folder
 
 NINE_MINUTES_S = 9 * 60  # issue 27: the whole check on one H100
 
@@ -60,6 +63,34 @@ def _worst(rows: list[Row], key: str) -> float | None:
 def _offload_big(rows: list[Row]) -> float | None:
     big = [r for r in rows if r.name.startswith("offload-big/")]
     return float(all(r.status == "pass" for r in big)) if big else None
+
+
+# ---- a training row's run directory: what it measured ----
+def metrics(run: Path, skip: int = 2) -> dict[str, float]:
+    """Medians over the logged steps after the first `skip` (compilation, the communication count)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = records[skip:] or records
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        return statistics.median(values) if values else None
+
+    peak = max((r.get("mem_max_memory_allocated_bytes") or 0) for r in records)
+    out = {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "step_s": median("step_time_s"),
+           "peak_gib": peak / 2**30 if peak else None, "j_per_token": median("energy_j_per_token"),
+           "final_loss": records[-1]["loss"]}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def peak_split(run: Path) -> dict[str, float]:
+    """What made up step 2's peak, from the allocator history every training row records (steps 1-2, which
+    no timing reads): memory_peak.py's split of it into what was there before the step (parameters,
+    optimizer state), gradients alive at it, and activations and transients. {} without a history (a CPU)."""
+    files = sorted((run / "memory_snapshot").glob("rank_0_step_*.pickle"))
+    steps = analyse(load(files[-1]), top=0)["steps"] if files else []
+    last = next((s for s in reversed(steps) if s["optimizer_step_seen"]), None)
+    return {} if last is None else {"peak_before_step_gib": last["before_step_gib"], "peak_grads_gib":
+                                    last["kept_to_optimizer_gib"], "peak_activations_gib": last["freed_before_optimizer_gib"]}
 
 
 FUSED = "shardwise+compile+fused"
@@ -124,7 +155,7 @@ def report_md(rows: list[Row], header: dict[str, Any], goals: list[dict[str, Any
                      f"{r.seconds:.0f} | {r.reason.replace('|', '/')} |")
     counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "skip")}
     lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"]
-    lines += planner_summary(rows)
+    lines += planner_summary(rows) + peak_splits(rows)
     if goals:
         lines += ["", "| issue | target | bar | measured | met |", "|---|---|---|---|---|"]
         verdict = {True: "yes", False: "**no**", None: ""}
@@ -145,6 +176,19 @@ def planner_summary(rows: list[Row]) -> list[str]:
             out.append(f"planner {what}: mean |error| {statistics.mean(e for e, _ in errors):.1%}, worst {worst:.1%} "
                        f"({name}) over {len(errors)} rows")
     return [""] + out if out else []
+
+
+def peak_splits(rows: list[Row]) -> list[str]:
+    """Step 2's peak of each training row that recorded its allocator history (memory_peak.py), split: do the
+    gradients coexist with the activations, as plan/memory.py's sum assumes?"""
+    split = [r for r in rows if "peak_grads_gib" in r.measured]
+    if not split:
+        return []
+    return ["", "| row | step 2 peak GiB | before the step | gradients at the peak | activations, transients |",
+            "|---|---|---|---|---|"] + [
+        f"| {r.name} | {sum(r.measured[k] for k in ('peak_before_step_gib', 'peak_grads_gib', 'peak_activations_gib')):.2f} | "
+        f"{r.measured['peak_before_step_gib']:.2f} | {r.measured['peak_grads_gib']:.2f} | {r.measured['peak_activations_gib']:.2f} |"
+        for r in split]
 
 
 def write_report(out: Path, rows: list[Row], header: dict[str, Any]) -> None:

@@ -106,8 +106,9 @@ def test_every_benchmark_has_a_smoke_test():
               "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py",
               "store_polling.py"}
     # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py); kernel_breakdown.py, run by the
-    # --profile of gpu_throughput.py and decode.py (on in their smokes) and tested in tests/unit.
-    helpers = {"gpu_report.py", "kernel_breakdown.py"}
+    # --profile of gpu_throughput.py and decode.py (on in their smokes), and memory_peak.py, which reads a
+    # GPU's allocator history: both tested in tests/unit on traces and histories in torch's formats.
+    helpers = {"gpu_report.py", "kernel_breakdown.py", "memory_peak.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
 
 
