@@ -308,7 +308,7 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
         rows[name] = lambda n=name, o=out, pr=precision: command_row(
             ctx, n, [sys.executable, str(bench / "gpu_throughput.py"), *smoke, *([] if smoke else [
                 *pr, "--variants", "shardwise+compile,shardwise+compile+fused,plain+compile", "--steps", "6", "--warmup",
-                "3", "--profile", str(ctx.out / "profile" / Path(o).stem)]), "--out", str(ctx.out / o)],
+                "3", "--profile", str(ctx.out / "profile" / Path(o).stem), "--memory-snapshot"]), "--out", str(ctx.out / o)],
             timeout=max(ctx.timeout, 600))
     rows["bench/decode"] = lambda: command_row(  # issue 30's decode: eager, compiled, transformers, sampled, finishing
         ctx, "bench/decode", [sys.executable, str(bench / "decode.py"), *smoke, *([] if smoke else [

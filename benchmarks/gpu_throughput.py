@@ -28,7 +28,10 @@ does). shardwise+compile compiles at its second step (its first counts the commu
 --warmup is at least 2 for it. --profile DIR: after its first pass's timed steps, each variant runs
 --profile-steps more under torch.profiler; DIR/trace_<variant>.json.gz is its Chrome trace, and the
 script ends with the GPU time per step by kernel class of every variant side by side
-(benchmarks/kernel_breakdown.py; also in the JSON's "profile"). --smoke: CPU, 2 warm-up steps and 1 timed
+(benchmarks/kernel_breakdown.py; also in the JSON's "profile"). --memory-snapshot (CUDA): the shardwise variants
+record the allocator's history of their first pass's warm-up steps 1-2, and step 2's peak is split into what
+was there before, the gradients alive at it and the activations (benchmarks/memory_peak.py; the JSON's
+runs[variant][0]["peak_split"]). --smoke: CPU, 2 warm-up steps and 1 timed
 step per variant, aot_eager, a file of its own, --profile beside it; not a measurement. The exit status
 is 0 whatever the numbers (2 for bad arguments).
 """
@@ -56,6 +59,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_breakdown import record, table  # noqa: E402  (this folder)
+from memory_peak import analyse, load  # noqa: E402  (this folder)
 from overhead import write_corpus  # noqa: E402  (the same fixed stdlib corpus)
 from shardwise.config import Config, build_config, parse_overrides  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
@@ -98,6 +102,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--profile", type=Path, default=None, help="write each variant's Chrome trace here (after timing)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per variant")
+    p.add_argument("--memory-snapshot", action="store_true", help="CUDA: record the allocator's history of the shardwise "
+                   "variants' warm-up steps 1-2 (first pass) and split step 2's peak (memory_peak.py)")
     p.add_argument("--smoke", action="store_true", help="does the script still run? (not a measurement)")
     args, rest = p.parse_known_args(argv)
     if args.smoke:
@@ -176,10 +182,12 @@ def sync(device: torch.device) -> None:
 
 
 def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch.device,
-                profile: Path | None = None) -> dict:
+                profile: Path | None = None, first_pass: bool = False) -> dict:
     """Build, warm up, time `args.steps` steps, free; tokens/s, peak memory (CUDA) and the first loss.
     `profile`: then `args.profile_steps` more under torch.profiler, their Chrome trace written there and
-    their kernel breakdown returned as "profile"."""
+    their kernel breakdown returned as "profile". --memory-snapshot (`first_pass`, shardwise variants, CUDA):
+    the allocator's history of warm-up steps 1-2 (run.memory_snapshot), step 2's peak split as "peak_split"
+    (memory_peak.py)."""
     import torch._dynamo
 
     torch._dynamo.reset()  # every variant compiles from scratch (inductor's on-disk cache may still help)
@@ -189,6 +197,7 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     gc.collect()
     compiled = "+compile" in name
     cfg = make_config(args, overrides, size, tmp, compiled and name.startswith("shardwise"), name.endswith("+fused"))
+    cfg.run.memory_snapshot = args.memory_snapshot and first_pass and device.type == "cuda"
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -197,7 +206,12 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     start = time.perf_counter()
     if name.startswith("shardwise"):
         trainer = Trainer(cfg, log=None, single_process=True)
-        step, num_params, flops = (lambda: trainer.train_step().loss), trainer.num_params, trainer.flops_per_token
+        num_params, flops = trainer.num_params, trainer.flops_per_token
+
+        def step() -> float:
+            loss = trainer.train_step().loss
+            trainer.snapshot.after_step(trainer.step, last=False)  # writes after step 2 when recording
+            return loss
     else:
         batches = TokenBatches(_tokens(cfg), cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
         loop = PlainLoop(cfg, batches, device, compiled, args.compile_backend)
@@ -214,6 +228,10 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     tokens = args.steps * cfg.train.global_batch * cfg.train.seq_len
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     profiled = {} if profile is None else {"profile": record(step, args.profile_steps, profile, lambda: sync(device))}
+    history = sorted((tmp / "run" / "memory_snapshot").glob("rank_0_step_*.pickle")) if cfg.run.memory_snapshot else []
+    steps = analyse(load(history[-1]), top=5)["steps"] if history else []
+    if steps:  # step 2's peak, split (this variant's file: the next variant's rewrites it)
+        profiled["peak_split"] = steps[-1]
     return {**profiled, "variant": name, "tokens_per_s": tokens / seconds, "step_s": seconds / args.steps, "peak_gib": peak,
             "allocated_before_gib": leftover if device.type == "cuda" else None,
             "first_loss": losses[0], "warmup_s": warm_s, "num_params": num_params, "flops_per_token": flops,
@@ -247,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         for order in (args.variants, list(reversed(args.variants))):
             for variant in order:
                 trace = args.profile / f"trace_{variant}.json.gz" if args.profile and not results[variant] else None
-                results[variant].append(run_variant(variant, args, overrides, size, tmp, device, trace))
+                results[variant].append(run_variant(variant, args, overrides, size, tmp, device, trace,
+                                                    first_pass=not results[variant]))
                 r = results[variant][-1]
                 print(f"  {variant:24s} {r['tokens_per_s']:>12,.0f} tok/s  step {1e3 * r['step_s']:8.1f} ms  "
                       f"first loss {r['first_loss']:.5f}  (warm-up incl. compile {r['warmup_s']:.1f} s)", flush=True)
@@ -272,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         vs = [f"{r['tokens_per_s'] / by[b]['tokens_per_s']:.3f}" if b in by else "-" for b in ("plain", "plain+compile")]
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
         print(f"{r['variant']:24s} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>6.1f}% {peak:>9s} {vs[0]:>9s} {vs[1]:>17s}")
+    for variant, runs in results.items():
+        if "peak_split" in runs[0]:
+            split = runs[0]["peak_split"]
+            print(f"{variant}: step 2 peak {split['peak_gib']:.2f} GiB = before the step {split['before_step_gib']:.2f} + "
+                  f"gradients {split['kept_to_optimizer_gib']:.2f} + activations and transients "
+                  f"{split['freed_before_optimizer_gib']:.2f} (memory_peak.py)")
     profiles = {v: runs[0].pop("profile") for v, runs in results.items() if "profile" in runs[0]}
     if profiles:
         print(f"\nGPU time by kernel class, {args.profile_steps} steps profiled per variant (traces in {args.profile}):")
