@@ -304,10 +304,12 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     # loop stays bf16), two passes each (gpu_throughput.py), and with train.fuse_projections beside them; its eager
     # variants are the train/eager rows' paths. On an H100 the FP8 pair took 139 s (2026-11-27), before the third.
     # --profile: 3 more steps per variant (decode: per batch) under torch.profiler, by kernel class (kernel_breakdown.py).
-    for name, out, precision in (("bench/throughput", "throughput.json", []), ("bench/fp8", "fp8.json", ["--precision", "fp8"])):
-        rows[name] = lambda n=name, o=out, pr=precision: command_row(
+    # bench/fp8 also times train.fp8_head with the joined projections (+fused+head).
+    for name, out, precision, extra in (("bench/throughput", "throughput.json", [], ""),
+                                        ("bench/fp8", "fp8.json", ["--precision", "fp8"], ",shardwise+compile+fused+head")):
+        rows[name] = lambda n=name, o=out, pr=precision, x=extra: command_row(
             ctx, n, [sys.executable, str(bench / "gpu_throughput.py"), *smoke, *([] if smoke else [
-                *pr, "--variants", "shardwise+compile,shardwise+compile+fused,plain+compile", "--steps", "6", "--warmup",
+                *pr, "--variants", f"shardwise+compile,shardwise+compile+fused{x},plain+compile", "--steps", "6", "--warmup",
                 "3", "--profile", str(ctx.out / "profile" / Path(o).stem), "--memory-snapshot"]), "--out", str(ctx.out / o)],
             timeout=max(ctx.timeout, 600))
     rows["bench/decode"] = lambda: command_row(  # issue 30's decode: eager, compiled, transformers, sampled, finishing

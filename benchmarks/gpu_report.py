@@ -110,6 +110,8 @@ TARGETS: list[tuple[str, str, str, Callable[[dict, list[Row], dict], float | Non
      lambda f, rows, h: _ratio(f["throughput.json"], FUSED), lambda v: v >= 1.0, ".3f"),
     ("27", "the same with train.fuse_projections (FP8)", ">= 1.15x",
      lambda f, rows, h: _ratio(f["fp8.json"], FUSED), lambda v: v >= 1.15, ".3f"),
+    ("27", "the same with train.fuse_projections and train.fp8_head (FP8)", ">= 1.15x",
+     lambda f, rows, h: _ratio(f["fp8.json"], FUSED + "+head"), lambda v: v >= 1.15, ".3f"),
     ("27", "offload-big: model states larger than the GPU train", "every row passes",
      lambda f, rows, h: _offload_big(rows), lambda v: v == 1.0, ".0f"),
     ("27", "the whole check (no --only), minutes", "<= 9",

@@ -4,7 +4,8 @@ Four variants train the same model class from the same seeded weights on the sam
   shardwise          `Trainer` with train.compile=false (one process, no parallelism)
   shardwise+compile  `Trainer` with train.compile=true (each block compiled in place)
   shardwise+compile+fused  the same with train.fuse_projections=true (q|k|v and w1|w3 as one GEMM each);
-                     not in the default set: name it in --variants
+                     not in the default set: name it in --variants; +head (with --precision fp8):
+                     train.fp8_head=true, the output head's GEMMs in FP8 too
   plain              a hand-written loop: AdamW (fused on CUDA), autocast, F.cross_entropy(logits.float())
   plain+compile      the same loop over torch.compile(model)
 Each variant is built, warmed up (compilation happens there), timed and freed in turn, so its peak
@@ -70,7 +71,8 @@ from shardwise.train.peak_flops import device_peak_flops  # noqa: E402
 from shardwise.train.trainer import Trainer  # noqa: E402
 
 VARIANTS = ("shardwise", "shardwise+compile", "plain", "plain+compile")
-EXTRA_VARIANTS = ("shardwise+compile+fused",)
+# Options the default set leaves off: +fused train.fuse_projections, +head train.fp8_head (--precision fp8 only).
+EXTRA_VARIANTS = ("shardwise+compile+fused", "shardwise+compile+head", "shardwise+compile+fused+head")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_throughput.json"
 SIZES = {
     # The H100 model (../shared/gpu/h100-runs.json): 886M parameters.
@@ -114,6 +116,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     unknown = [v for v in args.variants if v not in VARIANTS + EXTRA_VARIANTS]
     if unknown or not args.variants:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS + EXTRA_VARIANTS)}")
+    if any(v.endswith("+head") for v in args.variants) and args.precision != "fp8":
+        p.error("--variants: +head (train.fp8_head) needs --precision fp8")
     if args.steps < 1 or args.warmup < 2 or args.profile_steps < 1:
         p.error("--steps and --profile-steps must be >= 1 and --warmup >= 2 (shardwise+compile compiles at its "
                 "second step)")
@@ -124,7 +128,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     return args, overrides
 
 
-def make_config(args, overrides, size: dict, tmp: Path, compiled: bool, fused: bool = False) -> Config:
+def make_config(args, overrides, size: dict, tmp: Path, compiled: bool, fused: bool = False, head: bool = False) -> Config:
     steps = 2 * (args.warmup + args.steps) + (args.profile_steps if args.profile else 0)
     micro = args.micro_batch or size["micro_batch"]
     base = size["model"] + [
@@ -132,7 +136,7 @@ def make_config(args, overrides, size: dict, tmp: Path, compiled: bool, fused: b
         ("train.micro_batch", str(micro)), ("train.precision", args.precision or size["precision"]),
         ("train.steps", str(steps)), ("train.compile", str(compiled).lower()),
         ("train.compile_backend", args.compile_backend), ("train.log_every", str(steps)),
-        ("train.fuse_projections", str(fused).lower()),
+        ("train.fuse_projections", str(fused).lower()), ("train.fp8_head", str(head).lower()),
         ("data.path", str(tmp / "corpus.txt")), ("data.tokenizer", "byte"), ("data.cache_dir", str(tmp / "cache"))]
     cfg = build_config({}, base + overrides)
     cfg.run.dir, cfg.run.progress, cfg.run.tensorboard = str(tmp / "run"), False, False
@@ -196,7 +200,8 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     # 2026-11-25 read 52.9 and 61.3 GiB for two passes of the same 2.4B variant (8.4 GiB left behind).
     gc.collect()
     compiled = "+compile" in name
-    cfg = make_config(args, overrides, size, tmp, compiled and name.startswith("shardwise"), name.endswith("+fused"))
+    cfg = make_config(args, overrides, size, tmp, compiled and name.startswith("shardwise"), "+fused" in name,
+                      name.endswith("+head"))
     cfg.run.memory_snapshot = args.memory_snapshot and first_pass and device.type == "cuda"
     if device.type == "cuda":
         torch.cuda.empty_cache()

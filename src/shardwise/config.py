@@ -96,6 +96,8 @@ class TrainConfig:
                            "GEMMs.")
     fp8_recipe: str = opt("tensorwise", 'For precision="fp8": "tensorwise" (one scale per tensor; FSDP2 gathers the weights in '
                                         'FP8) or "rowwise" (one scale per row: more accurate, slower).')
+    fp8_head: bool = opt(False, 'For precision="fp8": the output head\'s GEMMs in FP8 too (false: bf16, as torchtitan '
+                                'and DeepSeek-V3 keep it; the logits and the loss stay bf16 / fp32 either way).')
     recompute: str = opt("none", '"none", "selective" or "full" activation checkpointing.')
     recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th '
                                       'block).')

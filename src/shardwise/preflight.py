@@ -88,6 +88,7 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
                 rules.pipeline_split_rules(p, cfg.model.n_layers),
                 rules.fused_projection_rules(cfg.train.fuse_projections, dims.tp, cfg.train.precision, cfg.train.fp8_recipe,
                                              dims.wrapper(p.zero) == "fsdp"),
+                rules.fp8_head_rules(cfg.train.fp8_head, cfg.train.precision),
                 [rules.powersgd_warmup_rule(p.grad_compression, p.powersgd_warmup_steps)])
     if dims.tp_mode == "2d" and cfg.train.compile:
         raise ConfigError("train.compile", 'tp_mode="2d" with compiled blocks is not implemented yet (the SUMMA '

@@ -57,6 +57,8 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
         "single_bf16_autocast": {"train.micro_batch": 8, "train.precision": "bf16"},
         # FP8 (parallel/float8.py; emulated here, which saves what the FP8 kernels save): autocast_fp8 and lowp
         "single_fp8_autocast": {"train.micro_batch": 8, "train.precision": "fp8"},
+        # train.fp8_head: the head a Float8Linear too (no 16-bit weight copy)
+        "single_fp8_head": {"train.micro_batch": 8, "train.precision": "fp8", "train.fp8_head": "true"},
         "recompute_full": {"train.micro_batch": 8, "train.recompute": "full"},
         "recompute_op": {"train.micro_batch": 4, "train.recompute": "selective"},
         "recompute_layer": {"train.micro_batch": 4, "train.recompute": "selective", "train.recompute_policy": "layer",
@@ -69,6 +71,9 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
         "zero3_dp2": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4},
         "zero3_dp2_bf16": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4, "train.precision": "bf16"},
         "zero3_dp2_fp8": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4, "train.precision": "fp8"},
+        # the FP8 head is gathered in FSDP's root unit unconverted: the same bytes as without it
+        "zero3_dp2_fp8_head": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4, "train.precision": "fp8",
+                               "train.fp8_head": "true"},
         "ddp2_fp8_autocast": {"parallel.dp_replicate": 2, "train.micro_batch": 4, "train.precision": "fp8"},
         "zero3_dp2_full": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 2, "train.recompute": "full"},
         "gpt_zero2_dp2": {"parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 4, "model.preset": "tiny-gpt",

@@ -49,7 +49,17 @@ CASES = {
     "fp8_tp2": (2, {"train.precision": "fp8", "parallel.tp": 2}),
     "fp8_zero3_dp2_tp2": (4, {"train.precision": "fp8", "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 3,
                               "train.micro_batch": 4}),
+    # train.fp8_head: the output head's GEMMs in FP8 too; under FSDP it is gathered unconverted (the root unit)
+    "fp8_head_single": (1, {"train.precision": "fp8", "train.fp8_head": True}),
+    "fp8_head_accum2_single": (1, {"train.precision": "fp8", "train.fp8_head": True, "train.micro_batch": 4}),
+    "fp8_head_zero3_dp2": (2, {"train.precision": "fp8", "train.fp8_head": True, "parallel.dp_shard": 2, "parallel.zero": 3,
+                               "train.micro_batch": 4}),
+    "fp8_head_tp2": (2, {"train.precision": "fp8", "train.fp8_head": True, "parallel.tp": 2}),
 }
+# The one-process FP8 run each FP8 layout is held to: the same micro-batches (test_fp8_layouts_track_fp8_single).
+FP8_REFERENCE = {"fp8_zero3_dp2": "fp8_accum2_single", "fp8_ddp2": "fp8_accum2_single", "fp8_pp2": "fp8_accum2_single",
+                 "fp8_tp2": "fp8_single", "fp8_zero3_dp2_tp2": "fp8_accum2_single",
+                 "fp8_head_zero3_dp2": "fp8_head_accum2_single", "fp8_head_tp2": "fp8_head_single"}
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +131,16 @@ def test_bf16_context_parallel_tracks_bf16_single(results, name):
     assert results[name]["master_fp32"], "master weights must stay fp32"
 
 
-@pytest.mark.parametrize("name", ["fp8_zero3_dp2", "fp8_ddp2", "fp8_pp2", "fp8_tp2", "fp8_zero3_dp2_tp2"])
+@pytest.mark.parametrize("name", sorted(FP8_REFERENCE))
 def test_fp8_layouts_track_fp8_single(results, name):
     """FP8 under data, pipeline and tensor parallelism against one process with the same micro-batches
-    (fp8_accum2_single: 2 micro-batches of 4; fp8_single, one of 8, for tp2). Dynamic scaling takes each tensor's amax per micro-batch,
-    so equal micro-batches get equal scales and equal FP8 roundings; what remains is the layouts' fp32
-    and bf16 summation order, as in test_bf16_layouts_agree, amplified where a different sum moves an
-    amax and with it a whole tensor's rounding: bound 3e-3."""
-    ref = results["fp8_single" if name == "fp8_tp2" else "fp8_accum2_single"]["losses"]  # tp2: micro-batch 8
-    got = results[name]["losses"]
+    (FP8_REFERENCE: *_accum2_single, 2 micro-batches of 4; *_single, one of 8, for tp2). Dynamic scaling takes each
+    tensor's amax per micro-batch, so equal micro-batches get equal scales and equal FP8 roundings; what remains is the
+    layouts' fp32 and bf16 summation order, as in test_bf16_layouts_agree, amplified where a different sum moves an
+    amax and with it a whole tensor's rounding: bound 3e-3. With train.fp8_head the vocab-sharded head under TP
+    scales by the whole DTensor's amax too, so tp2 rounds as one process does."""
+    which = FP8_REFERENCE[name]
+    ref, got = results[which]["losses"], results[name]["losses"]
     worst = max(abs(a - b) / b for a, b in zip(got, ref))
-    which = "fp8_single" if name == "fp8_tp2" else "fp8_accum2_single"
     print(f"{name}: max relative |dloss| vs {which} over {STEPS} steps {worst:.2e}")
     assert worst < 3e-3, f"{name}: max relative |dloss| vs {which} {worst:.2e}"

@@ -234,6 +234,27 @@ def test_fp8_prices_the_blocks_gemms_at_the_fp8_peak():
         evaluate(Problem.from_config(cfg), Layout.from_config(cfg, 1))
 
 
+def test_fp8_head_prices_the_heads_gemms_at_the_fp8_peak_and_keeps_no_16_bit_copy_of_it():
+    """train.fp8_head: the head's three GEMMs at the FP8 peak plus their casts, the rest as FP8 without it;
+    its 16-bit weight copy (autocast) is gone from the activations, exactly 2 B per head weight. On the 886M
+    model the head is 6.9% of the FLOPs: the step gets ~2% faster (3.6 ms of 153 today)."""
+    model = ["--model.preset=small", "--model.dim=2048", "--model.n_layers=16", "--model.n_heads=16",
+             "--model.n_kv_heads=8", "--model.ffn_dim=5632", "--model.vocab_size=32000", "--model.max_seq_len=2048",
+             "--train.seq_len=2048", "--train.global_batch=8", "--train.micro_batch=8", "--cluster.num_gpus=1",
+             "--cluster.gpus_per_node=1", "--cluster.gpu=h100-sxm-80gb", "--train.precision=fp8"]
+    est = {}
+    for head in ("false", "true"):
+        cfg = cfg_of(*model, f"--train.fp8_head={head}")
+        est[head] = evaluate(Problem.from_config(cfg), Layout.from_config(cfg, 1))
+    saved = est["false"].step_time_s - est["true"].step_time_s
+    assert 0.01 < saved / est["false"].step_time_s < 0.04, saved
+    assert est["false"].memory.activations - est["true"].memory.activations == 2 * 32000 * 2048
+    from shardwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.fp8_head"):  # the planner refuses it as the trainer does
+        Problem.from_config(cfg_of(*model[:-1], "--train.precision=bf16", "--train.fp8_head=true"))
+
+
 def test_an_all_reduce_after_the_backward_is_exposed_whole():
     """cluster.grad_reduce = "after_backward" (Megatron-LM's local DDP before --overlap-grad-reduce): the
     gradient all-reduce of DDP is all exposed, where torch's DDP hides all but its last bucket behind the

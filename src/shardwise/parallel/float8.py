@@ -8,8 +8,13 @@ FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell). Everything e
 
 Kept in bf16, as torchtitan does:
 - the output head (its logits feed the loss: the vocabulary's tail probabilities need more range
-  than e4m3's 3 mantissa bits give) and the MoE router (a top-k decision: a rounding that flips which
-  expert a token goes to is not a small error);
+  than e4m3's 3 mantissa bits give), unless train.fp8_head: then its three GEMMs are FP8 too (issue 27
+  names the head among what keeps FP8's speed-up small: 6.9% of the 886M LLaMA's FLOPs, ~10 ms of its
+  186 ms H100 step in bf16), with the same tensorwise / rowwise scaling; the logits are still produced
+  and reduced in bf16 / fp32 (the loss, train/loss.py), only the GEMM's operands are rounded, and the
+  logits' gradient is cast to e5m2 (tests/unit/test_float8.py holds both directions' error);
+- the MoE router (a top-k decision: a rounding that flips which expert a token goes to is not a small
+  error);
 - any linear whose dims are not multiples of 16 (torch._scaled_mm's requirement).
 Recipes: "tensorwise" (one dynamic scale per tensor; with FSDP2 the weights are all-gathered in FP8,
 half of bf16's bytes) and "rowwise" (one scale per row of each operand: more accurate, a little slower).
@@ -35,8 +40,10 @@ from shardwise.errors import ConfigError
 
 # The smallest compute capability with FP8 tensor cores (Ada Lovelace, sm_89).
 FP8_CAPABILITY = (8, 9)
-# Linears kept in bf16 by name (the last component of the module's name), see the module docstring.
-KEEP_BF16 = ("output", "router")
+# Linears kept in bf16 by name (the last component of the module's name), see the module docstring; the
+# head (HEAD) is FP8 too under train.fp8_head.
+HEAD = "output"
+KEEP_BF16 = (HEAD, "router")
 
 
 def fp8_unsupported(device_type: str) -> str | None:
@@ -88,8 +95,10 @@ def _import_float8():
     return float8
 
 
-def _convertible(module: nn.Module, fqn: str) -> bool:
-    if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] in KEEP_BF16:
+def convertible(module: nn.Module, fqn: str, head: bool = False) -> bool:
+    """Whether the linear `fqn` becomes a Float8Linear (module docstring); `head`: train.fp8_head."""
+    keep = tuple(name for name in KEEP_BF16 if not (head and name == HEAD))
+    if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] in keep:
         return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
@@ -119,9 +128,10 @@ def fused_linear_for(linears: tuple[nn.Module, ...]):
     return float8_fused_linear if type(linears[0]).__name__ == "Float8Linear" else fused_linear
 
 
-def apply_float8(model: nn.Module, recipe: str, fsdp: bool, emulate: bool = False) -> list[str]:
+def apply_float8(model: nn.Module, recipe: str, fsdp: bool, emulate: bool = False, head: bool = False) -> list[str]:
     """Convert the model's eligible linears in place; returns their names. `emulate` runs the FP8
-    arithmetic without FP8 hardware (torchao's emulation: for the CPU numerics tests only)."""
+    arithmetic without FP8 hardware (torchao's emulation: for the CPU numerics tests only); `head`: the
+    output head too (train.fp8_head)."""
     float8 = _import_float8()
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     updates = {"emulate": emulate}
@@ -130,6 +140,17 @@ def apply_float8(model: nn.Module, recipe: str, fsdp: bool, emulate: bool = Fals
         # a shard's cast agree with the whole weight's): half the bytes of a bf16 all-gather.
         updates["enable_fsdp_float8_all_gather"] = True
     config = dataclasses.replace(config, **updates)
-    converted = [fqn for fqn, module in model.named_modules() if _convertible(module, fqn)]
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=_convertible)
+    def is_head(module: nn.Module, fqn: str) -> bool:
+        return head and fqn.rsplit(".", 1)[-1] == HEAD and convertible(module, fqn, head=True)
+
+    def in_blocks(module: nn.Module, fqn: str) -> bool:
+        return convertible(module, fqn) and not is_head(module, fqn)
+
+    converted = [fqn for fqn, module in model.named_modules() if in_blocks(module, fqn) or is_head(module, fqn)]
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=in_blocks)
+    if head:
+        # The head (train.fp8_head) is FSDP's root unit, with the embedding and the final norm: gathered as
+        # they are, not in FP8, so only its GEMMs change (and the planner's bytes of FSDP do not).
+        float8.convert_to_float8_training(model, config=dataclasses.replace(config, enable_fsdp_float8_all_gather=False),
+                                          module_filter_fn=is_head)
     return converted

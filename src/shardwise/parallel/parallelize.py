@@ -68,7 +68,8 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh, cfg: Config, devic
         # First: the blocks' linears become torchao Float8Linears before TP, checkpointing, compile and
         # FSDP wrap them (parallel/float8.py); FSDP2 then gathers their weights in FP8 (tensorwise).
         check_fp8(device_type)
-        apply_float8(model, cfg.train.fp8_recipe, fsdp=wrapper == "fsdp", emulate=device_type != "cuda")
+        apply_float8(model, cfg.train.fp8_recipe, fsdp=wrapper == "fsdp", emulate=device_type != "cuda",
+                     head=cfg.train.fp8_head)
     if cfg.train.fuse_projections:
         # After FP8 (its linears take torchao's joined GEMM), before checkpointing, compile and FSDP wrap the
         # blocks; tp = 1 (spec/rules.py fused_projection_rules).

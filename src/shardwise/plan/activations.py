@@ -228,12 +228,14 @@ def embedding_bytes_per_token(shape: ModelShape) -> float:
 
 
 @lru_cache(maxsize=1 << 14)
-def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, chunked_loss: bool = False) -> BlockActivations:
+def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, chunked_loss: bool = False,
+               fp8_head: bool = False) -> BlockActivations:
     """Final norm + output head + loss, per token: the norm's tensors, the head's input (and its weight
-    copy under autocast), the fp32 log-softmax of the (vocab-sharded, loss-parallel) logits, int64
-    targets. The logits themselves are not saved (log_softmax keeps only its output). The chunked loss
-    (spec/loss.py loss_is_chunked: a large micro-batch, no TP) keeps the logits in their own dtype plus
-    an fp32 log-sum-exp per token instead."""
+    copy under autocast; none when train.fp8_head makes it a Float8Linear, which casts the fp32 weight
+    itself), the fp32 log-softmax of the (vocab-sharded, loss-parallel) logits, int64 targets. The logits
+    themselves are not saved (log_softmax keeps only its output). The chunked loss (spec/loss.py
+    loss_is_chunked: a large micro-batch, no TP) keeps the logits in their own dtype plus an fp32
+    log-sum-exp per token instead."""
     if chunked_loss:
         logit = 4 if reg == "fp32" else 2
         per_token = _norm(shape, reg, 1, 1) + logit * shape.vocab_size + 4 + 8
@@ -241,7 +243,7 @@ def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, chunked_loss: boo
     else:
         per_token = _norm(shape, reg, tp if sp else 1, 1) + 4 * shape.vocab_size / tp + 8
         fixed = 4.0  # the loss's total_weight scalar
-    if reg in ("autocast", "autocast_fp8"):  # the head is a plain linear under FP8 too
+    if reg == "autocast" or (reg == "autocast_fp8" and not fp8_head):  # a plain linear under FP8 unless fp8_head
         fixed += 2 * shape.vocab_size * shape.dim / tp
     return BlockActivations(per_token, fixed)
 

@@ -234,7 +234,13 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
     bwd = rank.dense_layers * bwd_one + rank.moe_layers * 2 * (g_m + a_m + e_m)
     if rank.head:
-        head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, math.ceil(s.vocab_size / lay.tp), s.dim, elem)
+        vocab = math.ceil(s.vocab_size / lay.tp)
+        head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, vocab, s.dim, elem)
+        if fp8 and problem.fp8_head and s.dim % 16 == 0 and s.vocab_size % 16 == 0:  # parallel/float8.py convertible
+            # train.fp8_head: the head's GEMMs at the FP8 peak with 1-byte operands, plus the scaling casts of
+            # its input and weight (forward; backward, 2x below, the logits' gradient and the transposes).
+            head = (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, tokens, vocab, s.dim, 1)
+                    + C.FP8_CAST_BYTES * (tokens * s.dim + s.dim * vocab) / hbm)
         logits = tokens * s.vocab_size / lay.tp
         if not loss_is_chunked(tokens, s.vocab_size, lay.tp):
             loss_f = loss_b = 3 * 4.0 * logits / hbm  # logits -> fp32 -> log-softmax, and back

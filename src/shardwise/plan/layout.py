@@ -169,6 +169,7 @@ class Problem:
     # cluster.*_kernel as given ((key, value) pairs, unset left out) and the device type: plan/stack.py.
     stack_choices: tuple[tuple[str, str], ...] = ()
     device_type: str = "cuda"
+    fp8_head: bool = False  # train.fp8_head: the output head's GEMMs in FP8 too (precision "fp8" only)
 
     def eager_for(self, lay: Layout) -> bool:
         """Whether `lay` runs eagerly under this problem's train.compile (see compile_unset)."""
@@ -185,7 +186,8 @@ class Problem:
     def from_config(cls, cfg: Any) -> "Problem":
         t = cfg.train
         shape = ModelShape.from_config(cfg.model)
-        for v in (*rules.model_rules(shape), *rules.moe_rules(shape.moe, shape.n_layers)):
+        for v in (*rules.model_rules(shape), *rules.moe_rules(shape.moe, shape.n_layers),
+                  *rules.fp8_head_rules(t.fp8_head, t.precision)):
             raise v.error()
         if t.precision is not None and t.precision not in PRECISIONS:
             raise ConfigError("train.precision", f"{t.precision!r} is not one of {', '.join(PRECISIONS)}", 'use "bf16"')
@@ -225,7 +227,8 @@ class Problem:
                    eager=(t.compile is False or (t.compile is None and kind == "cpu")
                           or t.compile_backend == "aot_eager"),  # aot_eager: eager kernels, a debugging backend
                    compile_unset=t.compile is None,
-                   tf32=t.tf32 and kind == "cuda", stack_choices=tuple(choices.items()), device_type=kind)
+                   tf32=t.tf32 and kind == "cuda", stack_choices=tuple(choices.items()), device_type=kind,
+                   fp8_head=t.fp8_head)
 
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""

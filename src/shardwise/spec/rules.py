@@ -474,3 +474,10 @@ def serving_rules(s: Any, p: Any, prompt_len: int) -> Rules:
     lay = Layout(tp=p.tp, pp=p.pp, sequence_parallel=False)
     yield from tensor_parallel_rules(s, lay, prompt_len)
     yield from pipeline_rules(s, lay)
+
+
+def fp8_head_rules(fp8_head: bool, precision: str | None) -> Rules:
+    """train.fp8_head (parallel/float8.py): the head's GEMMs in FP8 means FP8 training."""
+    if fp8_head and precision != "fp8":
+        yield Violation("fp8_head without fp8", "train.fp8_head", f'the output head in FP8 needs train.precision="fp8" '
+                        f"(now {precision or 'unset'})", 'set train.precision="fp8", or train.fp8_head=false')

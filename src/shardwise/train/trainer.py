@@ -123,7 +123,9 @@ class Trainer:
         self.loss_kernels = LossKernels.compiled(t.compile_backend) if self.compiled else EAGER_LOSS
         if t.precision == "fp8":
             fp8 = sum(type(m).__name__ == "Float8Linear" for m in self.inner.modules())
-            self.log(f"fp8: {fp8} linears in FP8 ({t.fp8_recipe} scaling), the output head and routers in bf16"
+            kept = "routers" if t.fp8_head else "the output head and routers"
+            self.log(f"fp8: {fp8} linears in FP8 ({t.fp8_recipe} scaling{', the output head included' if t.fp8_head else ''}), "
+                     f"{kept} in bf16"
                      + ("; emulated on CPU (torchao): for correctness, not speed" if self.device.type == "cpu" else ""))
         # How each micro-batch's gradients are reduced (DDP no_sync, FSDP2's flag, ...): data_parallel.py.
         self.gradient_sync = gradient_sync(self.model, self.dims, cfg.parallel)
