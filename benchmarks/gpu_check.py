@@ -12,6 +12,7 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
   layout/{fsdp,hsdp,tp_sp,cp_ring,cp_ulysses,ep,tp2d,pp}            2-4 processes sharing the GPU over gloo
                                                                     (run.backend=gloo), `shardwise parity`
   doctor, bench/{kernels,cross_entropy,throughput,fp8,decode}        the machine check and five benchmarks
+  bench/decode-modes                                                decode under max-autotune (only when named)
 The rows that time nothing (resume, hf, doctor and the layouts, which check placement and numbers, not
 speed) run --jobs at a time (default 4 on a GPU machine, 1 on CPU) after every measured row, so nothing
 they do overlaps a timing (hf/export after resume/bitwise, whose checkpoint it exports); the measured rows
@@ -317,12 +318,18 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
             "--batches", "1,64", "--new-tokens", "128", "--transformers-batches", "1", "--finishing-batch", "8",
             "--sample", "0.8,0.95", "--profile", str(ctx.out / "profile" / "decode")]),
             "--out", str(ctx.out / "decode.json")], timeout=max(ctx.timeout, 600))
+    # Batch-1 decode against max-autotune (inductor's Triton GEMM templates tried against cuBLAS per one-row GEMM).
+    one = ["--batches", "1", "--new-tokens", "128", "--transformers-batches", "", "--finishing-batch", "0",
+           "--profile", str(ctx.out / "profile" / "decode-modes")]
+    rows["bench/decode-modes"] = lambda: command_row(ctx, "bench/decode-modes", [
+        sys.executable, str(bench / "decode.py"), *(smoke or one), "--compare-mode", "max-autotune",
+        "--out", str(ctx.out / "decode_modes.json")], timeout=max(ctx.timeout, 600))
     for tier in ("cpu", "nvme"):  # only when named: minutes of host-side initialisation and CPU AdamW
         rows[f"offload-big/{tier}"] = lambda t=tier: train_row(ctx, f"offload-big/{t}", offload_big(ctx, t), steps=3)
     return rows
 
 
-DEFAULT_EXCLUDED = ("offload-big/*",)
+DEFAULT_EXCLUDED = ("offload-big/*", "bench/decode-modes")
 # The measured rows the open issues' targets read (gpu_report.py TARGETS), run before the others: a check cut
 # short by --budget (a lent GPU's session is shorter than the whole check) has measured these first.
 FIRST = ("bench/throughput", "bench/fp8", "bench/decode", "offload-big/cpu", "offload-big/nvme", "train/compiled/bf16/none",
