@@ -236,7 +236,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     if rank.head:
         vocab = math.ceil(s.vocab_size / lay.tp)
         head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, vocab, s.dim, elem)
-        if fp8 and problem.fp8_head and s.dim % 16 == 0 and s.vocab_size % 16 == 0:  # parallel/float8.py convertible
+        if problem.head_in_fp8:
             # train.fp8_head: the head's GEMMs at the FP8 peak with 1-byte operands, plus the scaling casts of
             # its input and weight (forward; backward, 2x below, the logits' gradient and the transposes).
             head = (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, tokens, vocab, s.dim, 1)

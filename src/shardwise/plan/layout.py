@@ -230,6 +230,12 @@ class Problem:
                    tf32=t.tf32 and kind == "cuda", stack_choices=tuple(choices.items()), device_type=kind,
                    fp8_head=t.fp8_head)
 
+    @property
+    def head_in_fp8(self) -> bool:
+        """train.fp8_head in effect: FP8 training, and a head torch._scaled_mm takes (dims multiples of 16,
+        parallel/float8.py convertible)."""
+        return self.fp8_head and self.precision == "fp8" and self.shape.dim % 16 == 0 and self.shape.vocab_size % 16 == 0
+
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""
         return self.precision == "fp8" and self.fp8_recipe == "tensorwise" and lay.fsdp

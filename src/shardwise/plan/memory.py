@@ -264,7 +264,7 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
     if rank.embedding:
         embedding = A.embedding_bytes_per_token(shape) * tokens + A.gpt_positions_bytes(shape, problem.seq_len / cp)
     if rank.head:
-        hb = A.head_bytes(shape, reg, tp, sp, chunked_loss, problem.fp8_head)
+        hb = A.head_bytes(shape, reg, tp, sp, chunked_loss, problem.head_in_fp8)
         head = hb.per_token * tokens + hb.fixed
     # RoPE slices are saved only by blocks that are not checkpointed (inside a checkpoint nothing but
     # the block input, and under "op" the matmul/SDPA outputs, is kept).
