@@ -25,6 +25,7 @@ Exit 0; 2 when the file is unreadable or holds no allocator history.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import io
 import json
@@ -52,6 +53,42 @@ def load(path: Path) -> dict:
     return _PlainUnpickler(io.BytesIO(data)).load()
 
 
+def from_profiler_trace(trace: dict, alive_before: int) -> dict:
+    """A torch.profiler Chrome trace recorded with profile_memory=True (a CPU's allocator events: "[memory]"
+    instants with Addr, Bytes > 0 allocated, < 0 freed), as a snapshot `analyse` reads: each allocation's
+    source is the innermost operator open at it on its thread, the optimizer's step and zero_grad ranges are
+    the annotations, and `alive_before` (bytes allocated before the trace began: parameters, optimizer state)
+    is the history's unseen part."""
+    events = trace.get("traceEvents", [])
+    # by start, the outer of two that start together first (an operator and the one it calls at once)
+    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
+                 key=lambda e: (e["ts"], -e.get("dur", 0)))
+    by_tid: dict = defaultdict(list)
+    for e in ops:
+        by_tid[e.get("tid")].append(e)
+    starts = {tid: [e["ts"] for e in spans] for tid, spans in by_tid.items()}
+
+    def innermost(tid, ts: float) -> str:
+        """The shortest operator open at `ts`: the latest-starting one that has not ended (nested ops start later)."""
+        spans, last = by_tid.get(tid, []), bisect.bisect_right(starts.get(tid, []), ts) - 1
+        for i in range(last, max(-1, last - 500), -1):  # a few hundred back: far past any enclosing operator
+            if ts <= spans[i]["ts"] + spans[i].get("dur", 0):
+                return spans[i]["name"]
+        return "(no operator)"
+
+    trace_out, live = [], 0
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        size = int(e["args"]["Bytes"])
+        action = "alloc" if size > 0 else "free_requested"
+        frames = [{"name": innermost(e.get("tid"), e["ts"]), "filename": "operator.py", "line": 0}] if size > 0 else []
+        trace_out.append({"action": action, "addr": e["args"]["Addr"], "size": abs(size), "time_us": e["ts"], "frames": frames})
+        live += size
+    notes = [{"stage": stage, "name": e["name"], "time_us": e["ts"] + (e.get("dur", 0) if stage == "END" else 0)}
+             for e in ops if e["name"].startswith(("Optimizer.step#", "Optimizer.zero_grad#")) for stage in ("START", "END")]
+    return {"device_traces": [trace_out], "external_annotations": notes,
+            "segments": [{"blocks": [{"size": alive_before + max(0, live), "state": "active_allocated"}]}]}
+
+
 def _source(event: dict, prefer: str = "shardwise") -> str:
     """The innermost Python frame of an allocation in `prefer`'s files, else the innermost Python frame."""
     frames = [f for f in event.get("frames", []) if str(f.get("filename", "")).endswith(".py")]
@@ -59,6 +96,8 @@ def _source(event: dict, prefer: str = "shardwise") -> str:
     f = (mine or frames or [None])[0]
     if f is None:
         return "(no Python frame)"
+    if f["filename"] == "operator.py":  # from_profiler_trace: the operator, not a line
+        return f["name"]
     parts = Path(f["filename"]).parts
     short = "/".join(parts[parts.index(prefer) + 1:]) if prefer in parts else parts[-1]
     return f"{short}:{f['line']} {f['name']}"

@@ -99,12 +99,20 @@ def test_store_polling_smoke(tmp_path):
     assert all(r["median_ms"] > 0 for r in data["rows"]) and data["rows"][1]["polls_per_s"] > 0
 
 
+def test_peak_memory_smoke(tmp_path):
+    """One tiny run: a step's peak on this CPU split (memory_peak.py) beside the planner's."""
+    data = _smoke("peak_memory.py", tmp_path / "peak_memory.json")
+    (row,) = data["rows"]
+    assert data["smoke"] is True and row["peak_mib"] > row["before_mib"] > 0 and row["planner_mib"] > 0, row
+    assert abs(row["peak_mib"] - row["before_mib"] - row["grads_at_peak_mib"] - row["activations_at_peak_mib"]) < 0.01, row
+
+
 def test_every_benchmark_has_a_smoke_test():
     """A new script in benchmarks/ needs its own smoke test above; this fails until it has one (gpu_check.py's
     --smoke runs in tests/dist/test_gpu_check.py, kill_soak.py's two trials in tests/dist/test_clean_exit.py)."""
     smoked = {"gpu_check.py", "cross_entropy.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
               "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py",
-              "store_polling.py"}
+              "store_polling.py", "peak_memory.py"}
     # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py); kernel_breakdown.py, run by the
     # --profile of gpu_throughput.py and decode.py (on in their smokes), and memory_peak.py, which reads a
     # GPU's allocator history: both tested in tests/unit on traces and histories in torch's formats.

@@ -135,3 +135,25 @@ def test_gpu_check_reports_each_training_rows_peak_split(tmp_path):
     row = gpu_report.Row("train/eager/bf16/none", "pass", measured=split)
     header = {"device_name": "gpu", "when": "now", "torch": "2.x", "commit": "c", "steps": 8, "planner_gpu": None}
     assert "| train/eager/bf16/none | 0.63 | 0.10 | 0.00 | 0.54 |" in gpu_report.report_md([row], header)
+
+
+def test_a_cpu_profilers_allocator_events_read_as_a_history():
+    """torch.profiler(profile_memory=True) on a CPU: "[memory]" instants (Addr, Bytes > 0 allocated, < 0 freed)
+    and the operators around them; from_profiler_trace makes the same split of them (benchmarks/peak_memory.py)."""
+    def mem(ts, addr, size):
+        return {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "tid": 1, "ts": ts,
+                "args": {"Addr": addr, "Bytes": size, "Total Allocated": 0}}
+
+    def op(name, ts, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "tid": 1, "ts": ts, "dur": dur}
+
+    events = [op("aten::mm", 0, 10), mem(1, 10, 300 * MIB), op("aten::linear", 0, 20), op("aten::mul", 12, 5),
+              mem(13, 11, 200 * MIB), mem(30, 11, -200 * MIB), mem(31, 12, 80 * MIB), mem(32, 10, -300 * MIB),
+              {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "tid": 1, "ts": 40, "dur": 5},
+              mem(50, 12, -80 * MIB),
+              {"ph": "X", "cat": "user_annotation", "name": "Optimizer.zero_grad#AdamW.zero_grad", "tid": 1, "ts": 49, "dur": 2}]
+    snap = mp.from_profiler_trace({"traceEvents": events}, alive_before=100 * MIB)
+    (step,) = mp.analyse(snap, top=2)["steps"]
+    assert step["peak_gib"] == pytest.approx(600 / 1024)
+    assert step["before_step_gib"] == pytest.approx(100 / 1024) and step["kept_to_optimizer_gib"] == 0.0
+    assert step["top"] == [("aten::mm", pytest.approx(300 / 1024)), ("aten::mul", pytest.approx(200 / 1024))]
