@@ -296,7 +296,11 @@ def main() -> int:
                      "compiled_decode_ratio": plan.decode_tokens_per_s / got["compiled_decode_tokens_per_s"],
                      "prefill_ratio": plan.prefill_tokens_per_s / got["prefill_tokens_per_s"]})
         if args.profile is not None:
-            rows[-1]["profile"] = profile(engine, batch, args.prompt_len, args.new_tokens, args.profile, read)
+            try:  # after the measurements, which stand whatever the profiler does
+                rows[-1]["profile"] = profile(engine, batch, args.prompt_len, args.new_tokens, args.profile, read)
+            except (RuntimeError, OSError, ValueError) as e:
+                rows[-1]["profile_error"] = str(e)
+                print(f"batch {batch}: not profiled ({e})", flush=True)
         if batch in hf_batches:
             theirs = transformers_generate(engine, batch, args.prompt_len, args.new_tokens)
             rows[-1]["transformers_static_ids_agree"] = agreement(theirs.pop("transformers_static_ids"), compiled_ids)
@@ -375,7 +379,8 @@ def profile(engine: Engine, batch: int, prompt_len: int, new: int, out: Path, re
                  engine._sync, steps_per_call=new - 1, window=DECODE_MARK)
     gemm = got["classes"].get("gemm", {}).get("ms", 0.0)
     got["gemm_gbps"] = read_bytes / (gemm * 1e-3) / 1e9 if gemm else None
-    print(f"batch {batch}, compiled decode step by kernel class ({path}):\n{table([got], ['ms per step'])}")
+    print(f"batch {batch}, compiled decode step by kernel class ({path}):\n{table([got], ['ms per step'])}"
+          + (f"\n{got['note']}" if "note" in got else ""))
     if got["gemm_gbps"]:
         print(f"GEMMs {gemm:.3f} ms of {got['busy_ms']:.3f} busy: the step's {read_bytes / 1e9:.2f} GB read at "
               f"{got['gemm_gbps']:,.0f} GB/s", flush=True)

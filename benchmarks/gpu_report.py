@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -85,9 +87,14 @@ def metrics(run: Path, skip: int = 2) -> dict[str, float]:
 def peak_split(run: Path) -> dict[str, float]:
     """What made up step 2's peak, from the allocator history every training row records (steps 1-2, which
     no timing reads): memory_peak.py's split of it into what was there before the step (parameters,
-    optimizer state), gradients alive at it, and activations and transients. {} without a history (a CPU)."""
+    optimizer state), gradients alive at it, and activations and transients. {} without a history (a CPU), or
+    when it cannot be read (said on stderr: the row's measurement stands without it)."""
     files = sorted((run / "memory_snapshot").glob("rank_0_step_*.pickle"))
-    steps = analyse(load(files[-1]), top=0)["steps"] if files else []
+    try:
+        steps = analyse(load(files[-1]), top=0)["steps"] if files else []
+    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
+        print(f"gpu-check: {files[-1]}: not split ({e})", file=sys.stderr)
+        return {}
     last = next((s for s in reversed(steps) if s["optimizer_step_seen"]), None)
     return {} if last is None else {"peak_before_step_gib": last["before_step_gib"], "peak_grads_gib":
                                     last["kept_to_optimizer_gib"], "peak_activations_gib": last["freed_before_optimizer_gib"]}

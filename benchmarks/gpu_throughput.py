@@ -43,6 +43,7 @@ import contextlib
 import datetime as dt
 import gc
 import json
+import pickle
 import platform
 import statistics
 import sys
@@ -232,9 +233,17 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     seconds = time.perf_counter() - t0
     tokens = args.steps * cfg.train.global_batch * cfg.train.seq_len
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    profiled = {} if profile is None else {"profile": record(step, args.profile_steps, profile, lambda: sync(device))}
+    profiled: dict = {}
+    if profile is not None:
+        try:  # after the timing, which stands whatever the profiler does
+            profiled["profile"] = record(step, args.profile_steps, profile, lambda: sync(device))
+        except (RuntimeError, OSError, ValueError) as e:
+            profiled["profile_error"] = str(e)
     history = sorted((tmp / "run" / "memory_snapshot").glob("rank_0_step_*.pickle")) if cfg.run.memory_snapshot else []
-    steps = analyse(load(history[-1]), top=5)["steps"] if history else []
+    try:
+        steps = analyse(load(history[-1]), top=5)["steps"] if history else []
+    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:  # the timing stands without it
+        steps, profiled["peak_split_error"] = [], str(e)
     if steps:  # step 2's peak, split (this variant's file: the next variant's rewrites it)
         profiled["peak_split"] = steps[-1]
     return {**profiled, "variant": name, "tokens_per_s": tokens / seconds, "step_s": seconds / args.steps, "peak_gib": peak,
@@ -303,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"gradients {split['kept_to_optimizer_gib']:.2f} + activations and transients "
                   f"{split['freed_before_optimizer_gib']:.2f} (memory_peak.py)")
     profiles = {v: runs[0].pop("profile") for v, runs in results.items() if "profile" in runs[0]}
+    for variant, runs in results.items():
+        if "profile_error" in runs[0]:
+            print(f"{variant}: not profiled ({runs[0]['profile_error']})")
     if profiles:
         print(f"\nGPU time by kernel class, {args.profile_steps} steps profiled per variant (traces in {args.profile}):")
         print(table(list(profiles.values()), list(profiles)))

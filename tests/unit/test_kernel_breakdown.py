@@ -138,3 +138,11 @@ def test_record_writes_a_trace_with_its_step_count_and_the_engine_marks_its_phas
     assert int(trace["shardwise_steps"]) == 6  # the JSON value as written
     ranges = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
     assert ranges.count(PREFILL_MARK) == 2 and ranges.count(DECODE_MARK) == 2, ranges
+
+
+def test_record_falls_back_to_every_kernel_when_the_window_has_no_gpu_range(tmp_path, monkeypatch):
+    """A benchmark must not lose its row to the profile: a trace with kernels but no GPU range of the window's
+    name is counted whole, and says so."""
+    monkeypatch.setattr(kb, "load", lambda path: _trace())
+    got = kb.record(lambda: None, 1, tmp_path / "t.json", lambda: None, window="shardwise.decode")
+    assert "no GPU range named 'shardwise.decode'" in got["note"] and got["classes"]["gemm"]["ms"] > 0

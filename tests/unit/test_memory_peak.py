@@ -157,3 +157,12 @@ def test_a_cpu_profilers_allocator_events_read_as_a_history():
     assert step["peak_gib"] == pytest.approx(600 / 1024)
     assert step["before_step_gib"] == pytest.approx(100 / 1024) and step["kept_to_optimizer_gib"] == 0.0
     assert step["top"] == [("aten::mm", pytest.approx(300 / 1024)), ("aten::mul", pytest.approx(200 / 1024))]
+
+
+def test_a_history_that_cannot_be_read_leaves_the_row_without_its_split(tmp_path, capsys):
+    import gpu_report
+
+    (tmp_path / "memory_snapshot").mkdir()
+    (tmp_path / "memory_snapshot" / "rank_0_step_2.pickle").write_bytes(b"not a pickle")
+    assert gpu_report.peak_split(tmp_path) == {}
+    assert "not split" in capsys.readouterr().err
