@@ -232,9 +232,16 @@ def record(step: Callable[[], Any], calls: int, path: Path, sync: Callable[[], N
         with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
             dst.write(src.read())
         plain.unlink()
+    return summarize(path, window)
+
+
+def summarize(path: Path, window: str | None = None) -> dict:
+    """The breakdown of the trace at `path` over `window`'s GPU ranges; over every kernel, with a "note"
+    that says so, when the trace has none of that name (how a profiler projects ranges onto CUDA graph
+    replays may vary, and a benchmark must not lose its row to its profile)."""
     try:
         return breakdown(load(path), window=window)
-    except ValueError as e:  # no GPU range of that name (how a profiler projects ranges onto graph replays may vary)
+    except ValueError as e:
         return {**breakdown(load(path)), "note": f"{e}: every kernel of the trace is counted"}
 
 

@@ -2,8 +2,10 @@
 
 Fork is used because it starts a 4-process group in ~4 s instead of ~10 s with spawn (docs/architecture.md §9).
 It is only safe while the parent has run no multi-threaded work, so callers run their
-single-process references *after* the worlds they need. Every child is joined or killed and
-every exit code checked; a failure re-raises the child's traceback in the parent.
+single-process references *after* the worlds they need, and a test that profiles (torch.profiler leaves
+threads behind) does so in a subprocess of its own (tests/unit/test_kernel_breakdown.py). Every child is
+joined or killed and every exit code checked; a failure re-raises the child's traceback in the parent,
+and a child that never reports is named with its threads' stacks (faulthandler, before the kill).
 
 A child's result crosses to the parent as bytes (plain pickle: a tensor's data travels inside them),
 never as an object on the queue: the queue's pickler would share a tensor's storage by file descriptor,
@@ -15,8 +17,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import queue
+import shutil
 import signal
 import socket
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -42,12 +47,16 @@ def receive(results, timeout: float) -> tuple[int, str, Any]:
     return pickle.loads(results.get(timeout=timeout))
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable[[int], Any], results) -> None:
+def _child(rank: int, world_size: int, port: int, fn: Callable[[int], Any], results, stacks: str) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
     from shardwise.train.network import pin_gloo_interface
 
+    # A hang is reported with where every thread was: the parent sends SIGUSR1 before it kills (run_world).
+    faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)  # noqa: SIM115 (lives as long as the child)
     torch.set_num_threads(1)
     code = 0
     try:
@@ -69,17 +78,18 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[[int], Any], resu
 
 def run_world(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600) -> list[Any]:
     """fn(rank) runs on every rank of a fresh gloo world; returns [result of rank 0, 1, ...]."""
+    import tempfile
+
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, results), daemon=True) for r in range(world_size)]
+    stacks = Path(tempfile.mkdtemp(prefix="shardwise-world-"))
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, results, str(stacks / f"rank{r}.txt")), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     collected: dict[int, tuple[str, Any]] = {}
     try:
-        import queue
-        import time
-
         deadline = time.monotonic() + timeout_s
         while len(collected) < world_size and time.monotonic() < deadline:
             try:
@@ -92,18 +102,28 @@ def run_world(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600)
             if status == "error":
                 break  # the other ranks would only hang on collectives now
     finally:
-        for p in procs:
+        hung = []
+        for rank, p in enumerate(procs):
             p.join(timeout=5 if len(collected) == world_size else 0.5)
+            if p.is_alive():
+                hung.append(rank)
+                os.kill(p.pid, signal.SIGUSR1)  # faulthandler writes every thread's stack (_child)
+        if hung:
+            time.sleep(2)
+        for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
+    where = "".join(f"\nrank {r} was at (its threads' stacks, most recent call first):\n"
+                    + "\n".join((stacks / f"rank{r}.txt").read_text().splitlines()[:60]) for r in hung)
+    shutil.rmtree(stacks, ignore_errors=True)
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(collected.items()) if s == "error"]
     if errors:
         raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
     if len(collected) < world_size:
         missing = sorted(set(range(world_size)) - set(collected))
         raise RuntimeError(f"ranks {missing} did not report within {timeout_s}s "
-                           f"(exit codes {[p.exitcode for p in procs]})")
+                           f"(exit codes {[p.exitcode for p in procs]}){where}")
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise RuntimeError(f"worker exit codes {[p.exitcode for p in procs]}")

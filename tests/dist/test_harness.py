@@ -43,3 +43,23 @@ def test_world_results_and_gloo_interface():
     out = harness.run_world(2, fn)
     assert all(r["sum"].equal(torch.full((3,), 3.0)) for r in out)
     assert {r["gloo"] for r in out} == {"lo"}  # the loopback interface, whatever the host name resolves to
+
+
+def _hang_on_rank_1(rank: int) -> int:
+    import time
+
+    while rank == 1:
+        time.sleep(0.1)
+    return rank
+
+
+def test_a_hung_rank_is_reported_with_where_it_hung():
+    """A world whose rank never reports fails after run_world's timeout with that rank's stack, not only
+    its exit code: the clue a hang in CI leaves behind (faulthandler, on SIGUSR1 before the kill)."""
+    import pytest
+
+    with pytest.raises(RuntimeError) as e:
+        harness.run_world(2, _hang_on_rank_1, timeout_s=5)
+    text = str(e.value)
+    assert "ranks [1] did not report within 5s" in text
+    assert "rank 1 was at" in text and "_hang_on_rank_1" in text, text
