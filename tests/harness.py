@@ -2,10 +2,11 @@
 
 Fork is used because it starts a 4-process group in ~4 s instead of ~10 s with spawn (docs/architecture.md §9).
 It is only safe while the parent has run no multi-threaded work, so callers run their
-single-process references *after* the worlds they need, and a test that profiles (torch.profiler leaves
-threads behind) does so in a subprocess of its own (tests/unit/test_kernel_breakdown.py). Every child is
-joined or killed and every exit code checked; a failure re-raises the child's traceback in the parent,
-and a child that never reports is named with its threads' stacks (faulthandler, before the kill).
+single-process references *after* the worlds they need; a test that profiles does so in a subprocess of
+its own (tests/unit/test_kernel_breakdown.py), and a child compiles with inductor on one thread (inductor's
+compile thread pool does not survive a fork: `_child`). Every child is joined or killed and every exit code
+checked; a failure re-raises the child's traceback in the parent, and a child that never reports is named
+with its threads' stacks (faulthandler, before the kill).
 
 A child's result crosses to the parent as bytes (plain pickle: a tensor's data travels inside them),
 never as an object on the queue: the queue's pickler would share a tensor's storage by file descriptor,
@@ -52,11 +53,18 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[[int], Any], resu
 
     import torch
     import torch.distributed as dist
+    from torch._inductor import config as inductor_config
 
     from shardwise.train.network import pin_gloo_interface
 
     # A hang is reported with where every thread was: the parent sends SIGUSR1 before it kills (run_world).
     faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)  # noqa: SIM115 (lives as long as the child)
+    # torch's at-fork hook resets inductor's compile process pool but not its thread pool
+    # (torch/_inductor/async_compile.py after_fork; AsyncCompile.pool stays lru-cached): a child of a process
+    # that compiled with inductor would queue its kernels on the parent's threads, which do not exist here,
+    # and wait forever (test_harness.py test_a_world_compiles_with_inductor_after_its_parent_did). One
+    # compile thread: each kernel compiles in the calling thread.
+    inductor_config.compile_threads = 1
     torch.set_num_threads(1)
     code = 0
     try:

@@ -63,3 +63,26 @@ def test_a_hung_rank_is_reported_with_where_it_hung():
     text = str(e.value)
     assert "ranks [1] did not report within 5s" in text
     assert "rank 1 was at" in text and "_hang_on_rank_1" in text, text
+
+
+def _compile_something_new(rank: int) -> float:
+    import random
+
+    import torch
+
+    scale = random.Random().random() + 1.0  # a constant no earlier graph had: no cache hit, a real compile
+    return float(torch.compile(lambda x: (x * scale).sin().sum(), backend="inductor")(torch.ones(64)))
+
+
+def test_a_world_compiles_with_inductor_after_its_parent_did(monkeypatch):
+    """A child forked from a process that has compiled with inductor compiles too. torch's at-fork hook resets
+    inductor's compile process pool but not its thread pool (torch/_inductor/async_compile.py after_fork:
+    AsyncCompile.pool stays cached), so a child queued its C++ kernels on the parent's threads, absent in it,
+    and waited forever: the CI hang of test_hf_layouts' fixture (both ranks in codecache load_fn)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import AsyncCompile
+
+    if (inductor_config.compile_threads or inductor_config.decide_compile_threads()) <= 1:
+        monkeypatch.setattr(inductor_config, "compile_threads", 2)  # one core: make the pool exist anyway
+    AsyncCompile.pool().submit(lambda: 0).result()  # what any earlier in-process compile leaves behind
+    assert [round(v, 3) for v in harness.run_world(2, _compile_something_new, timeout_s=120)] != []
