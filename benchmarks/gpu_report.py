@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from memory_peak import analyse, load  # this folder
+from memory_peak import UNREADABLE, run_step_split  # this folder
 
 NINE_MINUTES_S = 9 * 60  # issue 27: the whole check on one H100
 
@@ -89,13 +88,11 @@ def peak_split(run: Path) -> dict[str, float]:
     no timing reads): memory_peak.py's split of it into what was there before the step (parameters,
     optimizer state), gradients alive at it, and activations and transients. {} without a history (a CPU), or
     when it cannot be read (said on stderr: the row's measurement stands without it)."""
-    files = sorted((run / "memory_snapshot").glob("rank_0_step_*.pickle"))
     try:
-        steps = analyse(load(files[-1]), top=0)["steps"] if files else []
-    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
-        print(f"gpu-check: {files[-1]}: not split ({e})", file=sys.stderr)
+        last = run_step_split(run)
+    except UNREADABLE as e:
+        print(f"gpu-check: {run / 'memory_snapshot'}: not split ({e})", file=sys.stderr)
         return {}
-    last = next((s for s in reversed(steps) if s["optimizer_step_seen"]), None)
     return {} if last is None else {"peak_before_step_gib": last["before_step_gib"], "peak_grads_gib":
                                     last["kept_to_optimizer_gib"], "peak_activations_gib": last["freed_before_optimizer_gib"]}
 

@@ -43,7 +43,6 @@ import contextlib
 import datetime as dt
 import gc
 import json
-import pickle
 import platform
 import statistics
 import sys
@@ -61,7 +60,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_breakdown import record, table  # noqa: E402  (this folder)
-from memory_peak import analyse, load  # noqa: E402  (this folder)
+from memory_peak import UNREADABLE, run_step_split  # noqa: E402  (this folder)
 from overhead import write_corpus  # noqa: E402  (the same fixed stdlib corpus)
 from shardwise.config import Config, build_config, parse_overrides  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
@@ -233,20 +232,19 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     seconds = time.perf_counter() - t0
     tokens = args.steps * cfg.train.global_batch * cfg.train.seq_len
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    profiled: dict = {}
+    extra: dict = {}  # the profile and the peak split: after the timing, which stands whatever they do
     if profile is not None:
-        try:  # after the timing, which stands whatever the profiler does
-            profiled["profile"] = record(step, args.profile_steps, profile, lambda: sync(device))
+        try:
+            extra["profile"] = record(step, args.profile_steps, profile, lambda: sync(device))
         except (RuntimeError, OSError, ValueError) as e:
-            profiled["profile_error"] = str(e)
-    history = sorted((tmp / "run" / "memory_snapshot").glob("rank_0_step_*.pickle")) if cfg.run.memory_snapshot else []
-    try:
-        steps = analyse(load(history[-1]), top=5)["steps"] if history else []
-    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:  # the timing stands without it
-        steps, profiled["peak_split_error"] = [], str(e)
-    if steps:  # step 2's peak, split (this variant's file: the next variant's rewrites it)
-        profiled["peak_split"] = steps[-1]
-    return {**profiled, "variant": name, "tokens_per_s": tokens / seconds, "step_s": seconds / args.steps, "peak_gib": peak,
+            extra["profile_error"] = str(e)
+    if cfg.run.memory_snapshot:  # step 2's peak, split (this variant's file: the next variant's rewrites it)
+        try:
+            if split := run_step_split(tmp / "run", top=5):
+                extra["peak_split"] = split
+        except UNREADABLE as e:
+            extra["peak_split_error"] = str(e)
+    return {**extra, "variant": name, "tokens_per_s": tokens / seconds, "step_s": seconds / args.steps, "peak_gib": peak,
             "allocated_before_gib": leftover if device.type == "cuda" else None,
             "first_loss": losses[0], "warmup_s": warm_s, "num_params": num_params, "flops_per_token": flops,
             "precision": cfg.train.precision, "seq_len": cfg.train.seq_len, "micro_batch": cfg.train.micro_batch}

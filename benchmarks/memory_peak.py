@@ -35,6 +35,8 @@ from collections import defaultdict
 from pathlib import Path
 
 GIB = 2**30
+# What reading a history can raise when the file is not one (torn, foreign, or naming code).
+UNREADABLE = (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError)
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -166,6 +168,15 @@ def analyse(snapshot: dict, top: int = 10) -> dict:
     return {"steps": steps, "unseen_gib": unseen / GIB, "events": len(trace)}
 
 
+def run_step_split(run_dir: Path, top: int = 0) -> dict | None:
+    """The last step that reached its optimizer step in rank 0's newest history under RUN_DIR/memory_snapshot
+    (run.memory_snapshot), split as `analyse` does; None without a history or such a step. Raises UNREADABLE
+    when the file cannot be read."""
+    files = sorted((run_dir / "memory_snapshot").glob("rank_0_step_*.pickle"))
+    steps = analyse(load(files[-1]), top)["steps"] if files else []
+    return next((s for s in reversed(steps) if s["optimizer_step_seen"]), None)
+
+
 def report(result: dict) -> str:
     lines = []
     for s in result["steps"]:
@@ -188,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         result = analyse(load(args.snapshot), args.top)
-    except (OSError, ValueError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as e:
+    except UNREADABLE as e:
         print(f"memory_peak.py: {args.snapshot}: {e}", file=sys.stderr)
         return 2
     print(report(result))

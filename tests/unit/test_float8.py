@@ -129,3 +129,21 @@ def test_an_unknown_fp8_recipe_is_refused_before_spawning():
     with pytest.raises(ConfigError) as e:
         check(load_config(None, ["--model.preset=tiny", "--train.precision=fp8", "--train.fp8_recipe=blockwise"]), 1)
     assert e.value.field == "train.fp8_recipe"
+
+
+@pytest.mark.parametrize("vocab, head_fp8", [(512, True), (520, False)])
+def test_the_start_up_line_says_whether_the_head_is_fp8(tmp_path, vocab, head_fp8):
+    """train.fp8_head converts the head only where torch._scaled_mm takes its dims (multiples of 16: vocab 520
+    is 8 x 65): the trainer, the planner (Problem.head_in_fp8) and the start-up line agree on it."""
+    from shardwise.plan.layout import Problem
+    from shardwise.train.trainer import Trainer
+
+    cfg = load_config(None, ["--model.preset=tiny", f"--model.vocab_size={vocab}", "--data.tokenizer=byte",
+                             "--train.precision=fp8", "--train.fp8_head=true", "--train.steps=1",
+                             f"--run.dir={tmp_path}", "--run.progress=false", "--run.tensorboard=false"])
+    lines: list[str] = []
+    trainer = Trainer(cfg, log=lines.append, single_process=True)
+    (line,) = [ln for ln in lines if ln.startswith("fp8:")]
+    assert ("the output head included" in line) == head_fp8, line
+    assert (type(trainer.inner.output).__name__ == "Float8Linear") == head_fp8
+    assert Problem.from_config(cfg).head_in_fp8 == head_fp8

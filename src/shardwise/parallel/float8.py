@@ -37,6 +37,7 @@ import dataclasses
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.spec.layout import fp8_gemm_fits
 
 # The smallest compute capability with FP8 tensor cores (Ada Lovelace, sm_89).
 FP8_CAPABILITY = (8, 9)
@@ -100,7 +101,7 @@ def convertible(module: nn.Module, fqn: str, head: bool = False) -> bool:
     keep = tuple(name for name in KEEP_BF16 if not (head and name == HEAD))
     if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] in keep:
         return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return fp8_gemm_fits(module.in_features, module.out_features)
 
 
 def float8_fused_linear(x, linears: tuple[nn.Module, ...]):

@@ -21,7 +21,14 @@ from shardwise.plan.stack import Stack
 from shardwise.plan.stack import resolve as resolve_stack
 from shardwise.spec import rules
 from shardwise.spec.hardware import Device, lookup
-from shardwise.spec.layout import PRECISIONS, Layout, attention_backend, compute_precision, default_precision
+from shardwise.spec.layout import (
+    PRECISIONS,
+    Layout,
+    attention_backend,
+    compute_precision,
+    default_precision,
+    fp8_gemm_fits,
+)
 from shardwise.spec.shapes import ModelShape
 
 MODEL_STATES = ("shardwise", "mixed")
@@ -232,9 +239,8 @@ class Problem:
 
     @property
     def head_in_fp8(self) -> bool:
-        """train.fp8_head in effect: FP8 training, and a head torch._scaled_mm takes (dims multiples of 16,
-        parallel/float8.py convertible)."""
-        return self.fp8_head and self.precision == "fp8" and self.shape.dim % 16 == 0 and self.shape.vocab_size % 16 == 0
+        """train.fp8_head in effect: FP8 training, and a head torch._scaled_mm takes (spec/layout.py)."""
+        return self.fp8_head and self.precision == "fp8" and fp8_gemm_fits(self.shape.dim, self.shape.vocab_size)
 
     def fp8_gathers(self, lay: Layout) -> bool:
         """FSDP2 all-gathers the blocks' FP8 weights (tensorwise recipe; parallel/float8.py)."""

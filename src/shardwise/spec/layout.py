@@ -15,6 +15,12 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe: torchao Float8LinearConfig recipe names
 
 
+def fp8_gemm_fits(in_features: int, out_features: int) -> bool:
+    """Whether a linear of these dims can run FP8 (parallel/float8.py): torch._scaled_mm needs both
+    multiples of 16. The trainer's conversion and the planner's pricing ask the same question."""
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
 def compute_precision(precision: str, tf32: bool = False) -> str:
     """The dtype a run computes in outside FP8's GEMMs, and the peak its MFU is measured against:
     "fp8" computes in bf16, and counting it against the bf16 peak keeps its MFU comparable to bf16's;

@@ -36,6 +36,7 @@ from shardwise.parallel.precision import DynamicLossScaler, autocast, resolve_pr
 from shardwise.parallel.tensor2d import Grid, cross_entropy_sum, vocab_offset
 from shardwise.preflight import check, check_batch
 from shardwise.spec.dims import lowp_params, offload_tier
+from shardwise.spec.layout import fp8_gemm_fits
 from shardwise.spec.stages import stage_of_parameter, stage_rank
 from shardwise.tensors import local_shard
 from shardwise.train import manifest as mf
@@ -123,9 +124,10 @@ class Trainer:
         self.loss_kernels = LossKernels.compiled(t.compile_backend) if self.compiled else EAGER_LOSS
         if t.precision == "fp8":
             fp8 = sum(type(m).__name__ == "Float8Linear" for m in self.inner.modules())
-            kept = "routers" if t.fp8_head else "the output head and routers"
-            self.log(f"fp8: {fp8} linears in FP8 ({t.fp8_recipe} scaling{', the output head included' if t.fp8_head else ''}), "
-                     f"{kept} in bf16"
+            # the head's dims decide too (spec/layout.py fp8_gemm_fits): the line says what was converted
+            head = t.fp8_head and fp8_gemm_fits(cfg.model.dim, cfg.model.vocab_size)
+            self.log(f"fp8: {fp8} linears in FP8 ({t.fp8_recipe} scaling{', the output head included' if head else ''}), "
+                     f"{'routers' if head else 'the output head and routers'} in bf16"
                      + ("; emulated on CPU (torchao): for correctness, not speed" if self.device.type == "cpu" else ""))
         # How each micro-batch's gradients are reduced (DDP no_sync, FSDP2's flag, ...): data_parallel.py.
         self.gradient_sync = gradient_sync(self.model, self.dims, cfg.parallel)
