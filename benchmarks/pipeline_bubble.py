@@ -3,8 +3,9 @@
 Each schedule trains the same model (`small`-width llama cut to 8 blocks, seq 128, fp32) at pp=4 with
 8 micro-batches for a few steps; the trainer times every stage action of its logged steps and writes
 pipeline_timeline.json + pipeline_chart.png into the run directory. The table shows the last logged
-step: measured bubble (idle share of the pipeline's span, all ranks), theoretical (p-1)/(m+p-1)
-(interleaved: (p-1)/(v·m+p-1)), the step span, and the mean forward / backward action times.
+step: measured bubble (idle share of the pipeline's span, all ranks), theoretical (the schedule's own
+action order with a backward twice the forward, spec/stages.py bubble_fraction: 1F1B (p-1)/(m+p-1)), the
+step span, and the mean forward / backward action times.
 On a machine with fewer cores than pipeline ranks the ranks also wait for a core, which shows up as
 idle time: compare schedules within one run of this script, not with a GPU cluster.
 

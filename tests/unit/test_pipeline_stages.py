@@ -10,6 +10,7 @@ from shardwise.config import build_config
 from shardwise.models.llama import Llama
 from shardwise.spec.stages import (
     balanced_split,
+    bubble_fraction,
     even_split,
     layers_per_stage,
     stage_ids,
@@ -17,7 +18,7 @@ from shardwise.spec.stages import (
     stage_of_parameter,
     stage_rank,
 )
-from shardwise.train.pipeline_chart import TIMELINE_FILE, summarize, theoretical_bubble
+from shardwise.train.pipeline_chart import TIMELINE_FILE, summarize
 
 
 def test_even_split_gives_the_first_stages_the_extra_blocks():
@@ -81,11 +82,13 @@ def test_every_parameter_has_one_stage():
 
 
 def test_theoretical_bubble():
-    assert theoretical_bubble("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
-    assert theoretical_bubble("gpipe", 4, 1, 8) == pytest.approx(3 / 11)
-    assert theoretical_bubble("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 19)  # (p-1)/v over m + (p-1)/v
-    assert theoretical_bubble("zero_bubble", 4, 1, 8) == pytest.approx(3 / 27)
-    assert theoretical_bubble("dualpipev", 4, 2, 8) is None
+    """The chart's theoretical share: spec/stages.py bubble_seconds with t_b = 2 t_f (F = I = W)."""
+    assert bubble_fraction("1f1b", 4, 1, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 4, 1, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 19)  # (p-1)/v over m + (p-1)/v
+    assert bubble_fraction("zero_bubble", 4, 1, 8) == pytest.approx(3 / 27)
+    assert bubble_fraction("zbv", 4, 2, 8) == pytest.approx(1.5 / 25.5)  # a chunk's input pass per rank: (p-1) t_b/4
+    assert bubble_fraction("dualpipev", 4, 2, 8) == pytest.approx(3 / 27)  # (p-1) t_f
 
 
 def _timeline() -> dict:

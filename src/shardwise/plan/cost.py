@@ -14,16 +14,10 @@ Overlap rules:
   TP: exposed (x (1 - TP_OVERLAP_FRACTION)); CP ring: per layer, max(0, K/V transfer - attention
   compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
   and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
-Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch on the slowest stage):
-  gpipe, 1f1b: (p-1)(t_f + t_b) (Narayanan et al. 2021, arXiv 2104.04473 §2.2: fraction (p-1)/m);
-  interleaved_1f1b: (p-1)(t_f + t_b)/v (ibid. §2.2.2);
-  zero_bubble (ZB-H1, split backward into B and W = t_b/2 each): (p-1)(t_f + t_B - t_W) = (p-1) t_f,
-    divided by v for the interleaved variant (Qi et al. 2024, arXiv 2401.10241 §2.1, ZB-H1);
-  zbv (ZB-V, Qi et al. 2024, arXiv 2401.10241 §6): two V-placed half-stage chunks per rank, no bubble
-    when a chunk's T_F = T_B = T_W; we charge what is left when they differ, (p-1)(T_F + T_B - 2T_W)
-    with T_F = t_f/2 and T_B = T_W = t_b/4 (ZB-H1's warm-up term with the V's second chunk filling
-    one more W; our assumption, not a formula of the paper), i.e. (p-1) max(0, t_f/2 - t_b/4);
-  dualpipev: (p/2 - 1)(F&B + B - 3W) of a half-stage chunk (DeepSeek-V3, arXiv 2412.19437 Table 2).
+Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch on the slowest stage, m micro-
+  batches): the makespan of the action order torch runs for the schedule, spec/stages.py bubble_seconds
+  (gpipe / 1f1b (p-1)(t_f + t_b); interleaved /v; ZB-H1 (p-1) max(t_f, t_b/2)/v; ZB-V and DualPipeV as
+  torch orders them, checked against a replay of torch's own orders).
 """
 from __future__ import annotations
 
@@ -45,6 +39,7 @@ from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
+from shardwise.spec.stages import bubble_seconds
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -97,20 +92,6 @@ def _axis_group(axis: str) -> str:
     if axis in ("tp_row", "tp_col"):  # 2-D TP's grid axes: timed and exposed as TP
         return "tp"
     return "dp" if axis in ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp", "efsdp") else axis
-
-
-def _bubble(schedule: str, p: int, v: int, t_f: float, t_b: float) -> float:
-    if p == 1:
-        return 0.0
-    if schedule == "interleaved_1f1b":
-        return (p - 1) * (t_f + t_b) / v
-    if schedule == "zero_bubble":
-        return (p - 1) * t_f / v
-    if schedule == "zbv":
-        return (p - 1) * max(0.0, t_f / 2 - t_b / 4)
-    if schedule == "dualpipev":
-        return max(0.0, p / 2 - 1) * t_f / 2
-    return (p - 1) * (t_f + t_b)
 
 
 @dataclass(frozen=True)
@@ -196,7 +177,7 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, pp_rank: int) -> t
     # Forward holds 1/3 of the activation collectives (TP: 2 of the 6 per block), backward the rest.
     t_f = mb.fwd + core.per_mb_comm / 3
     t_b = mb.bwd + mb.recompute + core.per_mb_comm * 2 / 3
-    bubble = _bubble(lay.schedule, lay.pp, lay.chunks_per_rank, t_f, t_b)
+    bubble = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, t_f, t_b)
     if lay.pp > 1:
         crossings = 2 * m * lay.chunks_per_rank + 2 * (lay.pp - 1)
         comm["pp"] = core.pp_send * crossings * C.PP_P2P_EXPOSED_FRACTION
@@ -229,7 +210,7 @@ def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float
         t_b = mb.bwd + mb.recompute + c.per_mb_comm * 2 / 3
         t = m * (mb.fwd + mb.bwd + mb.recompute) + sum(v_ for _, v_ in c.comm) + c.optimizer
         if core.pp > 1:
-            t += _bubble(schedule, core.pp, chunks, t_f, t_b)
+            t += bubble_seconds(schedule, core.pp, chunks, m, t_f, t_b)
             t += c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
         worst = max(worst, t)
     return worst

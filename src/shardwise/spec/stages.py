@@ -101,3 +101,45 @@ def stage_of_parameter(name: str, layers: list[list[int]]) -> int:
     if parts[0] in ("norm", "output"):
         return len(layers) - 1
     return 0
+
+
+def bubble_seconds(schedule: str, p: int, v: int, m: int, t_f: float, t_b: float) -> float:
+    """Idle seconds a pipeline rank adds to a step of m micro-batches beyond its m (t_f + t_b) of work
+    (t_f, t_b: its forward and backward of one micro-batch, all its stages; the split backward's input
+    and weight passes t_b/2 each): the makespan of the action order torch.distributed.pipelining runs for
+    `schedule`, with every action on a rank back to back once what it needs has arrived (no
+    communication time: plan/cost.py prices the sends). Each form is that order's makespan, checked
+    against a replay of torch's own orders (tests/unit/test_pipeline_bubble.py, over p = 2-8, all legal m,
+    t_b/t_f = 0.5-5):
+      gpipe, 1f1b        (p-1)(t_f + t_b)                                   (Narayanan et al. 2021 §2.2)
+      interleaved_1f1b   (p-1)(t_f + t_b)/v                                (ibid. §2.2.2)
+      zero_bubble        (p-1) max(t_f, t_b/2)/v: ZB-H1's (p-1)(T_F + T_B - T_W) (Qi et al. 2024, arXiv
+                         2401.10241 §2.1) while the input pass is no longer than the forward; beyond that
+                         (recompute puts a forward into it) the input passes set the pace
+      zbv                max((p-1) max(t_b/4, t_f - t_b/4), (2p-1-m) t_b/2): torch's ZB-V order idles a
+                         chunk's input pass per rank, (p-1) t_b/4, not the paper's (p-1)(T_F + T_B - 2T_W)
+                         (0 when T_F = T_B = T_W, §6); below 2p micro-batches the V is not full. Exact for
+                         t_b >= 2 t_f (a block's backward runs two GEMMs per forward one); below that
+                         within t_f of the order's makespan
+      dualpipev          max((p-1) t_f, ((p-1)(2 t_f + t_b) - 2 t_f)/4), m >= 2p (spec/rules.py): torch's
+                         DualPipeV order, not DeepSeek-V3's bidirectional DualPipe ((p/2-1)(F&B + B - 3W),
+                         arXiv 2412.19437 Table 2), whose two pipelines start from both ends at once."""
+    if p == 1:
+        return 0.0
+    if schedule == "interleaved_1f1b":
+        return (p - 1) * (t_f + t_b) / v
+    if schedule == "zero_bubble":
+        return (p - 1) * max(t_f, t_b / 2) / v
+    if schedule == "zbv":
+        return max((p - 1) * max(t_b / 4, t_f - t_b / 4), (2 * p - 1 - m) * t_b / 2)
+    if schedule == "dualpipev":
+        return max((p - 1) * t_f, ((p - 1) * (2 * t_f + t_b) - 2 * t_f) / 4)
+    return (p - 1) * (t_f + t_b)
+
+
+def bubble_fraction(schedule: str, p: int, v: int, m: int) -> float:
+    """The idle share of a step's span by `bubble_seconds` with a backward twice the forward (a split
+    backward's input, weight and forward passes equal): (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1)
+    interleaved, (p-1)/(3 v m+p-1) for ZB-H1."""
+    idle = bubble_seconds(schedule, p, v, m, 1.0, 2.0)
+    return idle / (3.0 * m + idle)

@@ -22,23 +22,13 @@ import torch.distributed as dist
 from shardwise.config import ParallelConfig
 from shardwise.parallel.pipeline import Action
 from shardwise.spec.dims import ParallelDims
-from shardwise.spec.stages import SINGLE_STAGE
+from shardwise.spec.stages import bubble_fraction
 
 TIMELINE_FILE = "pipeline_timeline.json"
 CHART_FILE = "pipeline_chart.png"
 KINDS = "FBIW"
 KIND_NAMES = {"F": "forward", "B": "backward (input + weight)", "I": "backward-input", "W": "backward-weight"}
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
-
-
-def theoretical_bubble(schedule: str, p: int, v: int, m: int) -> float | None:
-    if schedule in SINGLE_STAGE:  # gpipe, 1f1b
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved_1f1b":
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "zero_bubble":
-        return (p - 1) / (3 * v * m + p - 1)
-    return None
 
 
 def gather_timeline(start: float, end: float, actions: list[Action], rank: int, world: int,
@@ -112,7 +102,7 @@ def summarize(ranks: list[dict], schedule: str, p: int, v: int, m: int, step: in
         r["bubble"] = 1 - r["busy_s"] / span
     measured = 1 - sum(r["busy_s"] for r in pipeline) / (len(pipeline) * span)
     return {"schedule": schedule, "pp": p, "virtual_stages": v, "microbatches": m, "step": step, "span_s": span,
-            "bubble_measured": measured, "bubble_theoretical": theoretical_bubble(schedule, p, v, m), "ranks": pipeline}
+            "bubble_measured": measured, "bubble_theoretical": bubble_fraction(schedule, p, v, m), "ranks": pipeline}
 
 
 def write_timeline(run_dir: Path, timeline: dict) -> Path:
@@ -134,7 +124,7 @@ def load_timeline(run_dir: Path) -> dict:
 
 def describe(timeline: dict) -> str:
     theory = timeline["bubble_theoretical"]
-    theory_text = f"{theory:.1%}" if theory is not None else "no closed form"
+    theory_text = f"{theory:.1%}" if theory is not None else "not recorded"  # timelines written before zbv / dualpipev had one
     return (f"{timeline['schedule']} pp={timeline['pp']} v={timeline['virtual_stages']} m={timeline['microbatches']} "
             f"(step {timeline['step']}): bubble measured {timeline['bubble_measured']:.1%}, theoretical {theory_text}")
 
