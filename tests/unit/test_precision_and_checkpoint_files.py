@@ -75,3 +75,26 @@ def test_steps_sort_numerically(tmp_path):
     for step in (9, 100000000, 10):
         _fake_checkpoint(tmp_path, step)
     assert mf.complete_checkpoints(tmp_path)[-1].name == "step_100000000"
+
+
+def test_a_pipeline_stage_is_gathered_to_host_memory_one_tensor_at_a_time(monkeypatch):
+    """run.save_final_model under pipeline parallelism: a stage's weights are made whole one tensor at a
+    time and kept in host memory. Asking torch for the whole state dict unsharded without its offload (the
+    offload keeps them on global rank 0 only) held every gathered tensor on the device at once: ~35 GB of
+    fp32 for a 70B stage of pp=8 on a GPU full with training. A CUDA-only failure; the decision is tested
+    here (the gathering itself by the parity matrix's pipeline layouts with ZeRO-3 and TP)."""
+    from torch import nn
+
+    from shardwise.train import checkpoint
+
+    asked = []
+
+    def state_dict(model, options=None):
+        asked.append(options)
+        return {"b": torch.ones(2), "a": torch.zeros(3)}
+
+    monkeypatch.setattr(checkpoint, "get_model_state_dict", state_dict)
+    assert checkpoint.gather_pipeline_state(nn.Linear(1, 1), {}, {}, None, 1, in_rank0_pipeline=False) == {}
+    assert asked and all(o is None or not o.full_state_dict for o in asked)
+    on_host = checkpoint.full_tensors_on_host(nn.Linear(1, 1))
+    assert list(on_host) == ["a", "b"] and all(t.device.type == "cpu" for t in on_host.values())

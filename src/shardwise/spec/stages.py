@@ -110,7 +110,7 @@ def bubble_seconds(schedule: str, p: int, v: int, m: int, t_f: float, t_b: float
     `schedule`, with every action on a rank back to back once what it needs has arrived (no
     communication time: plan/cost.py prices the sends). Each form is that order's makespan, checked
     against a replay of torch's own orders (tests/unit/test_pipeline_bubble.py, over p = 2-8, all legal m,
-    t_b/t_f = 0.5-5):
+    t_b/t_f = 0.5-4):
       gpipe, 1f1b        (p-1)(t_f + t_b)                                   (Narayanan et al. 2021 §2.2)
       interleaved_1f1b   (p-1)(t_f + t_b)/v                                (ibid. §2.2.2)
       zero_bubble        (p-1) max(t_f, t_b/2)/v: ZB-H1's (p-1)(T_F + T_B - T_W) (Qi et al. 2024, arXiv
