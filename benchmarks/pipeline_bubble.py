@@ -3,8 +3,10 @@
 Each schedule trains the same model (`small`-width llama cut to 8 blocks, seq 128, fp32) at pp=4 with
 8 micro-batches for a few steps; the trainer times every stage action of its logged steps and writes
 pipeline_timeline.json + pipeline_chart.png into the run directory. The table shows the last logged
-step: measured bubble (idle share of the pipeline's span, all ranks), theoretical (the schedule's own
-action order with a backward twice the forward, spec/stages.py bubble_fraction: 1F1B (p-1)/(m+p-1)), the
+step: measured bubble (idle share of the pipeline's span, all ranks); order, the idle the schedule's
+own action order costs at the measured action times (the actions replayed with no time for the sends:
+the rest of the measured bubble is waiting on sends and slower ranks); theoretical (that order with
+equal stages and a backward twice the forward, spec/stages.py bubble_fraction: 1F1B (p-1)/(m+p-1)); the
 step span, and the mean forward / backward action times.
 On a machine with fewer cores than pipeline ranks the ranks also wait for a core, which shows up as
 idle time: compare schedules within one run of this script, not with a GPU cluster.
@@ -56,7 +58,8 @@ def run(schedule: str, pp: int, m: int, steps: int, work: Path, model: list[str]
     timeline = json.loads((run_dir / "pipeline_timeline.json").read_text())
     times = {k: [t1 - t0 for r in timeline["ranks"] for kind, _, _, t0, t1 in r["actions"] if kind == k] for k in "FBIW"}
     return {"schedule": schedule, "pp": pp, "virtual_stages": timeline["virtual_stages"], "microbatches": m,
-            "bubble_measured": timeline["bubble_measured"], "bubble_theoretical": timeline["bubble_theoretical"],
+            "bubble_measured": timeline["bubble_measured"], "bubble_order": timeline["bubble_order"],
+            "bubble_theoretical": timeline["bubble_theoretical"],
             "span_s": timeline["span_s"], "chart": str(run_dir / "pipeline_chart.png"),
             "mean_action_ms": {k: 1e3 * sum(v) / len(v) for k, v in times.items() if v}}
 
@@ -84,11 +87,12 @@ def main() -> int:
         model = SMOKE_MODEL + [f"--data.cache_dir={work / 'cache'}"] if args.smoke else MODEL
         rows = [run(s, args.pp, args.microbatches, args.steps, work, model) for s in schedules]
     print(f"pp={args.pp}, m={args.microbatches} micro-batches, {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
-    print(f"{'schedule':<18} {'v':>2} {'measured':>9} {'theory':>7} {'span ms':>8}  mean action ms")
+    print(f"{'schedule':<18} {'v':>2} {'measured':>9} {'order':>7} {'theory':>7} {'span ms':>8}  mean action ms")
     for r in rows:
         theory = f"{r['bubble_theoretical']:.1%}" if r["bubble_theoretical"] is not None else "-"
+        order = f"{r['bubble_order']:.1%}" if r["bubble_order"] is not None else "-"
         actions = " ".join(f"{k} {v:.1f}" for k, v in r["mean_action_ms"].items())
-        print(f"{r['schedule']:<18} {r['virtual_stages']:>2} {r['bubble_measured']:>9.1%} {theory:>7} "
+        print(f"{r['schedule']:<18} {r['virtual_stages']:>2} {r['bubble_measured']:>9.1%} {order:>7} {theory:>7} "
               f"{r['span_s'] * 1e3:>8.1f}  {actions}")
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(), "cores": os.cpu_count(), "rows": rows}
     if args.smoke:

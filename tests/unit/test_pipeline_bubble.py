@@ -6,10 +6,9 @@ This is what caught the planner pricing ZB-V and DualPipeV at (nearly) no bubble
 idle (p-1) t_b/4 and (p-1) t_f.
 
 The replay's rules are torch's dependencies (torch/distributed/pipelining/schedules.py
-_simulate_comms_compute, with times): a forward needs the previous stage's forward of that micro-batch,
-an input (or full) backward the next stage's backward (the last stage: its own forward), a weight pass
-its own input pass; an OVERLAP_F_B action runs its forward and backward one after the other (on one
-device they share the compute; the overlap hides communication, which the planner prices apart).
+_simulate_comms_compute, with times: spec/stages.py replay_span); an OVERLAP_F_B action runs its forward
+and backward one after the other (on one device they share the compute; the overlap hides
+communication, which the planner prices apart).
 gpipe and 1f1b run torch's single-stage loop, not an order: their (p-1)(t_f + t_b) is textbook.
 """
 from __future__ import annotations
@@ -19,7 +18,7 @@ import types
 import pytest
 
 from shardwise.spec.rules import microbatch_rule
-from shardwise.spec.stages import bubble_seconds, stage_ids
+from shardwise.spec.stages import bubble_seconds, replay_span, stage_ids
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 CT = schedules._ComputationType
@@ -37,48 +36,19 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict[int, list]:
 
 
 def replayed_bubble(order: dict[int, list], num_stages: int, m: int, t_f: float, t_b: float) -> float:
-    """The order's makespan minus a rank's m (t_f + t_b), each rank running v = num_stages / p chunks
-    of t_f / v forward and t_b / v backward (input and weight passes half of it each)."""
+    """The order's makespan (spec/stages.py replay_span) minus a rank's m (t_f + t_b), each rank running
+    v = num_stages / p chunks of t_f / v forward and t_b / v backward (input and weight passes half of it
+    each); an OVERLAP_F_B action as its forward, then its backward, as the trainer's timeline records it."""
     v = num_stages // len(order)
-    seconds = {CT.FORWARD: t_f / v, CT.BACKWARD_INPUT: t_b / v / 2, CT.BACKWARD_WEIGHT: t_b / v / 2,
-               CT.FULL_BACKWARD: t_b / v}
-
-    def key(a) -> tuple:  # an input pass and a full backward both release the previous stage's backward
-        kind = {CT.FORWARD: "F", CT.BACKWARD_WEIGHT: "W"}.get(a.computation_type, "B")
-        return kind, a.stage_index, a.microbatch_index
-
-    def needs(a) -> list[tuple]:
-        kind, s, mb = key(a)
-        if kind == "F":
-            return [] if s == 0 else [("F", s - 1, mb)]
-        if kind == "B":
-            return [("F", s, mb)] if s == num_stages - 1 else [("B", s + 1, mb)]
-        return [("B", s, mb)]
-
-    compute = {*seconds, CT.OVERLAP_F_B}  # the orders hold nothing else but None (idle slots)
-    queues = {r: [a for a in actions if a is not None and a.computation_type in compute] for r, actions in order.items()}
-    done: dict[tuple, float] = {}
-    free = dict.fromkeys(queues, 0.0)
-    moved = True
-    while moved:
-        moved = False
-        for rank, queue in queues.items():
-            while queue:
-                parts = list(queue[0].sub_actions) if queue[0].computation_type == CT.OVERLAP_F_B else [queue[0]]
-                inside = {key(a) for a in parts}
-                wait = [n for a in parts for n in needs(a) if n not in inside]
-                if any(n not in done for n in wait):
-                    break
-                end = max([free[rank]] + [done[n] for n in wait]) + sum(seconds[a.computation_type] for a in parts)
-                for a in parts:
-                    done[key(a)] = end
-                    if a.computation_type == CT.FULL_BACKWARD:
-                        done[("W", a.stage_index, a.microbatch_index)] = end
-                free[rank] = end
-                queue.pop(0)
-                moved = True
-    assert not any(queues.values()), "the order deadlocks"
-    return max(free.values()) - m * (t_f + t_b)
+    seconds = {CT.FORWARD: ("F", t_f / v), CT.BACKWARD_INPUT: ("I", t_b / v / 2),
+               CT.BACKWARD_WEIGHT: ("W", t_b / v / 2), CT.FULL_BACKWARD: ("B", t_b / v)}
+    actions = {}
+    for rank, listed in order.items():
+        parts = [p for a in listed if a is not None
+                 for p in (a.sub_actions if a.computation_type == CT.OVERLAP_F_B else [a])]
+        actions[rank] = [(*seconds[a.computation_type][:1], a.stage_index, a.microbatch_index,
+                          seconds[a.computation_type][1]) for a in parts if a.computation_type in seconds]
+    return replay_span(actions, num_stages) - m * (t_f + t_b)
 
 
 CASES = [(schedule, p, v, m) for schedule, vs in (("interleaved_1f1b", (2, 3, 4)), ("zero_bubble", (1, 2)),

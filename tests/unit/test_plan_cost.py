@@ -76,7 +76,7 @@ def test_pipeline_bubbles():
     # T_F = T_B = T_W); with fewer than 2p micro-batches the V does not fill: (2p-1-m) t_b/2.
     assert bubble_seconds("zbv", 8, 2, 16, 1.0, 2.0) == 7 * 0.5 and bubble_seconds("zbv", 8, 2, 16, 1.0, 3.0) == 7 * 0.75
     assert bubble_seconds("zbv", 8, 2, 9, 1.0, 2.0) == 6 * 1.0
-    assert bubble_seconds("dualpipev", 8, 2, 16, 1.0, 2.0) == 7 * 1.0
+    assert bubble_seconds("dualpipev", 8, 2, 16, 1.0, 2.0) == 7 * 0.5  # (p-1) t_f/2: half a rank's forward per rank
 
 
 def test_pipeline_boundaries_and_v_shape_hand_over():

@@ -121,9 +121,11 @@ def bubble_seconds(schedule: str, p: int, v: int, m: int, t_f: float, t_b: float
                          (0 when T_F = T_B = T_W, §6); below 2p micro-batches the V is not full. Exact for
                          t_b >= 2 t_f (a block's backward runs two GEMMs per forward one); below that
                          within t_f of the order's makespan
-      dualpipev          max((p-1) t_f, ((p-1)(2 t_f + t_b) - 2 t_f)/4), m >= 2p (spec/rules.py): torch's
-                         DualPipeV order, not DeepSeek-V3's bidirectional DualPipe ((p/2-1)(F&B + B - 3W),
-                         arXiv 2412.19437 Table 2), whose two pipelines start from both ends at once."""
+      dualpipev          max((p-1) max(t_f/2, t_f - t_b/2), (p-1) t_b/4 - t_f/2), m >= 2p (spec/rules.py):
+                         torch's DualPipeV order, its overlapped forward-backward pairs run one after the
+                         other as torch's runtime does (each waits for its own input); not DeepSeek-V3's
+                         bidirectional DualPipe ((p/2-1)(F&B + B - 3W), arXiv 2412.19437 Table 2), whose
+                         two pipelines start from both ends at once"""
     if p == 1:
         return 0.0
     if schedule == "interleaved_1f1b":
@@ -133,7 +135,7 @@ def bubble_seconds(schedule: str, p: int, v: int, m: int, t_f: float, t_b: float
     if schedule == "zbv":
         return max((p - 1) * max(t_b / 4, t_f - t_b / 4), (2 * p - 1 - m) * t_b / 2)
     if schedule == "dualpipev":
-        return max((p - 1) * t_f, ((p - 1) * (2 * t_f + t_b) - 2 * t_f) / 4)
+        return max((p - 1) * max(t_f / 2, t_f - t_b / 2), (p - 1) * t_b / 4 - t_f / 2)
     return (p - 1) * (t_f + t_b)
 
 
@@ -143,3 +145,40 @@ def bubble_fraction(schedule: str, p: int, v: int, m: int) -> float:
     interleaved, (p-1)/(3 v m+p-1) for ZB-H1."""
     idle = bubble_seconds(schedule, p, v, m, 1.0, 2.0)
     return idle / (3.0 * m + idle)
+
+
+def replay_span(orders: dict[int, list[tuple[str, int, int, float]]], num_stages: int) -> float:
+    """The makespan of per-rank action orders (kind F / B / I / W, stage, micro-batch, seconds) when every
+    action starts as soon as its rank is free and what it needs has arrived, with no time for the sends:
+    a forward needs the previous stage's forward of its micro-batch, a backward (B, or an input pass I)
+    the next stage's (the last stage: its own forward), a weight pass W its input pass. Of torch's orders
+    it gives `bubble_seconds` (tests/unit/test_pipeline_bubble.py); of a measured step's actions
+    (train/pipeline_chart.py), the idle the schedule itself costs at those action times, so the rest of
+    the measured idle is waiting on sends and slower ranks."""
+    def needs(kind: str, stage: int, mb: int) -> tuple | None:
+        if kind == "F":
+            return None if stage == 0 else ("F", stage - 1, mb)
+        if kind == "W":
+            return ("B", stage, mb)
+        return ("F", stage, mb) if stage == num_stages - 1 else ("B", stage + 1, mb)
+
+    done: dict[tuple, float] = {}
+    free = dict.fromkeys(orders, 0.0)
+    position = dict.fromkeys(orders, 0)
+    moved = True
+    while moved:
+        moved = False
+        for rank, actions in orders.items():
+            while position[rank] < len(actions):
+                kind, stage, mb, seconds = actions[position[rank]]
+                need = needs(kind, stage, mb)
+                if need is not None and need not in done:
+                    break
+                free[rank] = max(free[rank], done[need] if need else 0.0) + seconds
+                done[("W" if kind == "W" else "F" if kind == "F" else "B", stage, mb)] = free[rank]
+                position[rank] += 1
+                moved = True
+    stuck = [r for r, actions in orders.items() if position[r] < len(actions)]
+    if stuck:
+        raise ValueError(f"the orders of ranks {stuck} wait on actions no rank runs")
+    return max(free.values(), default=0.0)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from shardwise.config import ParallelConfig
 from shardwise.parallel.pipeline import Action
 from shardwise.spec.dims import ParallelDims
-from shardwise.spec.stages import bubble_fraction
+from shardwise.spec.stages import bubble_fraction, replay_span
 
 TIMELINE_FILE = "pipeline_timeline.json"
 CHART_FILE = "pipeline_chart.png"
@@ -94,15 +94,31 @@ class TimelineRecorder:
 
 
 def summarize(ranks: list[dict], schedule: str, p: int, v: int, m: int, step: int) -> dict:
-    """The timeline record written to the run directory: rank 0's pipeline, bubble measured and theoretical."""
+    """The timeline record written to the run directory: rank 0's pipeline, bubble measured, that of the
+    schedule's own order at the measured action times (`order_bubble`), and theoretical."""
     pipeline = sorted((r for r in ranks if r["in_rank0_pipeline"]), key=lambda r: r["pp_rank"])
     span = max(r["step_s"] for r in pipeline)
     for r in pipeline:
         r["busy_s"] = sum(t1 - t0 for _, _, _, t0, t1 in r["actions"])
         r["bubble"] = 1 - r["busy_s"] / span
-    measured = 1 - sum(r["busy_s"] for r in pipeline) / (len(pipeline) * span)
+    busy = sum(r["busy_s"] for r in pipeline)
     return {"schedule": schedule, "pp": p, "virtual_stages": v, "microbatches": m, "step": step, "span_s": span,
-            "bubble_measured": measured, "bubble_theoretical": bubble_fraction(schedule, p, v, m), "ranks": pipeline}
+            "bubble_measured": 1 - busy / (len(pipeline) * span), "bubble_order": order_bubble(pipeline, p * v, busy),
+            "bubble_theoretical": bubble_fraction(schedule, p, v, m), "ranks": pipeline}
+
+
+def order_bubble(pipeline: list[dict], num_stages: int, busy: float) -> float | None:
+    """The idle share the schedule's action order itself costs at the measured action times: each rank's
+    actions, in the order they ran and as long as they took, replayed with no time for the sends
+    (spec/stages.py replay_span). What the measured bubble has beyond it is waiting on the sends and on
+    slower ranks. None where the recorded actions do not form a whole step."""
+    orders = {r["pp_rank"]: [(kind, stage, mb, t1 - t0) for kind, stage, mb, t0, t1 in sorted(r["actions"], key=lambda a: a[3])]
+              for r in pipeline}
+    try:
+        span = replay_span(orders, num_stages)
+    except ValueError:
+        return None
+    return 1 - busy / (len(pipeline) * span) if span > 0 else None
 
 
 def write_timeline(run_dir: Path, timeline: dict) -> Path:
@@ -125,8 +141,11 @@ def load_timeline(run_dir: Path) -> dict:
 def describe(timeline: dict) -> str:
     theory = timeline["bubble_theoretical"]
     theory_text = f"{theory:.1%}" if theory is not None else "not recorded"  # timelines written before zbv / dualpipev had one
+    order = timeline.get("bubble_order")  # absent from timelines written before it was measured
+    order_text = "" if order is None else \
+        f" (the schedule's own order at these action times {order:.1%}, the rest waiting on sends and slower ranks)"
     return (f"{timeline['schedule']} pp={timeline['pp']} v={timeline['virtual_stages']} m={timeline['microbatches']} "
-            f"(step {timeline['step']}): bubble measured {timeline['bubble_measured']:.1%}, theoretical {theory_text}")
+            f"(step {timeline['step']}): bubble measured {timeline['bubble_measured']:.1%}{order_text}, theoretical {theory_text}")
 
 
 def text_chart(timeline: dict, width: int = 100) -> str:

@@ -159,6 +159,7 @@ class StepLog:
         if timeline is not None:
             record["pp_bubble_measured"] = timeline["bubble_measured"]
             record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
+            record["pp_bubble_order"] = timeline["bubble_order"]
             self.last_timeline = timeline
         return record
 
