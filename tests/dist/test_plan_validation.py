@@ -103,6 +103,9 @@ CASES[2].update({
     # blocks' inputs (the recomputation runs under the checkpoint's own saved-tensor hooks).
     "pp2_gpipe": dict(PP, **{"parallel.pp_schedule": "gpipe"}),
     "pp2_1f1b_full": dict(PP, **{"train.recompute": "full"}),
+    # torch's zero-bubble order defers the weight passes: the last rank holds p micro-batches (the loss's
+    # own tensors once: the input pass detaches it); priced as 1F1B's 1 it was -44% (plan/inflight.py).
+    "pp2_zero_bubble": dict(PP, **{"parallel.pp_schedule": "zero_bubble"}),
 })
 CASES[4].update({
     "pp2_zero1_dp2_bf16": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 1, "train.precision": "bf16"}),
@@ -111,6 +114,10 @@ CASES[4].update({
     "pp2_zero3_dp2": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 3}),
     "pp2_dualpipev_ddp2": dict(PP, **{"parallel.dp_replicate": 2, "parallel.pp_schedule": "dualpipev",
                                       "parallel.pp_virtual_stages": 2, "train.micro_batch": 1}),
+    # 6 micro-batches over 4 stages: torch's interleaved rounds hold m // (m // p) = 6, not p (-8% / -25% before).
+    "pp4_interleaved_v2_m6": {"model.n_layers": 8, "parallel.pp": 4, "train.micro_batch": 2, "train.global_batch": 12,
+                              "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_virtual_stages": 2},
+    "pp4_zero_bubble": {"model.n_layers": 4, "parallel.pp": 4, "train.micro_batch": 1, "parallel.pp_schedule": "zero_bubble"},
 })
 # MoE x TP (parallel/tensor.py MoERegion): experts split on the ffn dim, the router's Partial gradient
 # all-reduced over tp; ZeRO-3 with 2 micro-batches syncs those Partial gradients per micro-batch.

@@ -232,20 +232,25 @@ def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, chunked_loss: boo
                fp8_head: bool = False) -> BlockActivations:
     """Final norm + output head + loss, per token: the norm's tensors, the head's input (and its weight
     copy under autocast; none when train.fp8_head makes it a Float8Linear, which casts the fp32 weight
-    itself), the fp32 log-softmax of the (vocab-sharded, loss-parallel) logits, int64 targets. The logits
-    themselves are not saved (log_softmax keeps only its output). The chunked loss (spec/loss.py
-    loss_is_chunked: a large micro-batch, no TP) keeps the logits in their own dtype plus an fp32
-    log-sum-exp per token instead."""
-    if chunked_loss:
-        logit = 4 if reg == "fp32" else 2
-        per_token = _norm(shape, reg, 1, 1) + logit * shape.vocab_size + 4 + 8
-        fixed = 0.0
-    else:
-        per_token = _norm(shape, reg, tp if sp else 1, 1) + 4 * shape.vocab_size / tp + 8
-        fixed = 4.0  # the loss's total_weight scalar
+    itself), and the loss's own (`loss_bytes`)."""
+    loss = loss_bytes(shape, reg, tp, chunked_loss)
+    per_token = _norm(shape, reg, 1, 1) if chunked_loss else _norm(shape, reg, tp if sp else 1, 1)
+    fixed = loss.fixed
     if reg == "autocast" or (reg == "autocast_fp8" and not fp8_head):  # a plain linear under FP8 unless fp8_head
         fixed += 2 * shape.vocab_size * shape.dim / tp
-    return BlockActivations(per_token, fixed)
+    return BlockActivations(per_token + loss.per_token, fixed)
+
+
+def loss_bytes(shape: ModelShape, reg: str, tp: int, chunked_loss: bool = False) -> BlockActivations:
+    """What the loss alone saves, per token: the fp32 log-softmax of the (vocab-sharded, loss-parallel)
+    logits and int64 targets (the logits themselves are not saved: log_softmax keeps only its output);
+    the chunked loss (spec/loss.py loss_is_chunked: a large micro-batch, no TP) the logits in their own
+    dtype, an fp32 log-sum-exp and the targets instead. A split backward's input pass frees it (torch
+    detaches the loss: pipelining/_backward.py stage_backward_input) while the head's input waits for the
+    weight pass (plan/inflight.py loss_inflight_microbatches)."""
+    if chunked_loss:
+        return BlockActivations((4 if reg == "fp32" else 2) * shape.vocab_size + 4 + 8, 0.0)
+    return BlockActivations(4 * shape.vocab_size / tp + 8, 4.0)  # fixed: the loss's total_weight scalar
 
 
 def rope_table_bytes(shape: ModelShape) -> float:

@@ -2,15 +2,27 @@
 multiplies one micro-batch's stored activations by these counts)."""
 from __future__ import annotations
 
+from shardwise.plan import activations as A
+from shardwise.plan.inventory import RankModel
+from shardwise.plan.layout import Problem
+from shardwise.spec.layout import Layout
+from shardwise.spec.loss import loss_is_chunked
+
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak, in units of one micro-batch
     of its whole share of layers.
     gpipe: all m (every forward before any backward; Huang et al. 2019, arXiv 1811.06965).
     1f1b: rank r holds p - r (PipeDream-Flush / Megatron warm-up, Narayanan et al. 2021 §2.2).
-    interleaved_1f1b: rank r holds 2(p-r-1) + (v-1)p + 1 chunk-micro-batches of 1/v of its layers, i.e.
-      p + (p-1)/v on rank 0 = Korthikanti et al. §4.2.3's p(1 + (p-1)/(pv)).
-    zero_bubble (ZB-H1): the same peak as 1F1B (Qi et al. 2024, arXiv 2401.10241 §2.1).
+    interleaved_1f1b: rank r holds 2(p-r-1) + (v-1)k + 1 chunk-micro-batches of 1/v of its layers, k the
+      micro-batches of one of torch's rounds (m // (m // p): p when p divides m), i.e. p + (p-1)/v on
+      rank 0 = Korthikanti et al. §4.2.3's p(1 + (p-1)/(pv)) when it does; more when not (p=4, m=6:
+      measured -8% / -25% on the first / last rank with p in place of k).
+    zero_bubble: ((v-1)k + p)/v on every rank, k as above: torch's ScheduleInterleavedZeroBubble defers
+      the weight passes (each keeps its micro-batch's saved tensors: the input pass retains the graph),
+      so the last rank holds p micro-batches, not 1F1B's 1 (Qi et al. 2024's ZB-H1 keeps 1F1B's peak,
+      arXiv 2401.10241 §2.1: torch's order is not ZB-H1's; measured -44% / -64% on the last rank at p=2 /
+      p=4 when priced as 1F1B).
     zbv (ZB-V, ibid. §6): two V-placed chunks per rank with the same peak as 1F1B's first rank, p
       micro-batches (2p half-size chunk-micro-batches), on every rank. Counted on the order torch's
       ScheduleZBVZeroBubble runs (warm-up 2(p-r)-1 chunk-0 forwards, r pairs of chunk-1 / chunk-0
@@ -25,15 +37,19 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -
       with two copies of the model per rank; the measured peak (tests/dist/test_plan_validation.py,
       PeakActivationMeter) is 2p + 1 half-rank chunks.
     The stage holding the head (the loss's fp32 log-softmax, large with a big vocabulary) is a
-    different count, see `head_inflight_microbatches`.
+    different count, see `head_inflight_microbatches`. Every count is the peak of torch's own action
+    order (tests/unit/test_pipeline_orders.py replays them for p = 2-8 and every legal m).
     """
     if pp == 1:
         return 1.0
     r = 0 if first else pp - 1
     if schedule == "gpipe":
         return float(m)
+    per_round = m // max(1, m // pp)  # torch's microbatches_per_round
     if schedule == "interleaved_1f1b" and v > 1:
-        return min(float(m), (2 * (pp - r - 1) + (v - 1) * pp + 1) / v)
+        return min(float(m), (2 * (pp - r - 1) + (v - 1) * per_round + 1) / v)
+    if schedule == "zero_bubble":
+        return min(float(m), ((v - 1) * per_round + pp) / v)
     if schedule == "zbv":
         return min(float(m), min(2 * pp, m + r + 1) / 2)
     if schedule == "dualpipev":
@@ -48,12 +64,36 @@ def head_inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
     the last chunk (its warm-up, (v-1)p forwards, covers only the other chunks: F and B of the last
     chunk then alternate); ZB-V and DualPipeV put the last stage on rank 0 as chunk 1 and run its
     F then I (and W for ZB-V) back to back, or keep r+1 = 1 chunk-1 micro-batch on rank 0 (see
-    `inflight_microbatches`). GPipe holds all m. ZB-H1 (zero_bubble) may defer the last stage's W
-    (its saved inputs stay until then): counted as the rank's in-flight, not measured here."""
+    `inflight_microbatches`). GPipe holds all m. torch's zero-bubble order defers the last stage's
+    weight passes (its saved tensors stay until then): p micro-batches."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
     if schedule == "zero_bubble":
-        return inflight_microbatches(schedule, pp, m, v, False)
+        return float(min(m, pp))
     return 1.0
+
+
+def loss_inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
+    """Micro-batches whose loss tensors (plan/activations.py loss_bytes: the log-softmax, the targets) the
+    last stage holds at its peak: the head's count, except where weight passes wait, since the input pass
+    frees the loss (torch detaches it, pipelining/_backward.py stage_backward_input): under the zero-bubble
+    order 1, not p (measured on the last rank: within 0.1% at p = 2 and 4, tests/dist/test_plan_validation.py)."""
+    return 1.0 if schedule == "zero_bubble" and pp > 1 else head_inflight_microbatches(schedule, pp, m, v)
+
+
+def released_loss_bytes(problem: Problem, core: Layout, rank: RankModel, microbatches: float, grid2d: bool) -> float:
+    """The loss's own saved bytes (activations.py loss_bytes) of `microbatches` micro-batches whose input
+    pass has run while their weight pass waits (plan/inflight.py loss_inflight_microbatches): counted in
+    the head's in-flight, but freed."""
+    if not rank.head or microbatches <= 0:
+        return 0.0
+    s, tokens = problem.shape, core.micro_batch * problem.seq_len / core.cp
+    reg = A.regime(problem.precision, core.lowp_params, problem.model_states)
+    if grid2d:  # plan/memory.py _activations_2d's loss: the logits block in its dtype, 21 B per own token
+        per_token, fixed = (4 if reg == "fp32" else 2) * s.vocab_size / core.tp + 21 / core.tp ** 0.5, 0.0
+    else:
+        loss = A.loss_bytes(s, reg, core.tp, loss_is_chunked(tokens, s.vocab_size, core.tp))
+        per_token, fixed = loss.per_token, loss.fixed
+    return microbatches * (per_token * tokens + fixed)

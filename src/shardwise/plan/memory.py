@@ -44,7 +44,12 @@ from shardwise.plan import activations as A
 from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan import fsdp_memory as F
-from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches
+from shardwise.plan.inflight import (
+    head_inflight_microbatches,
+    inflight_microbatches,
+    loss_inflight_microbatches,
+    released_loss_bytes,
+)
 from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params
 from shardwise.plan.layout import Problem
 from shardwise.plan.tp2d import activation_fraction
@@ -421,7 +426,8 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
     inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first)
     head_inflight = head_inflight_microbatches(lay.schedule, lay.pp, m, v)
     stages = _stages_with_layers(rank, v)
-    stored = stored_activations(blocks, embedding, head, rope, inflight, head_inflight, stages)
+    stored = stored_activations(blocks, embedding, head, rope, inflight, head_inflight, stages) - \
+        released_loss_bytes(problem, core, rank, head_inflight - loss_inflight_microbatches(lay.schedule, lay.pp, m, v), grid2d(core))
     detail = dict(items)
     detail.update({"activations_blocks": blocks * inflight,
                    "activations_embedding_head": embedding * inflight + head * head_inflight,
@@ -454,8 +460,10 @@ def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
         params, grads, opt, other = _states_and_other(problem, core, rank)[:4]
         blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
         inflight = inflight_microbatches(schedule, core.pp, m, chunks, is_first)
-        stored = stored_activations(blocks, embedding, head, rope, inflight,
-                                    head_inflight_microbatches(schedule, core.pp, m, chunks), _stages_with_layers(rank, chunks))
+        head_inflight = head_inflight_microbatches(schedule, core.pp, m, chunks)
+        stored = stored_activations(blocks, embedding, head, rope, inflight, head_inflight, _stages_with_layers(rank, chunks)) - \
+            released_loss_bytes(problem, core, rank, head_inflight - loss_inflight_microbatches(schedule, core.pp, m, chunks),
+                                grid2d(core))
         best = max(best, params + grads + opt + other + stored + working)
     return best
 

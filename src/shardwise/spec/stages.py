@@ -109,7 +109,7 @@ def bubble_seconds(schedule: str, p: int, v: int, m: int, t_f: float, t_b: float
     and weight passes t_b/2 each): the makespan of the action order torch.distributed.pipelining runs for
     `schedule`, with every action on a rank back to back once what it needs has arrived (no
     communication time: plan/cost.py prices the sends). Each form is that order's makespan, checked
-    against a replay of torch's own orders (tests/unit/test_pipeline_bubble.py, over p = 2-8, all legal m,
+    against a replay of torch's own orders (tests/unit/test_pipeline_orders.py, over p = 2-8, all legal m,
     t_b/t_f = 0.5-4):
       gpipe, 1f1b        (p-1)(t_f + t_b)                                   (Narayanan et al. 2021 §2.2)
       interleaved_1f1b   (p-1)(t_f + t_b)/v                                (ibid. §2.2.2)
@@ -152,7 +152,7 @@ def replay_span(orders: dict[int, list[tuple[str, int, int, float]]], num_stages
     action starts as soon as its rank is free and what it needs has arrived, with no time for the sends:
     a forward needs the previous stage's forward of its micro-batch, a backward (B, or an input pass I)
     the next stage's (the last stage: its own forward), a weight pass W its input pass. Of torch's orders
-    it gives `bubble_seconds` (tests/unit/test_pipeline_bubble.py); of a measured step's actions
+    it gives `bubble_seconds` (tests/unit/test_pipeline_orders.py); of a measured step's actions
     (train/pipeline_chart.py), the idle the schedule itself costs at those action times, so the rest of
     the measured idle is waiting on sends and slower ranks."""
     def needs(kind: str, stage: int, mb: int) -> tuple | None:

@@ -1,9 +1,10 @@
-"""The planner's pipeline bubble (spec/stages.py bubble_seconds) against the action orders torch itself
-runs: each schedule's `pipeline_order` (built from stand-in stages, no process group), replayed with
-every action on its rank back to back once what it needs has arrived, gives a makespan; its excess over
-a rank's m (t_f + t_b) of work is the bubble the order costs, whatever the paper a schedule follows says.
-This is what caught the planner pricing ZB-V and DualPipeV at (nearly) no bubble where torch's orders
-idle (p-1) t_b/4 and (p-1) t_f.
+"""The planner's pipeline quantities against the action orders torch itself runs: each schedule's
+`pipeline_order` (built from stand-in stages, no process group).
+- The bubble (spec/stages.py bubble_seconds): the order replayed with every action on its rank back to
+  back once what it needs has arrived gives a makespan; its excess over a rank's m (t_f + t_b) of work is
+  the bubble the order costs, whatever the paper a schedule follows says. This caught ZB-V and DualPipeV
+  priced at (nearly) no bubble where torch's orders idle (p-1) t_b/4 and (p-1) t_f/2.
+- The micro-batches in flight (plan/inflight.py): the most whose saved tensors a rank holds at once.
 
 The replay's rules are torch's dependencies (torch/distributed/pipelining/schedules.py
 _simulate_comms_compute, with times: spec/stages.py replay_span); an OVERLAP_F_B action runs its forward
@@ -17,6 +18,7 @@ import types
 
 import pytest
 
+from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches
 from shardwise.spec.rules import microbatch_rule
 from shardwise.spec.stages import bubble_seconds, replay_span, stage_ids
 
@@ -76,3 +78,32 @@ def test_the_replay_reads_a_textbook_order_right():
     """Interleaved 1F1B's (p-1)(t_f + t_b)/v is the textbook's (Narayanan et al. 2021 §2.2.2), so a replay
     that gets it wrong, not the planner, would fail here."""
     assert replayed_bubble(torch_order("interleaved_1f1b", 4, 2, 8), 8, 8, 1.0, 2.0) == pytest.approx(3 * 3.0 / 2)
+
+
+def held_microbatches(order: dict[int, list], rank: int, v: int, stage: int | None = None) -> float:
+    """The most micro-batches whose saved tensors `rank` (or only `stage`) holds at once in torch's order:
+    a forward saves them, the weight pass (or a full backward) frees them (the input pass retains the
+    graph for it), in units of the rank's whole share of layers (a chunk is 1/v)."""
+    live = most = 0
+    for action in order[rank]:
+        if action is None:
+            continue
+        for a in action.sub_actions if action.computation_type == CT.OVERLAP_F_B else [action]:
+            if stage is not None and a.stage_index != stage:
+                continue
+            live += {CT.FORWARD: 1, CT.BACKWARD_WEIGHT: -1, CT.FULL_BACKWARD: -1}.get(a.computation_type, 0)
+            most = max(most, live)
+    return most / (1 if stage is not None else v)
+
+
+@pytest.mark.parametrize("schedule,p,v,m", CASES, ids=[f"{s}-p{p}-v{v}-m{m}" for s, p, v, m in CASES])
+def test_the_planned_inflight_microbatches_are_the_peaks_of_torchs_order(schedule, p, v, m):
+    """plan/inflight.py against the order: the first and the last pipeline rank, and the head's stage.
+    This caught interleaved 1F1B priced with p micro-batches per round where torch's rounds hold m // (m // p)
+    (p=4, m=6: measured -8% / -25%), and the zero-bubble order's last rank priced as 1F1B's 1 where it holds p
+    (measured -44% at p=2, -64% at p=4)."""
+    order = torch_order(schedule, p, v, m)
+    assert inflight_microbatches(schedule, p, m, v, True) == pytest.approx(held_microbatches(order, 0, v))
+    assert inflight_microbatches(schedule, p, m, v, False) == pytest.approx(held_microbatches(order, p - 1, v))
+    assert head_inflight_microbatches(schedule, p, m, v) == held_microbatches(order, 0 if schedule in ("zbv", "dualpipev") else p - 1,
+                                                                              v, stage=p * v - 1)
