@@ -107,3 +107,39 @@ def test_the_planned_inflight_microbatches_are_the_peaks_of_torchs_order(schedul
     assert inflight_microbatches(schedule, p, m, v, False) == pytest.approx(held_microbatches(order, p - 1, v))
     assert head_inflight_microbatches(schedule, p, m, v) == held_microbatches(order, 0 if schedule in ("zbv", "dualpipev") else p - 1,
                                                                               v, stage=p * v - 1)
+
+
+def one_f_one_b(times: list[tuple[float, float]], m: int) -> dict[int, list]:
+    """The 1F1B order torch's Schedule1F1B loop runs (warm-up p-1-r forwards, then one forward and one
+    backward in turn), rank r's forward and backward lasting times[r]."""
+    p, orders = len(times), {}
+    for r, (t_f, t_b) in enumerate(times):
+        warm = min(p - 1 - r, m)
+        order = [("F", r, i, t_f) for i in range(warm)]
+        for i in range(m):
+            order += ([("F", r, warm + i, t_f)] if warm + i < m else []) + [("B", r, i, t_b)]
+        orders[r] = order
+    return orders
+
+
+def test_a_heavier_last_stage_costs_its_work_and_a_middle_ranks_bubble():
+    """Llama 3 8B over 4 stages: the head and the loss (128k vocabulary) make the last stage ~18% heavier
+    than the others; the step is m x its
+    work + the bubble at the lighter ranks' times, the makespan of the 1F1B order with those times (the
+    planner priced the bubble at each rank's own times before: the slowest one's, too slow)."""
+    from shardwise.config import load_config
+    from shardwise.plan.cost import _pipeline_times, rank_core, step
+    from shardwise.plan.inventory import pipeline_ranks
+    from shardwise.plan.layout import Problem
+    from shardwise.plan.memory import core_layout
+    from shardwise.spec.layout import Layout
+
+    cfg = load_config(overrides=["--model.preset=llama3-8b", "--train.seq_len=1024", "--train.global_batch=8",
+                                 "--train.micro_batch=1", "--parallel.pp=4", "--cluster.num_gpus=4"])
+    problem, lay = Problem.from_config(cfg), Layout.from_config(cfg, 4)
+    first, last = pipeline_ranks(problem.shape, 4, 1, "1f1b")
+    light, heavy = (_pipeline_times(rank_core(problem, core_layout(lay), r)) for r in (first, last))
+    assert sum(heavy) > 1.1 * sum(light)
+    span = replay_span(one_f_one_b([light] * 3 + [heavy], 8), 4)
+    _, breakdown, _ = step(problem, lay)
+    assert breakdown["compute"] + breakdown["recompute"] + breakdown["bubble"] == pytest.approx(span, rel=1e-9)

@@ -14,8 +14,8 @@ Overlap rules:
   TP: exposed (x (1 - TP_OVERLAP_FRACTION)); CP ring: per layer, max(0, K/V transfer - attention
   compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
   and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
-Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch on the slowest stage, m micro-
-  batches): the makespan of the action order torch runs for the schedule, spec/stages.py bubble_seconds
+Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch on the lighter of the first and
+  last rank, `_bubble_times`; m micro-batches): the makespan of the action order torch runs for the schedule, spec/stages.py bubble_seconds
   (gpipe / 1f1b (p-1)(t_f + t_b); interleaved /v; ZB-H1 (p-1) max(t_f, t_b/2)/v; ZB-V and DualPipeV as
   torch orders them, checked against a replay of torch's own orders).
 """
@@ -170,13 +170,30 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
     return RankCore(mb, tuple(comm.items()), per_mb_comm, optimizer, pp_send, tuple(detail.items()))
 
 
-def rank_step(problem: Problem, lay: Layout, rank: RankModel, pp_rank: int) -> tuple[float, dict[str, float], dict[str, float]]:
-    """(step seconds, breakdown, detail) as seen by one pipeline rank."""
+def _pipeline_times(core: RankCore) -> tuple[float, float]:
+    """(t_f, t_b) of one micro-batch on a rank. Forward holds 1/3 of the activation collectives (TP: 2 of
+    the 6 per block), backward the rest."""
+    return core.mb.fwd + core.per_mb_comm / 3, core.mb.bwd + core.mb.recompute + core.per_mb_comm * 2 / 3
+
+
+def _bubble_times(cores: list[RankCore]) -> tuple[float, float]:
+    """The micro-batch times the bubble is priced at: the lighter sized rank's. The warm-up and the
+    cool-down cross the pipeline's other stages, not the slowest one m + p - 1 times: with a heavier last
+    stage (the head and the loss) a looped schedule takes m x its work + the bubble at a middle rank's
+    times, exactly (the replay of torch's orders, tests/unit/test_pipeline_orders.py); a looped
+    schedule's first rank is a middle one and the embedding's lookup, a V's last rank holds the V's
+    middle (its first both ends). The V orders hide part of their heavy rank's extra in its own idle: at
+    the lighter rank's times they are still priced 0.6-6.5% slow (1.25-2x the head's stage)."""
+    return min((_pipeline_times(c) for c in cores), key=sum)
+
+
+def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tuple[float, float] | None = None
+              ) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(step seconds, breakdown, detail) as seen by one pipeline rank; the bubble at `bubble_times`
+    (`_bubble_times`; default: this rank's own)."""
     core = rank_core(problem, core_layout(lay), rank)
     mb, comm, m = core.mb, dict(core.comm), lay.accumulation(problem)
-    # Forward holds 1/3 of the activation collectives (TP: 2 of the 6 per block), backward the rest.
-    t_f = mb.fwd + core.per_mb_comm / 3
-    t_b = mb.bwd + mb.recompute + core.per_mb_comm * 2 / 3
+    t_f, t_b = bubble_times or _pipeline_times(core)
     bubble = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, t_f, t_b)
     if lay.pp > 1:
         crossings = 2 * m * lay.chunks_per_rank + 2 * (lay.pp - 1)
@@ -202,16 +219,14 @@ def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float
     chunks = v if core.pp > 1 else 1
     first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
     m = core.accumulation(problem)
+    cores = [rank_core(problem, core, rank) for rank in ((first, last) if core.pp > 1 else (first,))]
+    bubble = bubble_seconds(schedule, core.pp, chunks, m, *_bubble_times(cores)) if core.pp > 1 else 0.0
     worst = 0.0
-    for rank in ((first, last) if core.pp > 1 else (first,)):
-        c = rank_core(problem, core, rank)
+    for c in cores:
         mb = c.mb
-        t_f = mb.fwd + c.per_mb_comm / 3
-        t_b = mb.bwd + mb.recompute + c.per_mb_comm * 2 / 3
         t = m * (mb.fwd + mb.bwd + mb.recompute) + sum(v_ for _, v_ in c.comm) + c.optimizer
         if core.pp > 1:
-            t += bubble_seconds(schedule, core.pp, chunks, m, t_f, t_b)
-            t += c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
+            t += bubble + c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
         worst = max(worst, t)
     return worst
 
@@ -322,12 +337,11 @@ def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> flo
 def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[str, float]]:
     """The slowest pipeline rank decides the step (first: embedding; last: head + loss)."""
     first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
-    best = rank_step(problem, lay, first, 0)
-    if lay.pp > 1:
-        other = rank_step(problem, lay, last, lay.pp - 1)
-        if other[0] > best[0]:
-            best = other
-    return best
+    if lay.pp == 1:
+        return rank_step(problem, lay, first)
+    core = core_layout(lay)
+    times = _bubble_times([rank_core(problem, core, first), rank_core(problem, core, last)])
+    return max((rank_step(problem, lay, rank, times) for rank in (first, last)), key=lambda r: r[0])
 
 
 def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estimate:
