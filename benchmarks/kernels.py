@@ -46,10 +46,7 @@ import gc
 import json
 import math
 import platform
-import shutil
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -61,13 +58,14 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kernel_overhead import overhead_section  # noqa: E402  (this folder)
+from kernel_timing import DTYPES, Timer, cell, reason  # noqa: E402  (this folder)
 from shardwise.plan import constants as C  # noqa: E402
 from shardwise.plan.cost import gemm_time  # noqa: E402
 from shardwise.spec.hardware import DEVICES, match_cuda_name, normalize_dtype  # noqa: E402
 from shardwise.train.peak_flops import device_peak_flops  # noqa: E402
 
 SECTIONS = ("gemm", "sdpa", "bandwidth", "optimizer", "overhead")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels.json"
 DEFAULTS = {  # per device type; any option given overrides
     "cuda": {"dtype": "bf16", "dim": 2048, "ffn": 5632, "heads": 16, "kv_heads": 8, "tokens": 16384, "seq": 2048,
@@ -114,44 +112,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not set(args.sections) <= set(SECTIONS) or args.reps < 1 or args.dim % args.heads or args.heads % args.kv_heads:
         p.error(f"--sections from {SECTIONS}; --reps >= 1; dim divisible by heads, heads by kv-heads")
     return args
-
-
-class Timer:
-    """Median (and best) seconds per call: `warmup` untimed calls, then `reps` repetitions of a loop of calls
-    lasting about `target_s` (the loop length found by doubling it from 1 call, so one slow call cannot size it).
-    CUDA: synchronised before and after each loop."""
-
-    def __init__(self, device: torch.device, reps: int, warmup: int, target_s: float):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.reps, self.warmup, self.target_s = reps, warmup, target_s
-
-    def elapsed(self, fn, calls: int) -> float:
-        self.sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        self.sync()
-        return time.perf_counter() - start
-
-    def __call__(self, fn) -> dict:
-        for _ in range(self.warmup):
-            fn()
-        calls, spent = 1, self.elapsed(fn, 1)
-        while spent < self.target_s / 4 and calls < 10_000:
-            calls *= 2
-            spent = self.elapsed(fn, calls)
-        calls = max(1, min(10_000, round(calls * self.target_s / max(spent, 1e-9))))
-        times = sorted(self.elapsed(fn, calls) / calls for _ in range(self.reps))
-        return {"median_s": statistics.median(times), "best_s": times[0], "calls_per_rep": calls}
-
-
-def reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
-
-
-def cell(value: float | None, width: int, spec: str = ".1f", scale: float = 1.0) -> str:
-    """`value * scale` formatted to `width`, or "n/a"."""
-    return f"{value * scale:{width}{spec}}" if value is not None else f"{'n/a':>{width}s}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,96 +348,6 @@ def optimizer_section(a, device, timer, stream_gbps, datasheet_gbps) -> dict:
               f"{r['planner_bytes_per_s'] / 1e9:24.1f} {cell(r['bytes_per_param_at_copy_bw'], 13)} "
               f"{1e3 * r['clip_s']:8.2f} {cell(r['clip_bytes_per_param_at_copy_bw'], 18)}")
     return {"optimizer_bytes_per_param_planner": C.OPTIMIZER_BYTES_PER_PARAM, "copy_gbps": stream_gbps, "rows": rows}
-
-
-def overhead_section(a, device, timer) -> dict:
-    n = a.chain_ops
-
-    def chain(x):
-        for _ in range(n):
-            x = x + 1
-        return x
-
-    x = torch.zeros(1024, device=device)
-    leaf = torch.zeros(1024, device=device, requires_grad=True)
-    from torch.utils.checkpoint import checkpoint
-
-    from shardwise.parallel.activation_checkpoint import selective_op_context
-
-    def selective():  # the trainer's selective "op" checkpoint: its policy runs in a Python dispatch mode per op
-        out = checkpoint(chain, leaf, use_reentrant=False, context_fn=selective_op_context)
-        return torch.autograd.grad(out.sum(), leaf)
-
-    rows = [{"mode": "eager", **timer(lambda: chain(x))},
-            {"mode": "eager+autograd (fwd+bwd)", **timer(lambda: torch.autograd.grad(chain(leaf).sum(), leaf))},
-            {"mode": "selective checkpoint (fwd+recompute+bwd)", **timer(selective)}]
-    compiled = {"mode": "compiled (inductor)"}
-    if a.smoke or a.no_compile:
-        compiled["unavailable"] = "skipped (--smoke: compiling the chain takes seconds)" if a.smoke else "--no-compile"
-    elif device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
-        compiled["unavailable"] = "no C++ compiler on PATH (inductor's CPU backend needs one)"
-    else:
-        try:
-            torch._dynamo.reset()
-            fn = functools.partial(torch.compile(chain, backend="inductor"), x)
-            compiled["compile_s"] = timer.elapsed(fn, 1)  # the first call compiles
-            compiled.update(timer(fn))
-        except Exception as e:  # noqa: BLE001 - any compiler failure is a result to report
-            compiled["unavailable"] = reason(e)
-    rows.append(compiled)
-    for r in rows:
-        r["chain_ops"] = n
-        r["s_per_op"] = r["median_s"] / n if "median_s" in r else None
-    block = block_overhead(a, device, timer)
-    print(f"\nper-kernel overhead: chain of {n} dependent `x = x + 1` on 1024 elements, time per original op")
-    print(f"{'mode':42s} {'chain ms':>9s} {'us/op':>9s}")
-    for r in rows:
-        if r["s_per_op"] is None:
-            print(f"{r['mode']:42s} unavailable ({r['unavailable']})")
-        else:
-            extra = f"  (compile {r['compile_s']:.1f} s)" if "compile_s" in r else ""
-            print(f"{r['mode']:42s} {1e3 * r['median_s']:9.3f} {1e6 * r['s_per_op']:9.3f}{extra}")
-    print(f"a llama block of this model on 1 token (host cost only), per kernel of plan/constants.py "
-          f"EAGER_BLOCK_KERNELS {block['kernels']} (views and autograd folded in):")
-    for r in block["rows"]:
-        print(f"  {r['mode']:40s} {1e3 * r['median_s']:9.3f} ms {1e6 * r['s_per_kernel']:9.3f} us/kernel")
-    return {"rows": rows, "block": block}
-
-
-def block_overhead(a, device, timer) -> dict:
-    """A real llama block's host cost (this model's dims, 1 token: its kernels do no work), where `x + 1` is not
-    typical: forward + backward, and what a full / selective checkpoint adds, per kernel of the planner's
-    EAGER_BLOCK_KERNELS (views and autograd folded in). plan/compute_time.py charges them on a CPU."""
-    from torch.utils.checkpoint import checkpoint
-
-    from shardwise.config import load_config
-    from shardwise.models import build_model
-    from shardwise.models.weights import RandomInit
-    from shardwise.parallel.activation_checkpoint import selective_op_context
-    from shardwise.parallel.parallelize import materialize
-
-    cfg = load_config(None, ["--model.preset=tiny", "--model.arch=llama", "--model.n_layers=1", f"--model.dim={a.dim}",
-                             f"--model.n_heads={a.heads}", f"--model.n_kv_heads={a.kv_heads}", f"--model.ffn_dim={a.ffn}",
-                             "--data.tokenizer=byte"])
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    materialize(model, device, RandomInit(model, 0))
-    model.to(DTYPES[a.dtype])
-    block, kwargs = model.layers[0], model.block_kwargs()
-    x = torch.randn(1, 1, a.dim, device=device, dtype=DTYPES[a.dtype], requires_grad=True)
-
-    def train(wrap=None):
-        out = block(x, **kwargs) if wrap is None else checkpoint(block, x, use_reentrant=False, **wrap, **kwargs)
-        out.float().sum().backward()
-
-    fwd_k, bwd_k = C.EAGER_BLOCK_KERNELS[("llama", "fp32" if a.dtype == "fp32" else "lowp")]
-    base = timer(train)
-    full, sel = timer(lambda: train({})), timer(lambda: train({"context_fn": selective_op_context}))
-    rows = [{"mode": "block forward + backward", **base, "s_per_kernel": base["median_s"] / (fwd_k + bwd_k)}]
-    for mode, r in (("full checkpoint, extra", full), ("selective checkpoint, extra", sel)):
-        extra = max(0.0, r["median_s"] - base["median_s"])
-        rows.append({"mode": mode, **r, "median_s": extra, "s_per_kernel": extra / fwd_k})
-    return {"kernels": [fwd_k, bwd_k], "tokens": 1, "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------------------------
