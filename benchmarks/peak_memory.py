@@ -5,12 +5,16 @@ the CPU allocator reports every allocation and free of that step, so its peak is
 benchmarks/memory_peak.py splits it (from_profiler_trace) into what was there before the step (parameters,
 optimizer state), the gradients alive at the peak and the activations and transients, with the operators
 that allocated the most. Beside it, the planner's peak (plan/memory.py: parameters + gradients + optimizer
-+ activations + other, the sum the planner holds to a GPU's max_memory_allocated) and the same without the
++ activations + other, the sum the planner holds to a GPU's max_memory_allocated, less NCCL's buffers, which
+gloo does not have) and the same without the
 gradients. It measures the question the GPU histories of 2026-11-25 raised (memory_peak.py: every eager
 peak is at the loss's backward, before any block's gradient exists): does the planner count gradients
 that are not there yet?
 
     python benchmarks/peak_memory.py [--runs NAME,...] [--out benchmarks/results/peak_memory.json] [--smoke]
+
+The runs: one process (eager, recompute, bf16, micro-batches, chunked loss, compiled), and two processes on
+loopback (ZeRO-1/2/3 and DDP over dp2, TP over tp2: the most loaded rank).
 
 The planner is given the CPU's attention kernel (flash) and the run's eager / compiled choice, as
 tests/dist/test_plan_validation.py does. A few minutes on 2 cores (the compiled run compiles with inductor);
@@ -48,12 +52,23 @@ RUNS = {
     "eager fp32 chunked loss": [("model.vocab_size", "40960")],
     "compiled fp32 (inductor)": [("train.compile", "true")],
 }
+# Two processes on loopback (gloo): data and tensor parallelism's own transients (FSDP's gathered blocks and
+# reduce-scatter inputs, DDP's buckets, TP's gathered activations). Global batch 8 (tp2: 4): one micro-batch of
+# 4 sequences per rank.
+LAYOUTS = {
+    "zero3 dp2": [("parallel.dp_shard", "2"), ("parallel.zero", "3"), ("train.micro_batch", "4")],
+    "zero2 dp2": [("parallel.dp_shard", "2"), ("parallel.zero", "2"), ("train.micro_batch", "4")],
+    "zero1 dp2": [("parallel.dp_shard", "2"), ("parallel.zero", "1"), ("train.micro_batch", "4")],
+    "ddp dp2": [("parallel.dp_replicate", "2"), ("train.micro_batch", "4")],
+    "tp2": [("parallel.tp", "2"), ("train.micro_batch", "4"), ("train.global_batch", "4")],
+}
 SMOKE = {"tiny": [("model.dim", "64"), ("model.n_layers", "2"), ("model.ffn_dim", "192"), ("model.vocab_size", "512"),
                   ("train.seq_len", "32"), ("train.micro_batch", "2"), ("train.global_batch", "2")]}
 
 
-def measure(overrides: list[tuple[str, str]], tmp: Path) -> dict:
-    """Train 3 steps, profile the 4th: its split peak, and the planner's peak for the same config."""
+def measure(overrides: list[tuple[str, str]], tmp: Path, world: int = 1, rank: int = 0) -> dict:
+    """Train 3 steps, profile the 4th: its split peak, and the planner's peak for the same config (on
+    rank `rank` of a `world`-process gloo group the caller has set up)."""
     from shardwise.config import build_config
     from shardwise.plan.layout import Problem
     from shardwise.plan.memory import memory
@@ -62,32 +77,65 @@ def measure(overrides: list[tuple[str, str]], tmp: Path) -> dict:
 
     cfg = build_config({}, BASE + overrides + [("data.path", str(tmp / "corpus.txt")), ("data.tokenizer", "byte"),
                                                ("data.cache_dir", str(tmp / "cache")), ("train.steps", "10"),
-                                               ("cluster.num_gpus", "1"), ("cluster.gpus_per_node", "1")])
+                                               ("cluster.num_gpus", str(world)), ("cluster.gpus_per_node", str(world))])
     cfg.run.dir, cfg.run.progress, cfg.run.tensorboard = str(tmp / "run"), False, False
     cfg.checkpoint.final = cfg.checkpoint.resume = False
-    trainer = Trainer(cfg, log=None, single_process=True)
+    trainer = Trainer(cfg, log=None, single_process=world == 1)
     for _ in range(3):
         trainer.train_step()
-    tensors = [*trainer.model.parameters(), *trainer.model.buffers()]
-    tensors += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    before = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    held = trainer.memory()  # this rank's local shards (whatever wraps the optimizer: ZeRO-1 shards its state)
+    before = held["params"] + held["buffers"] + held["optimizer"]
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.train_step()
-    trace_path = tmp / "trace.json"
+    trace_path = tmp / f"trace_{rank}.json"
     prof.export_chrome_trace(str(trace_path))
     step = analyse(from_profiler_trace(json.loads(trace_path.read_text()), before), top=4)["steps"][0]
     problem = dataclasses.replace(Problem.from_config(cfg), attention="flash", eager=not trainer.compiled)
-    plan = memory(problem, Layout.from_config(cfg, 1))
+    plan = memory(problem, Layout.from_config(cfg, world))
+    # NCCL's communication buffers (plan/constants.py COMM_BUFFER_BYTES_PER_AXIS): gloo has none on a CPU.
+    total = plan.total - plan.detail.get("comm_buffers", 0.0)
     peak = step["peak_gib"] * 2**30
     return {"peak_mib": peak / MIB, "before_mib": step["before_step_gib"] * 1024,
             "grads_at_peak_mib": step["kept_to_optimizer_gib"] * 1024,
             "activations_at_peak_mib": step["freed_before_optimizer_gib"] * 1024,
             "top": [(source, gib * 1024) for source, gib in step["top"]],
-            "planner_mib": plan.total / MIB, "planner_error": (plan.total - peak) / peak,
-            "planner_grads_mib": plan.grads / MIB, "planner_without_grads_error": (plan.total - plan.grads - peak) / peak,
+            "planner_mib": total / MIB, "planner_error": (total - peak) / peak,
+            "planner_grads_mib": plan.grads / MIB, "planner_without_grads_error": (total - plan.grads - peak) / peak,
             "planner_activations_mib": plan.activations / MIB, "planner_other_mib": plan.other / MIB}
+
+
+def _rank(rank: int, world: int, port: int, overrides: list[tuple[str, str]], tmp: Path) -> None:
+    """One process of a loopback gloo group: measure, write rank_<r>.json."""
+    import os
+
+    import torch.distributed as dist
+
+    from shardwise.train.network import pin_gloo_interface
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    pin_gloo_interface(os.environ)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        (tmp / f"rank_{rank}.json").write_text(json.dumps(measure(overrides, tmp, world, rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_world(overrides: list[tuple[str, str]], tmp: Path, world: int) -> list[dict]:
+    """`measure` on every rank of `world` processes (loopback gloo); one result per rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(world, port, overrides, tmp), nprocs=world)
+    return [json.loads((tmp / f"rank_{r}.json").read_text()) for r in range(world)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/peak_memory.json (.smoke.json)")
     p.add_argument("--smoke", action="store_true", help="one tiny run: does the script still run? (not a measurement)")
     args = p.parse_args(argv)
-    runs = SMOKE if args.smoke else RUNS
+    runs = SMOKE if args.smoke else {**RUNS, **LAYOUTS}
     if args.runs:
         chosen = [r.strip() for r in args.runs.split(",") if r.strip()]
         unknown = [r for r in chosen if r not in runs]
@@ -108,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="shardwise-peak-memory-") as tmp_name:
             tmp = Path(tmp_name)
             write_corpus(tmp / "corpus.txt")
-            rows.append({"run": name, **measure(overrides, tmp)})
+            # the most loaded rank of a layout (every rank of these holds the same)
+            row = max(measure_world(overrides, tmp, 2), key=lambda r: r["peak_mib"]) if name in LAYOUTS else measure(overrides, tmp)
+            rows.append({"run": name, **row})
         r = rows[-1]
         print(f"{name}: peak {r['peak_mib']:.1f} MiB = before {r['before_mib']:.1f} + gradients {r['grads_at_peak_mib']:.1f} + "
               f"activations and transients {r['activations_at_peak_mib']:.1f}; largest: "
