@@ -109,8 +109,8 @@ def bubble_seconds(schedule: str, p: int, v: int, m: int, t_f: float, t_b: float
     and weight passes t_b/2 each): the makespan of the action order torch.distributed.pipelining runs for
     `schedule`, with every action on a rank back to back once what it needs has arrived (no
     communication time: plan/cost.py prices the sends). Each form is that order's makespan, checked
-    against a replay of torch's own orders (tests/unit/test_pipeline_orders.py, over p = 2-8, all legal m,
-    t_b/t_f = 0.5-4):
+    against a replay of torch's own orders (tests/unit/test_pipeline_orders.py: p = 2-8 with every legal m,
+    p = 16 and 32 with a few; t_b/t_f = 0.5-4):
       gpipe, 1f1b        (p-1)(t_f + t_b)                                   (Narayanan et al. 2021 §2.2)
       interleaved_1f1b   (p-1)(t_f + t_b)/v                                (ibid. §2.2.2)
       zero_bubble        (p-1) max(t_f, t_b/2)/v: ZB-H1's (p-1)(T_F + T_B - T_W) (Qi et al. 2024, arXiv
@@ -120,7 +120,7 @@ def bubble_seconds(schedule: str, p: int, v: int, m: int, t_f: float, t_b: float
                          chunk's input pass per rank, (p-1) t_b/4, not the paper's (p-1)(T_F + T_B - 2T_W)
                          (0 when T_F = T_B = T_W, §6); below 2p micro-batches the V is not full. Exact for
                          t_b >= 2 t_f (a block's backward runs two GEMMs per forward one); below that
-                         within t_f of the order's makespan
+                         within (p-1) t_f/4 of the order's makespan
       dualpipev          max((p-1) max(t_f/2, t_f - t_b/2), (p-1) t_b/4 - t_f/2), m >= 2p (spec/rules.py):
                          torch's DualPipeV order, its overlapped forward-backward pairs run one after the
                          other as torch's runtime does (each waits for its own input); not DeepSeek-V3's
