@@ -14,10 +14,11 @@ Overlap rules:
   TP: exposed (x (1 - TP_OVERLAP_FRACTION)); CP ring: per layer, max(0, K/V transfer - attention
   compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
   and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
-Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch on the lighter of the first and
-  last rank, `_bubble_times`; m micro-batches): the makespan of the action order torch runs for the schedule, spec/stages.py bubble_seconds
-  (gpipe / 1f1b (p-1)(t_f + t_b); interleaved /v; ZB-H1 (p-1) max(t_f, t_b/2)/v; ZB-V and DualPipeV as
-  torch orders them, checked against a replay of torch's own orders).
+Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch; m micro-batches): the makespan of
+  the action order torch runs for the schedule, checked against a replay of torch's own orders
+  (spec/stages.py bubble_seconds: gpipe / 1f1b (p-1)(t_f + t_b); interleaved /v; ZB-H1
+  (p-1) max(t_f, t_b/2)/v; ZB-V and DualPipeV as torch orders them), at the lighter sized rank's times,
+  less what a V's heavier rank fills with its own work (rank_bubble).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
-from shardwise.spec.stages import bubble_seconds
+from shardwise.spec.stages import rank_bubble
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -177,24 +178,20 @@ def _pipeline_times(core: RankCore) -> tuple[float, float]:
 
 
 def _bubble_times(cores: list[RankCore]) -> tuple[float, float]:
-    """The micro-batch times the bubble is priced at: the lighter sized rank's. The warm-up and the
-    cool-down cross the pipeline's other stages, not the slowest one m + p - 1 times: with a heavier last
-    stage (the head and the loss) a looped schedule takes m x its work + the bubble at a middle rank's
-    times, exactly (the replay of torch's orders, tests/unit/test_pipeline_orders.py); a looped
-    schedule's first rank is a middle one and the embedding's lookup, a V's last rank holds the V's
-    middle (its first both ends). The V orders hide part of their heavy rank's extra in its own idle: at
-    the lighter rank's times they are still priced 0.6-6.5% slow (1.25-2x the head's stage)."""
+    """The lighter sized rank's micro-batch times, at which the bubble is priced (spec/stages.py
+    rank_bubble): a looped schedule's first rank is a middle one and the embedding's lookup, a V's last
+    rank holds the V's middle (its first both ends)."""
     return min((_pipeline_times(c) for c in cores), key=sum)
 
 
 def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tuple[float, float] | None = None
               ) -> tuple[float, dict[str, float], dict[str, float]]:
-    """(step seconds, breakdown, detail) as seen by one pipeline rank; the bubble at `bubble_times`
-    (`_bubble_times`; default: this rank's own)."""
+    """(step seconds, breakdown, detail) as seen by one pipeline rank; its bubble next to ranks of
+    `bubble_times` (`_bubble_times`; default: its own)."""
     core = rank_core(problem, core_layout(lay), rank)
     mb, comm, m = core.mb, dict(core.comm), lay.accumulation(problem)
-    t_f, t_b = bubble_times or _pipeline_times(core)
-    bubble = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, t_f, t_b)
+    own = _pipeline_times(core)
+    bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, bubble_times or own, own)
     if lay.pp > 1:
         crossings = 2 * m * lay.chunks_per_rank + 2 * (lay.pp - 1)
         comm["pp"] = core.pp_send * crossings * C.PP_P2P_EXPOSED_FRACTION
@@ -220,13 +217,14 @@ def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float
     first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
     m = core.accumulation(problem)
     cores = [rank_core(problem, core, rank) for rank in ((first, last) if core.pp > 1 else (first,))]
-    bubble = bubble_seconds(schedule, core.pp, chunks, m, *_bubble_times(cores)) if core.pp > 1 else 0.0
+    light = _bubble_times(cores)
     worst = 0.0
     for c in cores:
         mb = c.mb
         t = m * (mb.fwd + mb.bwd + mb.recompute) + sum(v_ for _, v_ in c.comm) + c.optimizer
         if core.pp > 1:
-            t += bubble + c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
+            t += rank_bubble(schedule, core.pp, chunks, m, light, _pipeline_times(c))
+            t += c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
         worst = max(worst, t)
     return worst
 
