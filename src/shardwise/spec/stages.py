@@ -152,7 +152,8 @@ def rank_bubble(schedule: str, p: int, v: int, m: int, light: tuple[float, float
                          (m >= 2p); below, down to the full V's (p-1) max(t_b/4, t_f - t_b/4)
     Checked against the replay of torch's orders with the head's stage 1.05-2x the others
     (tests/unit/test_pipeline_orders.py): exact for 1F1B and interleaved, within 1.1% for the others, ZB-V
-    below 2p micro-batches -2% to +8%."""
+    below 2p micro-batches -2% to +8%. Not modelled: a looped schedule's first rank made the heavier by an
+    uneven split (pp_layers_per_stage) also fills some of its idle; priced here up to 14% slow (1.5-2x)."""
     base = bubble_seconds(schedule, p, v, m, *light)
     extra = m * (sum(own) - sum(light))
     if extra <= 0 or schedule not in ("zero_bubble", *V_SHAPED):
