@@ -4,11 +4,13 @@ them, compute the bubble, draw it as a Gantt chart (one row per pipeline rank), 
 
 Measured bubble = 1 - mean over the pipeline's ranks of (busy time / step span), where busy time is
 the sum of the rank's forward / backward actions and the span runs from a barrier all ranks pass
-just before the step to the last rank's end of it. Theoretical, for equal stages with backward = 2 x
-forward: GPipe and 1F1B (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al. 2021 §2.2), interleaved
-1F1B with v stages per rank (p-1)/(v·m+p-1) (Narayanan et al. 2021 §2.2.2: the bubble divided by v),
-zero bubble ZB-H1 with F = B = W (p-1)/(3·v·m+p-1) (Qi et al. 2023, arXiv 2401.10241 §3).
-ZBV and DualPipeV have no closed form of this kind (their bubble depends on the F/B/W ratio).
+just before the step to the last rank's end of it. The order's bubble: the same share for the rank's
+actions, in the order they ran and as long as they took, replayed without time for the sends
+(spec/stages.py replay_span); the rest of the measured bubble is waiting on sends and slower ranks.
+Theoretical: that of the schedule's action order with equal stages and backward = 2 x forward
+(spec/stages.py bubble_fraction): GPipe and 1F1B (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al.
+2021 §2.2), interleaved 1F1B (p-1)/(v·m+p-1) (ibid. §2.2.2), zero bubble (p-1)/(3·v·m+p-1) (Qi et al.
+2024, arXiv 2401.10241), ZB-V and DualPipeV as torch orders them.
 """
 from __future__ import annotations
 
