@@ -148,3 +148,22 @@ def test_evaluate_says_whether_this_trainer_runs_the_layout(tmp_path, capsys):
     assert main(["plan", "evaluate", "--config", str(config), "--json", "--parallel.pp_schedule=dualpipev",
                  "--parallel.pp_virtual_stages=2", "--train.micro_batch=4"]) == 2
     assert "train.micro_batch" in capsys.readouterr().err
+
+
+def test_evaluate_says_how_the_pipeline_bubble_was_priced(capsys):
+    """The bubble line: the schedule's order at the lighter rank's times, and what the step's heavier rank
+    fills of it (spec/stages.py rank_bubble): all of it for DualPipeV with the 70B example's head on rank 0,
+    nothing for 1F1B; and no line without a pipeline."""
+    example = str(Path(__file__).resolve().parents[2] / "configs" / "plan-llama3-70b.toml")
+    assert main(["plan", "evaluate", "--config", example]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bubble"))
+    assert "1f1b over 8 ranks, 32 micro-batches: its action order idles" in line and "fills" not in line
+    v_shaped = ["--parallel.tp=2", "--parallel.cp=4", "--parallel.pp_schedule=dualpipev", "--parallel.pp_virtual_stages=2",
+                "--train.recompute=full"]
+    assert main(["plan", "evaluate", "--config", example, *v_shaped, "--json"]) == 0
+    bubble = json.loads(capsys.readouterr().out)["breakdown_s"]["bubble"]
+    assert main(["plan", "evaluate", "--config", example, *v_shaped]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bubble"))
+    assert "the step's rank (the first pipeline rank), heavier, fills" in line and bubble == 0.0
+    assert main(["plan", "evaluate", "--config", example, "--parallel.pp=1", "--parallel.dp_shard=128"]) == 0
+    assert not any(ln.startswith("bubble") for ln in capsys.readouterr().out.splitlines())

@@ -40,7 +40,7 @@ from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
-from shardwise.spec.stages import rank_bubble
+from shardwise.spec.stages import bubble_seconds, rank_bubble
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -191,14 +191,18 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tupl
     core = rank_core(problem, core_layout(lay), rank)
     mb, comm, m = core.mb, dict(core.comm), lay.accumulation(problem)
     own = _pipeline_times(core)
-    bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, bubble_times or own, own)
+    light = bubble_times or own
+    bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, light, own)
+    detail = dict(core.detail)
+    if lay.pp > 1:  # what the report says of the bubble (plan/report.py bubble_line)
+        detail["bubble_at_lighter_rank_s"] = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, *light)
     if lay.pp > 1:
         crossings = 2 * m * lay.chunks_per_rank + 2 * (lay.pp - 1)
         comm["pp"] = core.pp_send * crossings * C.PP_P2P_EXPOSED_FRACTION
     breakdown = {"compute": m * (mb.fwd + mb.bwd), "recompute": m * mb.recompute, "dp_comm": comm["dp"],
                  "tp_comm": comm["tp"], "pp_comm": comm["pp"], "cp_comm": comm["cp"], "ep_comm": comm["ep"],
                  "bubble": bubble, "optimizer": core.optimizer}
-    return sum(breakdown.values()), breakdown, dict(core.detail)
+    return sum(breakdown.values()), breakdown, detail
 
 
 def compute_lower_bound(problem: Problem, core: Layout, schedule: str, v: int) -> float:
@@ -339,7 +343,9 @@ def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[s
         return rank_step(problem, lay, first)
     core = core_layout(lay)
     times = _bubble_times([rank_core(problem, core, first), rank_core(problem, core, last)])
-    return max((rank_step(problem, lay, rank, times) for rank in (first, last)), key=lambda r: r[0])
+    ranks = [(rank_step(problem, lay, rank, times), which) for rank, which in ((first, "first"), (last, "last"))]
+    (t, breakdown, detail), which = max(ranks, key=lambda r: r[0][0])
+    return t, breakdown, {**detail, "step_on_last_rank": float(which == "last")}  # whose step this is
 
 
 def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estimate:

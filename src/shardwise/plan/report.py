@@ -305,12 +305,29 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
         tt.add_row(label, f"{v * k:.3f}", f"{v / est.step_time_s * 100:.1f}%" if est.mfu_source == "predicted" else "")
     tt.add_row("step", f"{est.step_time_s * k:.3f}", "assumed MFU" if est.mfu_source == "assumed" else "100%")
     con.print(tt)
+    if "bubble_at_lighter_rank_s" in est.detail:
+        con.print(bubble_line(est), soft_wrap=True)
     con.print(f"tokens/s {est.tokens_per_s:,.0f}  |  model TFLOP/s per GPU {est.model_tflops_per_gpu:.1f}  |  "
               f"MFU {est.mfu * 100:.1f}% ({est.mfu_source})  |  {_days(est.days)} for {_tokens(problem.tokens)} tokens "
               f"({f'{est.days_6nd:.1f}' if est.days_6nd >= 0.1 else _days(est.days_6nd)} by the 6ND rule)", soft_wrap=True)
     con.print("\n".join(cost_lines(run_cost(problem, est))), soft_wrap=True)
     con.print("\n".join(model_state_lines(problem, est)), soft_wrap=True)
     return con.file.getvalue()
+
+
+def bubble_line(est: Estimate) -> str:
+    """How the pipeline bubble was priced: the idle of the schedule's action order at the lighter pipeline
+    rank's micro-batch times, less what the step's own rank fills with its extra work (spec/stages.py
+    rank_bubble)."""
+    lay, base, bubble = est.layout, est.detail["bubble_at_lighter_rank_s"], est.breakdown_s["bubble"]
+    k, unit = _time_unit(max(base, 1e-9))
+    line = (f"bubble   {lay.schedule} over {lay.pp} ranks, {int(est.detail.get('microbatches', 0))} micro-batches: its "
+            f"action order idles {base * k:.3f} {unit} at the lighter pipeline rank's micro-batch times")
+    if base - bubble > 1e-12:
+        which = "last" if est.detail.get("step_on_last_rank") else "first"
+        line += (f"; the step's rank (the {which} pipeline rank), heavier, fills "
+                 f"{(base - bubble) * k:.3f} {unit} of it with its own work")
+    return line + " (spec/stages.py rank_bubble)"
 
 
 def search_text(problem: Problem, result: SearchResult, top: int) -> str:
