@@ -18,7 +18,7 @@ Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch; m micro-
   the action order torch runs for the schedule, checked against a replay of torch's own orders
   (spec/stages.py bubble_seconds: gpipe / 1f1b (p-1)(t_f + t_b); interleaved /v; ZB-H1
   (p-1) max(t_f, t_b/2)/v; ZB-V and DualPipeV as torch orders them), at the lighter sized rank's times,
-  less what a V's heavier rank fills with its own work (rank_bubble).
+  less what a heavier rank fills with its own work (rank_bubble).
 """
 from __future__ import annotations
 
@@ -194,9 +194,9 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tupl
     light = bubble_times or own
     bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, light, own)
     detail = dict(core.detail)
-    if lay.pp > 1:  # what the report says of the bubble (plan/report.py bubble_line)
-        detail["bubble_at_lighter_rank_s"] = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, *light)
     if lay.pp > 1:
+        # what the report says of the bubble (plan/report.py bubble_line)
+        detail["bubble_at_lighter_rank_s"] = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, *light)
         crossings = 2 * m * lay.chunks_per_rank + 2 * (lay.pp - 1)
         comm["pp"] = core.pp_send * crossings * C.PP_P2P_EXPOSED_FRACTION
     breakdown = {"compute": m * (mb.fwd + mb.bwd), "recompute": m * mb.recompute, "dp_comm": comm["dp"],
