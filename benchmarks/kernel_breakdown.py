@@ -239,10 +239,11 @@ def summarize(path: Path, window: str | None = None) -> dict:
     """The breakdown of the trace at `path` over `window`'s GPU ranges; over every kernel, with a "note"
     that says so, when the trace has none of that name (how a profiler projects ranges onto CUDA graph
     replays may vary, and a benchmark must not lose its row to its profile)."""
+    trace = load(path)
     try:
-        return breakdown(load(path), window=window)
+        return breakdown(trace, window=window)
     except ValueError as e:
-        return {**breakdown(load(path)), "note": f"{e}: every kernel of the trace is counted"}
+        return {**breakdown(trace), "note": f"{e}: every kernel of the trace is counted"}
 
 
 def main(argv: list[str] | None = None) -> int:

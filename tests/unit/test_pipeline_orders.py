@@ -37,19 +37,23 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict[int, list]:
     return CLASSES[schedule](stages, m, loss_fn=lambda out, target: out).pipeline_order
 
 
+def computed(actions: list) -> list:
+    """A rank's compute actions in order, an OVERLAP_F_B action as its forward then its backward (as torch's
+    runtime runs it and the trainer's timeline records it); the orders' None slots dropped."""
+    return [a for action in actions if action is not None
+            for a in (action.sub_actions if action.computation_type == CT.OVERLAP_F_B else [action])]
+
+
 def replayed_span(order: dict[int, list], forward: list[float], backward: list[float]) -> float:
     """The order's makespan (spec/stages.py replay_span), stage s's forward and backward taking
-    forward[s] and backward[s] (input and weight passes half of it each); an OVERLAP_F_B action as its
-    forward, then its backward, as torch's runtime runs it and the trainer's timeline records it."""
+    forward[s] and backward[s] (input and weight passes half of it each)."""
     kinds = {CT.FORWARD: ("F", forward, 1.0), CT.BACKWARD_INPUT: ("I", backward, 0.5),
              CT.BACKWARD_WEIGHT: ("W", backward, 0.5), CT.FULL_BACKWARD: ("B", backward, 1.0)}
     actions = {}
     for rank, listed in order.items():
-        parts = [p for a in listed if a is not None
-                 for p in (a.sub_actions if a.computation_type == CT.OVERLAP_F_B else [a])]
         actions[rank] = [(kinds[a.computation_type][0], a.stage_index, a.microbatch_index,
                           kinds[a.computation_type][1][a.stage_index] * kinds[a.computation_type][2])
-                         for a in parts if a.computation_type in kinds]
+                         for a in computed(listed) if a.computation_type in kinds]
     return replay_span(actions, len(forward))
 
 
@@ -93,14 +97,11 @@ def held_microbatches(order: dict[int, list], rank: int, v: int, stage: int | No
     a forward saves them, the weight pass (or a full backward) frees them (the input pass retains the
     graph for it), in units of the rank's whole share of layers (a chunk is 1/v)."""
     live = most = 0
-    for action in order[rank]:
-        if action is None:
+    for a in computed(order[rank]):
+        if stage is not None and a.stage_index != stage:
             continue
-        for a in action.sub_actions if action.computation_type == CT.OVERLAP_F_B else [action]:
-            if stage is not None and a.stage_index != stage:
-                continue
-            live += {CT.FORWARD: 1, CT.BACKWARD_WEIGHT: -1, CT.FULL_BACKWARD: -1}.get(a.computation_type, 0)
-            most = max(most, live)
+        live += {CT.FORWARD: 1, CT.BACKWARD_WEIGHT: -1, CT.FULL_BACKWARD: -1}.get(a.computation_type, 0)
+        most = max(most, live)
     return most / (1 if stage is not None else v)
 
 

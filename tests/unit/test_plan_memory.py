@@ -7,15 +7,10 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.plan import activations as A
+from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches
 from shardwise.plan.inventory import pipeline_rank, pipeline_ranks
 from shardwise.plan.layout import Problem
-from shardwise.plan.memory import (
-    _zero1_most_loaded,
-    head_inflight_microbatches,
-    inflight_microbatches,
-    memory,
-    model_state_bytes,
-)
+from shardwise.plan.memory import _zero1_most_loaded, memory, model_state_bytes
 from shardwise.spec.layout import Layout
 from shardwise.spec.shapes import ModelShape, MoESpec
 

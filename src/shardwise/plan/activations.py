@@ -253,6 +253,13 @@ def loss_bytes(shape: ModelShape, reg: str, tp: int, chunked_loss: bool = False)
     return BlockActivations(4 * shape.vocab_size / tp + 8, 4.0)  # fixed: the loss's total_weight scalar
 
 
+def loss_bytes_2d(shape: ModelShape, reg: str, tp: int) -> BlockActivations:
+    """`loss_bytes` under 2-D TP (parallel/tensor2d.py _VocabCrossEntropy), per local token: the logits
+    block [b/q, s, V/q] in its dtype and, per own token (T/q), int64 local targets, a bool mask and fp32
+    max and log-sum-exp (21 B)."""
+    return BlockActivations((4 if reg == "fp32" else 2) * shape.vocab_size / tp + 21 / tp ** 0.5, 0.0)
+
+
 def rope_table_bytes(shape: ModelShape) -> float:
     """llama's RoPE cos/sin buffers (max_seq_len x head_dim fp32 each): RoPE saves slices of them,
     which keep the whole buffer alive — counted once, like the activation meter does."""

@@ -83,17 +83,19 @@ def loss_inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
     return 1.0 if schedule == "zero_bubble" and pp > 1 else head_inflight_microbatches(schedule, pp, m, v)
 
 
-def released_loss_bytes(problem: Problem, core: Layout, rank: RankModel, microbatches: float, grid2d: bool) -> float:
-    """The loss's own saved bytes (activations.py loss_bytes) of `microbatches` micro-batches whose input
-    pass has run while their weight pass waits (plan/inflight.py loss_inflight_microbatches): counted in
-    the head's in-flight, but freed."""
-    if not rank.head or microbatches <= 0:
-        return 0.0
+def head_bytes_held(problem: Problem, core: Layout, rank: RankModel, head: float, schedule: str, pp: int, m: int,
+                    v: int, grid2d: bool) -> float:
+    """The head's saved bytes `rank` holds at its peak, from `head`, one micro-batch's (plan/memory.py
+    microbatch_activations): times the head stage's in-flight micro-batches, less the loss's own bytes
+    (activations.py loss_bytes, loss_bytes_2d under 2-D TP) of those whose input pass has freed them while
+    their weight pass waits (`loss_inflight_microbatches`)."""
+    head_inflight = head_inflight_microbatches(schedule, pp, m, v)
+    held = head * head_inflight
+    released = head_inflight - loss_inflight_microbatches(schedule, pp, m, v)
+    if not rank.head or released <= 0:
+        return held
     s, tokens = problem.shape, core.micro_batch * problem.seq_len / core.cp
     reg = A.regime(problem.precision, core.lowp_params, problem.model_states)
-    if grid2d:  # plan/memory.py _activations_2d's loss: the logits block in its dtype, 21 B per own token
-        per_token, fixed = (4 if reg == "fp32" else 2) * s.vocab_size / core.tp + 21 / core.tp ** 0.5, 0.0
-    else:
-        loss = A.loss_bytes(s, reg, core.tp, loss_is_chunked(tokens, s.vocab_size, core.tp))
-        per_token, fixed = loss.per_token, loss.fixed
-    return microbatches * (per_token * tokens + fixed)
+    loss = A.loss_bytes_2d(s, reg, core.tp) if grid2d else \
+        A.loss_bytes(s, reg, core.tp, loss_is_chunked(tokens, s.vocab_size, core.tp))
+    return held - released * (loss.per_token * tokens + loss.fixed)

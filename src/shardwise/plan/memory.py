@@ -44,12 +44,7 @@ from shardwise.plan import activations as A
 from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan import fsdp_memory as F
-from shardwise.plan.inflight import (
-    head_inflight_microbatches,
-    inflight_microbatches,
-    loss_inflight_microbatches,
-    released_loss_bytes,
-)
+from shardwise.plan.inflight import head_bytes_held, inflight_microbatches
 from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params
 from shardwise.plan.layout import Problem
 from shardwise.plan.tp2d import activation_fraction
@@ -302,7 +297,6 @@ def _activations_2d(problem: Problem, reg: str, tp: int, recompute: str, policy:
     mask and fp32 max and log-sum-exp (21 B). Embedding indices and the RoPE tables as in 1-D. Dense
     llama only (spec/rules.py), the compute ("flash" or "math") as problem.attention."""
     shape, frac = problem.shape, activation_fraction("2d", tp)
-    q = tp ** 0.5
 
     def block(mode: str) -> float:
         if mode == "full":
@@ -319,8 +313,7 @@ def _activations_2d(problem: Problem, reg: str, tp: int, recompute: str, policy:
     embedding = A.embedding_bytes_per_token(shape) * tokens if rank.embedding else 0.0
     head = 0.0
     if rank.head:
-        logit = 4 if reg == "fp32" else 2
-        head = (A._norm(shape, reg, 1, 1) * frac + logit * shape.vocab_size / tp + 21 / q) * tokens
+        head = (A._norm(shape, reg, 1, 1) * frac + A.loss_bytes_2d(shape, reg, tp).per_token) * tokens
         head += 2.0 * shape.vocab_size * shape.dim / tp if reg in ("autocast", "autocast_fp8") else 0.0
     plain_blocks = recompute == "none" or (recompute == "selective" and policy == "layer" and every > 1 and rank.layers > 1)
     rope = A.rope_table_bytes(shape) if rank.layers and plain_blocks else 0.0
@@ -328,13 +321,13 @@ def _activations_2d(problem: Problem, reg: str, tp: int, recompute: str, policy:
     return blocks, embedding, head, rope, working
 
 
-def stored_activations(blocks: float, embedding: float, head: float, rope: float, inflight: float,
-                       head_inflight: float, stages: int) -> float:
+def stored_activations(blocks: float, embedding: float, head_held: float, rope: float, inflight: float,
+                       stages: int) -> float:
     """Saved bytes at the rank's peak: blocks (and the embedding: 8 B/token, counted at the rank's
-    average in-flight) times the in-flight micro-batches, the head times its own stage's in-flight,
+    average in-flight) times the in-flight micro-batches, the head's (plan/inflight.py head_bytes_held),
     and one set of RoPE tables per stage: every stage is a model of its own with its own cos/sin
     buffers (parallel/parallelize.py build_pipeline), each kept alive by its blocks' saved slices."""
-    return (blocks + embedding) * inflight + head * head_inflight + rope * stages
+    return (blocks + embedding) * inflight + head_held + rope * stages
 
 
 def _stages_with_layers(rank: RankModel, chunks: int) -> int:
@@ -424,13 +417,12 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
     blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
     m, v = lay.accumulation(problem), lay.chunks_per_rank
     inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first)
-    head_inflight = head_inflight_microbatches(lay.schedule, lay.pp, m, v)
+    head_held = head_bytes_held(problem, core, rank, head, lay.schedule, lay.pp, m, v, grid2d(core))
     stages = _stages_with_layers(rank, v)
-    stored = stored_activations(blocks, embedding, head, rope, inflight, head_inflight, stages) - \
-        released_loss_bytes(problem, core, rank, head_inflight - loss_inflight_microbatches(lay.schedule, lay.pp, m, v), grid2d(core))
+    stored = stored_activations(blocks, embedding, head_held, rope, inflight, stages)
     detail = dict(items)
     detail.update({"activations_blocks": blocks * inflight,
-                   "activations_embedding_head": embedding * inflight + head * head_inflight,
+                   "activations_embedding_head": embedding * inflight + head_held,
                    "activations_rope_tables": rope * stages, "inflight_microbatches": inflight,
                    "recompute_working_set": working, "activations_stored": stored})
     capacity = problem.cluster.device.memory_gib * GIB * C.USABLE_MEMORY_FRACTION
@@ -460,10 +452,8 @@ def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
         params, grads, opt, other = _states_and_other(problem, core, rank)[:4]
         blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
         inflight = inflight_microbatches(schedule, core.pp, m, chunks, is_first)
-        head_inflight = head_inflight_microbatches(schedule, core.pp, m, chunks)
-        stored = stored_activations(blocks, embedding, head, rope, inflight, head_inflight, _stages_with_layers(rank, chunks)) - \
-            released_loss_bytes(problem, core, rank, head_inflight - loss_inflight_microbatches(schedule, core.pp, m, chunks),
-                                grid2d(core))
+        head_held = head_bytes_held(problem, core, rank, head, schedule, core.pp, m, chunks, grid2d(core))
+        stored = stored_activations(blocks, embedding, head_held, rope, inflight, _stages_with_layers(rank, chunks))
         best = max(best, params + grads + opt + other + stored + working)
     return best
 

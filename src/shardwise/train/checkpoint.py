@@ -426,7 +426,7 @@ def full_tensors_on_host(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, t in sorted(get_model_state_dict(model).items()):  # sorted: every rank gathers in the same order
         whole = t.full_tensor() if isinstance(t, DTensor) else t
         out[name] = whole.detach().cpu()
-        del whole
+        del whole  # before the next gather: one whole tensor on the device at a time
     return out
 
 
