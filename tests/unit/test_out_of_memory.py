@@ -59,7 +59,7 @@ def _fake_allocator(monkeypatch) -> list[tuple]:
     """torch.cuda.memory's recording and dumping, replaced by a log: the decisions run on CPU."""
     calls: list[tuple] = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
-                        lambda enabled="all", max_entries=0, **_: calls.append(("record", enabled, max_entries)))
+                        lambda enabled="all", max_entries=0, stacks="all", **_: calls.append(("record", enabled, max_entries, stacks)))
 
     def dump(path):
         calls.append(("dump", path))
@@ -72,11 +72,12 @@ def _fake_allocator(monkeypatch) -> list[tuple]:
 def test_a_gpu_run_records_from_the_start_and_writes_after_step_two(monkeypatch, tmp_path):
     calls = _fake_allocator(monkeypatch)
     snap = MemorySnapshot(True, torch.device("cuda"), tmp_path, rank=3)
-    assert snap.note is None and calls == [("record", "all", MAX_ENTRIES)]
+    # Python stacks only: torch's default adds C++ frames, whose symbolization at the dump can take minutes
+    assert snap.note is None and calls == [("record", "all", MAX_ENTRIES, "python")]
     assert snap.after_step(1, last=False) is None
     path = snap.after_step(SNAPSHOT_AFTER_STEP, last=False)
     assert path == tmp_path / "memory_snapshot" / "rank_3_step_2.pickle" and path.read_bytes() == b"snapshot"
-    assert calls[1:] == [("dump", str(path)), ("record", None, 0)]  # written once, then recording stops
+    assert calls[1:] == [("dump", str(path)), ("record", None, 0, "all")]  # written once, then recording stops
     assert snap.after_step(3, last=True) is None and snap.out_of_memory() is None and len(calls) == 3
 
 
@@ -85,7 +86,7 @@ def test_a_one_step_run_writes_after_it_and_an_out_of_memory_step_writes_its_his
     assert MemorySnapshot(True, torch.device("cuda"), tmp_path, 0).after_step(1, last=True).name == "rank_0_step_1.pickle"
     snap = MemorySnapshot(True, torch.device("cuda"), tmp_path, 1)
     path = snap.out_of_memory()
-    assert path.name == "rank_1_out_of_memory.pickle" and calls[-2:] == [("dump", str(path)), ("record", None, 0)]
+    assert path.name == "rank_1_out_of_memory.pickle" and calls[-2:] == [("dump", str(path)), ("record", None, 0, "all")]
 
 
 def test_off_or_on_a_cpu_nothing_is_recorded(monkeypatch, tmp_path):

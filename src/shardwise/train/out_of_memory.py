@@ -6,8 +6,8 @@ expected on this GPU (train/planned_memory.py), the settings that lower the peak
 the history's file or how to record one. Ranks of one layout fail together and cannot agree in a
 collective then: the first to claim a file prints (`first_to_report`).
 
-The history (open the file at https://pytorch.org/memory_viz: every allocation with its Python and C++
-stack, over time) is what torchtitan's `profiling.enable_memory_snapshot` and Megatron-LM's
+The history (open the file at https://pytorch.org/memory_viz: every allocation with its Python stack,
+over time) is what torchtitan's `profiling.enable_memory_snapshot` and Megatron-LM's
 `--record-memory-history` give, and how the planner's memory model is checked on a GPU
 (plan/fsdp_memory.py). Recording starts when the trainer does (the parameters' allocations included)
 and stops at the first file: after step SNAPSHOT_AFTER_STEP, the first step that runs as every later one
@@ -31,6 +31,12 @@ SNAPSHOT_AFTER_STEP = 2
 # Allocator events kept, a ring that drops the oldest first: PyTorch's guide to memory snapshots records
 # 100,000; twice that keeps more of a deep model's start by the end of step 2.
 MAX_ENTRIES = 200_000
+# Python frames only. torch's default ("all") adds C++ frames, which it symbolizes when the file is written:
+# torchtitan measured one dump of a 16B model at ~461 s with them and ~4 s without (pytorch/torchtitan#3628),
+# and their unwinder can fail on generated code (#2991). On this CPU build, symbolizing the C++ tracebacks of
+# 418 ops of two toy steps took 0.43 s, the Python ones 0.00 s; CUDA's libraries are far larger. The lines
+# benchmarks/memory_peak.py names are Python lines, and the viewer shows those.
+STACKS = "python"
 VIEWER = "https://pytorch.org/memory_viz"
 
 
@@ -41,7 +47,7 @@ class MemorySnapshot:
         self.note = (f"run.memory_snapshot: records the CUDA caching allocator's history; {device.type} has none, "
                      "nothing is recorded") if enabled and not self.recording else None
         if self.recording:
-            torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
+            torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks=STACKS)
 
     def after_step(self, step: int, last: bool) -> Path | None:
         """The file written after `step` (SNAPSHOT_AFTER_STEP, or the run's last), else None."""
