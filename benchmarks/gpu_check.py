@@ -83,7 +83,7 @@ class Ctx:
 
     def common(self, model: list[str] | None = None) -> list[str]:
         return [f"--data.path={self.corpus}", "--data.tokenizer=byte", f"--data.cache_dir={self.out / 'cache'}",
-                "--run.progress=false", "--run.tensorboard=false", "--checkpoint.resume=false",
+                "--run.progress=false", "--run.tensorboard=false", "--run.loss_curve=false", "--checkpoint.resume=false",
                 "--checkpoint.final=false", "--train.log_every=1", "--train.warmup_steps=2",
                 *(MODELS[self.device] if model is None else model)]
 
@@ -476,6 +476,7 @@ def main(argv: list[str]) -> int:
 
     for name in serial:
         record(run_row(name))
+    header["serial_seconds"] = time.perf_counter() - started
     if chains:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -484,6 +485,7 @@ def main(argv: list[str]) -> int:
                 future.result()
         rows.sort(key=lambda r: chosen.index(r.name))
     header["seconds"] = time.perf_counter() - started  # the bound of issue 27 (gpu_report.py TARGETS)
+    header["parallel_seconds"] = header["seconds"] - header["serial_seconds"]
     write_report(ctx.out, rows, header)
     failed = [r.name for r in rows if r.status == "fail"]
     print(f"gpu-check: {len(rows) - len(failed)} of {len(rows)} rows passed or skipped"

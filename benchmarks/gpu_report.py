@@ -77,9 +77,12 @@ def metrics(run: Path, skip: int = 2) -> dict[str, float]:
         return statistics.median(values) if values else None
 
     peak = max((r.get("mem_max_memory_allocated_bytes") or 0) for r in records)
+    seconds = [r.get("step_time_s") or 0.0 for r in records]
     out = {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "step_s": median("step_time_s"),
            "peak_gib": peak / 2**30 if peak else None, "j_per_token": median("energy_j_per_token"),
-           "final_loss": records[-1]["loss"]}
+           "final_loss": records[-1]["loss"],
+           # where the row's wall time went (report.md's time table): its first steps (compilation) and all
+           "warmup_s": sum(seconds[:skip]), "steps_s": sum(seconds)}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -161,7 +164,7 @@ def report_md(rows: list[Row], header: dict[str, Any], goals: list[dict[str, Any
                      f"{r.seconds:.0f} | {r.reason.replace('|', '/')} |")
     counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "skip")}
     lines += ["", f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"]
-    lines += planner_summary(rows) + peak_splits(rows)
+    lines += planner_summary(rows) + peak_splits(rows) + time_spent(rows, header)
     if goals:
         lines += ["", "| issue | target | bar | measured | met |", "|---|---|---|---|---|"]
         verdict = {True: "yes", False: "**no**", None: ""}
@@ -195,6 +198,38 @@ def peak_splits(rows: list[Row]) -> list[str]:
         f"| {r.name} | {sum(r.measured[k] for k in ('peak_before_step_gib', 'peak_grads_gib', 'peak_activations_gib')):.2f} | "
         f"{r.measured['peak_before_step_gib']:.2f} | {r.measured['peak_grads_gib']:.2f} | {r.measured['peak_activations_gib']:.2f} |"
         for r in split]
+
+
+def _time_group(name: str) -> str:
+    kind = name.split("/")
+    return "/".join(kind[:2]) if kind[0] in ("train", "bench") else kind[0]
+
+
+def time_spent(rows: list[Row], header: dict[str, Any]) -> list[str]:
+    """Where the check's wall time went (issue 27 bounds the whole check at 9 minutes on one H100): seconds by
+    kind of row, and for training rows how much of it was in their warm-up steps (compilation: steps 1-2), in
+    the timed steps, and outside any step (the process's start, imports, the model's build, the data, the
+    allocator history's file and its split, the planner's prediction). The untimed rows run side by side:
+    their seconds add up to more than the pool's wall time (`parallel_seconds`)."""
+    if not any(r.seconds for r in rows):
+        return []
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(_time_group(r.name), []).append(r)
+    lines = ["", "| rows | count | s | in warm-up steps (compilation) | in timed steps | outside the steps |",
+             "|---|---|---|---|---|---|"]
+    for group, members in groups.items():
+        trained = [r for r in members if "steps_s" in r.measured]
+        total, warm = sum(r.seconds for r in members), sum(r.measured["warmup_s"] for r in trained)
+        steps = sum(r.measured["steps_s"] for r in trained)
+        split = f"{warm:.0f} | {steps - warm:.0f} | {sum(r.seconds for r in trained) - steps:.0f}" if trained else " |  | "
+        lines.append(f"| {group} | {len(members)} | {total:.0f} | {split} |")
+    phases = [f"{what} {header[key]:.0f} s" for key, what in (("serial_seconds", "measured rows one at a time"),
+              ("parallel_seconds", "untimed rows side by side")) if isinstance(header.get(key), (int, float))]
+    if isinstance(header.get("seconds"), (int, float)):
+        lines.append("")
+        lines.append(f"the check took {header['seconds']:.0f} s" + (f": {', then '.join(phases)}" if phases else ""))
+    return lines
 
 
 def write_report(out: Path, rows: list[Row], header: dict[str, Any]) -> None:

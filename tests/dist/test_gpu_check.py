@@ -77,6 +77,11 @@ def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["planner_gpu"] == "h100-sxm-80gb" and [r["status"] for r in data["rows"]] == ["pass", "fail", "skip"]
     assert data["rows"][0]["predicted"]["step_s_error"] == -0.05
+    # Where the check's time went: a training row's seconds split by its step times; other rows by kind
+    rows[0].measured.update(warmup_s=20.0, steps_s=21.6)
+    md = gpu_check.report_md(rows, {**header, "seconds": 50.0, "serial_seconds": 44.0, "parallel_seconds": 6.0})
+    assert "| train/compiled | 1 | 41 | 20 | 2 | 19 |" in md and "| offload | 1 | 3 |  |  |  |" in md
+    assert "the check took 50 s: measured rows one at a time 44 s, then untimed rows side by side 6 s" in md
 
 
 def test_the_report_states_each_issue_target_with_what_this_check_measured(tmp_path):
@@ -163,4 +168,10 @@ def test_rows_run_end_to_end_on_cpu(tmp_path):
     assert [r["status"] for r in rows.values()] == ["pass"] * 3, rows
     assert rows["train/eager/fp32/none"]["measured"]["tokens_per_s"] > 0
     assert "bitwise" in rows["resume/bitwise"]["reason"] and "2 processes" in rows["layout/fsdp"]["reason"]
-    assert "| resume/bitwise | PASS |" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "| resume/bitwise | PASS |" in md
+    # Where the time went, from the training row's own step times; no loss curve drawn (matplotlib: 0.7 s a row)
+    train = rows["train/eager/fp32/none"]
+    assert 0 < train["measured"]["warmup_s"] < train["measured"]["steps_s"] < train["seconds"]
+    assert "| train/eager | 1 |" in md and "| layout | 1 |" in md and "the check took" in md
+    assert not list(tmp_path.glob("runs/*/loss_curve.png"))
