@@ -184,15 +184,15 @@ def _bubble_times(cores: list[RankCore]) -> tuple[float, float]:
     return min((_pipeline_times(c) for c in cores), key=sum)
 
 
-def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tuple[float, float] | None = None
-              ) -> tuple[float, dict[str, float], dict[str, float]]:
-    """(step seconds, breakdown, detail) as seen by one pipeline rank; its bubble next to ranks of
-    `bubble_times` (`_bubble_times`; default: its own)."""
+def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tuple[float, float] | None = None,
+              first: bool = False) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(step seconds, breakdown, detail) as seen by one pipeline rank (`first`: the pipeline's first); its
+    bubble next to ranks of `bubble_times` (`_bubble_times`; default: its own)."""
     core = rank_core(problem, core_layout(lay), rank)
     mb, comm, m = core.mb, dict(core.comm), lay.accumulation(problem)
     own = _pipeline_times(core)
     light = bubble_times or own
-    bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, light, own)
+    bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, light, own, first)
     detail = dict(core.detail)
     if lay.pp > 1:
         # what the report says of the bubble (plan/report.py bubble_line)
@@ -223,11 +223,11 @@ def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float
     cores = [rank_core(problem, core, rank) for rank in ((first, last) if core.pp > 1 else (first,))]
     light = _bubble_times(cores)
     worst = 0.0
-    for c in cores:
+    for index, c in enumerate(cores):
         mb = c.mb
         t = m * (mb.fwd + mb.bwd + mb.recompute) + sum(v_ for _, v_ in c.comm) + c.optimizer
         if core.pp > 1:
-            t += rank_bubble(schedule, core.pp, chunks, m, light, _pipeline_times(c))
+            t += rank_bubble(schedule, core.pp, chunks, m, light, _pipeline_times(c), first=index == 0)
             t += c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
         worst = max(worst, t)
     return worst
@@ -343,7 +343,7 @@ def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[s
         return rank_step(problem, lay, first)
     core = core_layout(lay)
     times = _bubble_times([rank_core(problem, core, first), rank_core(problem, core, last)])
-    ranks = [(rank_step(problem, lay, rank, times), which) for rank, which in ((first, "first"), (last, "last"))]
+    ranks = [(rank_step(problem, lay, rank, times, which == "first"), which) for rank, which in ((first, "first"), (last, "last"))]
     (t, breakdown, detail), which = max(ranks, key=lambda r: r[0][0])
     return t, breakdown, {**detail, "step_on_last_rank": float(which == "last")}  # whose step this is
 

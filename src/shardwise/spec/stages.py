@@ -139,23 +139,34 @@ def bubble_seconds(schedule: str, p: int, v: int, m: int, t_f: float, t_b: float
     return (p - 1) * (t_f + t_b)
 
 
-def rank_bubble(schedule: str, p: int, v: int, m: int, light: tuple[float, float], own: tuple[float, float]) -> float:
+def rank_bubble(schedule: str, p: int, v: int, m: int, light: tuple[float, float], own: tuple[float, float],
+                first: bool = False) -> float:
     """The idle of a rank whose micro-batch takes `own` (t_f, t_b) in a pipeline whose lighter ranks take
     `light`: its step is m (t_f + t_b) of its own + this. The warm-up and cool-down cross the other
     stages, so a heavier rank (the head and the loss on a looped schedule's last, both ends on a V's
     first) idles `bubble_seconds` at the lighter ranks' times, less what its own extra work
     e = m x (its t_f + t_b - the lighter's) fills:
-      1F1B, interleaved  nothing: exactly the lighter ranks' bubble
+      GPipe, interleaved nothing: exactly the lighter ranks' bubble
+      1F1B               a heavier last rank nothing; a heavier first rank (`first`; an uneven split,
+                         pp_layers_per_stage) waits only where a round trip through the lighter stages
+                         outlasts its own passes: (p-1) [max(0, t_f + t_b - F) + max(0, t_f + t_b - B)] with
+                         (F, B) its own times, once for its first backward (after its p forwards) and once
+                         for its last (after its p-1 cool-down backwards); after the first, the heavier rank
+                         sets the pace and nothing waits
       zero_bubble        down to (p-1) t_f/v: the input passes' pacing beyond the forward's is filled
       dualpipev          all of it, max(0, bubble - e)
       zbv                its head chunk's input pass (own t_b/2 - light t_b/4) at most, with the V full
                          (m >= 2p); below, down to the full V's (p-1) max(t_b/4, t_f - t_b/4)
     Checked against the replay of torch's orders with the head's stage 1.05-2x the others
-    (tests/unit/test_pipeline_orders.py): exact for 1F1B and interleaved, within 1.1% for the others, ZB-V
-    below 2p micro-batches -2% to +8%. Not modelled: a looped schedule's first rank made the heavier by an
-    uneven split (pp_layers_per_stage) also fills some of its idle; priced here up to 14% slow (1.5-2x)."""
+    (tests/unit/test_pipeline_orders.py): exact for 1F1B, GPipe and interleaved, within 1.1% for the others,
+    ZB-V below 2p micro-batches -2% to +8%; a heavier first rank 1-3x exact for 1F1B and GPipe. Not
+    modelled: interleaved 1F1B's heavier first rank also fills part of its idle (piecewise in m, v and the
+    weight: no one form fitted the replay); priced here at the lighter ranks' bubble, up to 15% slow."""
     base = bubble_seconds(schedule, p, v, m, *light)
     extra = m * (sum(own) - sum(light))
+    if schedule == "1f1b" and first and extra > 0:
+        round_trip = sum(light)
+        return (p - 1) * (max(0.0, round_trip - own[0]) + max(0.0, round_trip - own[1]))
     if extra <= 0 or schedule not in ("zero_bubble", *V_SHAPED):
         return base
     if schedule == "zero_bubble":
