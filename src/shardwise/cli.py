@@ -334,6 +334,7 @@ def _plan(argv: list[str]) -> int:
     from shardwise.plan.report import evaluate_text, plot, search_json, search_text
     from shardwise.plan.search import search
     from shardwise.spec.layout import Layout
+    from shardwise.spec.stages import planned_split_note
 
     if argv and argv[0] == "calibrate":  # fit the planner to measured runs (plan/fit.py)
         from shardwise.plan.fit import calibrate_main
@@ -387,15 +388,16 @@ def _plan(argv: list[str]) -> int:
             raise violation.error()
         est = evaluate(problem, layout)
         refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
+        split = planned_split_note(cfg.parallel, problem.shape.n_layers)
         if args.json:
             from shardwise.plan.goodput import run_cost
 
             print(json.dumps({**est.to_json(), "cost": run_cost(problem, est).to_json(), "trainable": refusal is None,
-                              "trainer_refusal": refusal}, indent=2))
+                              "trainer_refusal": refusal, "split_note": split}, indent=2))
         else:
             print(evaluate_text(problem, est), end="")
-            if refusal:
-                print(f"note: this version's `shardwise train` refuses this layout ({refusal})")
+            print("".join(f"note: {n}\n" for n in (split, refusal and f"this version's `shardwise train` refuses this "
+                                                        f"layout ({refusal})") if n), end="")
         if args.plot:
             plot(args.plot, problem, [est])
         return 0

@@ -167,3 +167,17 @@ def test_evaluate_says_how_the_pipeline_bubble_was_priced(capsys):
     assert "the step's rank (the first pipeline rank), heavier, fills" in line and bubble == 0.0
     assert main(["plan", "evaluate", "--config", example, "--parallel.pp=1", "--parallel.dp_shard=128"]) == 0
     assert not any(ln.startswith("bubble") for ln in capsys.readouterr().out.splitlines())
+
+
+def test_evaluate_says_when_it_priced_another_split_than_the_trainers(capsys):
+    """The planner sizes its pipeline ranks from an even split; an explicit or balanced split is the trainer's,
+    so `plan evaluate` says which split it priced instead of pricing one silently (the same step either way)."""
+    base = ["plan", "evaluate", "--model.preset=llama3-8b", "--train.seq_len=4096", "--train.global_batch=32",
+            "--train.micro_batch=1", "--parallel.pp=4", "--cluster.num_gpus=4", "--cluster.gpu=h100-sxm-80gb"]
+    assert main(base) == 0
+    assert "note: the planner priced" not in capsys.readouterr().out
+    assert main(base + ["--parallel.pp_layers_per_stage=11,7,7,7"]) == 0
+    assert ("note: the planner priced an even split of the blocks over the stages, [8, 8, 8, 8]; the trainer cuts by "
+            "parallel.pp_layers_per_stage = [11, 7, 7, 7]") in capsys.readouterr().out
+    assert main(base + ["--parallel.pp_split=balanced", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["split_note"].endswith('parallel.pp_split = "balanced"')

@@ -83,6 +83,17 @@ def layers_per_stage(p: Any, model: Any, seq_len: int, costs: dict[str, float]) 
     return even_split(model.n_layers, n_stages)
 
 
+def planned_split_note(p: Any, n_layers: int) -> str | None:
+    """What `plan evaluate` says when the trainer would cut the blocks otherwise than the planner prices them:
+    the planner sizes its pipeline ranks from an even split (plan/inventory.py pipeline_rank)."""
+    if p.pp == 1 or not (p.pp_layers_per_stage or p.pp_split != "even"):
+        return None
+    asked = (f"parallel.pp_layers_per_stage = {list(p.pp_layers_per_stage)}" if p.pp_layers_per_stage
+             else f'parallel.pp_split = "{p.pp_split}"')
+    return (f"the planner priced an even split of the blocks over the stages, {even_split(n_layers, p.pp * p.pp_virtual_stages)}; "
+            f"the trainer cuts by {asked}")
+
+
 def stage_layers(counts: list[int]) -> list[list[int]]:
     out, start = [], 0
     for n in counts:
