@@ -334,7 +334,8 @@ def _plan(argv: list[str]) -> int:
     from shardwise.plan.report import evaluate_text, plot, search_json, search_text
     from shardwise.plan.search import search
     from shardwise.spec.layout import Layout
-    from shardwise.spec.stages import planned_split_note
+    from shardwise.spec.rules import pipeline_split_rules
+    from shardwise.spec.stages import unequal_chunks_note
 
     if argv and argv[0] == "calibrate":  # fit the planner to measured runs (plan/fit.py)
         from shardwise.plan.fit import calibrate_main
@@ -383,12 +384,12 @@ def _plan(argv: list[str]) -> int:
         args.emit = str(Path(cfg.run.dir) / "plan" / "best.toml")
     if action == "evaluate":
         layout = Layout.from_config(cfg, problem.cluster.num_gpus)
-        violation = check_layout(problem, layout)
+        violation = check_layout(problem, layout) or next(pipeline_split_rules(cfg.parallel, problem.shape.n_layers), None)
         if violation is not None:
             raise violation.error()
         est = evaluate(problem, layout)
         refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
-        split = planned_split_note(cfg.parallel, problem.shape.n_layers)
+        split = unequal_chunks_note(layout.schedule, layout.pp, layout.chunks_per_rank, layout.stage_layers)
         if args.json:
             from shardwise.plan.goodput import run_cost
 
@@ -396,8 +397,8 @@ def _plan(argv: list[str]) -> int:
                               "trainer_refusal": refusal, "split_note": split}, indent=2))
         else:
             print(evaluate_text(problem, est), end="")
-            print("".join(f"note: {n}\n" for n in (split, refusal and f"this version's `shardwise train` refuses this "
-                                                        f"layout ({refusal})") if n), end="")
+            refused = refusal and f"this version's `shardwise train` refuses this layout ({refusal})"
+            print("".join(f"note: {n}\n" for n in (split, refused) if n), end="")
         if args.plot:
             plot(args.plot, problem, [est])
         return 0

@@ -20,7 +20,7 @@ import pytest
 
 from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches
 from shardwise.spec.rules import microbatch_rule
-from shardwise.spec.stages import bubble_seconds, rank_bubble, replay_span, stage_ids
+from shardwise.spec.stages import bubble_seconds, looped_bubbles, rank_bubble, replay_span, stage_ids
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 CT = schedules._ComputationType
@@ -107,13 +107,15 @@ def held_microbatches(order: dict[int, list], rank: int, v: int, stage: int | No
 
 @pytest.mark.parametrize("schedule,p,v,m", CASES, ids=[f"{s}-p{p}-v{v}-m{m}" for s, p, v, m in CASES])
 def test_the_planned_inflight_microbatches_are_the_peaks_of_torchs_order(schedule, p, v, m):
-    """plan/inflight.py against the order: the first and the last pipeline rank, and the head's stage.
+    """plan/inflight.py against the order: every pipeline rank, and the head's stage.
     This caught interleaved 1F1B priced with p micro-batches per round where torch's rounds hold m // (m // p)
     (p=4, m=6: measured -8% / -25%), and the zero-bubble order's last rank priced as 1F1B's 1 where it holds p
     (measured -44% at p=2, -64% at p=4)."""
     order = torch_order(schedule, p, v, m)
     assert inflight_microbatches(schedule, p, m, v, True) == pytest.approx(held_microbatches(order, 0, v))
     assert inflight_microbatches(schedule, p, m, v, False) == pytest.approx(held_microbatches(order, p - 1, v))
+    for r in range(1, p - 1):  # the middle ranks, which the planner sizes under an uneven split
+        assert inflight_microbatches(schedule, p, m, v, False, rank=r) == pytest.approx(held_microbatches(order, r, v)), r
     assert head_inflight_microbatches(schedule, p, m, v) == held_microbatches(order, 0 if schedule in ("zbv", "dualpipev") else p - 1,
                                                                               v, stage=p * v - 1)
 
@@ -198,6 +200,38 @@ def test_a_heavier_first_stage_idles_as_torchs_order_does(schedule, p, m, ratio,
         assert -1e-9 * span <= planned - span <= 0.15 * span
     else:
         assert planned == pytest.approx(span, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_every_ranks_bubble_of_an_uneven_split_is_its_orders(schedule):
+    """spec/stages.py looped_bubbles (the planner's bubbles when every rank is sized, a split of the trainer's
+    own): the step it gives, max over ranks of m x own work + own bubble, against the replayed order.
+    GPipe exactly for any times; 1F1B exactly with one rank heavier than the others wherever it sits, and
+    within -0.8% .. 0 for splits of whole blocks with the embedding on the first and the head on the last."""
+    import random
+
+    rng = random.Random(0)
+    order_of = one_f_one_b if schedule == "1f1b" else gpipe
+
+    def planned(times: list[tuple[float, float]], m: int) -> float:
+        return max(m * sum(t) + b for t, b in zip(times, looped_bubbles(schedule, m, times)))
+
+    for p in (2, 3, 4, 8):
+        for m in sorted({p, p + 1, 2 * p, 4 * p}):
+            for ratio in (0.5, 2.0, 3.0):
+                for h in (1.02, 1.5, 3.0):
+                    for heavy in range(p):
+                        times = [(1.0, ratio)] * p
+                        times[heavy] = (h, h * ratio)
+                        assert planned(times, m) == pytest.approx(replay_span(order_of(times, m), p), rel=1e-9)
+    for _ in range(300):
+        p = rng.choice((2, 3, 4, 6, 8))
+        m, ratio, head = rng.choice((p, 2 * p, 3 * p + 1)), rng.choice((1.0, 2.0, 3.0)), rng.choice((0.0, 1.0, 2.5))
+        blocks = [rng.choice((6, 7, 8, 9)) + (0.05 if s == 0 else 0) + (head if s == p - 1 else 0) for s in range(p)]
+        times = [(b, b * ratio) for b in blocks]
+        span = replay_span(order_of(times, m), p)
+        assert -0.008 * span <= planned(times, m) - span <= 1e-9 * span, (times, m)
+    assert looped_bubbles("interleaved_1f1b", 4, [(1.0, 2.0)] * 2) is None  # priced by rank_bubble
 
 
 def test_the_planner_builds_the_step_from_its_ranks_so():

@@ -169,15 +169,29 @@ def test_evaluate_says_how_the_pipeline_bubble_was_priced(capsys):
     assert not any(ln.startswith("bubble") for ln in capsys.readouterr().out.splitlines())
 
 
-def test_evaluate_says_when_it_priced_another_split_than_the_trainers(capsys):
-    """The planner sizes its pipeline ranks from an even split; an explicit or balanced split is the trainer's,
-    so `plan evaluate` says which split it priced instead of pricing one silently (the same step either way)."""
-    base = ["plan", "evaluate", "--model.preset=llama3-8b", "--train.seq_len=4096", "--train.global_batch=32",
+def test_evaluate_prices_the_trainers_own_split(capsys):
+    """parallel.pp_layers_per_stage and pp_split="balanced" are priced as the trainer cuts (every pipeline rank
+    sized, plan/inventory.py sized_ranks); before, `plan evaluate` priced an even split whatever was asked. An
+    explicit even split is the even split; a malformed one is refused as `shardwise train` refuses it."""
+    base = ["plan", "evaluate", "--json", "--model.preset=llama3-8b", "--train.seq_len=4096", "--train.global_batch=32",
             "--train.micro_batch=1", "--parallel.pp=4", "--cluster.num_gpus=4", "--cluster.gpu=h100-sxm-80gb"]
-    assert main(base) == 0
-    assert "note: the planner priced" not in capsys.readouterr().out
-    assert main(base + ["--parallel.pp_layers_per_stage=11,7,7,7"]) == 0
-    assert ("note: the planner priced an even split of the blocks over the stages, [8, 8, 8, 8]; the trainer cuts by "
-            "parallel.pp_layers_per_stage = [11, 7, 7, 7]") in capsys.readouterr().out
-    assert main(base + ["--parallel.pp_split=balanced", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["split_note"].endswith('parallel.pp_split = "balanced"')
+
+    def plan(*extra: str) -> dict:
+        assert main(base + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    even = plan()
+    assert plan("--parallel.pp_layers_per_stage=8,8,8,8") == even
+    first_heavy = plan("--parallel.pp_layers_per_stage=11,7,7,7")  # 11 blocks and the embedding on rank 0
+    assert first_heavy["memory_rank"] == "first" and first_heavy["memory_gib"]["total"] > 1.2 * even["memory_gib"]["total"]
+    assert first_heavy["step_time_s"] > 1.05 * even["step_time_s"]
+    balanced = plan("--parallel.pp_split=balanced")  # [8, 9, 9, 6]: the head's stage gets fewer blocks
+    assert balanced["step_time_s"] < 0.95 * even["step_time_s"]
+    assert main(base[:2] + base[3:] + ["--parallel.pp_layers_per_stage=11,7,7,7"]) == 0
+    assert "(blocks per stage [11, 7, 7, 7]: every rank's times, spec/stages.py looped_bubbles)" in capsys.readouterr().out
+    assert first_heavy["split_note"] is None
+    interleaved = plan("--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2",
+                       "--parallel.pp_layers_per_stage=3,4,4,4,5,4,4,4")  # rank 0: stages 0 and 4, 3 and 5 blocks
+    assert interleaved["split_note"].startswith("pipeline ranks [0] hold stages of unequal sizes")
+    assert main(base + ["--parallel.pp_layers_per_stage=7,9,9"]) == 2
+    assert capsys.readouterr().err.startswith("error: parallel.pp_layers_per_stage: [7, 9, 9] must give each")

@@ -83,7 +83,7 @@ def shard_axis(lay: Layout) -> str:
 def collectives(problem: Problem, lay: Layout, rank: RankModel | None = None, pp_rank: int = 0) -> list[Collective]:
     """Every collective one rank issues in one optimizer step (see the module docstring)."""
     if rank is None:
-        rank = pipeline_rank(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule, pp_rank)
+        rank = pipeline_rank(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule, pp_rank, lay.stage_layers)
     return data_and_model_collectives(problem, lay, rank) + pp_collectives(problem, lay, pp_rank)
 
 

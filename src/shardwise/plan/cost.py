@@ -35,12 +35,12 @@ from shardwise.plan.compute_time import (  # noqa: F401  (gemm_time: re-exported
     gemm_time,
     microbatch_times,
 )
-from shardwise.plan.inventory import RankModel, pipeline_ranks
+from shardwise.plan.inventory import RankModel, pipeline_ranks, sized_ranks
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
-from shardwise.spec.stages import bubble_seconds, rank_bubble
+from shardwise.spec.stages import bubble_seconds, looped_bubbles, rank_bubble
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -185,14 +185,15 @@ def _bubble_times(cores: list[RankCore]) -> tuple[float, float]:
 
 
 def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tuple[float, float] | None = None,
-              first: bool = False) -> tuple[float, dict[str, float], dict[str, float]]:
+              first: bool = False, bubble: float | None = None) -> tuple[float, dict[str, float], dict[str, float]]:
     """(step seconds, breakdown, detail) as seen by one pipeline rank (`first`: the pipeline's first); its
-    bubble next to ranks of `bubble_times` (`_bubble_times`; default: its own)."""
+    bubble next to ranks of `bubble_times` (`_bubble_times`; default: its own), or `bubble` where given."""
     core = rank_core(problem, core_layout(lay), rank)
     mb, comm, m = core.mb, dict(core.comm), lay.accumulation(problem)
     own = _pipeline_times(core)
     light = bubble_times or own
-    bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, light, own, first)
+    if bubble is None:
+        bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, light, own, first)
     detail = dict(core.detail)
     if lay.pp > 1:
         # what the report says of the bubble (plan/report.py bubble_line)
@@ -337,15 +338,22 @@ def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> flo
 # the whole estimate
 # ---------------------------------------------------------------------------------------------------
 def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[str, float]]:
-    """The slowest pipeline rank decides the step (first: embedding; last: head + loss)."""
-    first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
+    """The slowest pipeline rank decides the step (first: embedding; last: head + loss; under the trainer's
+    own split any rank, plan/inventory.py sized_ranks). With such a split, GPipe's and 1F1B's bubbles come
+    from every rank's times (spec/stages.py looped_bubbles); the other schedules' from the lightest rank's."""
+    ranks = sized_ranks(problem.shape, lay)
     if lay.pp == 1:
-        return rank_step(problem, lay, first)
+        return rank_step(problem, lay, ranks[0][1])
     core = core_layout(lay)
-    times = _bubble_times([rank_core(problem, core, first), rank_core(problem, core, last)])
-    ranks = [(rank_step(problem, lay, rank, times, which == "first"), which) for rank, which in ((first, "first"), (last, "last"))]
-    (t, breakdown, detail), which = max(ranks, key=lambda r: r[0][0])
-    return t, breakdown, {**detail, "step_on_last_rank": float(which == "last")}  # whose step this is
+    cores = [rank_core(problem, core, rank) for _, rank in ranks]
+    times = _bubble_times(cores)
+    exact = looped_bubbles(lay.schedule, lay.accumulation(problem), [_pipeline_times(c) for c in cores]) \
+        if lay.stage_layers else None
+    steps = [(rank_step(problem, lay, rank, times, r == 0, None if exact is None else exact[i]), r)
+             for i, (r, rank) in enumerate(ranks)]
+    (t, breakdown, detail), r = max(steps, key=lambda s: s[0][0])  # the first of equals
+    # whose step this is
+    return t, breakdown, {**detail, "step_on_last_rank": float(r == lay.pp - 1), "step_on_pipeline_rank": float(r)}
 
 
 def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estimate:

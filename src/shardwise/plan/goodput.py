@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 
 from shardwise.plan import constants as C
 from shardwise.plan.cost import Estimate
-from shardwise.plan.inventory import pipeline_ranks
+from shardwise.plan.inventory import sized_ranks
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import model_state_bytes
 from shardwise.spec.layout import Layout
@@ -81,9 +81,8 @@ def checkpoint_bytes(problem: Problem, lay: Layout) -> float:
     """Parameters + optimizer state of the pipeline rank that holds the most (before offload: a
     checkpoint saves offloaded state too); the arguments are plan/memory.py's."""
     shard = lay.shard_group
-    first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
     out = 0.0
-    for rank in (first, last) if lay.pp > 1 else (first,):
+    for _, rank in sized_ranks(problem.shape, lay):
         st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard if lay.zero else 1, max(1, shard // lay.ep),
                                lay.tp_mode)
         out = max(out, st.params + st.optimizer)

@@ -9,9 +9,10 @@ from shardwise.spec.layout import Layout
 from shardwise.spec.loss import loss_is_chunked
 
 
-def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -> float:
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool, rank: int | None = None) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak, in units of one micro-batch
-    of its whole share of layers.
+    of its whole share of layers: the first or the last rank, or pipeline rank `rank` where given (a
+    split the planner sizes rank by rank, plan/inventory.py sized_ranks).
     gpipe: all m (every forward before any backward; Huang et al. 2019, arXiv 1811.06965).
     1f1b: rank r holds p - r (PipeDream-Flush / Megatron warm-up, Narayanan et al. 2021 §2.2).
     interleaved_1f1b: rank r holds 2(p-r-1) + (v-1)k + 1 chunk-micro-batches of 1/v of its layers, k the
@@ -42,7 +43,7 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool) -
     """
     if pp == 1:
         return 1.0
-    r = 0 if first else pp - 1
+    r = rank if rank is not None else 0 if first else pp - 1
     if schedule == "gpipe":
         return float(m)
     per_round = m // max(1, m // pp)  # torch's microbatches_per_round

@@ -18,8 +18,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from shardwise.plan.tp2d import grid_q
+from shardwise.spec.layout import Layout
 from shardwise.spec.shapes import ModelShape, ParamSpec
-from shardwise.spec.stages import V_SHAPED
+from shardwise.spec.stages import V_SHAPED, even_split
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,14 @@ def owned_chunks(schedule: str, pp: int, chunks: int, r: int) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int) -> RankModel:
-    """What pipeline rank r holds. Layers are cut into pp x chunks contiguous chunks (uneven counts:
-    the first chunks get one more, spec/stages.py even_split)."""
+def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int, split: tuple[int, ...] = ()
+                  ) -> RankModel:
+    """What pipeline rank r holds. Layers are cut into pp x chunks contiguous chunks of `split` blocks each
+    (the trainer's own split, Layout.stage_layers), or evenly (uneven counts: the first chunks get one
+    more, spec/stages.py even_split)."""
     n = pp * chunks
-    base, extra = divmod(shape.n_layers, n)
     bounds, start = [], 0
-    for c in range(n):
-        size = base + (1 if c < extra else 0)
+    for size in split or even_split(shape.n_layers, n):
         bounds.append((start, start + size))
         start += size
     owned = owned_chunks(schedule, pp, chunks, r)
@@ -64,9 +65,20 @@ def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int
 
 
 @lru_cache(maxsize=4096)
-def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
+def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str, split: tuple[int, ...] = ()
+                   ) -> tuple[RankModel, RankModel]:
     """(first rank, last rank) of the pipeline, the two the planner sizes (see `pipeline_rank`)."""
-    return pipeline_rank(shape, pp, chunks, schedule, 0), pipeline_rank(shape, pp, chunks, schedule, pp - 1)
+    return pipeline_rank(shape, pp, chunks, schedule, 0, split), pipeline_rank(shape, pp, chunks, schedule, pp - 1, split)
+
+
+def sized_ranks(shape: ModelShape, lay: Layout) -> list[tuple[int, RankModel]]:
+    """(pipeline rank, what it holds) of every rank the planner prices: with the even split the first and
+    the last (a middle rank holds the first's blocks or one fewer, without the embedding: never more); with
+    the trainer's own split (Layout.stage_layers) every rank, since any of them can be the heaviest."""
+    if lay.pp == 1:
+        return [(0, pipeline_rank(shape, 1, 1, lay.schedule, 0))]
+    ranks = range(lay.pp) if lay.stage_layers else (0, lay.pp - 1)
+    return [(r, pipeline_rank(shape, lay.pp, lay.chunks_per_rank, lay.schedule, r, lay.stage_layers)) for r in ranks]
 
 
 @lru_cache(maxsize=1 << 14)

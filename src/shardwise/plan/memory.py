@@ -45,7 +45,7 @@ from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan import fsdp_memory as F
 from shardwise.plan.inflight import head_bytes_held, inflight_microbatches
-from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params
+from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params, sized_ranks
 from shardwise.plan.layout import Problem
 from shardwise.plan.tp2d import activation_fraction
 from shardwise.spec.layout import Layout
@@ -65,7 +65,7 @@ class Memory:
     activations: float
     other: float
     capacity: float
-    rank: str  # which pipeline rank is the most loaded: "first", "last" or "only"
+    rank: str  # which pipeline rank is the most loaded: "first", "last", "only", or "rank R" (an uneven split)
     detail: dict[str, float] = field(default_factory=dict)
     cpu_bytes: float = 0.0        # host memory: offloaded parameters, gradients, optimizer state (and NVMe buffers)
     disk_bytes: float = 0.0       # local disk: the AdamW moments of offload = "nvme"
@@ -184,7 +184,9 @@ def _zero1_most_loaded(decay: tuple[int, ...], other: tuple[int, ...], n: int) -
 def core_layout(lay: Layout) -> Layout:
     """The layout with the pipeline schedule normalized away: everything per micro-batch (and the
     model states) is the same for every schedule, so it is computed once and cached under this key."""
-    return lay if lay.schedule == "1f1b" and lay.virtual_stages == 1 else lay.with_(schedule="1f1b", virtual_stages=1)
+    if lay.schedule == "1f1b" and lay.virtual_stages == 1 and not lay.stage_layers:
+        return lay
+    return lay.with_(schedule="1f1b", virtual_stages=1, stage_layers=())  # a rank's blocks come with its RankModel
 
 
 def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float, float]:
@@ -411,12 +413,14 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
     return params, grads, opt, other, cpu, tuple(detail.items()), disk
 
 
-def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, first: bool) -> Memory:
+def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, first: bool, pp_rank: int | None = None
+                ) -> Memory:
+    """The bytes of pipeline rank `rank` (`which`: its label; `first`: the pipeline's first, or `pp_rank`)."""
     core = core_layout(lay)
     params, grads, opt, other, cpu, items, disk = _states_and_other(problem, core, rank)
     blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
     m, v = lay.accumulation(problem), lay.chunks_per_rank
-    inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first)
+    inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first, pp_rank)
     head_held = head_bytes_held(problem, core, rank, head, lay.schedule, lay.pp, m, v, grid2d(core))
     stages = _stages_with_layers(rank, v)
     stored = stored_activations(blocks, embedding, head_held, rope, inflight, stages)
@@ -432,13 +436,14 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
 
 def memory(problem: Problem, lay: Layout) -> Memory:
     """The most loaded rank: the first pipeline rank (embedding, most in-flight micro-batches) or the
-    last (output head, logits) — whichever needs more."""
-    first, last = pipeline_ranks(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule)
+    last (output head, logits) — whichever needs more; under the trainer's own split any rank
+    (plan/inventory.py sized_ranks)."""
+    ranks = sized_ranks(problem.shape, lay)
     if lay.pp == 1:
-        return rank_memory(problem, lay, first, "only", True)
-    a = rank_memory(problem, lay, first, "first", True)
-    b = rank_memory(problem, lay, last, "last", False)
-    return a if a.total >= b.total else b
+        return rank_memory(problem, lay, ranks[0][1], "only", True)
+    labels = {0: "first", lay.pp - 1: "last"}
+    return max((rank_memory(problem, lay, rank, labels.get(r, f"rank {r}"), r == 0, r) for r, rank in ranks),
+               key=lambda mem: mem.total)  # the first of equals, as before
 
 
 def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
@@ -458,9 +463,11 @@ def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
     return best
 
 
-def _end_rank_states(problem: Problem, core: Layout) -> list[tuple]:
+def _end_rank_states(problem: Problem, core: Layout, lay: Layout | None = None) -> list[tuple]:
     """_states_and_other of the ranks that can be the most loaded: the first and last pipeline rank (the
-    embedding, the head), the one rank without a pipeline."""
+    embedding, the head), the one rank without a pipeline; every rank of `lay`'s own split where given."""
+    if lay is not None and lay.stage_layers:
+        return [_states_and_other(problem, core, rank) for _, rank in sized_ranks(problem.shape, lay)]
     first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
     return [_states_and_other(problem, core, r) for r in ((first, last) if core.pp > 1 else (first,))]
 
@@ -486,7 +493,7 @@ def offloaded_state_bytes(problem: Problem, lay: Layout) -> float:
     against a node's memory before any worker starts."""
     if not lay.offload:
         return 0.0
-    return max(sum(states[i] for i in (0, 1, 2, 4)) for states in _end_rank_states(problem, core_layout(lay)))
+    return max(sum(states[i] for i in (0, 1, 2, 4)) for states in _end_rank_states(problem, core_layout(lay), lay))
 
 
 def capacity_bytes(problem: Problem) -> float:

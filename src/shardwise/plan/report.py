@@ -260,7 +260,8 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     out += calibration_lines(problem, lay)[1:] + tp2d_lines(problem, lay)
     con.print("\n".join(out), soft_wrap=True)
     mem = est.memory
-    where = {"first": "first pipeline stage", "last": "last pipeline stage", "only": "every rank"}[mem.rank]
+    where = {"first": "first pipeline stage", "last": "last pipeline stage", "only": "every rank"}.get(
+        mem.rank, f"pipeline {mem.rank}")
     # GiB as before; MiB when the whole rank holds less than 1 GiB (a tiny model's would read 0.00).
     unit, scale = ("GiB", GIB) if mem.total >= GIB else ("MiB", GIB / 1024)
     t = Table(title=f"memory per GPU ({where}), {unit}", title_justify="left")
@@ -324,10 +325,13 @@ def bubble_line(est: Estimate) -> str:
     line = (f"bubble   {lay.schedule} over {lay.pp} ranks, {int(est.detail.get('microbatches', 0))} micro-batches: its "
             f"action order idles {base * k:.3f} {unit} at the lighter pipeline rank's micro-batch times")
     if base - bubble > 1e-12:
-        which = "last" if est.detail.get("step_on_last_rank") else "first"
-        line += (f"; the step's rank (the {which} pipeline rank), heavier, fills "
-                 f"{(base - bubble) * k:.3f} {unit} of it with its own work")
-    return line + " (spec/stages.py rank_bubble)"
+        r = int(est.detail.get("step_on_pipeline_rank", (lay.pp - 1) * est.detail.get("step_on_last_rank", 0)))
+        which = {0: "the first pipeline rank", lay.pp - 1: "the last pipeline rank"}.get(r, f"pipeline rank {r}")
+        line += f"; the step's rank ({which}), heavier, fills {(base - bubble) * k:.3f} {unit} of it with its own work"
+    uneven = lay.stage_layers and lay.schedule in ("gpipe", "1f1b")
+    return line + (f" (blocks per stage {list(lay.stage_layers)}: every rank's times, spec/stages.py looped_bubbles)"
+                   if uneven else f"{f' (blocks per stage {list(lay.stage_layers)})' if lay.stage_layers else ''}"
+                   " (spec/stages.py rank_bubble)")
 
 
 def search_text(problem: Problem, result: SearchResult, top: int) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardwise.spec.dims import data_parallel_wrapper, lowp_params, offload_tier, resolve_dp_shard
+from shardwise.spec.stages import trainer_split
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe: torchao Float8LinearConfig recipe names
@@ -83,6 +84,8 @@ class Layout:
     grad_compression_ratio: float = 0.01  # parallel.grad_compression_ratio (topk's kept fraction)
     powersgd_rank: int = 4  # parallel.powersgd_rank
     tp_mode: str = "1d"  # parallel.tp_mode: "1d" (Megatron) or "2d" (SUMMA on a q x q grid)
+    # blocks per stage where the trainer does not cut evenly (spec/stages.py trainer_split); () = even
+    stage_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: Any, num_gpus: int) -> "Layout":
@@ -94,7 +97,8 @@ class Layout:
                    bool(getattr(p, "sequence_parallel", True)), str(getattr(p, "cp_mode", "ring")),
                    offload_tier(p) == "nvme", int(getattr(p, "linear_tiles", 1)),
                    str(getattr(p, "grad_compression", "none")), float(getattr(p, "grad_compression_ratio", 0.01)),
-                   int(getattr(p, "powersgd_rank", 4)), str(getattr(p, "tp_mode", "1d")))
+                   int(getattr(p, "powersgd_rank", 4)), str(getattr(p, "tp_mode", "1d")),
+                   trainer_split(p, cfg.model, t.seq_len) if hasattr(p, "pp_split") else ())
 
     # ---- derived ----
     @property
