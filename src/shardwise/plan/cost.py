@@ -352,8 +352,8 @@ def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[s
     steps = [(rank_step(problem, lay, rank, times, r == 0, None if exact is None else exact[i]), r)
              for i, (r, rank) in enumerate(ranks)]
     (t, breakdown, detail), r = max(steps, key=lambda s: s[0][0])  # the first of equals
-    # whose step this is
-    return t, breakdown, {**detail, "step_on_last_rank": float(r == lay.pp - 1), "step_on_pipeline_rank": float(r)}
+    return t, breakdown, {**detail, "step_on_last_rank": float(r == lay.pp - 1),  # whose step this is
+                          "step_on_pipeline_rank": float(r)}
 
 
 def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estimate:

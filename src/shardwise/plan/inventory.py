@@ -65,10 +65,10 @@ def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int
 
 
 @lru_cache(maxsize=4096)
-def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str, split: tuple[int, ...] = ()
-                   ) -> tuple[RankModel, RankModel]:
-    """(first rank, last rank) of the pipeline, the two the planner sizes (see `pipeline_rank`)."""
-    return pipeline_rank(shape, pp, chunks, schedule, 0, split), pipeline_rank(shape, pp, chunks, schedule, pp - 1, split)
+def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tuple[RankModel, RankModel]:
+    """(first rank, last rank) of the pipeline under the even split, the two the planner sizes there (see
+    `pipeline_rank`; every rank under the trainer's own split: `sized_ranks`)."""
+    return pipeline_rank(shape, pp, chunks, schedule, 0), pipeline_rank(shape, pp, chunks, schedule, pp - 1)
 
 
 def sized_ranks(shape: ModelShape, lay: Layout) -> list[tuple[int, RankModel]]:
