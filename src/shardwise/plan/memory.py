@@ -44,13 +44,14 @@ from shardwise.plan import activations as A
 from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan import fsdp_memory as F
-from shardwise.plan.inflight import head_bytes_held, inflight_microbatches
+from shardwise.plan.inflight import head_bytes_held, inflight_microbatches, interleaved_held
 from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params, sized_ranks
 from shardwise.plan.layout import Problem
 from shardwise.plan.tp2d import activation_fraction
 from shardwise.spec.layout import Layout
 from shardwise.spec.loss import loss_chunk_tokens, loss_is_chunked
 from shardwise.spec.sharding import zero1_owners
+from shardwise.spec.stages import stage_ids
 
 GIB = 2**30
 
@@ -424,9 +425,21 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
     head_held = head_bytes_held(problem, core, rank, head, lay.schedule, lay.pp, m, v, grid2d(core))
     stages = _stages_with_layers(rank, v)
     stored = stored_activations(blocks, embedding, head_held, rope, inflight, stages)
+    embedding_held = embedding * inflight
+    if lay.schedule == "interleaved_1f1b" and lay.stage_layers and pp_rank is not None:
+        # The trainer's own split can give the rank stages of unequal sizes: torch's order followed stage by
+        # stage (the embedding's and the head's bytes with their stages), as the peak need not be the count's;
+        # a stage with nothing in flight then keeps no RoPE tables alive (measured: one set fewer).
+        own, last = stage_ids(lay.schedule, lay.pp, v, pp_rank), lay.pp * v - 1
+        weights = [blocks * lay.stage_layers[s] / rank.layers + embedding * (s == 0) + head * (s == last) for s in own]
+        held = dict(zip(own, interleaved_held(lay.pp, m, v, pp_rank, weights)))
+        inflight = sum(lay.stage_layers[s] * n for s, n in held.items()) / rank.layers
+        embedding_held, head_held = embedding * held.get(0, 0), head * held.get(last, 0)
+        stages = sum(n > 0 for n in held.values())
+        stored = blocks * inflight + embedding_held + head_held + rope * stages
     detail = dict(items)
     detail.update({"activations_blocks": blocks * inflight,
-                   "activations_embedding_head": embedding * inflight + head_held,
+                   "activations_embedding_head": embedding_held + head_held,
                    "activations_rope_tables": rope * stages, "inflight_microbatches": inflight,
                    "recompute_working_set": working, "activations_stored": stored})
     capacity = problem.cluster.device.memory_gib * GIB * C.USABLE_MEMORY_FRACTION
