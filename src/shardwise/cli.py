@@ -335,7 +335,7 @@ def _plan(argv: list[str]) -> int:
     from shardwise.plan.search import search
     from shardwise.spec.layout import Layout
     from shardwise.spec.rules import pipeline_split_rules
-    from shardwise.spec.stages import unequal_chunks_note
+    from shardwise.spec.stages import split_notes
 
     if argv and argv[0] == "calibrate":  # fit the planner to measured runs (plan/fit.py)
         from shardwise.plan.fit import calibrate_main
@@ -389,16 +389,16 @@ def _plan(argv: list[str]) -> int:
             raise violation.error()
         est = evaluate(problem, layout)
         refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
-        split = unequal_chunks_note(layout.schedule, layout.pp, layout.chunks_per_rank, layout.stage_layers)
+        notes = split_notes(layout.schedule, layout.pp, layout.chunks_per_rank, layout.stage_layers)
         if args.json:
             from shardwise.plan.goodput import run_cost
 
             print(json.dumps({**est.to_json(), "cost": run_cost(problem, est).to_json(), "trainable": refusal is None,
-                              "trainer_refusal": refusal, "split_note": split}, indent=2))
+                              "trainer_refusal": refusal, "split_notes": notes}, indent=2))
         else:
             print(evaluate_text(problem, est), end="")
-            refused = refusal and f"this version's `shardwise train` refuses this layout ({refusal})"
-            print("".join(f"note: {n}\n" for n in (split, refused) if n), end="")
+            refused = [f"this version's `shardwise train` refuses this layout ({refusal})"] if refusal else []
+            print("".join(f"note: {n}\n" for n in notes + refused), end="")
         if args.plot:
             plot(args.plot, problem, [est])
         return 0

@@ -20,7 +20,15 @@ import pytest
 
 from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches, interleaved_held
 from shardwise.spec.rules import microbatch_rule
-from shardwise.spec.stages import bubble_seconds, looped_bubbles, rank_bubble, replay_span, stage_ids
+from shardwise.spec.stages import (
+    bubble_seconds,
+    interleaved_bubbles,
+    interleaved_order,
+    looped_bubbles,
+    rank_bubble,
+    replay_span,
+    stage_ids,
+)
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 CT = schedules._ComputationType
@@ -120,6 +128,25 @@ def test_the_planned_inflight_microbatches_are_the_peaks_of_torchs_order(schedul
                                                                               v, stage=p * v - 1)
 
 
+@pytest.mark.parametrize("p,v,m", [(p, v, m) for s, p, v, m in CASES if s == "interleaved_1f1b"])
+def test_the_interleaved_order_written_out_is_torchs(p, v, m):
+    """spec/stages.py interleaved_order, which the planner replays under an uneven split, is torch's order
+    action for action; its bubbles at equal stage times are `bubble_seconds`', at unequal ones the replay of
+    torch's order."""
+    order = torch_order("interleaved_1f1b", p, v, m)
+    kinds = {CT.FORWARD: "F", CT.FULL_BACKWARD: "B"}
+    for r in range(p):
+        assert interleaved_order(p, v, m, r) == [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+                                                 for a in computed(order[r])], r
+    assert interleaved_bubbles(p, v, m, [(1.0 / v, 2.0 / v)] * (p * v)) == pytest.approx(
+        [bubble_seconds("interleaved_1f1b", p, v, m, 1.0, 2.0)] * p)
+    forward = [1.0 + 0.5 * (s % 3) for s in range(p * v)]
+    backward = [2.0 * f for f in forward]
+    span = replayed_span(order, forward, backward)
+    for r, idle in enumerate(interleaved_bubbles(p, v, m, list(zip(forward, backward)))):
+        assert idle == pytest.approx(span - m * sum(forward[s] + backward[s] for s in stage_ids("interleaved_1f1b", p, v, r)))
+
+
 def weighted_peak(order: dict[int, list], rank: int, weights: dict[int, float]) -> float:
     """`held_microbatches` with stage s of the rank weighing weights[s] (its blocks under an uneven split), in
     units of the rank's whole share."""
@@ -137,7 +164,7 @@ def test_a_rank_with_stages_of_unequal_sizes_holds_what_the_order_holds(schedule
     """An uneven split (Layout.stage_layers) can give one rank stages of different sizes. Interleaved 1F1B:
     plan/inflight.py interleaved_held follows torch's order stage by stage, exactly (the average in flight
     was -12.7% / +6.7% on a CPU run, tests/dist/test_plan_validation.py). The other schedules are priced at the
-    average, which `plan evaluate` notes with this range (spec/stages.py unequal_chunks_note)."""
+    average, which `plan evaluate` notes with this range (spec/stages.py split_notes)."""
     order = torch_order(schedule, p, v, m)
     for r in range(p):
         stages = stage_ids(schedule, p, v, r)
@@ -263,6 +290,30 @@ def test_every_ranks_bubble_of_an_uneven_split_is_its_orders(schedule):
         span = replay_span(order_of(times, m), p)
         assert -0.008 * span <= planned(times, m) - span <= 1e-9 * span, (times, m)
     assert looped_bubbles("interleaved_1f1b", 4, [(1.0, 2.0)] * 2) is None  # priced by rank_bubble
+
+
+@pytest.mark.parametrize("schedule,v", [("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)])
+def test_an_uneven_split_under_the_split_backward_schedules_is_priced_within_the_noted_range(schedule, v):
+    """Under zero bubble, ZB-V and DualPipeV the planner prices the trainer's own split with `rank_bubble` at the
+    lightest rank's times (plan/cost.py _split_bubbles returns None for them), and `plan evaluate` notes the
+    range this holds (spec/stages.py split_notes): stages of 2-4 blocks, the head 0.5-3 blocks' time."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(60):
+        p, ratio, head = rng.choice((2, 4, 8)), rng.choice((2.0, 3.0)), rng.choice((0.5, 1.5, 3.0))
+        m = rng.choice((p, 2 * p, 4 * p))
+        if microbatch_rule(schedule, p, m) is not None:
+            continue
+        n = p * v
+        forward = [rng.choice((2, 3, 4)) + 0.02 * (s == 0) + head * (s == n - 1) for s in range(n)]
+        backward = [ratio * f for f in forward]
+        span = replayed_span(torch_order(schedule, p, v, m), forward, backward)
+        times = [(sum(forward[s] for s in stage_ids(schedule, p, v, r)), sum(backward[s] for s in stage_ids(schedule, p, v, r)))
+                 for r in range(p)]
+        light = min(times, key=sum)
+        planned = max(m * sum(t) + rank_bubble(schedule, p, v, m, light, t, first=r == 0) for r, t in enumerate(times))
+        assert -0.18 * span <= planned - span <= 0.065 * span, (p, m, forward)
 
 
 def test_the_planner_builds_the_step_from_its_ranks_so():

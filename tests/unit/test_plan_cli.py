@@ -189,10 +189,11 @@ def test_evaluate_prices_the_trainers_own_split(capsys):
     assert balanced["step_time_s"] < 0.95 * even["step_time_s"]
     assert main(base[:2] + base[3:] + ["--parallel.pp_layers_per_stage=11,7,7,7"]) == 0
     assert "(blocks per stage [11, 7, 7, 7]: every rank's times, spec/stages.py looped_bubbles)" in capsys.readouterr().out
-    assert first_heavy["split_note"] is None
+    assert first_heavy["split_notes"] == []
     uneven = ["--parallel.pp_virtual_stages=2", "--parallel.pp_layers_per_stage=3,4,4,4,4,4,4,5"]
-    assert plan("--parallel.pp_schedule=interleaved_1f1b", *uneven)["split_note"] is None  # followed stage by stage
+    assert plan("--parallel.pp_schedule=interleaved_1f1b", *uneven)["split_notes"] == []  # its order replayed
     v_shape = plan("--parallel.pp_schedule=zbv", "--train.global_batch=64", *uneven)  # rank 0: stages 0 and 7
-    assert v_shape["split_note"].startswith("pipeline ranks [0] hold stages of unequal sizes")
+    assert [n.split(" ")[:4] for n in v_shape["split_notes"]] == [["the", "zbv", "bubble", "of"],
+                                                                   ["pipeline", "ranks", "[0]", "hold"]]
     assert main(base + ["--parallel.pp_layers_per_stage=7,9,9"]) == 2
     assert capsys.readouterr().err.startswith("error: parallel.pp_layers_per_stage: [7, 9, 9] must give each")

@@ -35,12 +35,12 @@ from shardwise.plan.compute_time import (  # noqa: F401  (gemm_time: re-exported
     gemm_time,
     microbatch_times,
 )
-from shardwise.plan.inventory import RankModel, pipeline_ranks, sized_ranks
+from shardwise.plan.inventory import RankModel, pipeline_ranks, sized_ranks, stage_model
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
-from shardwise.spec.stages import bubble_seconds, looped_bubbles, rank_bubble
+from shardwise.spec.stages import bubble_seconds, interleaved_bubbles, looped_bubbles, rank_bubble
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -337,18 +337,28 @@ def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> flo
 # ---------------------------------------------------------------------------------------------------
 # the whole estimate
 # ---------------------------------------------------------------------------------------------------
+def _split_bubbles(problem: Problem, lay: Layout, core: Layout, times: list[tuple[float, float]]) -> list[float] | None:
+    """Every rank's bubble under the trainer's own split (`times`: each rank's micro-batch times): GPipe's and
+    1F1B's from those (spec/stages.py looped_bubbles); interleaved 1F1B's from its order replayed with each
+    stage's own times (interleaved_bubbles); None for the others (rank_bubble at the lightest rank's)."""
+    m = lay.accumulation(problem)
+    if lay.schedule != "interleaved_1f1b":
+        return looped_bubbles(lay.schedule, m, times)
+    n = lay.pp * lay.chunks_per_rank
+    stages = [_pipeline_times(rank_core(problem, core, stage_model(problem.shape, n, s, lay.stage_layers))) for s in range(n)]
+    return interleaved_bubbles(lay.pp, lay.chunks_per_rank, m, stages)
+
+
 def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[str, float]]:
     """The slowest pipeline rank decides the step (first: embedding; last: head + loss; under the trainer's
-    own split any rank, plan/inventory.py sized_ranks). With such a split, GPipe's and 1F1B's bubbles come
-    from every rank's times (spec/stages.py looped_bubbles); the other schedules' from the lightest rank's."""
+    own split any rank, plan/inventory.py sized_ranks), its bubble then from `_split_bubbles`."""
     ranks = sized_ranks(problem.shape, lay)
     if lay.pp == 1:
         return rank_step(problem, lay, ranks[0][1])
     core = core_layout(lay)
     cores = [rank_core(problem, core, rank) for _, rank in ranks]
     times = _bubble_times(cores)
-    exact = looped_bubbles(lay.schedule, lay.accumulation(problem), [_pipeline_times(c) for c in cores]) \
-        if lay.stage_layers else None
+    exact = _split_bubbles(problem, lay, core, [_pipeline_times(c) for c in cores]) if lay.stage_layers else None
     steps = [(rank_step(problem, lay, rank, times, r == 0, None if exact is None else exact[i]), r)
              for i, (r, rank) in enumerate(ranks)]
     (t, breakdown, detail), r = max(steps, key=lambda s: s[0][0])  # the first of equals

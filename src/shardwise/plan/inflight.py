@@ -7,6 +7,7 @@ from shardwise.plan.inventory import RankModel
 from shardwise.plan.layout import Problem
 from shardwise.spec.layout import Layout
 from shardwise.spec.loss import loss_is_chunked
+from shardwise.spec.stages import interleaved_order
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool, rank: int | None = None) -> float:
@@ -59,25 +60,17 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool, r
 
 
 def interleaved_held(pp: int, m: int, v: int, r: int, weights: list[float]) -> list[int]:
-    """Micro-batches in flight on each of interleaved 1F1B's rank r's v stages (execution order) when the sum
-    weighted by `weights` (a stage's bytes per micro-batch: an uneven split, Layout.stage_layers) peaks, along
-    torch's order (ScheduleInterleaved1F1B): W = min((v-1)k + 2(p-1-r), mv) warm-up forwards, the i-th on
-    local stage (i // k) mod v (k = m // (m // p) micro-batches a round), then a forward and a backward per
-    step, the backward's local stage v-1-((i-W) // k) mod v, then the last W backwards. With equal weights
-    the peak is `inflight_microbatches`'s; with unequal ones the heavier stage's micro-batches need not peak
-    with the others' (tests/unit/test_pipeline_orders.py replays torch's order)."""
-    k, total = m // max(1, m // pp), m * v
-    warm = min((v - 1) * k + 2 * (pp - 1 - r), total)
+    """Micro-batches in flight on each of interleaved 1F1B's rank r's v stages (execution order) when their
+    sum weighted by `weights` (a stage's bytes per micro-batch: an uneven split, Layout.stage_layers) peaks,
+    along torch's order (spec/stages.py interleaved_order). With equal weights the peak is
+    `inflight_microbatches`'s; with unequal ones the heavier stage's micro-batches need not peak with the
+    others' (tests/unit/test_pipeline_orders.py replays torch's order)."""
     live, best, most = [0] * v, [0] * v, -1.0
-    for op in range(total + warm):
-        steps = [((op // k) % v, 1)] if op < total else []
-        if op >= warm:
-            steps.append((v - 1 - ((op - warm) // k) % v, -1))
-        for stage, change in steps:
-            live[stage] += change
-            level = sum(w * n for w, n in zip(weights, live))
-            if level > most:
-                most, best = level, list(live)
+    for kind, stage, _ in interleaved_order(pp, v, m, r):
+        live[stage // pp] += 1 if kind == "F" else -1
+        level = sum(w * n for w, n in zip(weights, live))
+        if level > most:
+            most, best = level, list(live)
     return best
 
 

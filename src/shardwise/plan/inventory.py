@@ -71,6 +71,15 @@ def pipeline_ranks(shape: ModelShape, pp: int, chunks: int, schedule: str) -> tu
     return pipeline_rank(shape, pp, chunks, schedule, 0), pipeline_rank(shape, pp, chunks, schedule, pp - 1)
 
 
+def stage_model(shape: ModelShape, n_stages: int, s: int, split: tuple[int, ...] = ()) -> RankModel:
+    """What stage s of n_stages holds on its own: the planner's per-stage times where a split makes the
+    stages of one rank unequal (plan/cost.py step)."""
+    sizes = split or even_split(shape.n_layers, n_stages)
+    start = sum(sizes[:s])
+    moe = sum(shape.is_moe_layer(i) for i in range(start, start + sizes[s]))
+    return RankModel(sizes[s] - moe, moe, s == 0, s == n_stages - 1)
+
+
 def sized_ranks(shape: ModelShape, lay: Layout) -> list[tuple[int, RankModel]]:
     """(pipeline rank, what it holds) of every rank the planner prices: with the even split the first and
     the last (a middle rank holds the first's blocks or one fewer, without the embedding: never more); with

@@ -328,10 +328,11 @@ def bubble_line(est: Estimate) -> str:
         r = int(est.detail.get("step_on_pipeline_rank", (lay.pp - 1) * est.detail.get("step_on_last_rank", 0)))
         which = {0: "the first pipeline rank", lay.pp - 1: "the last pipeline rank"}.get(r, f"pipeline rank {r}")
         line += f"; the step's rank ({which}), heavier, fills {(base - bubble) * k:.3f} {unit} of it with its own work"
-    uneven = lay.stage_layers and lay.schedule in ("gpipe", "1f1b")
-    return line + (f" (blocks per stage {list(lay.stage_layers)}: every rank's times, spec/stages.py looped_bubbles)"
-                   if uneven else f"{f' (blocks per stage {list(lay.stage_layers)})' if lay.stage_layers else ''}"
-                   " (spec/stages.py rank_bubble)")
+    if not lay.stage_layers:
+        return line + " (spec/stages.py rank_bubble)"
+    how = {"gpipe": "every rank's times, spec/stages.py looped_bubbles", "1f1b": "every rank's times, spec/stages.py looped_bubbles",
+           "interleaved_1f1b": "its order replayed at every stage's times, spec/stages.py interleaved_bubbles"}
+    return line + f" (blocks per stage {list(lay.stage_layers)}: {how.get(lay.schedule, 'spec/stages.py rank_bubble')})"
 
 
 def search_text(problem: Problem, result: SearchResult, top: int) -> str:

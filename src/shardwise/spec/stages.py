@@ -103,21 +103,22 @@ def trainer_split(p: Any, model: Any, seq_len: int) -> tuple[int, ...]:
     return () if counts == even_split(model.n_layers, n_stages) else tuple(counts)
 
 
-def unequal_chunks_note(schedule: str, pp: int, v: int, split: tuple[int, ...]) -> str | None:
-    """What `plan evaluate` says of a split (Layout.stage_layers) that gives a rank stages of unequal sizes
-    under a zero-bubble or V schedule: the planner counts a rank's micro-batches in flight in units of its
-    whole share (plan/inflight.py), exact when its stages are equal; with unequal ones the heavier stage's
-    micro-batches need not peak with the others' (tests/unit/test_pipeline_orders.py: -33% .. +94% against
-    torch's orders for stages up to 3:1; interleaved 1F1B's order is followed stage by stage instead,
-    plan/inflight.py interleaved_held, where the average measured -12.7% / +6.7%)."""
-    if not split or v == 1 or schedule == "interleaved_1f1b":
-        return None
-    uneven = [r for r in range(pp) if len({split[s] for s in stage_ids(schedule, pp, v, r)}) > 1]
-    if not uneven:
-        return None
-    return (f"pipeline ranks {uneven} hold stages of unequal sizes ({list(split)} blocks per stage): their activations "
-            f"are priced at the stages' average in flight, which {schedule}'s order need not keep (against torch's "
-            "orders -33% .. +94% for stages up to 3:1)")
+def split_notes(schedule: str, pp: int, v: int, split: tuple[int, ...]) -> list[str]:
+    """What `plan evaluate` says of the trainer's own split (Layout.stage_layers) where it prices it less
+    exactly than the schedule's order would (tests/unit/test_pipeline_orders.py measures both ranges against
+    torch's orders): under zero bubble, ZB-V and DualPipeV the bubble is `rank_bubble`'s at the lightest
+    rank's times, whose heavier-rank rules assume one heavier rank at an end; and a rank whose stages differ
+    in size is priced at its stages' average in flight, which their orders need not keep (interleaved 1F1B
+    and the single-stage schedules follow the order: plan/cost.py _split_bubbles, plan/inflight.py)."""
+    if not split or schedule not in SPLIT_BACKWARD:
+        return []
+    notes = [f"the {schedule} bubble of this split ({list(split)} blocks per stage) is priced at its lightest rank's "
+             "times: -18% .. +6% against the replay of torch's order for stages of 2-4 blocks"]
+    uneven = [r for r in range(pp) if v > 1 and len({split[s] for s in stage_ids(schedule, pp, v, r)}) > 1]
+    if uneven:
+        notes.append(f"pipeline ranks {uneven} hold stages of unequal sizes: their activations are priced at the "
+                     f"stages' average in flight, which {schedule}'s order need not keep (-33% .. +94% for stages up to 3:1)")
+    return notes
 
 
 def stage_layers(counts: list[int]) -> list[list[int]]:
@@ -236,6 +237,41 @@ def looped_bubbles(schedule: str, m: int, times: list[tuple[float, float]]) -> l
         before, after, n = sum(map(sum, times[:k])), sum(map(sum, times[k + 1:])), p - 1 - k
         out.append(before + max(0.0, after - n * own_f) + max(0.0, after - n * own_b))
     return out
+
+
+def interleaved_order(p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """The compute actions (F or B, stage, micro-batch) pipeline rank r runs under interleaved 1F1B, in
+    torch's order (ScheduleInterleaved1F1B, its `_get_1f1b_rank_ops`): W = min((v-1)k + 2(p-1-r), mv)
+    warm-up forwards, the i-th on the rank's local stage (i // k) mod v (k = m // (m // p) micro-batches a
+    round), then a forward and a backward per step, the backward's local stage v-1-((i-W) // k) mod v, then
+    the last W backwards; each stage takes its micro-batches in order. Equal to torch's own order
+    (tests/unit/test_pipeline_orders.py); the planner replays it where a split makes the stages unequal."""
+    k, total = m // max(1, m // p), m * v
+    warm = min((v - 1) * k + 2 * (p - 1 - r), total)
+    taken: dict[tuple[str, int], int] = {}
+    out = []
+
+    def act(kind: str, local: int) -> None:
+        stage = local * p + r
+        mb = taken[(kind, stage)] = taken.get((kind, stage), -1) + 1
+        out.append((kind, stage, mb))
+
+    for op in range(total + warm):
+        if op < total:
+            act("F", (op // k) % v)
+        if op >= warm:
+            act("B", v - 1 - ((op - warm) // k) % v)
+    return out
+
+
+def interleaved_bubbles(p: int, v: int, m: int, stage_times: list[tuple[float, float]]) -> list[float]:
+    """Each pipeline rank's idle under interleaved 1F1B with stages of any times (t_f, t_b) per micro-batch
+    (an uneven split): the makespan of torch's order (`interleaved_order`, `replay_span`) less the rank's
+    own m x (its stages' t_f + t_b)."""
+    orders = {r: [(kind, stage, mb, stage_times[stage][0 if kind == "F" else 1])
+                  for kind, stage, mb in interleaved_order(p, v, m, r)] for r in range(p)}
+    span = replay_span(orders, p * v)
+    return [span - m * sum(sum(stage_times[s]) for s in stage_ids("interleaved_1f1b", p, v, r)) for r in range(p)]
 
 
 def bubble_fraction(schedule: str, p: int, v: int, m: int) -> float:
