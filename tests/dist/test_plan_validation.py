@@ -129,6 +129,8 @@ CASES[2].update({
     # followed stage by stage (plan/inflight.py interleaved_held); priced at the rank's average: +6.7% / -12.7%
     "pp2_interleaved_v2_split_1_2_2_1": dict(PP, **{"model.n_layers": 6, "parallel.pp_schedule": "interleaved_1f1b",
                                                    "parallel.pp_virtual_stages": 2, "parallel.pp_layers_per_stage": "1,2,2,1"}),
+    "pp2_zero_bubble_v2_split_1_2_2_1": dict(PP, **{"model.n_layers": 6, "parallel.pp_schedule": "zero_bubble",
+                                                   "parallel.pp_virtual_stages": 2, "parallel.pp_layers_per_stage": "1,2,2,1"}),
 })
 # MoE x TP (parallel/tensor.py MoERegion): experts split on the ffn dim, the router's Partial gradient
 # all-reduced over tp; ZeRO-3 with 2 micro-batches syncs those Partial gradients per micro-batch.

@@ -18,13 +18,13 @@ import types
 
 import pytest
 
-from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches, interleaved_held
+from shardwise.plan.inflight import head_inflight_microbatches, inflight_microbatches, looped_held
 from shardwise.spec.rules import microbatch_rule
 from shardwise.spec.stages import (
     bubble_seconds,
-    interleaved_bubbles,
-    interleaved_order,
     looped_bubbles,
+    looped_bubbles_by_stage,
+    looped_order,
     rank_bubble,
     replay_span,
     stage_ids,
@@ -128,23 +128,26 @@ def test_the_planned_inflight_microbatches_are_the_peaks_of_torchs_order(schedul
                                                                               v, stage=p * v - 1)
 
 
-@pytest.mark.parametrize("p,v,m", [(p, v, m) for s, p, v, m in CASES if s == "interleaved_1f1b"])
-def test_the_interleaved_order_written_out_is_torchs(p, v, m):
-    """spec/stages.py interleaved_order, which the planner replays under an uneven split, is torch's order
-    action for action; its bubbles at equal stage times are `bubble_seconds`', at unequal ones the replay of
-    torch's order."""
-    order = torch_order("interleaved_1f1b", p, v, m)
-    kinds = {CT.FORWARD: "F", CT.FULL_BACKWARD: "B"}
+LOOPED = [c for c in CASES if c[0] in ("interleaved_1f1b", "zero_bubble")]
+
+
+@pytest.mark.parametrize("schedule,p,v,m", LOOPED, ids=[f"{s}-p{p}-v{v}-m{m}" for s, p, v, m in LOOPED])
+def test_the_looped_orders_written_out_are_torchs(schedule, p, v, m):
+    """spec/stages.py looped_order, which the planner replays under an uneven split, is torch's order action
+    for action; its bubbles at equal stage times are `bubble_seconds`', at unequal ones the replay of torch's
+    order."""
+    order = torch_order(schedule, p, v, m)
+    kinds = {CT.FORWARD: "F", CT.FULL_BACKWARD: "B", CT.BACKWARD_INPUT: "I", CT.BACKWARD_WEIGHT: "W"}
     for r in range(p):
-        assert interleaved_order(p, v, m, r) == [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
-                                                 for a in computed(order[r])], r
-    assert interleaved_bubbles(p, v, m, [(1.0 / v, 2.0 / v)] * (p * v)) == pytest.approx(
-        [bubble_seconds("interleaved_1f1b", p, v, m, 1.0, 2.0)] * p)
+        assert looped_order(schedule, p, v, m, r) == [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+                                                      for a in computed(order[r])], r
+    assert looped_bubbles_by_stage(schedule, p, v, m, [(1.0 / v, 2.0 / v)] * (p * v)) == pytest.approx(
+        [bubble_seconds(schedule, p, v, m, 1.0, 2.0)] * p)
     forward = [1.0 + 0.5 * (s % 3) for s in range(p * v)]
     backward = [2.0 * f for f in forward]
     span = replayed_span(order, forward, backward)
-    for r, idle in enumerate(interleaved_bubbles(p, v, m, list(zip(forward, backward)))):
-        assert idle == pytest.approx(span - m * sum(forward[s] + backward[s] for s in stage_ids("interleaved_1f1b", p, v, r)))
+    for r, idle in enumerate(looped_bubbles_by_stage(schedule, p, v, m, list(zip(forward, backward)))):
+        assert idle == pytest.approx(span - m * sum(forward[s] + backward[s] for s in stage_ids(schedule, p, v, r)))
 
 
 def weighted_peak(order: dict[int, list], rank: int, weights: dict[int, float]) -> float:
@@ -161,17 +164,17 @@ def weighted_peak(order: dict[int, list], rank: int, weights: dict[int, float]) 
 
 @pytest.mark.parametrize("schedule,p,v,m", CASES, ids=[f"{s}-p{p}-v{v}-m{m}" for s, p, v, m in CASES])
 def test_a_rank_with_stages_of_unequal_sizes_holds_what_the_order_holds(schedule, p, v, m):
-    """An uneven split (Layout.stage_layers) can give one rank stages of different sizes. Interleaved 1F1B:
-    plan/inflight.py interleaved_held follows torch's order stage by stage, exactly (the average in flight
-    was -12.7% / +6.7% on a CPU run, tests/dist/test_plan_validation.py). The other schedules are priced at the
-    average, which `plan evaluate` notes with this range (spec/stages.py split_notes)."""
+    """An uneven split (Layout.stage_layers) can give one rank stages of different sizes. Interleaved 1F1B and
+    zero bubble: plan/inflight.py looped_held follows torch's order stage by stage, exactly (interleaved's
+    average in flight was -12.7% / +6.7% on a CPU run, tests/dist/test_plan_validation.py). ZB-V and DualPipeV
+    are priced at the average, which `plan evaluate` notes with this range (spec/stages.py split_notes)."""
     order = torch_order(schedule, p, v, m)
     for r in range(p):
         stages = stage_ids(schedule, p, v, r)
         for sizes in ((1, 2, 1, 3)[:v], (3, 1, 2, 1)[:v], (2, 3, 1, 1)[:v]):
             exact = weighted_peak(order, r, dict(zip(stages, map(float, sizes))))
-            if schedule == "interleaved_1f1b":
-                held = interleaved_held(p, m, v, r, list(map(float, sizes)))
+            if schedule in ("interleaved_1f1b", "zero_bubble"):
+                held = looped_held(schedule, p, m, v, r, list(map(float, sizes)))
                 assert sum(w * n for w, n in zip(sizes, held)) / sum(sizes) == pytest.approx(exact), (r, sizes)
             else:
                 average = inflight_microbatches(schedule, p, m, v, False, rank=r)
@@ -292,9 +295,9 @@ def test_every_ranks_bubble_of_an_uneven_split_is_its_orders(schedule):
     assert looped_bubbles("interleaved_1f1b", 4, [(1.0, 2.0)] * 2) is None  # priced by rank_bubble
 
 
-@pytest.mark.parametrize("schedule,v", [("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)])
+@pytest.mark.parametrize("schedule,v", [("zbv", 2), ("dualpipev", 2)])
 def test_an_uneven_split_under_the_split_backward_schedules_is_priced_within_the_noted_range(schedule, v):
-    """Under zero bubble, ZB-V and DualPipeV the planner prices the trainer's own split with `rank_bubble` at the
+    """Under ZB-V and DualPipeV the planner prices the trainer's own split with `rank_bubble` at the
     lightest rank's times (plan/cost.py _split_bubbles returns None for them), and `plan evaluate` notes the
     range this holds (spec/stages.py split_notes): stages of 2-4 blocks, the head 0.5-3 blocks' time."""
     import random
@@ -313,7 +316,7 @@ def test_an_uneven_split_under_the_split_backward_schedules_is_priced_within_the
                  for r in range(p)]
         light = min(times, key=sum)
         planned = max(m * sum(t) + rank_bubble(schedule, p, v, m, light, t, first=r == 0) for r, t in enumerate(times))
-        assert -0.18 * span <= planned - span <= 0.065 * span, (p, m, forward)
+        assert -0.18 * span <= planned - span <= 0.04 * span, (p, m, forward)
 
 
 def test_the_planner_builds_the_step_from_its_ranks_so():

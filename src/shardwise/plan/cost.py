@@ -40,7 +40,7 @@ from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
-from shardwise.spec.stages import bubble_seconds, interleaved_bubbles, looped_bubbles, rank_bubble
+from shardwise.spec.stages import bubble_seconds, looped_bubbles, looped_bubbles_by_stage, rank_bubble
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -339,14 +339,15 @@ def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> flo
 # ---------------------------------------------------------------------------------------------------
 def _split_bubbles(problem: Problem, lay: Layout, core: Layout, times: list[tuple[float, float]]) -> list[float] | None:
     """Every rank's bubble under the trainer's own split (`times`: each rank's micro-batch times): GPipe's and
-    1F1B's from those (spec/stages.py looped_bubbles); interleaved 1F1B's from its order replayed with each
-    stage's own times (interleaved_bubbles); None for the others (rank_bubble at the lightest rank's)."""
+    1F1B's from those (spec/stages.py looped_bubbles); interleaved 1F1B's and zero bubble's from their orders
+    replayed with each stage's own times (looped_bubbles_by_stage); None for the V schedules (rank_bubble at
+    the lightest rank's times)."""
     m = lay.accumulation(problem)
-    if lay.schedule != "interleaved_1f1b":
+    if lay.schedule not in ("interleaved_1f1b", "zero_bubble"):
         return looped_bubbles(lay.schedule, m, times)
     n = lay.pp * lay.chunks_per_rank
     stages = [_pipeline_times(rank_core(problem, core, stage_model(problem.shape, n, s, lay.stage_layers))) for s in range(n)]
-    return interleaved_bubbles(lay.pp, lay.chunks_per_rank, m, stages)
+    return looped_bubbles_by_stage(lay.schedule, lay.pp, lay.chunks_per_rank, m, stages)
 
 
 def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[str, float]]:

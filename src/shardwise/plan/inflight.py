@@ -7,7 +7,7 @@ from shardwise.plan.inventory import RankModel
 from shardwise.plan.layout import Problem
 from shardwise.spec.layout import Layout
 from shardwise.spec.loss import loss_is_chunked
-from shardwise.spec.stages import interleaved_order
+from shardwise.spec.stages import looped_order
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool, rank: int | None = None) -> float:
@@ -59,14 +59,17 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool, r
     return float(min(m, pp - r))
 
 
-def interleaved_held(pp: int, m: int, v: int, r: int, weights: list[float]) -> list[int]:
-    """Micro-batches in flight on each of interleaved 1F1B's rank r's v stages (execution order) when their
-    sum weighted by `weights` (a stage's bytes per micro-batch: an uneven split, Layout.stage_layers) peaks,
-    along torch's order (spec/stages.py interleaved_order). With equal weights the peak is
-    `inflight_microbatches`'s; with unequal ones the heavier stage's micro-batches need not peak with the
-    others' (tests/unit/test_pipeline_orders.py replays torch's order)."""
+def looped_held(schedule: str, pp: int, m: int, v: int, r: int, weights: list[float]) -> list[int]:
+    """Micro-batches in flight on each of rank r's v stages (execution order) under interleaved 1F1B or zero
+    bubble when their sum weighted by `weights` (a stage's bytes per micro-batch: an uneven split,
+    Layout.stage_layers) peaks, along torch's order (spec/stages.py looped_order; a micro-batch is held from
+    its forward to its backward, or to its weight pass, the input pass retaining the graph). With equal
+    weights the peak is `inflight_microbatches`'s; with unequal ones the heavier stage's micro-batches need
+    not peak with the others' (tests/unit/test_pipeline_orders.py replays torch's orders)."""
     live, best, most = [0] * v, [0] * v, -1.0
-    for kind, stage, _ in interleaved_order(pp, v, m, r):
+    for kind, stage, _ in looped_order(schedule, pp, v, m, r):
+        if kind == "I":
+            continue
         live[stage // pp] += 1 if kind == "F" else -1
         level = sum(w * n for w, n in zip(weights, live))
         if level > most:
@@ -101,14 +104,16 @@ def loss_inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
 
 
 def head_bytes_held(problem: Problem, core: Layout, rank: RankModel, head: float, schedule: str, pp: int, m: int,
-                    v: int, grid2d: bool) -> float:
+                    v: int, grid2d: bool, head_inflight: float | None = None) -> float:
     """The head's saved bytes `rank` holds at its peak, from `head`, one micro-batch's (plan/memory.py
-    microbatch_activations): times the head stage's in-flight micro-batches, less the loss's own bytes
+    microbatch_activations): times the head stage's in-flight micro-batches (`head_inflight`: those of the
+    rank's peak where its order was followed stage by stage, `looped_held`), less the loss's own bytes
     (activations.py loss_bytes, loss_bytes_2d under 2-D TP) of those whose input pass has freed them while
     their weight pass waits (`loss_inflight_microbatches`)."""
-    head_inflight = head_inflight_microbatches(schedule, pp, m, v)
+    if head_inflight is None:
+        head_inflight = head_inflight_microbatches(schedule, pp, m, v)
     held = head * head_inflight
-    released = head_inflight - loss_inflight_microbatches(schedule, pp, m, v)
+    released = head_inflight - min(head_inflight, loss_inflight_microbatches(schedule, pp, m, v))
     if not rank.head or released <= 0:
         return held
     s, tokens = problem.shape, core.micro_batch * problem.seq_len / core.cp

@@ -44,7 +44,7 @@ from shardwise.plan import activations as A
 from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan import fsdp_memory as F
-from shardwise.plan.inflight import head_bytes_held, inflight_microbatches, interleaved_held
+from shardwise.plan.inflight import head_bytes_held, inflight_microbatches, looped_held
 from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params, sized_ranks
 from shardwise.plan.layout import Problem
 from shardwise.plan.tp2d import activation_fraction
@@ -426,15 +426,16 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
     stages = _stages_with_layers(rank, v)
     stored = stored_activations(blocks, embedding, head_held, rope, inflight, stages)
     embedding_held = embedding * inflight
-    if lay.schedule == "interleaved_1f1b" and lay.stage_layers and pp_rank is not None:
+    if lay.schedule in ("interleaved_1f1b", "zero_bubble") and lay.stage_layers and pp_rank is not None:
         # The trainer's own split can give the rank stages of unequal sizes: torch's order followed stage by
         # stage (the embedding's and the head's bytes with their stages), as the peak need not be the count's;
         # a stage with nothing in flight then keeps no RoPE tables alive (measured: one set fewer).
         own, last = stage_ids(lay.schedule, lay.pp, v, pp_rank), lay.pp * v - 1
         weights = [blocks * lay.stage_layers[s] / rank.layers + embedding * (s == 0) + head * (s == last) for s in own]
-        held = dict(zip(own, interleaved_held(lay.pp, m, v, pp_rank, weights)))
+        held = dict(zip(own, looped_held(lay.schedule, lay.pp, m, v, pp_rank, weights)))
         inflight = sum(lay.stage_layers[s] * n for s, n in held.items()) / rank.layers
-        embedding_held, head_held = embedding * held.get(0, 0), head * held.get(last, 0)
+        embedding_held = embedding * held.get(0, 0)
+        head_held = head_bytes_held(problem, core, rank, head, lay.schedule, lay.pp, m, v, grid2d(core), held.get(last, 0))
         stages = sum(n > 0 for n in held.values())
         stored = blocks * inflight + embedding_held + head_held + rope * stages
     detail = dict(items)

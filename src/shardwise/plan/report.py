@@ -330,8 +330,9 @@ def bubble_line(est: Estimate) -> str:
         line += f"; the step's rank ({which}), heavier, fills {(base - bubble) * k:.3f} {unit} of it with its own work"
     if not lay.stage_layers:
         return line + " (spec/stages.py rank_bubble)"
+    replayed = "its order replayed at every stage's times, spec/stages.py looped_bubbles_by_stage"
     how = {"gpipe": "every rank's times, spec/stages.py looped_bubbles", "1f1b": "every rank's times, spec/stages.py looped_bubbles",
-           "interleaved_1f1b": "its order replayed at every stage's times, spec/stages.py interleaved_bubbles"}
+           "interleaved_1f1b": replayed, "zero_bubble": replayed}
     return line + f" (blocks per stage {list(lay.stage_layers)}: {how.get(lay.schedule, 'spec/stages.py rank_bubble')})"
 
 

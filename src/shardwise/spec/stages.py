@@ -106,14 +106,14 @@ def trainer_split(p: Any, model: Any, seq_len: int) -> tuple[int, ...]:
 def split_notes(schedule: str, pp: int, v: int, split: tuple[int, ...]) -> list[str]:
     """What `plan evaluate` says of the trainer's own split (Layout.stage_layers) where it prices it less
     exactly than the schedule's order would (tests/unit/test_pipeline_orders.py measures both ranges against
-    torch's orders): under zero bubble, ZB-V and DualPipeV the bubble is `rank_bubble`'s at the lightest
-    rank's times, whose heavier-rank rules assume one heavier rank at an end; and a rank whose stages differ
-    in size is priced at its stages' average in flight, which their orders need not keep (interleaved 1F1B
-    and the single-stage schedules follow the order: plan/cost.py _split_bubbles, plan/inflight.py)."""
-    if not split or schedule not in SPLIT_BACKWARD:
+    torch's orders): under ZB-V and DualPipeV the bubble is `rank_bubble`'s at the lightest rank's times,
+    whose heavier-rank rules assume one heavier rank at an end; and a rank whose stages differ in size is
+    priced at its stages' average in flight, which their orders need not keep (the looped schedules follow
+    their orders: plan/cost.py _split_bubbles, plan/inflight.py looped_held)."""
+    if not split or schedule not in V_SHAPED:
         return []
     notes = [f"the {schedule} bubble of this split ({list(split)} blocks per stage) is priced at its lightest rank's "
-             "times: -18% .. +6% against the replay of torch's order for stages of 2-4 blocks"]
+             "times: -18% .. +4% against the replay of torch's order for stages of 2-4 blocks"]
     uneven = [r for r in range(pp) if v > 1 and len({split[s] for s in stage_ids(schedule, pp, v, r)}) > 1]
     if uneven:
         notes.append(f"pipeline ranks {uneven} hold stages of unequal sizes: their activations are priced at the "
@@ -239,39 +239,50 @@ def looped_bubbles(schedule: str, m: int, times: list[tuple[float, float]]) -> l
     return out
 
 
-def interleaved_order(p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
-    """The compute actions (F or B, stage, micro-batch) pipeline rank r runs under interleaved 1F1B, in
-    torch's order (ScheduleInterleaved1F1B, its `_get_1f1b_rank_ops`): W = min((v-1)k + 2(p-1-r), mv)
-    warm-up forwards, the i-th on the rank's local stage (i // k) mod v (k = m // (m // p) micro-batches a
-    round), then a forward and a backward per step, the backward's local stage v-1-((i-W) // k) mod v, then
-    the last W backwards; each stage takes its micro-batches in order. Equal to torch's own order
-    (tests/unit/test_pipeline_orders.py); the planner replays it where a split makes the stages unequal."""
+def looped_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """The compute actions (F, B, or the split backward's I and W; stage; micro-batch) pipeline rank r runs
+    under interleaved 1F1B or zero bubble, in torch's order (ScheduleInterleaved1F1B and
+    ScheduleInterleavedZeroBubble, their `_get_1f1b_rank_ops`): W0 = min((v-1)k + c(p-1-r), mv) warm-up
+    forwards (c = 2, zero bubble 1), the i-th on the rank's local stage (i // k) mod v (k = m // (m // p)
+    micro-batches a round), then a forward and a backward per step, the backward's local stage
+    v-1-((i-W0) // k) mod v, then the last W0 backwards; zero bubble's backward is the input pass, and from
+    its (r+1)-th on each is followed by the weight pass of the oldest one waiting, the rest at the end. Each
+    stage takes its micro-batches in order. Equal to torch's own orders (tests/unit/test_pipeline_orders.py);
+    the planner replays them where a split makes the stages unequal."""
+    zero_bubble = schedule == "zero_bubble"
     k, total = m // max(1, m // p), m * v
-    warm = min((v - 1) * k + 2 * (p - 1 - r), total)
+    warm = min((v - 1) * k + (1 if zero_bubble else 2) * (p - 1 - r), total)
     taken: dict[tuple[str, int], int] = {}
-    out = []
+    out: list[tuple[str, int, int]] = []
+    waiting: list[int] = []  # stages of the input passes whose weight pass has not run
 
-    def act(kind: str, local: int) -> None:
-        stage = local * p + r
+    def act(kind: str, stage: int) -> None:
         mb = taken[(kind, stage)] = taken.get((kind, stage), -1) + 1
         out.append((kind, stage, mb))
 
     for op in range(total + warm):
         if op < total:
-            act("F", (op // k) % v)
+            act("F", (op // k) % v * p + r)
         if op >= warm:
-            act("B", v - 1 - ((op - warm) // k) % v)
+            stage = (v - 1 - ((op - warm) // k) % v) * p + r
+            act("I" if zero_bubble else "B", stage)
+            waiting.append(stage)
+            if zero_bubble and op - warm >= r:
+                act("W", waiting.pop(0))
+    for stage in waiting if zero_bubble else []:
+        act("W", stage)
     return out
 
 
-def interleaved_bubbles(p: int, v: int, m: int, stage_times: list[tuple[float, float]]) -> list[float]:
-    """Each pipeline rank's idle under interleaved 1F1B with stages of any times (t_f, t_b) per micro-batch
-    (an uneven split): the makespan of torch's order (`interleaved_order`, `replay_span`) less the rank's
-    own m x (its stages' t_f + t_b)."""
-    orders = {r: [(kind, stage, mb, stage_times[stage][0 if kind == "F" else 1])
-                  for kind, stage, mb in interleaved_order(p, v, m, r)] for r in range(p)}
+def looped_bubbles_by_stage(schedule: str, p: int, v: int, m: int, stage_times: list[tuple[float, float]]) -> list[float]:
+    """Each pipeline rank's idle under interleaved 1F1B or zero bubble with stages of any times (t_f, t_b) per
+    micro-batch (an uneven split; a split backward's input and weight passes t_b/2 each): the makespan of
+    torch's order (`looped_order`, `replay_span`) less the rank's own m x (its stages' t_f + t_b)."""
+    share = {"F": (0, 1.0), "B": (1, 1.0), "I": (1, 0.5), "W": (1, 0.5)}
+    orders = {r: [(kind, stage, mb, stage_times[stage][share[kind][0]] * share[kind][1])
+                  for kind, stage, mb in looped_order(schedule, p, v, m, r)] for r in range(p)}
     span = replay_span(orders, p * v)
-    return [span - m * sum(sum(stage_times[s]) for s in stage_ids("interleaved_1f1b", p, v, r)) for r in range(p)]
+    return [span - m * sum(sum(stage_times[s]) for s in stage_ids(schedule, p, v, r)) for r in range(p)]
 
 
 def bubble_fraction(schedule: str, p: int, v: int, m: int) -> float:
