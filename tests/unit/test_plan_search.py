@@ -214,3 +214,23 @@ def test_expert_ffn_tp_rule_agrees_with_the_trainers_preflight():
         p = Problem(ModelShape.from_config(cfg.model), base.cluster, 32, 8, 10**9, "fp32", "shardwise")
         v = check_layout(p, Layout(tp=tp, micro_batch=1))
         assert (trainer, v and v.field) == ((None, None) if ffn % tp == 0 else ("model.moe.expert_ffn_dim",) * 2)
+
+
+def test_the_search_offers_the_trainers_balanced_split_where_it_is_faster():
+    """A pipeline layout the search shows also appears cut as `pp_split = "balanced"` would (the head's stage
+    lighter), when the planner prices it faster and it fits; its TOML names the split; the V schedules, whose
+    split pricing is approximate, and layouts already split get no variant."""
+    from shardwise.plan.search import _balanced_variants
+
+    cfg = load_config(overrides=["--model.preset=llama3-8b", "--train.seq_len=4096", "--train.global_batch=32",
+                                 "--train.micro_batch=1", "--parallel.pp=4", "--cluster.num_gpus=4", "--cluster.gpu=h100-sxm-80gb"])
+    problem = Problem.from_config(cfg)
+    even = evaluate(problem, Layout.from_config(cfg, 4))
+    (balanced,) = _balanced_variants(problem, [even])
+    assert balanced.layout.stage_layers == (8, 9, 9, 6) and balanced.fits
+    assert balanced.step_time_s < 0.95 * even.step_time_s  # 3.433 -> 3.191 s: the head's stage was the slowest
+    assert "split 8,9,9,6" in balanced.layout.describe()
+    assert balanced.layout.config_values(problem)["parallel"]["pp_layers_per_stage"] == [8, 9, 9, 6]
+    assert _balanced_variants(problem, [balanced]) == []
+    v_shape = evaluate(problem, Layout.from_config(cfg, 4).with_(schedule="dualpipev", virtual_stages=2))
+    assert _balanced_variants(problem, [v_shape]) == []

@@ -8,7 +8,9 @@ Order of work, cheapest test first, so a 405B model on 16,384 GPUs searches in w
      structure whose parameters + gradients + optimizer state alone overflow is dropped before its
      micro-batch / schedule / recompute variants are generated;
   3. activations, linear in the micro-batch and scaled by the schedule's in-flight micro-batches;
-  4. only then the step time (cost.evaluate) of what fits.
+  4. only then the step time (cost.evaluate) of what fits;
+  5. the pipeline layouts shown, cut as the trainer's pp_split = "balanced" would, where faster (looped
+     schedules, which the planner prices exactly under any split).
 "Why the rest lost" reports the prune counts and, for the runners-up, the breakdown term that
 separates each from the winner.
 
@@ -39,6 +41,7 @@ from shardwise.plan.memory import capacity_bytes, host_bytes, peak_bytes, states
 from shardwise.spec import rules
 from shardwise.spec.layout import Layout
 from shardwise.spec.rules import microbatch_rule, split_backward_rule
+from shardwise.spec.stages import V_SHAPED, balanced_split, even_split
 
 RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
 TILE_OPTIONS = (2, 4, 8)  # parallel.linear_tiles tried when nothing fits without it
@@ -138,8 +141,30 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
             families.add(_family(f[2]))
             shown.append(f)
     ranked = [evaluate(problem, core.with_(schedule=sch, virtual_stages=v)) for _, _, core, sch, v in shown]
+    ranked = sorted(ranked + _balanced_variants(problem, ranked), key=lambda e: e.step_time_s)
     return SearchResult(ranked, [(f[0], f[1]) for f in found], pruned, considered, len(candidates), time.perf_counter() - start,
                         needs)
+
+
+def _balanced_variants(problem: Problem, ranked: list[Estimate]) -> list[Estimate]:
+    """The layouts shown, cut as `pp_split = "balanced"` would (spec/stages.py balanced_split: the head's and
+    the embedding's stages get fewer blocks), where that is faster and fits: the trainer runs them, and the
+    planner prices a split exactly for the looped schedules (plan/cost.py _split_bubbles), so the V schedules
+    are left as they are. Only the layouts the search timed get a variant: a balanced split can only speed a
+    layout up, so one the branch and bound dropped could gain too, which this does not look for."""
+    costs, out = problem.shape.pipeline_costs(problem.seq_len), []
+    for est in ranked:
+        lay = est.layout
+        n = lay.pp * lay.chunks_per_rank
+        if lay.pp == 1 or lay.schedule in V_SHAPED or lay.stage_layers or problem.shape.n_layers < n:
+            continue
+        split = tuple(balanced_split(costs, problem.shape.n_layers, [1.0] * n))
+        if split == tuple(even_split(problem.shape.n_layers, n)):
+            continue
+        variant = evaluate(problem, lay.with_(stage_layers=split))
+        if variant.memory.fits and variant.step_time_s < est.step_time_s:
+            out.append(variant)
+    return out
 
 
 def _tiles_possible(problem: Problem) -> bool:

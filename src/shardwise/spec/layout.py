@@ -154,6 +154,8 @@ class Layout:
         extra = [f"z{self.zero}", f"mb{self.micro_batch}"]
         if self.pp > 1:
             extra.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.stage_layers:  # the trainer's own split, blocks per stage
+            extra.append("split " + ",".join(map(str, self.stage_layers)))
         if self.recompute != "none":
             extra.append("rc-" + ("layer" if self.recompute == "selective" and self.recompute_policy == "layer" else
                                   "op" if self.recompute == "selective" else "full"))
@@ -172,7 +174,7 @@ class Layout:
         return {
             "parallel": {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "zero": self.zero, "tp": self.tp,
                          "pp": self.pp, "cp": self.cp, "ep": self.ep, "pp_schedule": self.schedule,
-                         "pp_virtual_stages": self.virtual_stages,
+                         "pp_virtual_stages": self.virtual_stages, "pp_layers_per_stage": list(self.stage_layers),
                          "offload": ("nvme" if self.nvme else "cpu") if self.offload else "none",
                          "linear_tiles": self.linear_tiles, "sequence_parallel": self.sequence_parallel,
                          "grad_compression": self.grad_compression, "grad_compression_ratio": self.grad_compression_ratio,
