@@ -260,6 +260,24 @@ def test_read_only_directories_are_refused(tmp_path, read_only_dir):
     assert e.value.field == "checkpoint.dir" and "not writable" in e.value.problem
 
 
+def test_a_restart_that_ends_at_once_waits_for_rank_0_to_say_why(tmp_path):
+    """A restarted worker group that reads an unrestartable failure ends at once; the other ranks wait until
+    rank 0 has printed why (the first worker to exit makes the agent stop the rest: a CI run lost rank 0's
+    line so). Not longer than the wait's bound when rank 0 never says it; a new job clears what was said."""
+    import time
+
+    rundir.record_unrestartable_failure(tmp_path, "job-1", 3)
+    start = time.monotonic()
+    assert not rundir.wait_until_said(tmp_path, "job-1", 1, timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 2
+    rundir.say_unrestartable(tmp_path, "job-1", 1)
+    assert rundir.wait_until_said(tmp_path, "job-1", 1, timeout_s=5)
+    assert not rundir.wait_until_said(tmp_path, "job-2", 1, timeout_s=0.1)  # another job's restart
+    assert not rundir.wait_until_said(tmp_path, "job-1", 2, timeout_s=0.1)  # the next restart: not said yet
+    rundir.clear_failure_record(tmp_path)
+    assert not list((tmp_path / rundir.STATE_DIR).glob("failure*"))
+
+
 def test_unrestartable_failures_are_remembered_per_job(tmp_path):
     rundir.record_unrestartable_failure(tmp_path, "job-1", 3)
     rundir.record_unrestartable_failure(tmp_path, "job-1", 1)  # restartable: not recorded

@@ -85,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     if attempt:
         earlier = rundir.unrestartable_failure(run_dir, run_id)
         if earlier is not None:  # the elastic agent restarted a failure a restart cannot fix: end at once
-            if os.environ.get("RANK") == "0":
+            if os.environ.get("RANK", "0") == "0":
                 print(f"restart {attempt}: not training again: this job failed with exit code {earlier}, "
                       "which a restart cannot fix", flush=True)
+                rundir.say_unrestartable(run_dir, run_id, attempt)
+            else:  # the first worker to exit stops the others: not before rank 0 has said why
+                rundir.wait_until_said(run_dir, run_id, attempt)
             return earlier
     try:
         distributed = init_distributed(cfg.run.collective_timeout_s, cfg.run.backend)

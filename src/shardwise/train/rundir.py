@@ -38,9 +38,12 @@ from shardwise.train import manifest as mf
 from shardwise.train.distributed import RUN_ID  # torch is imported there only inside functions
 
 STATE_DIR = ".shardwise"
+# How long the other ranks of a restart that ends at once wait for rank 0 to have said why (say_unrestartable):
+# rank 0 reads the same small record they do; past this it is taken to be gone.
+SAID_WAIT_S = 10.0
 __all__ = ["NOT_RESTARTABLE", "DirectoryLock", "check_cache_dir", "check_run_dirs", "lock_dirs", "lock_unless_parent_holds",
            "resume_preflight", "record_unrestartable_failure", "unrestartable_failure", "save_config",
-           "clear_failure_record"]
+           "clear_failure_record", "say_unrestartable", "wait_until_said"]
 
 
 def checkpoint_dir(cfg) -> Path:
@@ -209,6 +212,8 @@ def clear_failure_record(run_dir: Path) -> None:
     derives it from run.dir)."""
     try:
         _failure_file(run_dir).unlink(missing_ok=True)
+        for said in _failure_file(run_dir).parent.glob("failure.said.*"):
+            said.unlink(missing_ok=True)
     except OSError:
         pass
 
@@ -293,6 +298,34 @@ def record_unrestartable_failure(run_dir: Path, run_id: str, exit_code: int) -> 
         path.write_text(json.dumps({"run_id": run_id, "exit_code": exit_code}))
     except OSError:
         pass  # then a restart fails the same way once more
+
+
+def _said_file(run_dir: Path, attempt: int) -> Path:
+    return _failure_file(run_dir).with_name(f"failure.said.{attempt}")
+
+
+def say_unrestartable(run_dir: Path, run_id: str, attempt: int) -> None:
+    """Rank 0 has printed why restart `attempt` ends at once (train/__main__.py): the other ranks, which
+    read the same record, wait for this before they exit (`wait_until_said`). The first worker to exit
+    makes the elastic agent stop the others, so a rank 1 that was faster stopped rank 0 before its line,
+    and that restart ended without a word (seen in a CI run)."""
+    try:
+        _said_file(run_dir, attempt).write_text(run_id)
+    except OSError:
+        pass
+
+
+def wait_until_said(run_dir: Path, run_id: str, attempt: int, timeout_s: float = SAID_WAIT_S) -> bool:
+    """Whether rank 0 said it (`say_unrestartable`) within `timeout_s`; a rank 0 that died first is not waited for longer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if _said_file(run_dir, attempt).read_text() == run_id:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
 
 
 def unrestartable_failure(run_dir: Path, run_id: str) -> int | None:
