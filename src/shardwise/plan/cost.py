@@ -40,7 +40,7 @@ from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
-from shardwise.spec.stages import bubble_seconds, looped_bubbles, looped_bubbles_by_stage, rank_bubble
+from shardwise.spec.stages import WRITTEN_OUT, bubble_seconds, looped_bubbles, looped_bubbles_by_stage, rank_bubble
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -343,7 +343,7 @@ def _split_bubbles(problem: Problem, lay: Layout, core: Layout, times: list[tupl
     replayed with each stage's own times (looped_bubbles_by_stage); None for the V schedules (rank_bubble at
     the lightest rank's times)."""
     m = lay.accumulation(problem)
-    if lay.schedule not in ("interleaved_1f1b", "zero_bubble"):
+    if lay.schedule not in WRITTEN_OUT:
         return looped_bubbles(lay.schedule, m, times)
     n = lay.pp * lay.chunks_per_rank
     stages = [_pipeline_times(rank_core(problem, core, stage_model(problem.shape, n, s, lay.stage_layers))) for s in range(n)]

@@ -53,15 +53,9 @@ def pipeline_rank(shape: ModelShape, pp: int, chunks: int, schedule: str, r: int
     """What pipeline rank r holds. Layers are cut into pp x chunks contiguous chunks of `split` blocks each
     (the trainer's own split, Layout.stage_layers), or evenly (uneven counts: the first chunks get one
     more, spec/stages.py even_split)."""
-    n = pp * chunks
-    bounds, start = [], 0
-    for size in split or even_split(shape.n_layers, n):
-        bounds.append((start, start + size))
-        start += size
-    owned = owned_chunks(schedule, pp, chunks, r)
-    moe = sum(shape.is_moe_layer(i) for c in owned for i in range(*bounds[c]))
-    layers = sum(bounds[c][1] - bounds[c][0] for c in owned)
-    return RankModel(layers - moe, moe, 0 in owned, n - 1 in owned)
+    stages = [stage_model(shape, pp * chunks, c, split) for c in owned_chunks(schedule, pp, chunks, r)]
+    return RankModel(sum(s.dense_layers for s in stages), sum(s.moe_layers for s in stages),
+                     any(s.embedding for s in stages), any(s.head for s in stages))
 
 
 @lru_cache(maxsize=4096)

@@ -51,7 +51,7 @@ from shardwise.plan.tp2d import activation_fraction
 from shardwise.spec.layout import Layout
 from shardwise.spec.loss import loss_chunk_tokens, loss_is_chunked
 from shardwise.spec.sharding import zero1_owners
-from shardwise.spec.stages import stage_ids
+from shardwise.spec.stages import WRITTEN_OUT, stage_ids
 
 GIB = 2**30
 
@@ -324,13 +324,13 @@ def _activations_2d(problem: Problem, reg: str, tp: int, recompute: str, policy:
     return blocks, embedding, head, rope, working
 
 
-def stored_activations(blocks: float, embedding: float, head_held: float, rope: float, inflight: float,
+def stored_activations(blocks: float, embedding_held: float, head_held: float, rope: float, inflight: float,
                        stages: int) -> float:
-    """Saved bytes at the rank's peak: blocks (and the embedding: 8 B/token, counted at the rank's
-    average in-flight) times the in-flight micro-batches, the head's (plan/inflight.py head_bytes_held),
-    and one set of RoPE tables per stage: every stage is a model of its own with its own cos/sin
-    buffers (parallel/parallelize.py build_pipeline), each kept alive by its blocks' saved slices."""
-    return (blocks + embedding) * inflight + head_held + rope * stages
+    """Saved bytes at the rank's peak: blocks times the in-flight micro-batches, the embedding's (8 B/token
+    per micro-batch in flight) and the head's (plan/inflight.py head_bytes_held) held bytes, and one set
+    of RoPE tables per stage with something in flight: every stage is a model of its own with its own
+    cos/sin buffers (parallel/parallelize.py build_pipeline), each kept alive by its blocks' saved slices."""
+    return blocks * inflight + embedding_held + head_held + rope * stages
 
 
 def _stages_with_layers(rank: RankModel, chunks: int) -> int:
@@ -421,12 +421,7 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
     params, grads, opt, other, cpu, items, disk = _states_and_other(problem, core, rank)
     blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
     m, v = lay.accumulation(problem), lay.chunks_per_rank
-    inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first, pp_rank)
-    head_held = head_bytes_held(problem, core, rank, head, lay.schedule, lay.pp, m, v, grid2d(core))
-    stages = _stages_with_layers(rank, v)
-    stored = stored_activations(blocks, embedding, head_held, rope, inflight, stages)
-    embedding_held = embedding * inflight
-    if lay.schedule in ("interleaved_1f1b", "zero_bubble") and lay.stage_layers and pp_rank is not None:
+    if lay.schedule in WRITTEN_OUT and lay.stage_layers and pp_rank is not None:
         # The trainer's own split can give the rank stages of unequal sizes: torch's order followed stage by
         # stage (the embedding's and the head's bytes with their stages), as the peak need not be the count's;
         # a stage with nothing in flight then keeps no RoPE tables alive (measured: one set fewer).
@@ -434,10 +429,14 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
         weights = [blocks * lay.stage_layers[s] / rank.layers + embedding * (s == 0) + head * (s == last) for s in own]
         held = dict(zip(own, looped_held(lay.schedule, lay.pp, m, v, pp_rank, weights)))
         inflight = sum(lay.stage_layers[s] * n for s, n in held.items()) / rank.layers
-        embedding_held = embedding * held.get(0, 0)
-        head_held = head_bytes_held(problem, core, rank, head, lay.schedule, lay.pp, m, v, grid2d(core), held.get(last, 0))
+        embedding_held, head_inflight = embedding * held.get(0, 0), held.get(last, 0)
         stages = sum(n > 0 for n in held.values())
-        stored = blocks * inflight + embedding_held + head_held + rope * stages
+    else:
+        inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first, pp_rank)
+        embedding_held, head_inflight = embedding * inflight, None
+        stages = _stages_with_layers(rank, v)
+    head_held = head_bytes_held(problem, core, rank, head, lay.schedule, lay.pp, m, v, grid2d(core), head_inflight)
+    stored = stored_activations(blocks, embedding_held, head_held, rope, inflight, stages)
     detail = dict(items)
     detail.update({"activations_blocks": blocks * inflight,
                    "activations_embedding_head": embedding_held + head_held,
@@ -472,7 +471,7 @@ def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
         blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
         inflight = inflight_microbatches(schedule, core.pp, m, chunks, is_first)
         head_held = head_bytes_held(problem, core, rank, head, schedule, core.pp, m, chunks, grid2d(core))
-        stored = stored_activations(blocks, embedding, head_held, rope, inflight, _stages_with_layers(rank, chunks))
+        stored = stored_activations(blocks, embedding * inflight, head_held, rope, inflight, _stages_with_layers(rank, chunks))
         best = max(best, params + grads + opt + other + stored + working)
     return best
 

@@ -13,6 +13,7 @@ from shardwise.plan.layout import Problem
 from shardwise.plan.memory import GIB
 from shardwise.plan.search import SearchResult, why_lost
 from shardwise.spec.layout import Layout
+from shardwise.spec.stages import SINGLE_STAGE, WRITTEN_OUT
 
 MEMORY_ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
                ("activations", "activations"), ("other", "other"))
@@ -325,15 +326,15 @@ def bubble_line(est: Estimate) -> str:
     line = (f"bubble   {lay.schedule} over {lay.pp} ranks, {int(est.detail.get('microbatches', 0))} micro-batches: its "
             f"action order idles {base * k:.3f} {unit} at the lighter pipeline rank's micro-batch times")
     if base - bubble > 1e-12:
-        r = int(est.detail.get("step_on_pipeline_rank", (lay.pp - 1) * est.detail.get("step_on_last_rank", 0)))
+        r = int(est.detail["step_on_pipeline_rank"])
         which = {0: "the first pipeline rank", lay.pp - 1: "the last pipeline rank"}.get(r, f"pipeline rank {r}")
         line += f"; the step's rank ({which}), heavier, fills {(base - bubble) * k:.3f} {unit} of it with its own work"
     if not lay.stage_layers:
         return line + " (spec/stages.py rank_bubble)"
-    replayed = "its order replayed at every stage's times, spec/stages.py looped_bubbles_by_stage"
-    how = {"gpipe": "every rank's times, spec/stages.py looped_bubbles", "1f1b": "every rank's times, spec/stages.py looped_bubbles",
-           "interleaved_1f1b": replayed, "zero_bubble": replayed}
-    return line + f" (blocks per stage {list(lay.stage_layers)}: {how.get(lay.schedule, 'spec/stages.py rank_bubble')})"
+    how = ("every rank's times, spec/stages.py looped_bubbles" if lay.schedule in SINGLE_STAGE else
+           "its order replayed at every stage's times, spec/stages.py looped_bubbles_by_stage"
+           if lay.schedule in WRITTEN_OUT else "spec/stages.py rank_bubble")
+    return line + f" (blocks per stage {list(lay.stage_layers)}: {how})"
 
 
 def search_text(problem: Problem, result: SearchResult, top: int) -> str:

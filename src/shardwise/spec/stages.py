@@ -20,6 +20,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpip
 # Schedules whose two stages per rank are placed in a V (r and 2pp-1-r); the others loop (r, r + pp, ...).
 V_SHAPED = ("zbv", "dualpipev")
 SINGLE_STAGE = ("gpipe", "1f1b")
+# Schedules whose action orders `looped_order` writes out as torch's: the planner replays them under a split.
+WRITTEN_OUT = ("interleaved_1f1b", "zero_bubble")
 # Schedules that split backward into an input-gradient and a later weight-gradient pass.
 SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
 
