@@ -16,6 +16,9 @@ from shardwise.train.out_of_memory import (
     MAX_ENTRIES,
     SNAPSHOT_AFTER_STEP,
     MemorySnapshot,
+    allocation_failure,
+    checkpoint_save_line,
+    final_model_line,
     first_to_report,
     out_of_memory_line,
 )
@@ -128,3 +131,61 @@ def test_the_first_rank_of_a_job_to_fail_prints_the_line(tmp_path):
     assert first_to_report(tmp_path, "", "x") and first_to_report(tmp_path, "", "x")  # no job id: every rank
     (tmp_path / "a-file").write_text("")
     assert first_to_report(tmp_path / "a-file", "job-a", "x")  # cannot record it: print rather than hide it
+
+
+HOST_WORDS = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 16777216 bytes. Error code 12 (Cannot allocate memory)"
+
+
+def test_the_allocators_words_say_which_memory_ran_out_whatever_device_trains():
+    """On a GPU run a host allocation can fail too (parallel.offload=cpu's optimizer step, a checkpoint
+    save): the line said "GPU memory" there, from the device alone, and offered GPU settings."""
+    cfg = load_config(None, ["--parallel.offload=cpu", "--parallel.zero=3"])
+    assert "rank 0 ran out of host memory in step 4: DefaultCPUAllocator" in out_of_memory_line(cfg, 0, 4, "cuda", HOST_WORDS, None)
+    assert "ran out of host memory" in out_of_memory_line(cfg, 0, 4, "cuda", "Python could not allocate memory", None)
+    assert "ran out of GPU memory" in out_of_memory_line(cfg, 0, 4, "cuda", CUDA_WORDS, None)
+
+
+def test_the_final_models_line_points_at_the_checkpoint_or_at_writing_one(tmp_path):
+    run, path = tmp_path / "run", tmp_path / "run" / "final_model.pt"
+    kept = run / "checkpoints" / "step_00000100"
+    line = final_model_line(0, "cuda", CUDA_WORDS, path, 100, run, kept)
+    assert line.startswith(f"rank 0 ran out of GPU memory writing the full model to {path} (run.save_final_model) after "
+                           "the last step (100): CUDA out of memory.")
+    assert line.endswith(f"the training is complete and its checkpoint {kept} is intact: write the full weights from it "
+                         f"with `shardwise export --run-dir {run} --hf OUT` (one output shard in memory at a time) "
+                         "instead of run.save_final_model")
+    none = final_model_line(1, "cpu", HOST_WORDS, path, 100, run, None)
+    assert none.startswith("rank 1 ran out of host memory") and none.endswith(
+        "no checkpoint holds the last step's weights (checkpoint.final=false): rerun with --checkpoint.final=true "
+        f"--run.save_final_model=false, then `shardwise export --run-dir {run} --hf OUT`")
+
+
+def test_the_checkpoint_save_line_names_what_else_holds_host_memory():
+    intact = "runs/x/checkpoints/step_00000040 is intact"
+    busy = load_config(None, ["--data.num_workers=4", "--parallel.offload=cpu", "--parallel.zero=3"])
+    line = checkpoint_save_line(busy, 3, "cuda", HOST_WORDS, 50, intact, removed=True)
+    assert line == (f"checkpoint: rank 3 ran out of host memory saving step 50: {HOST_WORDS}; the partial checkpoint was "
+                    f"removed and {intact}; fix: lower what else holds this node's host memory: data.num_workers (now 4: "
+                    "loader processes per rank), parallel.offload (now cpu: the model states live there), then rerun to resume")
+    plain = load_config(None, [])
+    line = checkpoint_save_line(plain, 0, "cpu", HOST_WORDS, 1, "no earlier checkpoint exists", removed=False)
+    assert line.endswith("the partial checkpoint is set aside on resuming and no earlier checkpoint exists; fix: free host "
+                         "memory on this node (other processes hold it) or run fewer ranks per node, then rerun")
+    gpu = checkpoint_save_line(plain, 0, "cuda", CUDA_WORDS, 7, intact, removed=True)
+    assert "ran out of GPU memory saving step 7" in gpu and "`shardwise plan evaluate`" in gpu
+
+
+def test_a_failed_dcp_save_is_out_of_memory_when_a_ranks_failure_was():
+    """DCP gathers each rank's exception into one CheckpointException (every rank raises it): the
+    allocator's words are found on the rank that failed, in the exception or what caused it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        try:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. " + HOST_WORDS)
+        except RuntimeError as inner:
+            raise ValueError("while writing item 3") from inner
+    except ValueError as e:
+        wrapped = e
+    assert allocation_failure(CheckpointException("save", {1: (wrapped, None)})) == HOST_WORDS
+    assert allocation_failure(CheckpointException("save", {0: (OSError(28, "No space left on device"), None)})) is None

@@ -52,6 +52,7 @@ from shardwise.errors import StorageFailure
 from shardwise.parallel.parallelize import canonical_fqn
 from shardwise.train import manifest as mf
 from shardwise.train.control import Control
+from shardwise.train.out_of_memory import SaveOutOfMemory, allocation_failure
 from shardwise.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, metadata_problem, read_metadata  # noqa: F401
 
 # Optimizer state keyed by parameter name throughout ("param_groups.<fqn>.lr", not "param_groups.0"):
@@ -173,12 +174,17 @@ class CheckpointManager:
         try:
             _dcp(dcp.save, _app_state(model, optimizer, for_load=False), tmp)
         except CheckpointException as e:
-            # Every rank gets the same exception; whether it is the disk's fault is agreed too (the
-            # free space one rank sees changes as soon as rank 0 removes the partial checkpoint).
-            error = _storage_error(e, self.directory)
-            if not self.control.max([float(error is not None)])[0]:
+            # Every rank gets the same exception; whether it is the disk's fault, or memory's, is agreed
+            # too (the free space one rank sees changes as soon as rank 0 removes the partial checkpoint).
+            error, memory = _storage_error(e, self.directory), allocation_failure(e)
+            storage, short = self.control.max([float(error is not None), float(memory is not None)])
+            if storage:
+                self._failed(error, step, tmp, report=self.rank == 0)
+            if not short:
                 raise
-            self._failed(error, step, tmp, report=self.rank == 0)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise SaveOutOfMemory(memory) from None
 
         def local_files() -> None:
             _write_rank_file(tmp, RNG, self.rank, _rng_state())
@@ -233,13 +239,17 @@ class CheckpointManager:
     def _failed(self, error: OSError | None, step: int, tmp: Path, report: bool) -> None:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        older = self.latest()
         what = f"{error.strerror or error}" + (f" ({error.filename})" if getattr(error, "filename", None) else "") \
             if error is not None else "failed on another rank"
-        kept = f"{older} is intact" if older is not None else "no earlier checkpoint exists"
+        kept = self.kept()
         raise StorageFailure(f"checkpoint: cannot write step {step} to {self.directory}: {what}; the partial "
                              f"checkpoint was removed and {kept}. Free space or point checkpoint.dir elsewhere, "
                              "then rerun to resume", report=report)
+
+    def kept(self) -> str:
+        """What remains to resume from, in words."""
+        older = self.latest()
+        return f"{older} is intact" if older is not None else "no earlier checkpoint exists"
 
     def _prune(self) -> None:
         mf.remove_leftovers(self.directory)

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from shardwise.config import Config
 from shardwise.errors import OutOfMemory, out_of_memory
 from shardwise.train.planned_memory import PlannedMemory, local_world_size, planned_memory
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
 
 SNAPSHOT_AFTER_STEP = 2
 # Allocator events kept, a ring that drops the oldest first: PyTorch's guide to memory snapshots records
@@ -38,6 +42,26 @@ MAX_ENTRIES = 200_000
 # benchmarks/memory_peak.py names are Python lines, and the viewer shows those.
 STACKS = "python"
 VIEWER = "https://pytorch.org/memory_viz"
+
+
+def allocation_failure(e: "CheckpointException") -> str | None:
+    """The allocator's words when a rank's part of a failed DCP save could not allocate, else None."""
+    for exc, _trace in e.failures.values():
+        while exc is not None:
+            if (what := out_of_memory(exc)) is not None:
+                return what
+            exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class SaveOutOfMemory(Exception):
+    """DCP's save could not allocate on some rank, agreed by every rank (`what`: the allocator's words on a
+    rank that failed, None on the others); the partial checkpoint is removed. The trainer words it
+    (train/out_of_memory.py checkpoint_save_line)."""
+
+    def __init__(self, what: str | None):
+        super().__init__(what or "out of memory on another rank")
+        self.what = what
 
 
 class MemorySnapshot:
@@ -69,6 +93,15 @@ class MemorySnapshot:
         return path
 
 
+def allocator_place(what: str, device_type: str) -> str:
+    """Which memory ran out, from the allocator's words (errors.out_of_memory): c10's DefaultCPUAllocator and
+    Python's own speak of the host, whatever device trains; otherwise the training device's (CUDA's caching
+    allocator: the GPU). A checkpoint save or a host-offloaded optimizer fails in host memory on a GPU too."""
+    if "DefaultCPUAllocator" in what or what.startswith("Python could not"):
+        return "host"
+    return {"cuda": "GPU", "cpu": "host"}.get(device_type, device_type)
+
+
 def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: str, what: str,
                        snapshot: Path | None, planned: PlannedMemory | None = None) -> str:
     """The one line of a failed allocation (errors.OutOfMemory, exit 7) in `step` (None: before the first
@@ -77,7 +110,7 @@ def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: st
     (the planner prices every one), and the allocator's history up to it (`snapshot`) or, on a GPU, how to
     record it."""
     t, p = cfg.train, cfg.parallel
-    place = {"cuda": "GPU", "cpu": "host"}.get(device_type, device_type)
+    place = allocator_place(what, device_type)
     states = f"parallel.zero=3 (now {p.zero}) over more ranks, parallel.offload=cpu (now {p.offload}) or parallel.tp (now {p.tp})"
     if step is None:  # the model states alone: activations do not exist yet
         when, fix = "before the first step (building the model or loading its checkpoint)", f"shard the model states: {states}"
@@ -118,14 +151,8 @@ def building_the_trainer(cfg: Config, rank: int, world_size: int, run_dir: Path 
     """Around `Trainer(...)`: a failed allocation there (the model, its checkpoint) becomes errors.OutOfMemory
     (exit 7) with the line for before the first step, which the callers' RunFailure handling prints and
     records like any other; a step's own is raised by the trainer's loop."""
-    try:
+    with reported_as_out_of_memory(lambda what: _setup_line(cfg, rank, world_size, what), run_dir, run_id):
         yield
-    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        what = out_of_memory(e)
-        if what is None:
-            raise
-        line = _setup_line(cfg, rank, world_size, what)
-        raise OutOfMemory(line, report=first_to_report(run_dir, run_id, line) if run_dir else True) from None
 
 
 def _setup_line(cfg: Config, rank: int, world_size: int, what: str) -> str:
@@ -137,3 +164,85 @@ def _setup_line(cfg: Config, rank: int, world_size: int, what: str) -> str:
     planned = planned_memory(cfg, world_size, local_world_size(world_size), torch.cuda.get_device_name()) \
         if device_type == "cuda" else None
     return out_of_memory_line(cfg, rank, None, device_type, what, None, planned)
+
+
+def final_model_line(rank: int, device_type: str, what: str, path: Path, step: int, run_dir: Path,
+                     final_checkpoint: Path | None) -> str:
+    """The one line of a failed allocation while `run.save_final_model` gathers the whole model onto one rank
+    (exit 7, not restarted: the same gather fails the same way). The steps are done; what the user does
+    next is get the weights another way: `shardwise export` reads the last step's checkpoint on one
+    process, one output shard of weights in memory at a time (train/export.py), where the gather held the
+    whole fp32 model on rank 0 beside its share of the training state. Without that checkpoint
+    (checkpoint.final=false) the last steps must run again to write one."""
+    export = f"`shardwise export --run-dir {run_dir} --hf OUT`"
+    if final_checkpoint is not None:
+        next_step = (f"the training is complete and its checkpoint {final_checkpoint} is intact: write the full "
+                     f"weights from it with {export} (one output shard in memory at a time) instead of "
+                     "run.save_final_model")
+    else:
+        next_step = ("no checkpoint holds the last step's weights (checkpoint.final=false): rerun with "
+                     f"--checkpoint.final=true --run.save_final_model=false, then {export}")
+    return (f"rank {rank} ran out of {allocator_place(what, device_type)} memory writing the full model to {path} "
+            f"(run.save_final_model) after the last step ({step}): {what}; {next_step}")
+
+
+def checkpoint_save_line(cfg: Config, rank: int, device_type: str, what: str, step: int, kept: str,
+                         removed: bool) -> str:
+    """The one line of a failed allocation while a checkpoint is saved (exit 7). DCP's writer copies each
+    tensor through host memory (torch.distributed.checkpoint's FileSystemWriter: a tensor's bytes at a time, a
+    few MB ahead per thread), so a save that cannot allocate found host memory nearly full already: the fix
+    names what else holds it. `removed`: DCP's save failed on every rank together and rank 0 removed the
+    partial checkpoint; otherwise one rank failed outside it and the partial one, without a manifest, is set
+    aside when the run resumes (train/checkpoint.py load_newest)."""
+    place = allocator_place(what, device_type)
+    holders = ([f"data.num_workers (now {cfg.data.num_workers}: loader processes per rank)"] if cfg.data.num_workers else []) + \
+        ([f"parallel.offload (now {cfg.parallel.offload}: the model states live there)"] if cfg.parallel.offload != "none" else [])
+    if place != "host":
+        fix = "the save adds little on the GPU beyond the step's own peak: lower that as `shardwise plan evaluate` shows it"
+    elif holders:
+        fix = f"lower what else holds this node's host memory: {', '.join(holders)}"
+    else:
+        fix = "free host memory on this node (other processes hold it) or run fewer ranks per node"
+    partial = "the partial checkpoint was removed" if removed else "the partial checkpoint is set aside on resuming"
+    rerun = "then rerun to resume" if kept.endswith("is intact") else "then rerun"
+    return f"checkpoint: rank {rank} ran out of {place} memory saving step {step}: {what}; {partial} and {kept}; fix: {fix}, {rerun}"
+
+
+@contextlib.contextmanager
+def reported_as_out_of_memory(line_for: Callable[[str], str], run_dir: Path | None, run_id: str):
+    """Around a phase outside the steps (building the trainer, a checkpoint save, the final model's gather): a
+    failed allocation there becomes errors.OutOfMemory (exit 7) with `line_for(the allocator's words)`, printed
+    by the first rank to fail (`first_to_report`; every rank without a run directory); in a collective the
+    others meet its absence and stop with it. Anything else passes through."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        what = out_of_memory(e)
+        if what is None:
+            raise
+        line = line_for(what)
+        raise OutOfMemory(line, report=first_to_report(run_dir, run_id, line) if run_dir else True) from None
+
+
+@contextlib.contextmanager
+def saving_checkpoint(cfg: Config, rank: int, device_type: str, step: int, kept: str, run_dir: Path, run_id: str):
+    """Around Trainer.save_checkpoint's save: out of memory in DCP's save (SaveOutOfMemory: agreed by every rank,
+    the partial checkpoint removed) or outside it on one rank (DCP's planning, a state dict, the checksums)
+    becomes errors.OutOfMemory with checkpoint_save_line. `kept` (what remains to resume from, in words) is
+    found before the save: with memory short, listing a directory can fail too."""
+    def line(what: str, removed: bool = False) -> str:
+        return checkpoint_save_line(cfg, rank, device_type, what, step, kept, removed)
+    try:
+        with reported_as_out_of_memory(line, run_dir, run_id):
+            yield
+    except SaveOutOfMemory as e:
+        text = line(e.what or "", removed=True)
+        raise OutOfMemory(text, report=e.what is not None and first_to_report(run_dir, run_id, text)) from None
+
+
+def saving_final_model(rank: int, device_type: str, path: Path, step: int, run_dir: Path, final_checkpoint: Path | None,
+                       run_id: str):
+    """Around run.save_final_model's gather and write: out of memory there becomes errors.OutOfMemory with
+    final_model_line."""
+    return reported_as_out_of_memory(lambda what: final_model_line(rank, device_type, what, path, step, run_dir, final_checkpoint),
+                                     run_dir, run_id)

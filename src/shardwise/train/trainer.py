@@ -52,7 +52,7 @@ from shardwise.train.loss import EAGER as EAGER_LOSS
 from shardwise.train.loss import LossKernels, token_cross_entropy_sum
 from shardwise.train.memory_meter import ActivationMeter, PeakActivationMeter, cuda_memory, memory_by_category
 from shardwise.train.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_grad_norm
-from shardwise.train.out_of_memory import VIEWER, MemorySnapshot, first_to_report, out_of_memory_line
+from shardwise.train.out_of_memory import VIEWER, MemorySnapshot, first_to_report, out_of_memory_line, saving_checkpoint, saving_final_model
 from shardwise.train.pipeline_chart import TimelineRecorder
 from shardwise.train.rundir import resume_changes
 from shardwise.train.signals import StopRequest
@@ -354,7 +354,7 @@ class Trainer:
             if self.cfg.checkpoint.final and self.checkpoints_enabled():
                 self.save_checkpoint()
             if self.cfg.run.save_final_model:
-                self.save_full_model(self.run_dir / "final_model.pt")
+                self._save_final_model(self.run_dir / "final_model.pt")
             finished = True
         finally:
             self.loader.close()
@@ -438,9 +438,10 @@ class Trainer:
                            f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr, then rerun", report=self.rank == 0)
         manifest = {"good": self.guard.in_a_row == 0, "run_id": self.run_id, "config": self.fingerprint,
                     "layout": self.dims.describe(), "world_size": self.dims.world_size}
-        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
-                                     {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml"},
-                                     manifest, checkpoint_state(self.grad_compression, self.cfg.parallel, self.dims.describe()))
+        with saving_checkpoint(self.cfg, self.rank, self.device.type, self.step, self.checkpoints.kept(), self.run_dir, self.run_id):
+            path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
+                                         {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml"},
+                                         manifest, checkpoint_state(self.grad_compression, self.cfg.parallel, self.dims.describe()))
         self.log(f"checkpoint: saved step {self.step} to {path}")
         return path
 
@@ -473,6 +474,13 @@ class Trainer:
         if note:
             self.log(f"checkpoint: {note}")
         self.log(f"checkpoint: {'restarted and ' if self.restarted else ''}resumed from {path} at step {self.step}")
+
+    def _save_final_model(self, path: Path) -> None:
+        """run.save_final_model; out of memory in its gather says how to get the weights from the last checkpoint."""
+        newest = self.checkpoints.latest()
+        final = newest if newest is not None and mf.step_of(newest) == self.step else None
+        with saving_final_model(self.rank, self.device.type, path, self.step, self.run_dir, final, self.run_id):
+            self.save_full_model(path)
 
     def save_full_model(self, path: Path) -> None:
         state = self._gather_pipeline_model() if self.pipeline is not None else full_model_state(self.model)
