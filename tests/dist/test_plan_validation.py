@@ -131,6 +131,10 @@ CASES[2].update({
                                                    "parallel.pp_virtual_stages": 2, "parallel.pp_layers_per_stage": "1,2,2,1"}),
     "pp2_zero_bubble_v2_split_1_2_2_1": dict(PP, **{"model.n_layers": 6, "parallel.pp_schedule": "zero_bubble",
                                                    "parallel.pp_virtual_stages": 2, "parallel.pp_layers_per_stage": "1,2,2,1"}),
+    # The even split of 6 blocks over 4 stages is [2, 2, 1, 1]: each rank's stages differ as under a split of the
+    # trainer's own, and are priced so (plan/inventory.py priced_layout); at the rank's average: -16.0% / -12.7%.
+    "pp2_interleaved_v2_even_6": dict(PP, **{"model.n_layers": 6, "parallel.pp_schedule": "interleaved_1f1b",
+                                            "parallel.pp_virtual_stages": 2}),
 })
 # MoE x TP (parallel/tensor.py MoERegion): experts split on the ffn dim, the router's Partial gradient
 # all-reduced over tp; ZeRO-3 with 2 micro-batches syncs those Partial gradients per micro-batch.

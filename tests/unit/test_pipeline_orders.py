@@ -237,9 +237,9 @@ def gpipe(times: list[tuple[float, float]], m: int) -> dict[int, list]:
 def test_a_heavier_first_stage_idles_as_torchs_order_does(schedule):
     """The first stage h times the others (the even split's extra blocks, or the trainer's own split) over
     p = 2-8, every legal m to 4p, t_b/t_f 0.5-4, h 1.02-3: 1F1B and GPipe exactly. Before, 1F1B's first rank
-    was priced at the lighter ranks' whole bubble, up to +43.8% on the step. Interleaved 1F1B's even split
-    stays priced so (spec/stages.py rank_bubble; the trainer's own split replays its order): never fast,
-    at most 15% slow."""
+    was priced at the lighter ranks' whole bubble, up to +43.8% on the step. Interleaved 1F1B's rank_bubble
+    stays so: never fast, at most 15% slow; the planner replays its order instead wherever the stages differ
+    in blocks (plan/inventory.py priced_layout), leaving rank_bubble the embedding's extra alone."""
     v = 2 if schedule == "interleaved_1f1b" else 1
     for p in (2, 3, 4, 8):
         for m in sorted({p, p + 1, 2 * p, 3 * p, 4 * p}):

@@ -35,7 +35,7 @@ from shardwise.plan.compute_time import (  # noqa: F401  (gemm_time: re-exported
     gemm_time,
     microbatch_times,
 )
-from shardwise.plan.inventory import RankModel, pipeline_ranks, sized_ranks, stage_model
+from shardwise.plan.inventory import RankModel, pipeline_ranks, priced_layout, sized_ranks, stage_model
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
@@ -217,7 +217,8 @@ def compute_lower_bound(problem: Problem, core: Layout, schedule: str, v: int) -
 
 
 def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float:
-    """`step(...)[0]` for `core` run with `schedule` / `v`, without building the breakdown (search path)."""
+    """`step(...)[0]` for `core` run with `schedule` / `v`, without building the breakdown (search path); an even
+    split that priced_layout prices stage by stage is screened here with the closed forms (see peak_bytes)."""
     chunks = v if core.pp > 1 else 1
     first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
     m = core.accumulation(problem)
@@ -352,7 +353,9 @@ def _split_bubbles(problem: Problem, lay: Layout, core: Layout, times: list[tupl
 
 def step(problem: Problem, lay: Layout) -> tuple[float, dict[str, float], dict[str, float]]:
     """The slowest pipeline rank decides the step (first: embedding; last: head + loss; under the trainer's
-    own split any rank, plan/inventory.py sized_ranks), its bubble then from `_split_bubbles`."""
+    own split any rank, plan/inventory.py sized_ranks; and the even split priced_layout prices so), its bubble
+    then from `_split_bubbles`."""
+    lay = priced_layout(problem.shape, lay)
     ranks = sized_ranks(problem.shape, lay)
     if lay.pp == 1:
         return rank_step(problem, lay, ranks[0][1])

@@ -45,7 +45,16 @@ from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan import fsdp_memory as F
 from shardwise.plan.inflight import head_bytes_held, inflight_microbatches, looped_held
-from shardwise.plan.inventory import RankModel, fsdp_shard_numel, local_shape, numel, pipeline_ranks, rank_params, sized_ranks
+from shardwise.plan.inventory import (
+    RankModel,
+    fsdp_shard_numel,
+    local_shape,
+    numel,
+    pipeline_ranks,
+    priced_layout,
+    rank_params,
+    sized_ranks,
+)
 from shardwise.plan.layout import Problem
 from shardwise.plan.tp2d import activation_fraction
 from shardwise.spec.layout import Layout
@@ -333,14 +342,14 @@ def stored_activations(blocks: float, embedding_held: float, head_held: float, r
     return blocks * inflight + embedding_held + head_held + rope * stages
 
 
-def _stages_with_layers(rank: RankModel, chunks: int) -> int:
+def stages_with_layers(rank: RankModel, chunks: int) -> int:
     return max(1, min(chunks, rank.layers))
 
 
 # ---------------------------------------------------------------------------------------------------
 # the whole rank
 # ---------------------------------------------------------------------------------------------------
-def _states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float, float, tuple, float]:
+def states_and_other(problem: Problem, core: Layout, rank: RankModel) -> tuple[float, float, float, float, float, tuple, float]:
     """(params, grads, optimizer, other, cpu bytes, detail items, disk bytes) of one rank: everything but
     the stored activations, which scale with the schedule's in-flight micro-batches."""
     key = (core.tp, core.ep, core.zero, core.dp_shard, core.cp, core.fsdp, core.offload, core.accumulation(problem) > 1,
@@ -417,8 +426,9 @@ def _states(problem: Problem, key: tuple, rank: RankModel) -> tuple[float, float
 def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, first: bool, pp_rank: int | None = None
                 ) -> Memory:
     """The bytes of pipeline rank `rank` (`which`: its label; `first`: the pipeline's first, or `pp_rank`)."""
+    lay = priced_layout(problem.shape, lay)
     core = core_layout(lay)
-    params, grads, opt, other, cpu, items, disk = _states_and_other(problem, core, rank)
+    params, grads, opt, other, cpu, items, disk = states_and_other(problem, core, rank)
     blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
     m, v = lay.accumulation(problem), lay.chunks_per_rank
     if lay.schedule in WRITTEN_OUT and lay.stage_layers and pp_rank is not None:
@@ -434,7 +444,7 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
     else:
         inflight = inflight_microbatches(lay.schedule, lay.pp, m, v, first, pp_rank)
         embedding_held, head_inflight = embedding * inflight, None
-        stages = _stages_with_layers(rank, v)
+        stages = stages_with_layers(rank, v)
     head_held = head_bytes_held(problem, core, rank, head, lay.schedule, lay.pp, m, v, grid2d(core), head_inflight)
     stored = stored_activations(blocks, embedding_held, head_held, rope, inflight, stages)
     detail = dict(items)
@@ -450,7 +460,8 @@ def rank_memory(problem: Problem, lay: Layout, rank: RankModel, which: str, firs
 def memory(problem: Problem, lay: Layout) -> Memory:
     """The most loaded rank: the first pipeline rank (embedding, most in-flight micro-batches) or the
     last (output head, logits) — whichever needs more; under the trainer's own split any rank
-    (plan/inventory.py sized_ranks)."""
+    (plan/inventory.py sized_ranks; and the even split that priced_layout prices so)."""
+    lay = priced_layout(problem.shape, lay)
     ranks = sized_ranks(problem.shape, lay)
     if lay.pp == 1:
         return rank_memory(problem, lay, ranks[0][1], "only", True)
@@ -459,44 +470,13 @@ def memory(problem: Problem, lay: Layout) -> Memory:
                key=lambda mem: mem.total)  # the first of equals, as before
 
 
-def peak_bytes(problem: Problem, core: Layout, schedule: str, v: int) -> float:
-    """Total bytes of the most loaded pipeline rank of `core` run with `schedule` / `v` virtual
-    stages — the same number as `memory(...).total`, without building the breakdown (search path)."""
-    chunks = v if core.pp > 1 else 1
-    first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
-    m = core.accumulation(problem)
-    best = 0.0
-    for rank, is_first in ((first, True), (last, False)) if core.pp > 1 else ((first, True),):
-        params, grads, opt, other = _states_and_other(problem, core, rank)[:4]
-        blocks, embedding, head, rope, working = microbatch_activations(problem, core, rank)
-        inflight = inflight_microbatches(schedule, core.pp, m, chunks, is_first)
-        head_held = head_bytes_held(problem, core, rank, head, schedule, core.pp, m, chunks, grid2d(core))
-        stored = stored_activations(blocks, embedding * inflight, head_held, rope, inflight, _stages_with_layers(rank, chunks))
-        best = max(best, params + grads + opt + other + stored + working)
-    return best
-
-
-def _end_rank_states(problem: Problem, core: Layout, lay: Layout | None = None) -> list[tuple]:
-    """_states_and_other of the ranks that can be the most loaded: the first and last pipeline rank (the
+def end_rank_states(problem: Problem, core: Layout, lay: Layout | None = None) -> list[tuple]:
+    """states_and_other of the ranks that can be the most loaded: the first and last pipeline rank (the
     embedding, the head), the one rank without a pipeline; every rank of `lay`'s own split where given."""
     if lay is not None and lay.stage_layers:
-        return [_states_and_other(problem, core, rank) for _, rank in sized_ranks(problem.shape, lay)]
+        return [states_and_other(problem, core, rank) for _, rank in sized_ranks(problem.shape, lay)]
     first, last = pipeline_ranks(problem.shape, core.pp, 1, "1f1b")
-    return [_states_and_other(problem, core, r) for r in ((first, last) if core.pp > 1 else (first,))]
-
-
-def states_lower_bound(problem: Problem, core: Layout) -> float:
-    """Bytes that no micro-batch, schedule or recompute choice can remove (the micro-batch-1 core's
-    model states and buffers on its most loaded rank): above the capacity, the whole structure is out."""
-    return max(sum(states[:4]) for states in _end_rank_states(problem, core))
-
-
-def host_bytes(problem: Problem, core: Layout) -> float:
-    """Host memory the most loaded rank's offloaded states take (0 without offload): what the search
-    holds against Cluster.host_memory_bytes to choose between "cpu" and "nvme"."""
-    if not core.offload:
-        return 0.0
-    return max(states[4] for states in _end_rank_states(problem, core))
+    return [states_and_other(problem, core, r) for r in ((first, last) if core.pp > 1 else (first,))]
 
 
 def offloaded_state_bytes(problem: Problem, lay: Layout) -> float:
@@ -506,7 +486,7 @@ def offloaded_state_bytes(problem: Problem, lay: Layout) -> float:
     against a node's memory before any worker starts."""
     if not lay.offload:
         return 0.0
-    return max(sum(states[i] for i in (0, 1, 2, 4)) for states in _end_rank_states(problem, core_layout(lay), lay))
+    return max(sum(states[i] for i in (0, 1, 2, 4)) for states in end_rank_states(problem, core_layout(lay), lay))
 
 
 def capacity_bytes(problem: Problem) -> float:

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 
 from shardwise.errors import Violation
 from shardwise.plan.cost import Estimate, compute_lower_bound, evaluate, step_seconds
+from shardwise.plan.inventory import priced_layout
 from shardwise.plan.layout import Problem, check_layout
-from shardwise.plan.memory import capacity_bytes, host_bytes, peak_bytes, states_lower_bound
+from shardwise.plan.memory import capacity_bytes
+from shardwise.plan.screen import host_bytes, peak_bytes, states_lower_bound
 from shardwise.spec import rules
 from shardwise.spec.layout import Layout
 from shardwise.spec.rules import microbatch_rule, split_backward_rule
@@ -141,6 +143,9 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
             families.add(_family(f[2]))
             shown.append(f)
     ranked = [evaluate(problem, core.with_(schedule=sch, virtual_stages=v)) for _, _, core, sch, v in shown]
+    # An uneven even split under a written-out order was screened at its ranks' average (plan/screen.py peak_bytes);
+    # priced stage by stage it can need more than the GPU has: such a layout is not offered.
+    ranked = [e for e in ranked if e.memory.fits or priced_layout(problem.shape, e.layout) is e.layout]
     ranked = sorted(ranked + _balanced_variants(problem, ranked), key=lambda e: e.step_time_s)
     return SearchResult(ranked, [(f[0], f[1]) for f in found], pruned, considered, len(candidates), time.perf_counter() - start,
                         needs)
