@@ -341,3 +341,37 @@ def test_the_planner_builds_the_step_from_its_ranks_so():
     span = replay_span(one_f_one_b([light] * 3 + [heavy], 8), 4)
     _, breakdown, _ = step(problem, lay)
     assert breakdown["compute"] + breakdown["recompute"] + breakdown["bubble"] == pytest.approx(span, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_an_uneven_even_split_is_priced_as_its_replayed_order(schedule):
+    """Llama 3 405B, 126 blocks over pp32 as [4]*30 + [3]*2 (the even split, spec/stages.py even_split): 30 ranks
+    are heavier, not the first alone, and the planner priced the first and the last with rank_bubble: 1F1B's
+    bubble 1.550 s against the replayed order's 1.929 s, the step 5.9% fast. Priced rank by rank now
+    (plan/inventory.py priced_layout), in evaluate and in the search's screen alike: the step's rank idles as
+    torch's order does at the planner's own per-rank times."""
+    from shardwise.config import load_config
+    from shardwise.plan.cost import _pipeline_times, rank_core, step, step_seconds
+    from shardwise.plan.inventory import sized_ranks
+    from shardwise.plan.layout import Problem
+    from shardwise.plan.memory import core_layout
+    from shardwise.spec.layout import Layout
+    from shardwise.spec.stages import replay_span
+
+    cfg = load_config(None, ["--model.preset=llama3-405b", "--train.seq_len=8192", "--train.global_batch=2048",
+                             "--train.micro_batch=1", "--parallel.tp=4", "--parallel.cp=4", "--parallel.pp=32",
+                             "--parallel.dp_shard=32", "--parallel.zero=2", f"--parallel.pp_schedule={schedule}",
+                             "--cluster.num_gpus=16384", "--cluster.gpu=h100-sxm-80gb"])
+    problem = Problem.from_config(cfg)
+    lay = Layout.from_config(cfg, 16384)
+    assert lay.stage_layers == ()
+    split = lay.with_(stage_layers=tuple([4] * 30 + [3] * 2))
+    times = [_pipeline_times(rank_core(problem, core_layout(split), rank)) for _, rank in sized_ranks(problem.shape, split)]
+    m = lay.accumulation(problem)
+    span = replay_span((one_f_one_b if schedule == "1f1b" else gpipe)(times, m), 32)
+    t, breakdown, detail = step(problem, lay)
+    r = int(detail["step_on_pipeline_rank"])
+    assert breakdown["bubble"] == pytest.approx(span - m * sum(times[r]), rel=1e-9)
+    assert step_seconds(problem, lay, schedule, 1) == t
+    if schedule == "1f1b":
+        assert breakdown["bubble"] == pytest.approx(1.929, abs=1e-3)  # 1.550 s with rank_bubble

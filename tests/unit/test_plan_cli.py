@@ -256,3 +256,14 @@ def test_the_search_offers_no_uneven_interleaved_layout_that_needs_more_than_the
     for lay in repriced:
         split = tuple(even_split(30, lay.pp * lay.chunks_per_rank))
         assert memory(problem, lay.with_(stage_layers=split)).fits, lay
+
+
+def test_the_bubble_line_says_an_uneven_even_split_is_priced_rank_by_rank(capsys):
+    base = ["plan", "evaluate", "--model.preset=llama3-8b", "--train.seq_len=4096", "--train.micro_batch=1",
+            "--cluster.gpu=h100-sxm-80gb"]
+    assert main(base + ["--parallel.pp=6", "--cluster.num_gpus=6", "--train.global_batch=36"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bubble"))
+    assert line.endswith("(blocks per stage [6, 6, 5, 5, 5, 5]: every rank's times, spec/stages.py looped_bubbles)")
+    assert main(base + ["--parallel.pp=4", "--cluster.num_gpus=4", "--train.global_batch=32"]) == 0  # 32 blocks: even
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bubble"))
+    assert line.endswith("(spec/stages.py rank_bubble)")

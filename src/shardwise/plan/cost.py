@@ -40,7 +40,7 @@ from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
-from shardwise.spec.stages import WRITTEN_OUT, bubble_seconds, looped_bubbles, looped_bubbles_by_stage, rank_bubble
+from shardwise.spec.stages import SINGLE_STAGE, WRITTEN_OUT, bubble_seconds, looped_bubbles, looped_bubbles_by_stage, rank_bubble
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -217,8 +217,13 @@ def compute_lower_bound(problem: Problem, core: Layout, schedule: str, v: int) -
 
 
 def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float:
-    """`step(...)[0]` for `core` run with `schedule` / `v`, without building the breakdown (search path); an even
-    split that priced_layout prices stage by stage is screened here with the closed forms (see peak_bytes)."""
+    """`step(...)[0]` for `core` run with `schedule` / `v`, without building the breakdown (search path). An
+    uneven even split that priced_layout prices rank by rank is priced so here too under GPipe and 1F1B (their
+    bubbles are closed forms of every rank's times); under interleaved 1F1B and zero bubble it is screened
+    with the rank's average (replaying their orders here took the 405B search with --allow-uneven-pp from 3 s
+    to 153 s; plan/search.py prices the layouts it shows exactly)."""
+    if schedule in SINGLE_STAGE and priced_layout(problem.shape, whole := core.with_(schedule=schedule)) is not whole:
+        return step(problem, whole)[0]
     chunks = v if core.pp > 1 else 1
     first, last = pipeline_ranks(problem.shape, core.pp, chunks, schedule)
     m = core.accumulation(problem)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from shardwise.plan.tp2d import grid_q
 from shardwise.spec.layout import Layout
 from shardwise.spec.shapes import ModelShape, ParamSpec
-from shardwise.spec.stages import V_SHAPED, WRITTEN_OUT, even_split
+from shardwise.spec.stages import SINGLE_STAGE, V_SHAPED, WRITTEN_OUT, even_split
 
 
 @dataclass(frozen=True)
@@ -75,17 +75,23 @@ def stage_model(shape: ModelShape, n_stages: int, s: int, split: tuple[int, ...]
 
 
 def priced_layout(shape: ModelShape, lay: Layout) -> Layout:
-    """`lay` as the planner prices it stage by stage (every rank sized, torch's order replayed at each stage's
-    times, plan/cost.py _split_bubbles and plan/memory.py rank_memory): with the trainer's own split, and also
-    with the even split where it is uneven under a schedule whose order is written out (interleaved 1F1B,
-    zero bubble): the first stages hold one block more, so a rank's stages differ and its average misprices
-    the micro-batches it holds and its bubble. Measured on a CPU run (pp2 x 2 stages, 6 blocks as [2, 2, 1, 1],
-    tests/dist/test_plan_validation.py): activations -16.0% / -12.7% at the average, now exact; Llama 3 8B, pp8
-    x 3 stages: peak -8.2%, step -2.3% .. +1.6%. The explicit split gives the same RankModels as the even one
-    (pipeline_rank); an even split of whole stages keeps the closed forms, exact there."""
+    """`lay` as the planner prices it rank by rank (every rank sized; the bubble from every rank's times,
+    plan/cost.py _split_bubbles; interleaved 1F1B's and zero bubble's orders walked stage by stage,
+    plan/memory.py rank_memory): with the trainer's own split, and also with an even split that is uneven.
+    Its first stages hold one block more, which the closed forms of the first and the last rank misprice:
+    - interleaved 1F1B and zero bubble over several stages a rank: the rank's stages differ, and at their
+      average in flight a CPU run (pp2 x 2 stages, 6 blocks as [2, 2, 1, 1], tests/dist/test_plan_validation.py)
+      had 16.0% / 12.7% more activations than planned (now exact); Llama 3 8B pp8 x 3 stages: peak -8.2%;
+    - GPipe and 1F1B: every heavier rank waits on the others, not the first alone (rank_bubble): Llama 3 405B,
+      126 blocks over pp32 as [4]*30 + [3]*2, 1F1B: bubble 1.550 s against the replayed order's 1.929 s, the
+      step 5.9% fast (now the replay's, looped_bubbles); 8B pp6: bubble +11%.
+    Zero bubble with one stage a rank keeps the closed form (-0.6% on 405B pp16: its replay costs the search
+    most). The explicit split gives the same RankModels as the even one (pipeline_rank); an even split of
+    whole stages keeps the closed forms, exact there."""
     n = lay.pp * lay.chunks_per_rank
-    if (lay.stage_layers or lay.pp == 1 or lay.chunks_per_rank == 1 or lay.schedule not in WRITTEN_OUT
-            or shape.n_layers % n == 0 or shape.n_layers < n):
+    uneven = lay.pp > 1 and n <= shape.n_layers and shape.n_layers % n != 0
+    stage_by_stage = lay.schedule in SINGLE_STAGE or (lay.schedule in WRITTEN_OUT and lay.chunks_per_rank > 1)
+    if lay.stage_layers or not uneven or not stage_by_stage:
         return lay
     return lay.with_(stage_layers=tuple(even_split(shape.n_layers, n)))
 

@@ -9,10 +9,12 @@ from typing import Any
 from shardwise.plan.cost import Estimate
 from shardwise.plan.decode import DecodeEstimate
 from shardwise.plan.goodput import RunCost, run_cost
+from shardwise.plan.inventory import priced_layout
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import GIB
 from shardwise.plan.search import SearchResult, why_lost
 from shardwise.spec.layout import Layout
+from shardwise.spec.shapes import ModelShape
 from shardwise.spec.stages import SINGLE_STAGE, WRITTEN_OUT
 
 MEMORY_ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
@@ -308,7 +310,7 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     tt.add_row("step", f"{est.step_time_s * k:.3f}", "assumed MFU" if est.mfu_source == "assumed" else "100%")
     con.print(tt)
     if "bubble_at_lighter_rank_s" in est.detail:
-        con.print(bubble_line(est), soft_wrap=True)
+        con.print(bubble_line(est, problem.shape), soft_wrap=True)
     con.print(f"tokens/s {est.tokens_per_s:,.0f}  |  model TFLOP/s per GPU {est.model_tflops_per_gpu:.1f}  |  "
               f"MFU {est.mfu * 100:.1f}% ({est.mfu_source})  |  {_days(est.days)} for {_tokens(problem.tokens)} tokens "
               f"({f'{est.days_6nd:.1f}' if est.days_6nd >= 0.1 else _days(est.days_6nd)} by the 6ND rule)", soft_wrap=True)
@@ -317,11 +319,12 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     return con.file.getvalue()
 
 
-def bubble_line(est: Estimate) -> str:
+def bubble_line(est: Estimate, shape: ModelShape) -> str:
     """How the pipeline bubble was priced: the idle of the schedule's action order at the lighter pipeline
     rank's micro-batch times, less what the step's own rank fills with its extra work (spec/stages.py
-    rank_bubble)."""
-    lay, base, bubble = est.layout, est.detail["bubble_at_lighter_rank_s"], est.breakdown_s["bubble"]
+    rank_bubble), or rank by rank (the trainer's own split, or an uneven even one: plan/inventory.py
+    priced_layout)."""
+    lay, base, bubble = priced_layout(shape, est.layout), est.detail["bubble_at_lighter_rank_s"], est.breakdown_s["bubble"]
     k, unit = _time_unit(max(base, 1e-9))
     line = (f"bubble   {lay.schedule} over {lay.pp} ranks, {int(est.detail.get('microbatches', 0))} micro-batches: its "
             f"action order idles {base * k:.3f} {unit} at the lighter pipeline rank's micro-batch times")
