@@ -335,7 +335,7 @@ def _plan(argv: list[str]) -> int:
     from shardwise.plan.search import search
     from shardwise.spec.layout import Layout
     from shardwise.spec.rules import pipeline_split_rules
-    from shardwise.spec.stages import split_notes
+    from shardwise.spec.stages import even_split, split_notes
 
     if argv and argv[0] == "calibrate":  # fit the planner to measured runs (plan/fit.py)
         from shardwise.plan.fit import calibrate_main
@@ -389,7 +389,9 @@ def _plan(argv: list[str]) -> int:
             raise violation.error()
         est = evaluate(problem, layout)
         refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
-        notes = split_notes(layout.schedule, layout.pp, layout.chunks_per_rank, layout.stage_layers)
+        n_stages, blocks = layout.pp * layout.chunks_per_rank, problem.shape.n_layers  # an uneven even split too
+        notes = split_notes(layout.schedule, layout.pp, layout.chunks_per_rank, layout.stage_layers or (
+            tuple(even_split(blocks, n_stages)) if layout.pp > 1 and blocks % n_stages else ()))
         if args.json:
             from shardwise.plan.goodput import run_cost
 

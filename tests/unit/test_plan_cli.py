@@ -267,3 +267,15 @@ def test_the_bubble_line_says_an_uneven_even_split_is_priced_rank_by_rank(capsys
     assert main(base + ["--parallel.pp=4", "--cluster.num_gpus=4", "--train.global_batch=32"]) == 0  # 32 blocks: even
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bubble"))
     assert line.endswith("(spec/stages.py rank_bubble)")
+
+
+def test_an_uneven_even_split_under_a_v_schedule_gets_the_splits_notes(capsys):
+    """ZB-V and DualPipeV price any uneven split approximately (spec/stages.py split_notes); the even split of
+    32 blocks over 12 stages is one, and `plan evaluate` said nothing of it."""
+    base = ["plan", "evaluate", "--json", "--model.preset=llama3-8b", "--train.seq_len=4096", "--train.micro_batch=1",
+            "--cluster.gpu=h100-sxm-80gb", "--parallel.pp_schedule=zbv", "--parallel.pp_virtual_stages=2"]
+    assert main(base + ["--parallel.pp=6", "--cluster.num_gpus=6", "--train.global_batch=36"]) == 0
+    notes = json.loads(capsys.readouterr().out)["split_notes"]
+    assert len(notes) == 2 and notes[0].startswith("the zbv bubble of this split ([3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2] blocks")
+    assert main(base + ["--parallel.pp=4", "--cluster.num_gpus=4", "--train.global_batch=32"]) == 0  # 4 blocks a stage
+    assert json.loads(capsys.readouterr().out)["split_notes"] == []
