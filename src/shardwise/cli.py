@@ -335,7 +335,6 @@ def _plan(argv: list[str]) -> int:
     from shardwise.plan.search import search
     from shardwise.spec.layout import Layout
     from shardwise.spec.rules import pipeline_split_rules
-    from shardwise.spec.stages import even_split, split_notes
 
     if argv and argv[0] == "calibrate":  # fit the planner to measured runs (plan/fit.py)
         from shardwise.plan.fit import calibrate_main
@@ -389,18 +388,17 @@ def _plan(argv: list[str]) -> int:
             raise violation.error()
         est = evaluate(problem, layout)
         refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
-        n_stages, blocks = layout.pp * layout.chunks_per_rank, problem.shape.n_layers  # an uneven even split too
-        notes = split_notes(layout.schedule, layout.pp, layout.chunks_per_rank, layout.stage_layers or (
-            tuple(even_split(blocks, n_stages)) if layout.pp > 1 and blocks % n_stages else ()))
         if args.json:
             from shardwise.plan.goodput import run_cost
 
             print(json.dumps({**est.to_json(), "cost": run_cost(problem, est).to_json(), "trainable": refusal is None,
-                              "trainer_refusal": refusal, "split_notes": notes}, indent=2))
+                              "trainer_refusal": refusal,
+                              # every split is priced by its schedule's order now; kept for --json readers
+                              "split_notes": []}, indent=2))
         else:
             print(evaluate_text(problem, est), end="")
             refused = [f"this version's `shardwise train` refuses this layout ({refusal})"] if refusal else []
-            print("".join(f"note: {n}\n" for n in notes + refused), end="")
+            print("".join(f"note: {n}\n" for n in refused), end="")
         if args.plot:
             plot(args.plot, problem, [est])
         return 0

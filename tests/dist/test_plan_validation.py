@@ -135,6 +135,13 @@ CASES[2].update({
     # trainer's own, and are priced so (plan/inventory.py priced_layout); at the rank's average: -16.0% / -12.7%.
     "pp2_interleaved_v2_even_6": dict(PP, **{"model.n_layers": 6, "parallel.pp_schedule": "interleaved_1f1b",
                                             "parallel.pp_virtual_stages": 2}),
+    # The V schedules' orders are written out too (spec/stages.py v_order): rank 0 holds stages 0 and 3 (1 + 2
+    # blocks), rank 1 stages 1 and 2 (2 + 1), followed stage by stage. At the rank's average: ZB-V +16.8% /
+    # -13.6%, DualPipeV +21.6% / -6.0%.
+    "pp2_zbv_split_1_2_1_2": dict(PP, **{"model.n_layers": 6, "parallel.pp_schedule": "zbv", "parallel.pp_virtual_stages": 2,
+                                         "parallel.pp_layers_per_stage": "1,2,1,2"}),
+    "pp2_dualpipev_split_1_2_1_2": dict(PP, **{"model.n_layers": 6, "parallel.pp_schedule": "dualpipev",
+                                               "parallel.pp_virtual_stages": 2, "parallel.pp_layers_per_stage": "1,2,1,2"}),
 })
 # MoE x TP (parallel/tensor.py MoERegion): experts split on the ffn dim, the router's Partial gradient
 # all-reduced over tp; ZeRO-3 with 2 micro-batches syncs those Partial gradients per micro-batch.

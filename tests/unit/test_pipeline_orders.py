@@ -128,21 +128,19 @@ def test_the_planned_inflight_microbatches_are_the_peaks_of_torchs_order(schedul
                                                                               v, stage=p * v - 1)
 
 
-LOOPED = [c for c in CASES if c[0] in ("interleaved_1f1b", "zero_bubble")]
-
-
-@pytest.mark.parametrize("schedule,p,v,m", LOOPED, ids=[f"{s}-p{p}-v{v}-m{m}" for s, p, v, m in LOOPED])
-def test_the_looped_orders_written_out_are_torchs(schedule, p, v, m):
-    """spec/stages.py looped_order, which the planner replays under an uneven split, is torch's order action
-    for action; its bubbles at equal stage times are `bubble_seconds`', at unequal ones the replay of torch's
-    order."""
+@pytest.mark.parametrize("schedule,p,v,m", CASES, ids=[f"{s}-p{p}-v{v}-m{m}" for s, p, v, m in CASES])
+def test_the_orders_written_out_are_torchs(schedule, p, v, m):
+    """spec/stages.py looped_order (v_order for ZB-V and DualPipeV), which the planner replays under an uneven
+    split, is torch's order action for action; its bubbles at unequal stage times are the replay of torch's
+    order, and at equal ones the looped schedules' are `bubble_seconds`'."""
     order = torch_order(schedule, p, v, m)
     kinds = {CT.FORWARD: "F", CT.FULL_BACKWARD: "B", CT.BACKWARD_INPUT: "I", CT.BACKWARD_WEIGHT: "W"}
     for r in range(p):
         assert looped_order(schedule, p, v, m, r) == [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
                                                       for a in computed(order[r])], r
-    assert looped_bubbles_by_stage(schedule, p, v, m, [(1.0 / v, 2.0 / v)] * (p * v)) == pytest.approx(
-        [bubble_seconds(schedule, p, v, m, 1.0, 2.0)] * p)
+    if schedule not in ("zbv", "dualpipev"):
+        assert looped_bubbles_by_stage(schedule, p, v, m, [(1.0 / v, 2.0 / v)] * (p * v)) == pytest.approx(
+            [bubble_seconds(schedule, p, v, m, 1.0, 2.0)] * p)
     forward = [1.0 + 0.5 * (s % 3) for s in range(p * v)]
     backward = [2.0 * f for f in forward]
     span = replayed_span(order, forward, backward)
@@ -164,21 +162,16 @@ def weighted_peak(order: dict[int, list], rank: int, weights: dict[int, float]) 
 
 @pytest.mark.parametrize("schedule,p,v,m", CASES, ids=[f"{s}-p{p}-v{v}-m{m}" for s, p, v, m in CASES])
 def test_a_rank_with_stages_of_unequal_sizes_holds_what_the_order_holds(schedule, p, v, m):
-    """An uneven split (Layout.stage_layers) can give one rank stages of different sizes. Interleaved 1F1B and
-    zero bubble: plan/inflight.py looped_held follows torch's order stage by stage, exactly (interleaved's
-    average in flight was -12.7% / +6.7% on a CPU run, tests/dist/test_plan_validation.py). ZB-V and DualPipeV
-    are priced at the average, which `plan evaluate` notes with this range (spec/stages.py split_notes)."""
+    """An uneven split (Layout.stage_layers) can give one rank stages of different sizes: plan/inflight.py
+    looped_held follows torch's order stage by stage, exactly (interleaved's average in flight was -12.7% /
+    +6.7% on a CPU run, tests/dist/test_plan_validation.py; ZB-V's and DualPipeV's -33% .. +94% here)."""
     order = torch_order(schedule, p, v, m)
     for r in range(p):
         stages = stage_ids(schedule, p, v, r)
         for sizes in ((1, 2, 1, 3)[:v], (3, 1, 2, 1)[:v], (2, 3, 1, 1)[:v]):
             exact = weighted_peak(order, r, dict(zip(stages, map(float, sizes))))
-            if schedule in ("interleaved_1f1b", "zero_bubble"):
-                held = looped_held(schedule, p, m, v, r, list(map(float, sizes)))
-                assert sum(w * n for w, n in zip(sizes, held)) / sum(sizes) == pytest.approx(exact), (r, sizes)
-            else:
-                average = inflight_microbatches(schedule, p, m, v, False, rank=r)
-                assert -0.34 <= (average - exact) / exact <= 0.95, (r, sizes, average, exact)
+            held = looped_held(schedule, p, m, v, r, list(map(float, sizes)))
+            assert sum(w * n for w, n in zip(sizes, held)) / sum(sizes) == pytest.approx(exact), (r, sizes)
 
 
 def one_f_one_b(times: list[tuple[float, float]], m: int) -> dict[int, list]:
@@ -295,30 +288,6 @@ def test_every_ranks_bubble_of_an_uneven_split_is_its_orders(schedule):
         span = replay_span(order_of(times, m), p)
         assert -0.008 * span <= planned(times, m) - span <= 1e-9 * span, (times, m)
     assert looped_bubbles("interleaved_1f1b", 4, [(1.0, 2.0)] * 2) is None  # priced by rank_bubble
-
-
-@pytest.mark.parametrize("schedule,v", [("zbv", 2), ("dualpipev", 2)])
-def test_an_uneven_split_under_the_split_backward_schedules_is_priced_within_the_noted_range(schedule, v):
-    """Under ZB-V and DualPipeV the planner prices the trainer's own split with `rank_bubble` at the
-    lightest rank's times (plan/cost.py _split_bubbles returns None for them), and `plan evaluate` notes the
-    range this holds (spec/stages.py split_notes): stages of 2-4 blocks, the head 0.5-3 blocks' time."""
-    import random
-
-    rng = random.Random(0)
-    for _ in range(60):
-        p, ratio, head = rng.choice((2, 4, 8)), rng.choice((2.0, 3.0)), rng.choice((0.5, 1.5, 3.0))
-        m = rng.choice((p, 2 * p, 4 * p))
-        if microbatch_rule(schedule, p, m) is not None:
-            continue
-        n = p * v
-        forward = [rng.choice((2, 3, 4)) + 0.02 * (s == 0) + head * (s == n - 1) for s in range(n)]
-        backward = [ratio * f for f in forward]
-        span = replayed_span(torch_order(schedule, p, v, m), forward, backward)
-        times = [(sum(forward[s] for s in stage_ids(schedule, p, v, r)), sum(backward[s] for s in stage_ids(schedule, p, v, r)))
-                 for r in range(p)]
-        light = min(times, key=sum)
-        planned = max(m * sum(t) + rank_bubble(schedule, p, v, m, light, t, first=r == 0) for r, t in enumerate(times))
-        assert -0.18 * span <= planned - span <= 0.04 * span, (p, m, forward)
 
 
 def test_the_planner_builds_the_step_from_its_ranks_so():

@@ -218,8 +218,8 @@ def test_expert_ffn_tp_rule_agrees_with_the_trainers_preflight():
 
 def test_the_search_offers_the_trainers_balanced_split_where_it_is_faster():
     """A pipeline layout the search shows also appears cut as `pp_split = "balanced"` would (the head's stage
-    lighter), when the planner prices it faster and it fits; its TOML names the split; the V schedules, whose
-    split pricing is approximate, and layouts already split get no variant."""
+    lighter), when the planner prices it faster and it fits; its TOML names the split; layouts already split get
+    no variant; the V schedules get theirs (their orders are replayed like the looped ones')."""
     from shardwise.plan.search import _balanced_variants
 
     cfg = load_config(overrides=["--model.preset=llama3-8b", "--train.seq_len=4096", "--train.global_batch=32",
@@ -233,4 +233,5 @@ def test_the_search_offers_the_trainers_balanced_split_where_it_is_faster():
     assert balanced.layout.config_values(problem)["parallel"]["pp_layers_per_stage"] == [8, 9, 9, 6]
     assert _balanced_variants(problem, [balanced]) == []
     v_shape = evaluate(problem, Layout.from_config(cfg, 4).with_(schedule="dualpipev", virtual_stages=2))
-    assert _balanced_variants(problem, [v_shape]) == []
+    (v_balanced,) = _balanced_variants(problem, [v_shape])
+    assert v_balanced.layout.schedule == "dualpipev" and v_balanced.step_time_s < v_shape.step_time_s

@@ -343,11 +343,10 @@ def _offload_time(problem: Problem, lay: Layout, rank: RankModel, m: int) -> flo
 # ---------------------------------------------------------------------------------------------------
 # the whole estimate
 # ---------------------------------------------------------------------------------------------------
-def _split_bubbles(problem: Problem, lay: Layout, core: Layout, times: list[tuple[float, float]]) -> list[float] | None:
+def _split_bubbles(problem: Problem, lay: Layout, core: Layout, times: list[tuple[float, float]]) -> list[float]:
     """Every rank's bubble under the trainer's own split (`times`: each rank's micro-batch times): GPipe's and
-    1F1B's from those (spec/stages.py looped_bubbles); interleaved 1F1B's and zero bubble's from their orders
-    replayed with each stage's own times (looped_bubbles_by_stage); None for the V schedules (rank_bubble at
-    the lightest rank's times)."""
+    1F1B's from those (spec/stages.py looped_bubbles); interleaved 1F1B's, zero bubble's, ZB-V's and
+    DualPipeV's from their orders replayed with each stage's own times (looped_bubbles_by_stage)."""
     m = lay.accumulation(problem)
     if lay.schedule not in WRITTEN_OUT:
         return looped_bubbles(lay.schedule, m, times)

@@ -60,8 +60,8 @@ def inflight_microbatches(schedule: str, pp: int, m: int, v: int, first: bool, r
 
 
 def looped_held(schedule: str, pp: int, m: int, v: int, r: int, weights: list[float]) -> list[int]:
-    """Micro-batches in flight on each of rank r's v stages (execution order) under interleaved 1F1B or zero
-    bubble when their sum weighted by `weights` (a stage's bytes per micro-batch: an uneven split,
+    """Micro-batches in flight on each of rank r's v stages (execution order) under interleaved 1F1B, zero
+    bubble, ZB-V or DualPipeV when their sum weighted by `weights` (a stage's bytes per micro-batch: an uneven split,
     Layout.stage_layers) peaks, along torch's order (spec/stages.py looped_order; a micro-batch is held from
     its forward to its backward, or to its weight pass, the input pass retaining the graph). With equal
     weights the peak is `inflight_microbatches`'s; with unequal ones the heavier stage's micro-batches need

@@ -43,7 +43,7 @@ from shardwise.plan.screen import host_bytes, peak_bytes, states_lower_bound
 from shardwise.spec import rules
 from shardwise.spec.layout import Layout
 from shardwise.spec.rules import microbatch_rule, split_backward_rule
-from shardwise.spec.stages import V_SHAPED, balanced_split, even_split
+from shardwise.spec.stages import balanced_split, even_split
 
 RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
 TILE_OPTIONS = (2, 4, 8)  # parallel.linear_tiles tried when nothing fits without it
@@ -153,15 +153,16 @@ def search(problem: Problem, top: int = 10, allow_cross_node_tp: bool = False, a
 
 def _balanced_variants(problem: Problem, ranked: list[Estimate]) -> list[Estimate]:
     """The layouts shown, cut as `pp_split = "balanced"` would (spec/stages.py balanced_split: the head's and
-    the embedding's stages get fewer blocks), where that is faster and fits: the trainer runs them, and the
-    planner prices a split exactly for the looped schedules (plan/cost.py _split_bubbles), so the V schedules
-    are left as they are. Only the layouts the search timed get a variant: a balanced split can only speed a
+    the embedding's stages get fewer blocks), where that is faster and fits: the trainer runs them (the V
+    schedules' too: a 6-block ZB-V [2, 1, 1, 2] and DualPipeV [1, 2, 2, 1] over pp2 gave one process's losses
+    bitwise), and the planner prices every split by replaying the schedule's order (plan/cost.py
+    _split_bubbles). Only the layouts the search timed get a variant: a balanced split can only speed a
     layout up, so one the branch and bound dropped could gain too, which this does not look for."""
     costs, out = problem.shape.pipeline_costs(problem.seq_len), []
     for est in ranked:
         lay = est.layout
         n = lay.pp * lay.chunks_per_rank
-        if lay.pp == 1 or lay.schedule in V_SHAPED or lay.stage_layers or problem.shape.n_layers < n:
+        if lay.pp == 1 or lay.stage_layers or problem.shape.n_layers < n:
             continue
         split = tuple(balanced_split(costs, problem.shape.n_layers, [1.0] * n))
         if split == tuple(even_split(problem.shape.n_layers, n)):

@@ -21,7 +21,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpip
 V_SHAPED = ("zbv", "dualpipev")
 SINGLE_STAGE = ("gpipe", "1f1b")
 # Schedules whose action orders `looped_order` writes out as torch's: the planner replays them under a split.
-WRITTEN_OUT = ("interleaved_1f1b", "zero_bubble")
+WRITTEN_OUT = ("interleaved_1f1b", "zero_bubble", *V_SHAPED)
 # Schedules that split backward into an input-gradient and a later weight-gradient pass.
 SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
 
@@ -103,24 +103,6 @@ def trainer_split(p: Any, model: Any, seq_len: int) -> tuple[int, ...]:
 
         counts = layers_per_stage(p, model, seq_len, ModelShape.from_config(model).pipeline_costs(seq_len))
     return () if counts == even_split(model.n_layers, n_stages) else tuple(counts)
-
-
-def split_notes(schedule: str, pp: int, v: int, split: tuple[int, ...]) -> list[str]:
-    """What `plan evaluate` says of the trainer's own split (Layout.stage_layers) where it prices it less
-    exactly than the schedule's order would (tests/unit/test_pipeline_orders.py measures both ranges against
-    torch's orders): under ZB-V and DualPipeV the bubble is `rank_bubble`'s at the lightest rank's times,
-    whose heavier-rank rules assume one heavier rank at an end; and a rank whose stages differ in size is
-    priced at its stages' average in flight, which their orders need not keep (the looped schedules follow
-    their orders: plan/cost.py _split_bubbles, plan/inflight.py looped_held)."""
-    if not split or schedule not in V_SHAPED:
-        return []
-    notes = [f"the {schedule} bubble of this split ({list(split)} blocks per stage) is priced at its lightest rank's "
-             "times: -18% .. +4% against the replay of torch's order for stages of 2-4 blocks"]
-    uneven = [r for r in range(pp) if v > 1 and len({split[s] for s in stage_ids(schedule, pp, v, r)}) > 1]
-    if uneven:
-        notes.append(f"pipeline ranks {uneven} hold stages of unequal sizes: their activations are priced at the "
-                     f"stages' average in flight, which {schedule}'s order need not keep (-33% .. +94% for stages up to 3:1)")
-    return notes
 
 
 def stage_layers(counts: list[int]) -> list[list[int]]:
@@ -227,7 +209,7 @@ def looped_bubbles(schedule: str, m: int, times: list[tuple[float, float]]) -> l
     + max(0, R - n B), its (F, B) (the `rank_bubble` of a heavier first rank, generalised). Checked
     against the replay of both orders (tests/unit/test_pipeline_orders.py): GPipe exact for any times,
     1F1B exact with one rank heavier than the others and within -0.8% for splits of whole blocks.
-    None for the other schedules (priced by `rank_bubble` at the lightest rank's times)."""
+    None for the other schedules (their orders are replayed: `looped_bubbles_by_stage`)."""
     p = len(times)
     if schedule == "gpipe":
         span = sum(f + b for f, b in times) + (m - 1) * (max(f for f, _ in times) + max(b for _, b in times))
@@ -243,7 +225,7 @@ def looped_bubbles(schedule: str, m: int, times: list[tuple[float, float]]) -> l
 
 def looped_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
     """The compute actions (F, B, or the split backward's I and W; stage; micro-batch) pipeline rank r runs
-    under interleaved 1F1B or zero bubble, in torch's order (ScheduleInterleaved1F1B and
+    under interleaved 1F1B or zero bubble (ZB-V and DualPipeV: `v_order`), in torch's order (ScheduleInterleaved1F1B and
     ScheduleInterleavedZeroBubble, their `_get_1f1b_rank_ops`): W0 = min((v-1)k + c(p-1-r), mv) warm-up
     forwards (c = 2, zero bubble 1), the i-th on the rank's local stage (i // k) mod v (k = m // (m // p)
     micro-batches a round), then a forward and a backward per step, the backward's local stage
@@ -251,6 +233,8 @@ def looped_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[st
     its (r+1)-th on each is followed by the weight pass of the oldest one waiting, the rest at the end. Each
     stage takes its micro-batches in order. Equal to torch's own orders (tests/unit/test_pipeline_orders.py);
     the planner replays them where a split makes the stages unequal."""
+    if schedule in V_SHAPED:
+        return v_order(schedule, p, m, r)
     zero_bubble = schedule == "zero_bubble"
     k, total = m // max(1, m // p), m * v
     warm = min((v - 1) * k + (1 if zero_bubble else 2) * (p - 1 - r), total)
@@ -276,8 +260,84 @@ def looped_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[st
     return out
 
 
+def v_order(schedule: str, p: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """`looped_order` for the V schedules: rank r runs stage a = r down the V and stage b = 2p-1-r back up, in
+    the phases of torch's ScheduleZBVZeroBubble and ScheduleDualPipeV (Qi et al. 2024, arXiv 2401.10241 §6;
+    DeepSeek-V3's DualPipe, arXiv 2412.19437 §3.2.1, as torch cuts it to one V). Each stage takes each kind
+    of action in micro-batch order; a DualPipeV full backward (B) counts as its stage's input and weight
+    pass, a lone input pass (I) queues its weight pass (W), which runs oldest first where the phase has a
+    slot; an overlapped forward and backward is written as the forward then the backward (as torch's
+    runtime runs it). ZB-V fills its phases for max(m, 2p-1) micro-batches and drops those past m."""
+    a, b = r, 2 * p - 1 - r
+    taken: dict[tuple[str, int], int] = {}
+    out: list[tuple[str, int, int]] = []
+    waiting: list[tuple[int, int]] = []  # (stage, micro-batch) input passes whose weight pass has not run
+
+    def count(kind: str, stage: int) -> int:
+        taken[(kind, stage)] = taken.get((kind, stage), 0) + 1
+        return taken[(kind, stage)] - 1
+
+    def act(kind: str, stage: int) -> None:
+        if kind == "W" and schedule == "dualpipev":
+            stage, mb = waiting.pop(0)
+            count("W", stage)
+        elif kind == "B":  # a full backward is its stage's next input pass, and a weight pass too
+            mb = count("I", stage)
+            count("W", stage)
+        else:
+            mb = count(kind, stage)
+            if kind == "I" and schedule == "dualpipev":
+                waiting.append((stage, mb))
+        out.append((kind, stage, mb))
+
+    def weight_if_waiting() -> None:
+        if waiting:
+            act("W", waiting[0][0])
+
+    if schedule == "zbv":
+        n = max(2 * p - 1, m)
+        steps = [("F", a)] * (2 * (p - r) - 1) + [("F", b), ("F", a)] * r + [("F", b), ("I", b), ("W", b)] * (p - r)
+        for kind, stage in steps:
+            act(kind, stage)
+        while taken.get(("F", b), 0) < taken.get(("F", a), 0) or taken.get(("F", a), 0) < n:
+            if taken.get(("F", a), 0) < n:
+                act("F", a)
+            for kind, stage in (("I", a), ("W", a), ("F", b), ("I", b), ("W", b)):
+                act(kind, stage)
+        for kind, stage in [("I", a), ("I", b)] * r + [("I", a), ("W", a)] * (p - r):
+            act(kind, stage)
+        for stage in (b, a):
+            while taken.get(("W", stage), 0) < taken.get(("I", stage), 0):
+                act("W", stage)
+        return [action for action in out if action[2] < m]
+    for kind, stage in [("F", a)] * (2 * (p - r - 1)) + [("F", a), ("F", b)] * (r + 1):
+        act(kind, stage)
+    for _ in range(p - r - 1):
+        act("I", b)
+        weight_if_waiting()
+        act("F", b)
+    for _ in range(m - 2 * p + r + 1):  # overlapped F0 B1 and F1 B0
+        for kind, stage in (("F", a), ("B", b), ("F", b), ("B", a)):
+            act(kind, stage)
+    for _ in range(p - r - 1):
+        for kind, stage in (("B", b), ("F", b), ("B", a)):
+            act(kind, stage)
+    split = False  # the second half of the last backwards split into input and weight passes
+    for i in range(r + 1):
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        act("I" if split else "B", b)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        act("I" if split else "B", a)
+    for _ in range(p - r - 1):
+        weight_if_waiting()
+        act("I" if split else "B", a)
+    for _ in range(r + 1):
+        weight_if_waiting()
+    return out
+
+
 def looped_bubbles_by_stage(schedule: str, p: int, v: int, m: int, stage_times: list[tuple[float, float]]) -> list[float]:
-    """Each pipeline rank's idle under interleaved 1F1B or zero bubble with stages of any times (t_f, t_b) per
+    """Each pipeline rank's idle under interleaved 1F1B, zero bubble, ZB-V or DualPipeV with stages of any times (t_f, t_b) per
     micro-batch (an uneven split; a split backward's input and weight passes t_b/2 each): the makespan of
     torch's order (`looped_order`, `replay_span`) less the rank's own m x (its stages' t_f + t_b)."""
     share = {"F": (0, 1.0), "B": (1, 1.0), "I": (1, 0.5), "W": (1, 0.5)}
