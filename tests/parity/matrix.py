@@ -130,6 +130,8 @@ PP_FAMILY = [
     _pp("pp2_explicit_1_7", 2, 2, "1f1b", **{"parallel.pp": 2, "parallel.pp_layers_per_stage": [1, 7]}),
     _pp("pp2_balanced_speeds_1_3", 2, 2, "1f1b", **{"parallel.pp": 2, "parallel.pp_split": "balanced",
                                                    "parallel.pp_stage_speeds": [1.0, 3.0]}),
+    # A V schedule's own split (plan search offers balanced V variants): rank 0 holds stages 0 and 3
+    _pp("pp2_dualpipev_split_1_3_3_1", 2, 2, "dualpipev", 2, **{"parallel.pp": 2, "parallel.pp_layers_per_stage": [1, 3, 3, 1]}),
     # world size 4
     _pp("pp4_gpipe", 4, 1, "gpipe", **{"parallel.pp": 4}),
     _pp("pp4_1f1b", 4, 1, "1f1b", **{"parallel.pp": 4}),
