@@ -158,6 +158,11 @@ def test_the_final_models_line_points_at_the_checkpoint_or_at_writing_one(tmp_pa
     assert none.startswith("rank 1 ran out of host memory") and none.endswith(
         "no checkpoint holds the last step's weights (checkpoint.final=false): rerun with --checkpoint.final=true "
         f"--run.save_final_model=false, then `shardwise export --run-dir {run} --hf OUT`")
+    gpt = final_model_line(0, "cpu", HOST_WORDS, path, 100, run, kept, exportable=False)  # no Hugging Face export
+    assert gpt.endswith(f"its checkpoint {kept} is intact, with the weights `shardwise generate --run-dir {run}` and a "
+                        "resume read (this model has no Hugging Face export)")
+    assert final_model_line(0, "cpu", HOST_WORDS, path, 100, run, None, exportable=False).endswith(
+        "rerun with --checkpoint.final=true --run.save_final_model=false")
 
 
 def test_the_checkpoint_save_line_names_what_else_holds_host_memory():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -167,21 +167,25 @@ def _setup_line(cfg: Config, rank: int, world_size: int, what: str) -> str:
 
 
 def final_model_line(rank: int, device_type: str, what: str, path: Path, step: int, run_dir: Path,
-                     final_checkpoint: Path | None) -> str:
+                     final_checkpoint: Path | None, exportable: bool = True) -> str:
     """The one line of a failed allocation while `run.save_final_model` gathers the whole model onto one rank
     (exit 7, not restarted: the same gather fails the same way). The steps are done; what the user does
     next is get the weights another way: `shardwise export` reads the last step's checkpoint on one
     process, one output shard of weights in memory at a time (train/export.py), where the gather held the
-    whole fp32 model on rank 0 beside its share of the training state. Without that checkpoint
-    (checkpoint.final=false) the last steps must run again to write one."""
+    whole fp32 model on rank 0 beside its share of the training state; a model without a Hugging Face
+    equivalent (`exportable` False: a GPT, an MoE) keeps them in the checkpoint, which `shardwise generate
+    --run-dir` reads. Without that checkpoint (checkpoint.final=false) the last steps must run again."""
     export = f"`shardwise export --run-dir {run_dir} --hf OUT`"
-    if final_checkpoint is not None:
+    if final_checkpoint is None:
+        next_step = ("no checkpoint holds the last step's weights (checkpoint.final=false): rerun with "
+                     "--checkpoint.final=true --run.save_final_model=false" + (f", then {export}" if exportable else ""))
+    elif exportable:
         next_step = (f"the training is complete and its checkpoint {final_checkpoint} is intact: write the full "
                      f"weights from it with {export} (one output shard in memory at a time) instead of "
                      "run.save_final_model")
     else:
-        next_step = ("no checkpoint holds the last step's weights (checkpoint.final=false): rerun with "
-                     f"--checkpoint.final=true --run.save_final_model=false, then {export}")
+        next_step = (f"the training is complete and its checkpoint {final_checkpoint} is intact, with the weights "
+                     f"`shardwise generate --run-dir {run_dir}` and a resume read (this model has no Hugging Face export)")
     return (f"rank {rank} ran out of {allocator_place(what, device_type)} memory writing the full model to {path} "
             f"(run.save_final_model) after the last step ({step}): {what}; {next_step}")
 
@@ -241,8 +245,9 @@ def saving_checkpoint(cfg: Config, rank: int, device_type: str, step: int, kept:
 
 
 def saving_final_model(rank: int, device_type: str, path: Path, step: int, run_dir: Path, final_checkpoint: Path | None,
-                       run_id: str):
+                       run_id: str, model: Any):
     """Around run.save_final_model's gather and write: out of memory there becomes errors.OutOfMemory with
-    final_model_line."""
-    return reported_as_out_of_memory(lambda what: final_model_line(rank, device_type, what, path, step, run_dir, final_checkpoint),
-                                     run_dir, run_id)
+    final_model_line (`model`: the ModelConfig; a dense llama is what `shardwise export` writes, spec/hf.py)."""
+    exportable = model.arch == "llama" and not model.moe.enabled
+    return reported_as_out_of_memory(lambda what: final_model_line(rank, device_type, what, path, step, run_dir, final_checkpoint,
+                                                                   exportable), run_dir, run_id)

@@ -479,7 +479,7 @@ class Trainer:
         """run.save_final_model; out of memory in its gather says how to get the weights from the last checkpoint."""
         newest = self.checkpoints.latest()
         final = newest if newest is not None and mf.step_of(newest) == self.step else None
-        with saving_final_model(self.rank, self.device.type, path, self.step, self.run_dir, final, self.run_id):
+        with saving_final_model(self.rank, self.device.type, path, self.step, self.run_dir, final, self.run_id, self.cfg.model):
             self.save_full_model(path)
 
     def save_full_model(self, path: Path) -> None:
