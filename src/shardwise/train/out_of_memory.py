@@ -229,13 +229,19 @@ def reported_as_out_of_memory(line_for: Callable[[str], str], run_dir: Path | No
 
 
 @contextlib.contextmanager
-def saving_checkpoint(cfg: Config, rank: int, device_type: str, step: int, kept: str, run_dir: Path, run_id: str):
+def saving_checkpoint(cfg: Config, rank: int, device_type: str, step: int, kept: Callable[[], str], run_dir: Path,
+                      run_id: str):
     """Around Trainer.save_checkpoint's save: out of memory in DCP's save (SaveOutOfMemory: agreed by every rank,
     the partial checkpoint removed) or outside it on one rank (DCP's planning, a state dict, the checksums)
-    becomes errors.OutOfMemory with checkpoint_save_line. `kept` (what remains to resume from, in words) is
-    found before the save: with memory short, listing a directory can fail too."""
+    becomes errors.OutOfMemory with checkpoint_save_line. `kept()` (what remains to resume from, in words)
+    lists the checkpoint directory, only on failure (every rank, every save, would load a shared file system);
+    with memory short that can fail too, and the line then says less."""
     def line(what: str, removed: bool = False) -> str:
-        return checkpoint_save_line(cfg, rank, device_type, what, step, kept, removed)
+        try:
+            remains = kept()
+        except (OSError, MemoryError):
+            remains = "the earlier checkpoints were not touched"
+        return checkpoint_save_line(cfg, rank, device_type, what, step, remains, removed)
     try:
         with reported_as_out_of_memory(line, run_dir, run_id):
             yield
