@@ -219,8 +219,8 @@ def compute_lower_bound(problem: Problem, core: Layout, schedule: str, v: int) -
 def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float:
     """`step(...)[0]` for `core` run with `schedule` / `v`, without building the breakdown (search path). An
     uneven even split that priced_layout prices rank by rank is priced so here too under GPipe and 1F1B (their
-    bubbles are closed forms of every rank's times); under interleaved 1F1B and zero bubble it is screened
-    with the rank's average (replaying their orders here took the 405B search with --allow-uneven-pp from 3 s
+    bubbles are closed forms of every rank's times); under the schedules whose orders are replayed it is
+    screened with the rank's average (replaying their orders here took the 405B search with --allow-uneven-pp from 3 s
     to 153 s; plan/search.py prices the layouts it shows exactly)."""
     if schedule in SINGLE_STAGE and priced_layout(problem.shape, whole := core.with_(schedule=schedule)) is not whole:
         return step(problem, whole)[0]

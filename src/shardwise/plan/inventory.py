@@ -76,12 +76,14 @@ def stage_model(shape: ModelShape, n_stages: int, s: int, split: tuple[int, ...]
 
 def priced_layout(shape: ModelShape, lay: Layout) -> Layout:
     """`lay` as the planner prices it rank by rank (every rank sized; the bubble from every rank's times,
-    plan/cost.py _split_bubbles; interleaved 1F1B's and zero bubble's orders walked stage by stage,
+    plan/cost.py _split_bubbles; the orders of the schedules with several stages a rank walked stage by stage,
     plan/memory.py rank_memory): with the trainer's own split, and also with an even split that is uneven.
     Its first stages hold one block more, which the closed forms of the first and the last rank misprice:
-    - interleaved 1F1B and zero bubble over several stages a rank: the rank's stages differ, and at their
-      average in flight a CPU run (pp2 x 2 stages, 6 blocks as [2, 2, 1, 1], tests/dist/test_plan_validation.py)
-      had 16.0% / 12.7% more activations than planned (now exact); Llama 3 8B pp8 x 3 stages: peak -8.2%;
+    - interleaved 1F1B, zero bubble, ZB-V and DualPipeV over several stages a rank: the rank's stages differ,
+      and at their average in flight a CPU run (pp2 x 2 stages, 6 blocks as [2, 2, 1, 1],
+      tests/dist/test_plan_validation.py) had 16.0% / 12.7% more activations than planned (now exact); Llama 3
+      8B pp8 x 3 stages: peak -8.2%; Llama 3 405B over pp32 x 2 ([2]*62 + [1]*2): DualPipeV's bubble 0 s against
+      its order's 0.756 s;
     - GPipe and 1F1B: every heavier rank waits on the others, not the first alone (rank_bubble): Llama 3 405B,
       126 blocks over pp32 as [4]*30 + [3]*2, 1F1B: bubble 1.550 s against the replayed order's 1.929 s, the
       step 5.9% fast (now the replay's, looped_bubbles); 8B pp6: bubble +11%.
