@@ -344,3 +344,24 @@ def test_an_uneven_even_split_is_priced_as_its_replayed_order(schedule):
     assert step_seconds(problem, lay, schedule, 1) == t
     if schedule == "1f1b":
         assert breakdown["bubble"] == pytest.approx(1.929, abs=1e-3)  # 1.550 s with rank_bubble
+
+
+def test_zero_bubbles_uneven_even_split_is_priced_by_its_order():
+    """Zero bubble with one stage a rank over pp64 (126 blocks as [2]*62 + [1]*2): rank_bubble put the step 2.3%
+    fast (4.777 s against its order's 4.888 s), enough to top the 405B --allow-uneven-pp search; evaluate
+    now replays the order, as for the explicit split (the search's screen keeps the closed form)."""
+    from shardwise.config import load_config
+    from shardwise.plan.cost import evaluate, step_seconds
+    from shardwise.plan.layout import Problem
+    from shardwise.spec.layout import Layout
+
+    cfg = load_config(None, ["--model.preset=llama3-405b", "--cluster.gpu=h100-sxm-80gb", "--cluster.num_gpus=16384",
+                             "--train.seq_len=8192", "--train.global_batch=2048", "--train.micro_batch=1", "--parallel.zero=2",
+                             "--parallel.pp=64", "--parallel.pp_schedule=zero_bubble", "--parallel.dp_shard=16",
+                             "--parallel.cp=8", "--parallel.tp=2"])
+    problem = Problem.from_config(cfg)
+    lay = Layout.from_config(cfg, 16384)
+    got = evaluate(problem, lay)
+    assert got.step_time_s == evaluate(problem, lay.with_(stage_layers=tuple([2] * 62 + [1] * 2))).step_time_s
+    assert got.step_time_s == pytest.approx(4.888, abs=1e-3)
+    assert step_seconds(problem, lay, "zero_bubble", 1) == pytest.approx(4.777, abs=1e-3)  # the screen's closed form

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from shardwise.plan.tp2d import grid_q
 from shardwise.spec.layout import Layout
 from shardwise.spec.shapes import ModelShape, ParamSpec
-from shardwise.spec.stages import SINGLE_STAGE, V_SHAPED, WRITTEN_OUT, even_split
+from shardwise.spec.stages import V_SHAPED, even_split
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,13 @@ def priced_layout(shape: ModelShape, lay: Layout) -> Layout:
     - GPipe and 1F1B: every heavier rank waits on the others, not the first alone (rank_bubble): Llama 3 405B,
       126 blocks over pp32 as [4]*30 + [3]*2, 1F1B: bubble 1.550 s against the replayed order's 1.929 s, the
       step 5.9% fast (now the replay's, looped_bubbles); 8B pp6: bubble +11%.
-    Zero bubble with one stage a rank keeps the closed form (-0.6% on 405B pp16: its replay costs the search
-    most). The explicit split gives the same RankModels as the even one (pipeline_rank); an even split of
+    - zero bubble with one stage a rank: its order's bubble, which rank_bubble put 0.6% (405B pp16) to 2.3%
+      (pp64) fast.
+    The explicit split gives the same RankModels as the even one (pipeline_rank); an even split of
     whole stages keeps the closed forms, exact there."""
     n = lay.pp * lay.chunks_per_rank
     uneven = lay.pp > 1 and n <= shape.n_layers and shape.n_layers % n != 0
-    stage_by_stage = lay.schedule in SINGLE_STAGE or (lay.schedule in WRITTEN_OUT and lay.chunks_per_rank > 1)
-    if lay.stage_layers or not uneven or not stage_by_stage:
+    if lay.stage_layers or not uneven:
         return lay
     return lay.with_(stage_layers=tuple(even_split(shape.n_layers, n)))
 
