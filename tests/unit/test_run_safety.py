@@ -306,6 +306,13 @@ def test_launcher_names_the_root_cause(capsys, tmp_path):
                            1: _failure(1, "ValueError: bad shape", 2, 7)}, tmp_path) == 1
     err = capsys.readouterr().err
     assert "rank 1 (pid 7) failed: ValueError: bad shape" in err and "errors/rank_1.txt" in err
+    # No error record (a native crash, or memory too short even to report): torchelastic's link to its docs
+    # was the line ("failed: To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html").
+    docs = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    assert report_failure({0: _failure(1, docs, 1, 9), 1: _failure(1, "RuntimeError: Connection closed by peer", 2)}) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: rank 0 (pid 9) exited with code 1 and no Python error: native code crashed, or memory "
+                          "ran out even for reporting (its own output above says more); 1 other rank(s)"), err
 
 
 

@@ -238,6 +238,11 @@ class _StopBeforeWorkers:
         self.previous = {}
 
 
+# torchelastic's ProcessFailure message for a worker that exited non-zero without writing its error file
+# (torch/distributed/elastic/multiprocessing/errors/__init__.py): a link to its documentation.
+TORCHELASTIC_NO_RECORD = "To enable traceback see:"
+
+
 def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Path | None = None,
                    every_node: bool = False) -> int:
     """The job's exit code from torchelastic's per-rank ProcessFailure records; prints the root cause
@@ -257,7 +262,9 @@ def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Pat
         if message and lost_peer(message[0]):  # every rank here only lost a peer: the cause is on another node
             what = lost_peer_line(message[0])
         else:
-            what = f"failed: {message[0][:300] if message else f'exit code {failure.exitcode}'}"
+            what = f"failed: {message[0][:300]}" if message else (
+                f"exited with code {failure.exitcode} and no Python error: native code crashed, or memory ran out even "
+                "for reporting (its own output above says more)")
         if run_dir is not None and (run_dir / "errors" / f"rank_{rank}.txt").is_file():
             what += f" (traceback: {run_dir / 'errors' / f'rank_{rank}.txt'})"
     others = len(failures) - 1
@@ -270,11 +277,13 @@ def failure_message(failure) -> str:
     """The exception's own "Type: message" of a failed worker. torchelastic's record of a Python
     exception is a dict {"message": ..., "extraInfo": {"py_callstack": <traceback>, ...}}: printed as
     it is, the user's one line was that dict with a traceback cut mid-word (the traceback is in
-    <run.dir>/errors/rank_N.txt)."""
+    <run.dir>/errors/rank_N.txt). A worker that left no record gets torchelastic's pointer to its docs
+    instead (TORCHELASTIC_NO_RECORD), which says nothing of this failure: no message."""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
-    return str(message or "").strip()
+    message = str(message or "").strip()
+    return "" if message.startswith(TORCHELASTIC_NO_RECORD) else message
 
 
 def _signal_name(signum: int) -> str:
