@@ -85,7 +85,7 @@ def test_a_pipeline_stage_is_gathered_to_host_memory_one_tensor_at_a_time(monkey
     here (the gathering itself by the parity matrix's pipeline layouts with ZeRO-3 and TP)."""
     from torch import nn
 
-    from shardwise.train import checkpoint
+    from shardwise.train import full_model
 
     asked = []
 
@@ -93,8 +93,8 @@ def test_a_pipeline_stage_is_gathered_to_host_memory_one_tensor_at_a_time(monkey
         asked.append(options)
         return {"b": torch.ones(2), "a": torch.zeros(3)}
 
-    monkeypatch.setattr(checkpoint, "get_model_state_dict", state_dict)
-    assert checkpoint.gather_pipeline_state(nn.Linear(1, 1), {}, {}, None, 1, in_rank0_pipeline=False) == {}
+    monkeypatch.setattr(full_model, "get_model_state_dict", state_dict)
+    assert full_model.gather_pipeline_state(nn.Linear(1, 1), {}, {}, None, 1, in_rank0_pipeline=False) == {}
     assert asked and all(o is None or not o.full_state_dict for o in asked)
-    on_host = checkpoint.full_tensors_on_host(nn.Linear(1, 1))
+    on_host = full_model.full_tensors_on_host(nn.Linear(1, 1))
     assert list(on_host) == ["a", "b"] and all(t.device.type == "cpu" for t in on_host.values())

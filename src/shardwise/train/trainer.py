@@ -37,15 +37,15 @@ from shardwise.parallel.tensor2d import Grid, cross_entropy_sum, vocab_offset
 from shardwise.preflight import check, check_batch
 from shardwise.spec.dims import lowp_params, offload_tier
 from shardwise.spec.layout import fp8_gemm_fits
-from shardwise.spec.stages import stage_of_parameter, stage_rank
 from shardwise.tensors import local_shard
 from shardwise.train import manifest as mf
 from shardwise.train import moe_stats
 from shardwise.train.agreement import check_same_setup, setup_facts
-from shardwise.train.checkpoint import CheckpointManager, full_model_state, gather_pipeline_state, read_rank_state
+from shardwise.train.checkpoint import CheckpointManager, read_rank_state
 from shardwise.train.control import Control
 from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
 from shardwise.train.distributed import default_device
+from shardwise.train.full_model import full_model_state, gather_pipeline_state, pipeline_owners
 from shardwise.train.health import StepGuard, Verdict
 from shardwise.train.loader import BatchPrefetcher
 from shardwise.train.loss import EAGER as EAGER_LOSS
@@ -489,12 +489,7 @@ class Trainer:
             torch.save(state, path)
 
     def _gather_pipeline_model(self) -> dict[str, torch.Tensor]:
-        p = self.cfg.parallel
-        with torch.device("meta"):
-            whole = build_model(self.cfg.model)
-        shapes = {name: param.shape for name, param in whole.named_parameters()}
-        owner = {name: stage_rank(p.pp_schedule, p.pp, p.pp_virtual_stages, stage_of_parameter(name, self.pipeline_layers))
-                 for name in shapes}
+        shapes, owner = pipeline_owners(self.cfg, self.pipeline_layers)
         coords = self.dims.coordinates(self.rank)
         in_rank0_pipeline = all(v == 0 for axis, v in coords.items() if axis != "pp")
         return gather_pipeline_state(self.model, shapes, owner, self.mesh["pp"].get_group(), coords["pp"], in_rank0_pipeline)
