@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gpu_report import Row, metrics, peak_split, planner_summary, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
+from gpu_hf_rows import hf_row
+from gpu_report import Row, metrics, one_line, peak_split, planner_summary, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # a checkout runs as it is (PYTHONPATH=src on the GPU machine)
@@ -99,13 +100,6 @@ class Ctx:
     def shardwise(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
                               cwd=self.out, env=self.env, timeout=self.limit(timeout))
-
-
-def one_line(p: subprocess.CompletedProcess) -> str:
-    """The line a failed command ended with: shardwise's own error line, else the last line of stderr."""
-    lines = [ln.strip() for ln in (p.stderr or p.stdout or "").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("error")]
-    return (errors[-1] if errors else lines[-1] if lines else f"exit code {p.returncode}")[:300]
 
 
 def predict(ctx: Ctx, run: Path) -> dict[str, float]:
@@ -167,74 +161,6 @@ def resume_row(ctx: Ctx) -> Row:
     worst = max(abs(a[s] - b[s]) for s in range(5, 9))
     return Row(name, "pass" if worst == 0 else "fail", "steps 5-8 bitwise after resuming from step 4" if worst == 0
                else f"steps 5-8 differ by up to {worst:.3e} after resuming from step 4", measured={"final_loss": b[8]})
-
-
-_GREEDY = """
-import json, sys, torch, transformers
-model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
-ids = torch.tensor([[int(i) for i in sys.argv[2].split(",")]])
-out = model.generate(ids, max_new_tokens=int(sys.argv[3]), do_sample=False, eos_token_id=None)
-print(json.dumps(out[0, ids.shape[1]:].tolist()))
-"""
-PROMPT, NEW_TOKENS = "1,2,3,4,5,6,7,8", 8
-
-
-def _ids(p: subprocess.CompletedProcess) -> list[int]:
-    return json.loads(p.stdout.strip().splitlines()[-1])["ids"][-NEW_TOKENS:]
-
-
-# tests/hf_models.py save_random_llama's llama, rebuilt here: that module imports pytest to skip without
-# transformers, and gpu-check runs outside pytest.
-_RANDOM_HF = """
-import sys, torch, transformers
-torch.manual_seed(0)
-config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                  rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2)
-transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1])
-"""
-
-
-def transformers_ids(ctx: Ctx, name: str) -> tuple[list[int] | None, str]:
-    """The Hugging Face directory of row `name` and the greedy ids transformers generates from it (fp32, on
-    the CPU): (ids, "") or (None, why not). hf/export: the resume row's run exported (`shardwise export`);
-    hf/import: a random llama whose weights (std 0.2) give sharp logits, so the ids differ from step to
-    step and a wrong position, mask or cache slot changes them (a model trained for 8 steps repeats one
-    token: its ids would pass a broken decoder)."""
-    hf = ctx.out / name.replace("/", "_")
-    shutil.rmtree(hf, ignore_errors=True)
-    if name == "hf/export":
-        run = ctx.out / "runs" / "resume_cut"
-        if not (run / "checkpoints").is_dir():
-            return None, "needs the checkpoint of the resume/bitwise row"
-        p = ctx.shardwise("export", "--run-dir", str(run), "--hf", str(hf))
-    else:
-        p = subprocess.run([sys.executable, "-c", _RANDOM_HF, str(hf)], capture_output=True, text=True, env=ctx.env,
-                           timeout=ctx.limit())
-    if p.returncode == 0:
-        p = subprocess.run([sys.executable, "-c", _GREEDY, str(hf), PROMPT, str(NEW_TOKENS)], capture_output=True,
-                           text=True, env=ctx.env, timeout=ctx.limit())
-    return (json.loads(p.stdout.strip().splitlines()[-1]), "") if p.returncode == 0 else (None, one_line(p))
-
-
-def hf_row(ctx: Ctx, name: str) -> Row:
-    """Greedy ids of shardwise on this device equal transformers' (fp32, so no rounding to argue about).
-    hf/export: `generate --run-dir` of the run that was exported. hf/import: `generate --hf` of a random
-    llama, eager and compiled (`--compile=on`: on a GPU the CUDA-graph decode over the static cache)."""
-    theirs, why = transformers_ids(ctx, name)
-    if theirs is None:
-        return Row(name, "fail", why)
-    source = ["--run-dir", str(ctx.out / "runs" / "resume_cut")] if name == "hf/export" else ["--hf", str(ctx.out / "hf_import")]
-    modes = ["off"] if name == "hf/export" else ["off", "on"]
-    for mode in modes:
-        ours = ctx.shardwise("generate", *source, "--prompt-ids", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy",
-                             "--ignore-eos", "--json", "--dtype", "float32", f"--compile={mode}")
-        if ours.returncode != 0:
-            return Row(name, "fail", f"--compile={mode}: {one_line(ours)}")
-        if _ids(ours) != theirs:
-            return Row(name, "fail", f"shardwise {source[0]} --compile={mode} {_ids(ours)} vs transformers {theirs}")
-    return Row(name, "pass", f"greedy ids {theirs}: transformers and shardwise {source[0]}"
-               + (" eager and compiled" if len(modes) > 1 else ""))
 
 
 def layout_row(ctx: Ctx, name: str) -> Row:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,3 +239,10 @@ def write_report(out: Path, rows: list[Row], header: dict[str, Any]) -> None:
     (out / "report.json").write_text(json.dumps({**header, "rows": [dataclasses.asdict(r) for r in rows],
                                                  "targets": goals}, indent=1))
     (out / "report.md").write_text(report_md(rows, header, goals))
+
+
+def one_line(p: subprocess.CompletedProcess) -> str:
+    """The line a failed command ended with: shardwise's own error line, else the last line of stderr."""
+    lines = [ln.strip() for ln in (p.stderr or p.stdout or "").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error")]
+    return (errors[-1] if errors else lines[-1] if lines else f"exit code {p.returncode}")[:300]
