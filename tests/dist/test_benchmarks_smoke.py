@@ -117,7 +117,9 @@ def test_every_benchmark_has_a_smoke_test():
     # --profile of gpu_throughput.py and decode.py (on in their smokes), and memory_peak.py, which reads a
     # GPU's allocator history: both tested in tests/unit on traces and histories in torch's formats;
     # kernels.py's timer and overhead section, smoked with it.
-    helpers = {"gpu_report.py", "kernel_breakdown.py", "memory_peak.py", "kernel_timing.py", "kernel_overhead.py"}
+    # gpu_hf_rows.py: gpu-check's Hugging Face rows, hf/import run on CPU in tests/dist/test_gpu_check.py.
+    helpers = {"gpu_report.py", "gpu_hf_rows.py", "kernel_breakdown.py", "memory_peak.py", "kernel_timing.py",
+               "kernel_overhead.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
 
 

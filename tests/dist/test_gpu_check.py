@@ -175,3 +175,13 @@ def test_rows_run_end_to_end_on_cpu(tmp_path):
     assert 0 < train["measured"]["warmup_s"] < train["measured"]["steps_s"] < train["seconds"]
     assert "| train/eager | 1 |" in md and "| layout | 1 |" in md and "the check took" in md
     assert not list(tmp_path.glob("runs/*/loss_curve.png"))
+
+
+def test_the_hugging_face_import_row_runs_on_cpu(tmp_path):
+    """hf/import (benchmarks/gpu_hf_rows.py): a random llama saved by transformers, its greedy ids from
+    transformers and from `shardwise generate --hf`, eager and compiled, equal in fp32; the rows' code runs
+    here as it does on a GPU (the device aside)."""
+    pytest.importorskip("transformers", reason="hf/import compares with transformers' generate")
+    p = _run("--device", "cpu", "--only", "hf/import", "--out", str(tmp_path / "hf"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "PASS hf/import" in p.stdout and "transformers and shardwise --hf eager and compiled" in p.stdout
