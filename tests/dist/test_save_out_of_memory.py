@@ -115,8 +115,8 @@ def test_out_of_memory_writing_the_final_model_exits_7_and_export_gives_the_weig
 def test_out_of_memory_saving_a_checkpoint_exits_7_and_a_rerun_trains(common, tmp_path):
     """A checkpoint save that cannot allocate (4 MB over what the ranks map when it begins). Before: exit 1 and
     a traceback, or C++ enforce text. Now: exit 7, one line naming the step, what became of the partial
-    checkpoint and what else is intact, and what to free. The rerun it asks for trains to the end and sets
-    the partial checkpoint aside, never resuming from it."""
+    checkpoint and what else is intact, and what to free. The rerun it asks for trains to the end, never
+    resuming from the partial checkpoint, which its own save of that step replaces."""
     run = tmp_path / "capped"
     partial = run / "checkpoints" / "step_00000001.tmp"
     code, out, err = _run_capped_from(common, run, partial, 4 << 20, "--checkpoint.every=1")
@@ -125,8 +125,9 @@ def test_out_of_memory_saving_a_checkpoint_exits_7_and_a_rerun_trains(common, tm
     errors = _errors(err)
     assert len(errors) == 1, errors
     assert re.match(r"error: checkpoint: rank [01] ran out of host memory saving step 1: .*; the partial checkpoint "
-                    r"(was removed|is set aside on resuming) and no earlier checkpoint exists; fix: free host memory on this "
-                    r"node \(other processes hold it\) or run fewer ranks per node, then rerun$", errors[0]), errors
+                    r"(was removed|\(step_00000001.tmp\) is never resumed from) and no earlier checkpoint exists; "
+                    r"fix: free host memory on this node \(other processes hold it\) or run fewer ranks per node, then rerun$",
+                    errors[0]), errors
     assert not processes_mentioning(str(run)), "a rank outlived the run"
     rerun = subprocess.run(_command(common, run, "--checkpoint.every=1"), capture_output=True, text=True, timeout=240,
                            cwd=tmp_path)
@@ -134,3 +135,4 @@ def test_out_of_memory_saving_a_checkpoint_exits_7_and_a_rerun_trains(common, tm
     assert "done: 2 steps" in rerun.stdout and "resumed" not in rerun.stdout
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "manifest.json").is_file()) == \
         ["step_00000001", "step_00000002"]
+    assert not partial.exists()

@@ -196,8 +196,8 @@ def checkpoint_save_line(cfg: Config, rank: int, device_type: str, what: str, st
     tensor through host memory (torch.distributed.checkpoint's FileSystemWriter: a tensor's bytes at a time, a
     few MB ahead per thread), so a save that cannot allocate found host memory nearly full already: the fix
     names what else holds it. `removed`: DCP's save failed on every rank together and rank 0 removed the
-    partial checkpoint; otherwise one rank failed outside it and the partial one, without a manifest, is set
-    aside when the run resumes (train/checkpoint.py load_newest)."""
+    partial checkpoint; otherwise one rank failed outside it and the partial one (step_N.tmp) stays, never
+    resumed from (not a checkpoint's name), until the next save of that step replaces it."""
     place = allocator_place(what, device_type)
     holders = ([f"data.num_workers (now {cfg.data.num_workers}: loader processes per rank)"] if cfg.data.num_workers else []) + \
         ([f"parallel.offload (now {cfg.parallel.offload}: the model states live there)"] if cfg.parallel.offload != "none" else [])
@@ -207,7 +207,7 @@ def checkpoint_save_line(cfg: Config, rank: int, device_type: str, what: str, st
         fix = f"lower what else holds this node's host memory: {', '.join(holders)}"
     else:
         fix = "free host memory on this node (other processes hold it) or run fewer ranks per node"
-    partial = "the partial checkpoint was removed" if removed else "the partial checkpoint is set aside on resuming"
+    partial = "the partial checkpoint was removed" if removed else f"the partial checkpoint (step_{step:08d}.tmp) is never resumed from"
     rerun = "then rerun to resume" if kept.endswith("is intact") else "then rerun"
     return f"checkpoint: rank {rank} ran out of {place} memory saving step {step}: {what}; {partial} and {kept}; fix: {fix}, {rerun}"
 
