@@ -174,8 +174,8 @@ def test_the_checkpoint_save_line_names_what_else_holds_host_memory():
                     "loader processes per rank), parallel.offload (now cpu: the model states live there), then rerun to resume")
     plain = load_config(None, [])
     line = checkpoint_save_line(plain, 0, "cpu", HOST_WORDS, 1, "no earlier checkpoint exists", removed=False)
-    assert line.endswith("the partial checkpoint (step_00000001.tmp) is never resumed from and no earlier checkpoint exists; fix: free host "
-                         "memory on this node (other processes hold it) or run fewer ranks per node, then rerun")
+    assert line.endswith("the partial checkpoint (step_00000001.tmp) is never resumed from and no earlier checkpoint exists; "
+                         "fix: free host memory on this node (other processes hold it) or run fewer ranks per node, then rerun")
     gpu = checkpoint_save_line(plain, 0, "cuda", CUDA_WORDS, 7, intact, removed=True)
     assert "ran out of GPU memory saving step 7" in gpu and "`shardwise plan evaluate`" in gpu
 
