@@ -37,6 +37,13 @@ _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken p
               "socket closed", "connection refused")
 
 
+def exception_chain(error: BaseException | None):
+    """`error`, then what caused it (raise ... from, or raised while handling), and so on."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def lost_peer(message: str) -> str | None:
     """The phrase of a lost peer that `message` carries (the error only follows another rank's death), or None."""
     return next((s for s in _LOST_PEER if s in message.lower()), None)

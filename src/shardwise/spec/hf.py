@@ -217,10 +217,15 @@ def check_weights(directory: Path, fields: dict[str, Any], tied: bool) -> None:
                               "give a complete Llama checkpoint whose config.json matches its weights")
 
 
+def exportable(model: Any) -> bool:
+    """Whether our ModelConfig `model` has a transformers equivalent (`shardwise export` writes it): a dense llama."""
+    return model.arch == "llama" and not model.moe.enabled
+
+
 def hf_config(model: Any, dtype: str = "float32", bos_id: int | None = None, eos_id: int | None = None) -> dict[str, Any]:
     """config.json of LlamaForCausalLM for our resolved ModelConfig `model` (untied: our head is its own
     parameter). Written by `shardwise export`."""
-    if model.arch != "llama" or model.moe.enabled:
+    if not exportable(model):
         raise ConfigError("model", f"a {'MoE ' if model.moe.enabled else ''}{model.arch} model has no Llama "
                           "equivalent in transformers", "export a dense llama model")
     return {

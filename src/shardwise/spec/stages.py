@@ -278,10 +278,7 @@ def v_order(schedule: str, p: int, m: int, r: int) -> list[tuple[str, int, int]]
         return taken[(kind, stage)] - 1
 
     def act(kind: str, stage: int) -> None:
-        if kind == "W" and schedule == "dualpipev":
-            stage, mb = waiting.pop(0)
-            count("W", stage)
-        elif kind == "B":  # a full backward is its stage's next input pass, and a weight pass too
+        if kind == "B":  # a full backward is its stage's next input pass, and a weight pass too
             mb = count("I", stage)
             count("W", stage)
         else:
@@ -290,9 +287,11 @@ def v_order(schedule: str, p: int, m: int, r: int) -> list[tuple[str, int, int]]
                 waiting.append((stage, mb))
         out.append((kind, stage, mb))
 
-    def weight_if_waiting() -> None:
+    def weight_if_waiting() -> None:  # DualPipeV: the oldest input pass's weight pass, if one waits
         if waiting:
-            act("W", waiting[0][0])
+            stage, mb = waiting.pop(0)
+            count("W", stage)
+            out.append(("W", stage, mb))
 
     if schedule == "zbv":
         n = max(2 * p - 1, m)

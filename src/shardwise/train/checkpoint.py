@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardwise.errors import StorageFailure
+from shardwise.errors import StorageFailure, exception_chain
 from shardwise.parallel.parallelize import canonical_fqn
 from shardwise.train import manifest as mf
 from shardwise.train.control import Control
@@ -79,11 +79,9 @@ def _storage_error(e: CheckpointException, directory: Path) -> OSError | None:
     """The I/O error behind a failed DCP save, or None when it failed for another reason. DCP writes
     non-tensor values with torch.save, whose stream writer reports a full disk as a RuntimeError
     ("unexpected pos ..."), not an OSError: a file system left (nearly) full says what happened."""
-    for exc, _trace in e.failures.values():
-        while exc is not None and not isinstance(exc, OSError):
-            exc = exc.__cause__ or exc.__context__
-        if exc is not None:
-            return exc
+    found = next((c for exc, _trace in e.failures.values() for c in exception_chain(exc) if isinstance(c, OSError)), None)
+    if found is not None:
+        return found
     try:
         st = os.statvfs(directory)
     except OSError:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from shardwise.config import Config
-from shardwise.errors import OutOfMemory, out_of_memory
+from shardwise.errors import OutOfMemory, exception_chain, out_of_memory
+from shardwise.spec.hf import exportable
 from shardwise.train.planned_memory import PlannedMemory, local_world_size, planned_memory
 
 if TYPE_CHECKING:
@@ -46,18 +47,14 @@ VIEWER = "https://pytorch.org/memory_viz"
 
 def allocation_failure(e: "CheckpointException") -> str | None:
     """The allocator's words when a rank's part of a failed DCP save could not allocate, else None."""
-    for exc, _trace in e.failures.values():
-        while exc is not None:
-            if (what := out_of_memory(exc)) is not None:
-                return what
-            exc = exc.__cause__ or exc.__context__
-    return None
+    return next((what for exc, _trace in e.failures.values() for c in exception_chain(exc)
+                 if (what := out_of_memory(c)) is not None), None)
 
 
 class SaveOutOfMemory(Exception):
     """DCP's save could not allocate on some rank, agreed by every rank (`what`: the allocator's words on a
-    rank that failed, None on the others); the partial checkpoint is removed. The trainer words it
-    (train/out_of_memory.py checkpoint_save_line)."""
+    rank that failed, None on the others); the partial checkpoint is removed. `saving_checkpoint` words it
+    (checkpoint_save_line)."""
 
     def __init__(self, what: str | None):
         super().__init__(what or "out of memory on another rank")
@@ -253,7 +250,6 @@ def saving_checkpoint(cfg: Config, rank: int, device_type: str, step: int, kept:
 def saving_final_model(rank: int, device_type: str, path: Path, step: int, run_dir: Path, final_checkpoint: Path | None,
                        run_id: str, model: Any):
     """Around run.save_final_model's gather and write: out of memory there becomes errors.OutOfMemory with
-    final_model_line (`model`: the ModelConfig; a dense llama is what `shardwise export` writes, spec/hf.py)."""
-    exportable = model.arch == "llama" and not model.moe.enabled
+    final_model_line (`model`: the ModelConfig, whether `shardwise export` writes it: spec/hf.py exportable)."""
     return reported_as_out_of_memory(lambda what: final_model_line(rank, device_type, what, path, step, run_dir, final_checkpoint,
-                                                                   exportable), run_dir, run_id)
+                                                                   exportable(model)), run_dir, run_id)
