@@ -163,12 +163,24 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives `pid` (R, S, T stopped, Z exited but not reaped, ...), None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return None
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` is a live process (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z")
+
+
+def user_lines(stderr: str) -> list[str]:
+    """Lines a `shardwise train` job tells the user on stderr: everything but the C++ transport chatter gloo
+    prints on its own."""
+    return [line for line in stderr.splitlines() if line.strip() and "debug_logger.cc" not in line
+            and "ProcessGroupGloo.cpp" not in line]
 
 
 def stop_processes(pids: list[int], sig: int, timeout_s: float) -> list[int]:

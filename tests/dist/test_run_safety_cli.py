@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import alive, children, processes_mentioning
+from tests.harness import alive, children, processes_mentioning, user_lines
 
 ZERO3 = ["--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3", "--train.micro_batch=2"]
 
@@ -51,12 +51,6 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> str:
     return proc.err_path.read_text()
 
 
-def _errors(stderr: str) -> list[str]:
-    """Lines the user is told (everything but the C++ transport chatter gloo prints on its own)."""
-    return [line for line in stderr.splitlines() if line.strip() and "debug_logger.cc" not in line
-            and "ProcessGroupGloo.cpp" not in line]
-
-
 def _steps(run: Path) -> dict[int, float]:
     out = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
@@ -88,7 +82,7 @@ def test_divergence_exits_3_with_one_line_and_strict_metrics(common, tmp_path, p
                "--train.log_every=1", f"--train.precision={precision}", "--model.n_layers=1")
     assert p.returncode == 3, p.stderr[-3000:]
     assert "Traceback" not in p.stdout + p.stderr
-    errors = _errors(p.stderr)
+    errors = user_lines(p.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: training diverged: 5 steps in a row"), errors
     records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))
                for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -111,7 +105,7 @@ def test_divergence_is_not_restarted(common, tmp_path):
     run = tmp_path / "diverge2"
     p = _train(common, run, "--train.lr=1e6", "--train.steps=30", *ZERO3, "--run.max_restarts=2")
     assert p.returncode == 3, p.stderr[-3000:]
-    errors = _errors(p.stderr)
+    errors = user_lines(p.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: training diverged:"), errors
     assert p.stdout.count("not training again: this job failed with exit code 3") == 2  # ended at once, twice
     assert "the worker group was restarted" not in p.stdout
@@ -138,7 +132,7 @@ def test_out_of_memory_exits_7_with_the_fix_and_the_fix_trains(common, tmp_path)
     assert p.returncode == 7, p.stderr[-3000:]
     assert "run.memory_snapshot: records the CUDA caching allocator's history; cpu has none" in p.stdout
     assert "Traceback" not in p.stdout + p.stderr
-    errors = _errors(p.stderr)
+    errors = user_lines(p.stderr)
     assert len(errors) == 1, errors
     assert re.match(r"error: rank [01] ran out of host memory in step 1: DefaultCPUAllocator: can't allocate memory: "
                     r"you tried to allocate 2147483648 bytes", errors[0]), errors
@@ -169,7 +163,7 @@ def test_out_of_memory_while_building_the_model_exits_7_with_one_line(common, tm
                        preexec_fn=cap)
     assert p.returncode == 7, p.stderr[-3000:]
     assert "Traceback" not in p.stdout + p.stderr
-    errors = _errors(p.stderr)
+    errors = user_lines(p.stderr)
     assert len(errors) == 1, errors
     assert re.match(r"error: rank [01] ran out of host memory before the first step \(building the model or loading "
                     r"its checkpoint\): DefaultCPUAllocator: can't allocate memory: .*; fix: shard the model states: "
@@ -190,7 +184,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes_bitwise(common, tmp_pat
     err = _finish(proc)
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err
-    lines = _errors(err)
+    lines = user_lines(err)
     assert len(lines) == 1 and lines[0].startswith("interrupted by SIGTERM after step "), lines
     stopped_at = int(lines[0].split("after step ")[1].split(":")[0])
     assert (run / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").is_file()
@@ -214,7 +208,7 @@ def test_other_stop_signals(common, tmp_path, sig, code, target):
         os.kill(proc.pid if target == "launcher" else children(proc.pid)[-1], sig)
     err = _finish(proc)
     assert proc.returncode == code, err[-3000:]
-    assert "Traceback" not in err and len(_errors(err)) == 1, err
+    assert "Traceback" not in err and len(user_lines(err)) == 1, err
     assert list((run / "checkpoints").glob("step_*/manifest.json"))
     assert not processes_mentioning(str(run)), "a rank or loader worker outlived the run"
 
@@ -269,7 +263,7 @@ def test_a_stopped_rank_is_diagnosed_and_the_job_ends(common, tmp_path):
     assert proc.returncode == 5, err[-3000:]
     assert elapsed <= timeout_s + 30, f"the job took {elapsed:.0f} s to end"
     assert "Traceback" not in err
-    lines = _errors(err)
+    lines = user_lines(err)
     assert lines[0].startswith("error: stalled: at step ") and "rank(s) 1 did not respond" in lines[0], lines
     # Where rank 0 waits depends on where SIGSTOP caught rank 1: a ZeRO-3 all-gather / reduce-scatter on
     # dp_shard, or the step's agreement flag on the control group (train/control.py).
@@ -296,7 +290,7 @@ def test_a_full_disk_exits_4_and_keeps_the_older_checkpoint(common, tmp_path, sm
     p = _train(common, tmp_path / "run", *ZERO3, "--train.steps=8", "--checkpoint.every=2", "--checkpoint.keep=5",
                f"--checkpoint.dir={ckpt}")
     assert p.returncode == 4, p.stderr[-3000:]
-    lines = _errors(p.stderr)
+    lines = user_lines(p.stderr)
     assert len(lines) == 1 and "No space left on device" in lines[0] and "step_00000002 is intact" in lines[0], lines
     assert sorted(x.name for x in ckpt.glob("step_*")) == ["step_00000002"]
     verify = subprocess.run([sys.executable, "-m", "shardwise.cli", "checkpoint", "verify", str(ckpt)],
@@ -368,5 +362,5 @@ def test_loader_workers_outlast_stop_signals(common, tmp_path):
     assert all(alive(w) for w in workers) and proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     err = _finish(proc)
-    assert proc.returncode == 143 and len(_errors(err)) == 1, err[-3000:]
+    assert proc.returncode == 143 and len(user_lines(err)) == 1, err[-3000:]
     assert not processes_mentioning(str(run)), "a rank or loader worker outlived the run"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import children, processes_mentioning
+from tests.harness import children, process_state, processes_mentioning, user_lines
 
 # 8 blocks of dim 512 and ffn 2048: 4 MB weights, 33M parameters (131 MB in fp32) gathered onto rank 0, far
 # above the margin; training itself is unchanged by the cap (it ran before).
@@ -37,13 +37,6 @@ def _command(common, run: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", *extra]
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "T"
-    except OSError:
-        return True  # gone
-
-
 def _run_capped_from(common, run: Path, trigger: Path, margin: int, *extra: str) -> tuple[int, str, str]:
     """The job, its workers capped at their mapped size + `margin` bytes once `trigger` exists."""
     proc = subprocess.Popen(_command(common, run, *extra), stdout=open(run.parent / f"{run.name}.out", "w"),
@@ -57,7 +50,7 @@ def _run_capped_from(common, run: Path, trigger: Path, margin: int, *extra: str)
     assert len(workers) == 2, workers
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
-    while not all(_stopped(pid) for pid in workers):
+    while not all(process_state(pid) in (None, "T") for pid in workers):  # stopped, or gone
         time.sleep(0.001)
     for pid in workers:
         mapped = int(re.search(r"VmSize:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1)) * 1024
@@ -67,9 +60,13 @@ def _run_capped_from(common, run: Path, trigger: Path, margin: int, *extra: str)
     return proc.returncode, (run.parent / f"{run.name}.out").read_text(), (run.parent / f"{run.name}.err").read_text()
 
 
-def _errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.strip() and "debug_logger.cc" not in line
-            and "ProcessGroupGloo.cpp" not in line]
+def _one_line(code: int, out: str, err: str) -> str:
+    """The user's one line of a job that ran out of memory: exit 7, no traceback, nothing else said."""
+    assert code == 7, err[-3000:]
+    assert "Traceback" not in out + err
+    errors = user_lines(err)
+    assert len(errors) == 1, errors
+    return errors[0]
 
 
 def test_out_of_memory_writing_the_final_model_exits_7_and_export_gives_the_weights(common, tmp_path):
@@ -85,14 +82,11 @@ def test_out_of_memory_writing_the_final_model_exits_7_and_export_gives_the_weig
     last = run / "checkpoints" / "step_00000002"
     code, out, err = _run_capped_from(common, run, last / "manifest.json", 32 << 20, "--run.save_final_model=true",
                                       "--run.max_restarts=1")
-    assert code == 7, err[-3000:]
-    assert "Traceback" not in out + err
-    errors = _errors(err)
-    assert len(errors) == 1, errors
+    line = _one_line(code, out, err)
     assert re.match(rf"error: rank [01] ran out of host memory writing the full model to {run / 'final_model.pt'} "
                     r"\(run.save_final_model\) after the last step \(2\): DefaultCPUAllocator: can't allocate memory: .*; "
                     rf"the training is complete and its checkpoint {last} is intact: write the full weights from it with "
-                    rf"`shardwise export --run-dir {run} --hf OUT`", errors[0]), errors
+                    rf"`shardwise export --run-dir {run} --hf OUT`", line), line
     assert out.count("not training again: this job failed with exit code 7") == 1  # the restart ended at once
     assert not (run / "final_model.pt").exists()
     assert not processes_mentioning(str(run)), "a rank outlived the run"
@@ -120,14 +114,11 @@ def test_out_of_memory_saving_a_checkpoint_exits_7_and_a_rerun_trains(common, tm
     run = tmp_path / "capped"
     partial = run / "checkpoints" / "step_00000001.tmp"
     code, out, err = _run_capped_from(common, run, partial, 4 << 20, "--checkpoint.every=1")
-    assert code == 7, err[-3000:]
-    assert "Traceback" not in out + err
-    errors = _errors(err)
-    assert len(errors) == 1, errors
+    line = _one_line(code, out, err)
     assert re.match(r"error: checkpoint: rank [01] ran out of host memory saving step 1: .*; the partial checkpoint "
                     r"(was removed|\(step_00000001.tmp\) is never resumed from) and no earlier checkpoint exists; "
                     r"fix: free host memory on this node \(other processes hold it\) or run fewer ranks per node, then rerun$",
-                    errors[0]), errors
+                    line), line
     assert not processes_mentioning(str(run)), "a rank outlived the run"
     rerun = subprocess.run(_command(common, run, "--checkpoint.every=1"), capture_output=True, text=True, timeout=240,
                            cwd=tmp_path)
