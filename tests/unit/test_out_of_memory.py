@@ -166,17 +166,21 @@ def test_the_final_models_line_points_at_the_checkpoint_or_at_writing_one(tmp_pa
 
 
 def test_the_checkpoint_save_line_names_what_else_holds_host_memory():
-    intact = "runs/x/checkpoints/step_00000040 is intact"
+    newest = Path("runs/x/checkpoints/step_00000040")
+    intact = f"{newest} is intact"
     busy = load_config(None, ["--data.num_workers=4", "--parallel.offload=cpu", "--parallel.zero=3"])
-    line = checkpoint_save_line(busy, 3, "cuda", HOST_WORDS, 50, intact, removed=True)
+    line = checkpoint_save_line(busy, 3, "cuda", HOST_WORDS, 50, newest, removed=True)
     assert line == (f"checkpoint: rank 3 ran out of host memory saving step 50: {HOST_WORDS}; the partial checkpoint was "
                     f"removed and {intact}; fix: lower what else holds this node's host memory: data.num_workers (now 4: "
                     "loader processes per rank), parallel.offload (now cpu: the model states live there), then rerun to resume")
     plain = load_config(None, [])
-    line = checkpoint_save_line(plain, 0, "cpu", HOST_WORDS, 1, "no earlier checkpoint exists", removed=False)
+    line = checkpoint_save_line(plain, 0, "cpu", HOST_WORDS, 1, None, removed=False)
     assert line.endswith("the partial checkpoint (step_00000001.tmp) is never resumed from and no earlier checkpoint exists; "
                          "fix: free host memory on this node (other processes hold it) or run fewer ranks per node, then rerun")
-    gpu = checkpoint_save_line(plain, 0, "cuda", CUDA_WORDS, 7, intact, removed=True)
+    unlisted = checkpoint_save_line(plain, 0, "cpu", HOST_WORDS, 1, None, removed=True, listed=False)
+    assert unlisted.endswith("the partial checkpoint was removed and the earlier checkpoints were not touched; fix: free "
+                             "host memory on this node (other processes hold it) or run fewer ranks per node, then rerun")
+    gpu = checkpoint_save_line(plain, 0, "cuda", CUDA_WORDS, 7, newest, removed=True)
     assert "ran out of GPU memory saving step 7" in gpu and "`shardwise plan evaluate`" in gpu
 
 

@@ -52,7 +52,7 @@ from shardwise.errors import StorageFailure, exception_chain
 from shardwise.parallel.parallelize import canonical_fqn
 from shardwise.train import manifest as mf
 from shardwise.train.control import Control
-from shardwise.train.out_of_memory import SaveOutOfMemory, allocation_failure
+from shardwise.train.out_of_memory import SaveOutOfMemory, allocation_failure, remains_words
 from shardwise.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, metadata_problem, read_metadata  # noqa: F401
 
 # Optimizer state keyed by parameter name throughout ("param_groups.<fqn>.lr", not "param_groups.0"):
@@ -180,8 +180,7 @@ class CheckpointManager:
                 self._failed(error, step, tmp, report=self.rank == 0)
             if not short:
                 raise
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+            self._remove_partial(tmp)
             raise SaveOutOfMemory(memory) from None
 
         def local_files() -> None:
@@ -234,20 +233,19 @@ class CheckpointManager:
         if first is not None:
             self._failed(error, step, tmp, report=self.rank == first)
 
-    def _failed(self, error: OSError | None, step: int, tmp: Path, report: bool) -> None:
+    def _remove_partial(self, tmp: Path) -> None:
+        """A failed save's partial checkpoint, removed by rank 0 (every rank wrote into the one directory)."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _failed(self, error: OSError | None, step: int, tmp: Path, report: bool) -> None:
+        self._remove_partial(tmp)
         what = f"{error.strerror or error}" + (f" ({error.filename})" if getattr(error, "filename", None) else "") \
             if error is not None else "failed on another rank"
-        kept = self.kept()
+        kept = remains_words(self.latest())
         raise StorageFailure(f"checkpoint: cannot write step {step} to {self.directory}: {what}; the partial "
                              f"checkpoint was removed and {kept}. Free space or point checkpoint.dir elsewhere, "
                              "then rerun to resume", report=report)
-
-    def kept(self) -> str:
-        """What remains to resume from, in words."""
-        older = self.latest()
-        return f"{older} is intact" if older is not None else "no earlier checkpoint exists"
 
     def _prune(self) -> None:
         mf.remove_leftovers(self.directory)

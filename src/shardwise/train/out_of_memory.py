@@ -187,14 +187,21 @@ def final_model_line(rank: int, device_type: str, what: str, path: Path, step: i
             f"(run.save_final_model) after the last step ({step}): {what}; {next_step}")
 
 
-def checkpoint_save_line(cfg: Config, rank: int, device_type: str, what: str, step: int, kept: str,
-                         removed: bool) -> str:
+def remains_words(newest: Path | None) -> str:
+    """What remains to resume from after a failed save, in words (`newest`: the newest intact checkpoint)."""
+    return f"{newest} is intact" if newest is not None else "no earlier checkpoint exists"
+
+
+def checkpoint_save_line(cfg: Config, rank: int, device_type: str, what: str, step: int, newest: Path | None,
+                         removed: bool, listed: bool = True) -> str:
     """The one line of a failed allocation while a checkpoint is saved (exit 7). DCP's writer copies each
     tensor through host memory (torch.distributed.checkpoint's FileSystemWriter: a tensor's bytes at a time, a
     few MB ahead per thread), so a save that cannot allocate found host memory nearly full already: the fix
     names what else holds it. `removed`: DCP's save failed on every rank together and rank 0 removed the
     partial checkpoint; otherwise one rank failed outside it and the partial one (step_N.tmp) stays, never
-    resumed from (not a checkpoint's name), until the next save of that step replaces it."""
+    resumed from (not a checkpoint's name), until the next save of that step replaces it. `newest`: the newest
+    intact checkpoint, which a rerun resumes from; `listed` False: the checkpoint directory could not be listed
+    (memory short for that too), so the line says only that the earlier checkpoints were not touched."""
     place = allocator_place(what, device_type)
     holders = ([f"data.num_workers (now {cfg.data.num_workers}: loader processes per rank)"] if cfg.data.num_workers else []) + \
         ([f"parallel.offload (now {cfg.parallel.offload}: the model states live there)"] if cfg.parallel.offload != "none" else [])
@@ -205,7 +212,8 @@ def checkpoint_save_line(cfg: Config, rank: int, device_type: str, what: str, st
     else:
         fix = "free host memory on this node (other processes hold it) or run fewer ranks per node"
     partial = "the partial checkpoint was removed" if removed else f"the partial checkpoint (step_{step:08d}.tmp) is never resumed from"
-    rerun = "then rerun to resume" if kept.endswith("is intact") else "then rerun"
+    kept = remains_words(newest) if listed else "the earlier checkpoints were not touched"
+    rerun = "then rerun to resume" if listed and newest is not None else "then rerun"
     return f"checkpoint: rank {rank} ran out of {place} memory saving step {step}: {what}; {partial} and {kept}; fix: {fix}, {rerun}"
 
 
@@ -226,19 +234,18 @@ def reported_as_out_of_memory(line_for: Callable[[str], str], run_dir: Path | No
 
 
 @contextlib.contextmanager
-def saving_checkpoint(cfg: Config, rank: int, device_type: str, step: int, kept: Callable[[], str], run_dir: Path,
-                      run_id: str):
+def saving_checkpoint(cfg: Config, rank: int, device_type: str, step: int, newest: Callable[[], Path | None],
+                      run_dir: Path, run_id: str):
     """Around Trainer.save_checkpoint's save: out of memory in DCP's save (SaveOutOfMemory: agreed by every rank,
     the partial checkpoint removed) or outside it on one rank (DCP's planning, a state dict, the checksums)
-    becomes errors.OutOfMemory with checkpoint_save_line. `kept()` (what remains to resume from, in words)
+    becomes errors.OutOfMemory with checkpoint_save_line. `newest()` (the newest intact checkpoint, or None)
     lists the checkpoint directory, only on failure (every rank, every save, would load a shared file system);
     with memory short that can fail too, and the line then says less."""
     def line(what: str, removed: bool = False) -> str:
         try:
-            remains = kept()
+            return checkpoint_save_line(cfg, rank, device_type, what, step, newest(), removed)
         except (OSError, MemoryError):
-            remains = "the earlier checkpoints were not touched"
-        return checkpoint_save_line(cfg, rank, device_type, what, step, remains, removed)
+            return checkpoint_save_line(cfg, rank, device_type, what, step, None, removed, listed=False)
     try:
         with reported_as_out_of_memory(line, run_dir, run_id):
             yield

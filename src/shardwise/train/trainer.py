@@ -438,7 +438,7 @@ class Trainer:
                            f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr, then rerun", report=self.rank == 0)
         manifest = {"good": self.guard.in_a_row == 0, "run_id": self.run_id, "config": self.fingerprint,
                     "layout": self.dims.describe(), "world_size": self.dims.world_size}
-        with saving_checkpoint(self.cfg, self.rank, self.device.type, self.step, self.checkpoints.kept, self.run_dir, self.run_id):
+        with saving_checkpoint(self.cfg, self.rank, self.device.type, self.step, self.checkpoints.latest, self.run_dir, self.run_id):
             path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
                                          {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml"},
                                          manifest, checkpoint_state(self.grad_compression, self.cfg.parallel, self.dims.describe()))
