@@ -64,7 +64,7 @@ def test_fp8_joined_gemms_stay_fp8(recipe):
             F8.apply_float8(model, recipe, fsdp=False, emulate=True)
         if kind == "fused":
             assert fuse_training_projections(model, F8.fused_linear_for) == 4
-            assert all(m.fused_projection is F8.float8_fused_linear for m in model.modules()
+            assert all(m.fused_projection.func is F8.float8_fused_linear for m in model.modules()
                        if getattr(m, "fused_projection", None) is not None)
         results[kind] = _run(model, "bf16")
     (bf16, _), (fp8, fp8_grads), (fused, fused_grads) = results["bf16"], results["fp8"], results["fused"]
@@ -90,3 +90,96 @@ def test_refused_where_the_weights_cannot_be_joined(overrides, problem):
     fine = load_config(None, ["--model.preset=tiny", "--train.fuse_projections=true", "--train.precision=fp8",
                               "--train.fp8_recipe=rowwise", "--parallel.dp_shard=2", "--parallel.zero=3"])
     assert check(fine, 2).dp_shard == 2  # rowwise gathers bf16 weights: they join
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled tests here compile the same block code under several backends: torch._dynamo's per-code cache
+    (recompile_limit) would then run other tests' compiled blocks eagerly, so it is emptied before and after."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _saved_bytes(model, precision: str, compiled: bool) -> int:
+    """Bytes of the storages one forward saves for backward, the parameters' own aside (saved, not copied)."""
+    tokens = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
+    if compiled:  # the partitioner that inductor uses, without its code generation (fast on CPU)
+        for block in model.layers:
+            block.compile(backend="aot_eager_decomp_partition")
+        with autocast(precision, "cpu"):
+            model(tokens).float().sum().backward()  # compiles
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(precision, "cpu"):
+        model(tokens)
+    return sum(saved.values())
+
+
+def _joined_weight_elements(model) -> int:
+    return sum(lin.weight.numel() for module in model.modules() if hasattr(module, "training_projections")
+               for lin in module.training_projections())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_joined_weights_are_not_kept_for_backward(precision, compiled, fresh_dynamo):
+    """The join is made again in backward (_JoinedLinear, join_rows), so nothing of it is saved: fp32 saves
+    exactly what the separate linears save; autocast saves less, none of the joined weights' 16-bit copies
+    that the separate linears keep (and, eager, one 16-bit cast of each norm's output instead of one per
+    linear: 3 + 2 -> 1 + 1 of 2h bytes per token). Before, the joined copy was kept for every block: fp32
+    +100% of the joined weights; under FSDP (ZeRO-3) every block's unsharded projections at once."""
+    plain, fused = _model("tiny"), _model("tiny")
+    fuse_training_projections(fused)
+    base, got = _saved_bytes(plain, precision, compiled), _saved_bytes(fused, precision, compiled)
+    if precision == "fp32":
+        assert got == base
+    else:
+        casts = 0 if compiled else 2 * 3 * 64 * 4 * 32 * 2  # 3 casts of 2h (h = 64) per token, 4 x 32 tokens, 2 blocks
+        assert got == base - 2 * _joined_weight_elements(fused) - casts
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_joined_weights_are_not_kept_for_backward(compiled, fresh_dynamo):
+    """The same for torchao's FP8 GEMM over the joined weights (parallel/float8.py _JoinedFloat8): before, eager
+    kept the joined fp32 weights and compiled their FP8 cast, per block."""
+    sizes = []
+    for fuse in (False, True):
+        model = _model("tiny")
+        F8.apply_float8(model, "tensorwise", fsdp=False, emulate=True)
+        if fuse:
+            fuse_training_projections(model, F8.fused_linear_for)
+        sizes.append(_saved_bytes(model, "bf16", compiled))
+    assert sizes[1] <= sizes[0], sizes
+
+
+def test_fp8_joined_gemms_scale_each_input_once(fresh_dynamo):
+    """What joining buys FP8 (issue 27's lead): each scaled cast is an amax reduction over its tensor, and the
+    separate Float8Linears of a block take one per input and one per weight, forward (14 for a llama block's
+    7 linears), and four per linear backward (28): q, k, v and w1, w3 each scale the same normed input again.
+    Joined, a block's 4 GEMMs take 8 and 16. Counted in the compiled block's forward and backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def count_into(found: list):
+        def compiler(gm, inputs):
+            found.append(sum(node.target == torch.ops.aten.abs.default for node in gm.graph.nodes))
+            return gm
+        return compiler
+
+    counts = {}
+    for fuse in (False, True):
+        model, found = _model("tiny"), []
+        F8.apply_float8(model, "tensorwise", fsdp=False, emulate=True)
+        if fuse:
+            fuse_training_projections(model, F8.fused_linear_for)
+        model.layers[0].compile(backend=aot_autograd(fw_compiler=count_into(found), bw_compiler=count_into(found)))
+        with autocast("bf16", "cpu"):
+            model(torch.randint(0, 512, (2, 32))).float().sum().backward()
+        counts[fuse] = found
+    assert counts == {False: [14, 28], True: [8, 16]}

@@ -63,6 +63,10 @@ class Attention(nn.Module):
                 [self.wq.out_features, self.wk.out_features, self.wv.out_features], dim=-1)
         elif self.fused_projection is not None:
             q, k, v = self.fused_projection(x, (self.wq, self.wk, self.wv))
+            if rope is not None:
+                # q and k are rotated into tensors of their own, so only v would keep the joined output alive
+                # from forward to backward (attention saves it): its own copy frees the q and k columns.
+                v = v.contiguous()
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)

@@ -33,10 +33,14 @@ our own forward (ReplicatedKVColwise) and run in bf16. EP's stacked experts are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from shardwise.errors import ConfigError
+from shardwise.models.feed_forward import join_rows
 from shardwise.spec.layout import fp8_gemm_fits
 
 # The smallest compute capability with FP8 tensor cores (Ada Lovelace, sm_89).
@@ -52,8 +56,6 @@ def fp8_unsupported(device_type: str) -> str | None:
     emulation (the same scaling and float8 rounding, matmuls in higher precision): for developing and
     testing on a laptop like every other feature, not for speed. A GPU without FP8 tensor cores is
     refused: torch._scaled_mm has no kernel there, and emulating on a GPU would only be slower than bf16."""
-    import torch
-
     if device_type == "cpu":
         return None
     if device_type != "cuda" or not torch.cuda.is_available():
@@ -104,19 +106,59 @@ def convertible(module: nn.Module, fqn: str, head: bool = False) -> bool:
     return fp8_gemm_fits(module.in_features, module.out_features)
 
 
-def float8_fused_linear(x, linears: tuple[nn.Module, ...]):
-    """train.fuse_projections over torchao Float8Linears (models/feed_forward.py fused_linear): one FP8 GEMM
-    over their joined weights, by torchao's own autograd function, as each Float8Linear.forward does (the
-    input in the autocast dtype; the bias added after). Rowwise scales are per row of each weight, so the
-    same as apart; tensorwise takes one scale over the joined weight."""
-    import torch
+class _TorchaoContext:
+    """What torchao's matmul_with_hp_or_float8_args reads and writes on its autograd context, for calling its
+    forward and backward from _JoinedFloat8: its saved tensors come from us, its own save is dropped."""
+
+    def __init__(self, saved: tuple = (), linear_mm_config=None, config=None):
+        self.saved_tensors, self.linear_mm_config, self.config = saved, linear_mm_config, config
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+
+def torchao_steps() -> tuple:
+    """(forward, backward) of torchao's matmul_with_hp_or_float8_args as plain functions, taken outside any
+    compiled region: torch.compile reads `Function.backward(ctx, ...)` as autograd's own call, whose ctx
+    must be autograd's, not _TorchaoContext."""
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
+    return tuple(vars(matmul_with_hp_or_float8_args)[step].__func__ for step in ("forward", "backward"))
+
+
+class _JoinedFloat8(torch.autograd.Function):
+    """torchao's FP8 GEMM (matmul_with_hp_or_float8_args, what each Float8Linear.forward applies) over
+    weights joined along their rows, saving the weights themselves, not the join, which torchao's function
+    would keep from forward to backward (eager: the fp32 copy; compiled: its FP8 cast; per block, and under
+    FSDP of every block's unsharded weights at once: models/feed_forward.py _JoinedLinear, the plain GEMM's
+    twin). Backward joins them again (feed_forward.join_rows) and runs torchao's own backward on that."""
+
+    @staticmethod
+    def forward(ctx, x, steps, linear_mm_config, config, *weights):
+        ctx.save_for_backward(x, *weights)
+        ctx.steps, ctx.linear_mm_config, ctx.config = steps, linear_mm_config, config
+        return steps[0](_TorchaoContext(), x, torch.cat(weights).t(), linear_mm_config, config)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        joined = join_rows(weights, weights[0].dtype)
+        dx, dw_t, *_ = ctx.steps[1](_TorchaoContext((x, joined.t()), ctx.linear_mm_config, ctx.config), grad)
+        return dx, None, None, None, *dw_t.t().split([w.shape[0] for w in weights])
+
+
+def float8_fused_linear(x, linears: tuple[nn.Module, ...], steps: tuple | None = None):
+    """train.fuse_projections over torchao Float8Linears (models/feed_forward.py fused_linear): one FP8 GEMM
+    over their joined weights, by torchao's own forward and backward (_JoinedFloat8; `steps`: torchao_steps,
+    which fused_linear_for takes once), as each Float8Linear.forward applies them (the input in the autocast
+    dtype; the bias added after). Rowwise scales are per row of each weight, so the same as apart;
+    tensorwise takes one scale over the joined weight."""
     first = linears[0]
     if torch.is_autocast_enabled():  # Float8Linear.forward's own rule: the output in the autocast dtype
         x = x.to(torch.get_autocast_gpu_dtype())
-    weight = torch.cat([lin.weight for lin in linears])
-    out = matmul_with_hp_or_float8_args.apply(x, weight.t(), first.linear_mm_config, first.config)
+    out = _JoinedFloat8.apply(x, steps or torchao_steps(), first.linear_mm_config, first.config,
+                              *(lin.weight for lin in linears))
     if first.bias is not None:
         out = out + torch.cat([lin.bias for lin in linears]).to(out.dtype)
     return out.split([lin.out_features for lin in linears], dim=-1)
@@ -126,7 +168,9 @@ def fused_linear_for(linears: tuple[nn.Module, ...]):
     """The joined GEMM for `linears`: FP8 for torchao's Float8Linears, else the plain one."""
     from shardwise.models.feed_forward import fused_linear
 
-    return float8_fused_linear if type(linears[0]).__name__ == "Float8Linear" else fused_linear
+    if type(linears[0]).__name__ != "Float8Linear":
+        return fused_linear
+    return functools.partial(float8_fused_linear, steps=torchao_steps())
 
 
 def apply_float8(model: nn.Module, recipe: str, fsdp: bool, emulate: bool = False, head: bool = False) -> list[str]:

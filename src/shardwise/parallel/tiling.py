@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from shardwise.models.feed_forward import GELUMLP, SwiGLU
+from shardwise.models.feed_forward import GELUMLP, SwiGLU, compute_dtype
 
 
 class TileScope:
@@ -86,14 +86,6 @@ def _scope(module: nn.Module) -> contextlib.AbstractContextManager:
     return scope.running() if scope is not None else contextlib.nullcontext()
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the untiled MLP's GEMMs would run in: autocast's, or the input's."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
-
-
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Sums over tiles are kept in fp32 for 16-bit compute (as a single GEMM would accumulate)."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -104,7 +96,7 @@ class _TiledSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tiles: int) -> torch.Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         xc = x if x.dtype == dtype else x.to(dtype)  # the input itself when no cast (what compile traces)
         ctx.save_for_backward(xc, w1, w3, w2)
         ctx.tiles, ctx.x_dtype = tiles, x.dtype
@@ -158,7 +150,7 @@ class _TiledGELUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, fc_w: torch.Tensor, fc_b: torch.Tensor | None, proj_w: torch.Tensor,
                 proj_b: torch.Tensor | None, tiles: int) -> torch.Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         xc = x if x.dtype == dtype else x.to(dtype)  # the input itself when no cast (what compile traces)
         ctx.save_for_backward(xc, fc_w, fc_b, proj_w, proj_b)
         ctx.tiles, ctx.x_dtype = tiles, x.dtype
