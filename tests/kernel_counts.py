@@ -28,7 +28,7 @@ class KernelCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model(preset: str, experts: int | None, regime: str):
+def _model(preset: str, experts: int | None, regime: str, fused: bool = False):
     from shardwise.config import load_config
     from shardwise.models import build_model
     from shardwise.models.weights import RandomInit
@@ -41,6 +41,10 @@ def _model(preset: str, experts: int | None, regime: str):
     materialize(model, torch.device("cpu"), RandomInit(model, 0))
     if regime == "lowp":
         model.to(torch.bfloat16)
+    if fused:  # train.fuse_projections
+        from shardwise.models.feed_forward import fuse_training_projections
+
+        fuse_training_projections(model)
     return model
 
 
@@ -48,12 +52,13 @@ def _context(regime: str):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast")
 
 
-def count_kernels(preset: str, regime: str, experts: int | None = None) -> dict[str, int]:
+def count_kernels(preset: str, regime: str, experts: int | None = None, fused: bool = False) -> dict[str, int]:
     """Kernels of one block's forward and backward, and of the rest of a training forward and backward
-    (embedding, final norm, head, loss), for a model of `preset` in `regime` ("fp32", "autocast", "lowp")."""
+    (embedding, final norm, head, loss), for a model of `preset` in `regime` ("fp32", "autocast", "lowp");
+    `fused`: with train.fuse_projections."""
     from shardwise.train.loss import token_cross_entropy_sum
 
-    model = _model(preset, experts, regime)
+    model = _model(preset, experts, regime, fused)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     block_kwargs = model.block_kwargs()
     x = torch.randn(2, 16, model.cfg.dim, dtype=torch.bfloat16 if regime == "lowp" else torch.float32, requires_grad=True)

@@ -65,11 +65,15 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
                             "train.recompute_every": 2},
         "gpt_single": {"train.micro_batch": 8, "model.preset": "tiny-gpt", "model.vocab_size": 512},
         # train.fuse_projections (models/feed_forward.py _JoinedLinear, parallel/float8.py _JoinedFloat8): the
-        # joined weights are made again in backward, not kept: the bytes of separate linears, which the planner
-        # prices (FP8: 1.3% fewer). Kept, the planner read -11.4%, -11.0% and (ZeRO-3: every block's unsharded
-        # q|k|v and w1|w3 at once) -13.5% on these rows.
+        # joined weights are made again in backward, not kept: in fp32 and under 16-bit parameters the bytes of
+        # separate linears (FP8: 1.3% fewer, one h-wide byte tensor per token and block, not modelled). Kept, the
+        # planner read -11.4%, -11.0% and (ZeRO-3: every block's unsharded q|k|v and w1|w3 at once) -13.5% here.
         "single_fused": {"train.micro_batch": 8, "train.fuse_projections": "true"},
-        "single_fp8_fused": {"train.micro_batch": 8, "train.precision": "fp8", "train.fuse_projections": "true"}},
+        "single_fp8_fused": {"train.micro_batch": 8, "train.precision": "fp8", "train.fuse_projections": "true"},
+        # under autocast joined weights keep no 16-bit copies (plan/activations.py fused_projection_delta)
+        "single_bf16_fused": {"train.micro_batch": 8, "train.precision": "bf16", "train.fuse_projections": "true"},
+        "gpt_bf16_fused": {"train.micro_batch": 8, "train.precision": "bf16", "train.fuse_projections": "true",
+                           "model.preset": "tiny-gpt", "model.vocab_size": 512}},
     2: {"ddp2": {"parallel.dp_replicate": 2, "train.micro_batch": 4},
         "ddp2_bf16_autocast": {"parallel.dp_replicate": 2, "train.micro_batch": 4, "train.precision": "bf16"},
         "zero1_dp2": {"parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 4},

@@ -183,3 +183,34 @@ def test_fp8_joined_gemms_scale_each_input_once(fresh_dynamo):
             model(torch.randint(0, 512, (2, 32))).float().sum().backward()
         counts[fuse] = found
     assert counts == {False: [14, 28], True: [8, 16]}
+
+
+def test_the_planner_prices_the_joined_projections(capsys):
+    """plan evaluate with train.fuse_projections (plan/layout.py Problem.fused_for): joined GEMMs, FP8 scaling
+    each input once, the joins made again in backward, and under autocast none of the joined weights' 16-bit
+    copies (compiled: 2 B x 31.46M joined elements x 16 blocks of the 886M LLaMA = 0.9375 GiB); a TP layout,
+    which the trainer refuses joined, is priced unjoined."""
+    import json
+
+    from shardwise.cli import main
+
+    base = ["--model.preset=small", "--model.dim=2048", "--model.n_layers=16", "--model.n_heads=16",
+            "--model.n_kv_heads=8", "--model.ffn_dim=5632", "--model.vocab_size=32000", "--model.max_seq_len=2048",
+            "--train.seq_len=2048", "--train.micro_batch=8", "--train.global_batch=8", "--cluster.gpu=h100-sxm-80gb",
+            "--cluster.num_gpus=1", "--train.compile=true"]
+
+    def plan(*extra: str) -> dict:
+        assert main(["plan", "evaluate", "--json", *base, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    joined = "--train.fuse_projections=true"
+    fp8, fp8_joined = plan("--train.precision=fp8"), plan("--train.precision=fp8", joined)
+    assert fp8_joined["stack"] == fp8["stack"] + ", q|k|v and w1|w3 joined"
+    assert fp8_joined["step_time_s"] < 0.97 * fp8["step_time_s"]  # 153.2 -> 146.2 ms
+    bf16, bf16_joined = plan("--train.precision=bf16"), plan("--train.precision=bf16", joined)
+    assert bf16["memory_gib"]["activations"] - bf16_joined["memory_gib"]["activations"] == pytest.approx(0.9375, abs=1e-3)
+    assert bf16_joined["step_time_s"] > bf16["step_time_s"]  # the backward's joins outweigh the larger GEMMs
+    tp2 = ["--parallel.tp=2", "--cluster.num_gpus=2"]
+    refused, unjoined = plan(*tp2, joined), plan(*tp2)
+    assert refused.pop("trainable") is False and refused.pop("trainer_refusal").startswith("train.fuse_projections: ")
+    assert refused == {k: v for k, v in unjoined.items() if k not in ("trainable", "trainer_refusal")}

@@ -33,10 +33,15 @@ def _saved_bytes(call, block: torch.nn.Module, rope: RotaryEmbedding, x: torch.T
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("arch", ["llama", "gpt"])
-def test_a_compiled_block_saves_what_the_inventory_says(arch):
+def test_a_compiled_block_saves_what_the_inventory_says(arch, fused):
+    """`fused`: train.fuse_projections (the joined weights keep no 16-bit copies: activations.fused_projection_delta)."""
+    from shardwise.models.feed_forward import fuse_training_projections
     from shardwise.models.gpt import GPTBlock
+    from shardwise.plan.activations import fused_projection_delta
 
+    torch._dynamo.reset()  # a fresh compile of the block class's code for each case
     torch.manual_seed(0)
     h, b, s = 256, 2, 64
     cfg = ModelConfig(arch=arch, dim=h, n_layers=1, n_heads=2, n_kv_heads=1 if arch == "llama" else 2,
@@ -45,12 +50,16 @@ def test_a_compiled_block_saves_what_the_inventory_says(arch):
     rope = RotaryEmbedding(h // 2, s, 10000.0)
     rope.reset_buffers()
     block = LlamaBlock(cfg) if arch == "llama" else GPTBlock(cfg)
+    if fused:
+        assert fuse_training_projections(block) == (2 if arch == "llama" else 1)
     compiled = torch.compile(block)
     call = (lambda x: compiled(x, rope)) if arch == "llama" else compiled
     x = torch.randn(b, s, h, requires_grad=True)
     _saved_bytes(call, block, rope, x)  # compile (first call)
     measured = _saved_bytes(call, block, rope, x)
-    inv = K.block_bytes(ModelShape.from_config(cfg), "autocast", 1, False)
+    shape = ModelShape.from_config(cfg)
+    inv = K.block_bytes(shape, "autocast", 1, False)
+    delta = fused_projection_delta(shape, "autocast", True) if fused else None
     # The inventory counts the block input (r h per token: the caller's tensor, saved by the graph too)
-    # and, under autocast, the 16-bit weight copies (`fixed`).
-    assert measured == inv.per_token * b * s + inv.fixed
+    # and, under autocast, the 16-bit weight copies (`fixed`), less the joined ones.
+    assert measured == (inv.per_token + (delta.per_token if fused else 0)) * b * s + inv.fixed + (delta.fixed if fused else 0)

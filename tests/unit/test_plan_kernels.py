@@ -26,3 +26,14 @@ def test_moe_block_grows_per_local_expert(arch, regime):
     fwd_e, bwd_e = (eight["block_fwd"] - four["block_fwd"]) // 4, (eight["block_bwd"] - four["block_bwd"]) // 4
     got = (four["block_fwd"] - 4 * fwd_e, fwd_e, four["block_bwd"] - 4 * bwd_e, bwd_e)
     assert got == C.EAGER_MOE_BLOCK_KERNELS[(arch, regime)], got
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+@pytest.mark.parametrize("regime", ["fp32", "autocast", "lowp"])
+def test_joined_projections_block(arch, regime):
+    """train.fuse_projections: a dense block's counts, and what it changes in a MoE block (attention's q|k|v)."""
+    c = count_kernels(PRESETS[arch], regime, fused=True)
+    assert (c["block_fwd"], c["block_bwd"]) == C.EAGER_FUSED_BLOCK_KERNELS[(arch, regime)], c
+    fused, plain = count_kernels(PRESETS[arch], regime, 4, fused=True), count_kernels(PRESETS[arch], regime, 4)
+    delta = (fused["block_fwd"] - plain["block_fwd"], fused["block_bwd"] - plain["block_bwd"])
+    assert delta == C.EAGER_FUSED_MOE_DELTA[(arch, regime)], delta

@@ -215,6 +215,42 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     return BlockActivations(per_token, 0.0)
 
 
+def fused_projection_groups(shape: ModelShape, moe_layer: bool = False, tiles: int = 1) -> tuple[tuple[int, int], ...]:
+    """(linears, weight elements) of each group train.fuse_projections joins in a block (tp = 1;
+    models/feed_forward.py fuse_training_projections): attention's q|k|v; a llama MLP's w1|w3, a dense
+    block's or a MoE block's shared experts' (one SwiGLU of n_shared x expert ffn), unless linear_tiles
+    replaces the MLP (parallel/tiling.py). GPT's MLP has one up-projection: nothing to join."""
+    h = shape.dim
+    groups = [(3, h * h + 2 * shape.kv_dim * h)]
+    if shape.arch == "llama":
+        if moe_layer and shape.moe is not None:
+            f = shape.moe.num_shared_experts * shape.expert_ffn
+        else:
+            f = shape.ffn_dim if tiles == 1 else 0
+        if f:
+            groups.append((2, 2 * f * h))
+    return tuple(groups)
+
+
+@lru_cache(maxsize=1 << 12)
+def fused_projection_delta(shape: ModelShape, reg: str, compiled: bool, moe_layer: bool = False,
+                           tiles: int = 1) -> BlockActivations:
+    """What train.fuse_projections changes in a block's saved bytes (add it to `block_bytes`, or to
+    plan/compiled.py's): the joined GEMM (feed_forward.py _JoinedLinear) saves the fp32 weights themselves
+    and joins them again in backward, and its input once. So under autocast the separate linears' 16-bit
+    weight copies are not kept (`fixed`: -2 bytes per joined element; compiled too, where the partitioner
+    keeps those copies), and, eager, one 16-bit cast of the norm's output per group instead of one per
+    linear (-(k - 1) 2h per token; compiled blocks save the norm output once either way). Nothing changes
+    in fp32, under 16-bit parameters (no copies) or FP8 (each Float8Linear saves its fp32 weight and the
+    input it is given): measured with saved-tensor hooks (tests/unit/test_fused_projections.py,
+    tests/dist/test_plan_validation.py *_fused)."""
+    if reg != "autocast":
+        return BlockActivations(0.0, 0.0)
+    groups = fused_projection_groups(shape, moe_layer, tiles)
+    per_token = 0.0 if compiled else -sum((k - 1) * 2 * shape.dim for k, _ in groups)
+    return BlockActivations(per_token, -2.0 * sum(n for _, n in groups))
+
+
 @lru_cache(maxsize=1 << 14)
 def full_recompute_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> BlockActivations:
     """recompute="full": only the block input survives the forward (Korthikanti §4: 2sbh in 16-bit)."""

@@ -79,26 +79,35 @@ class MicroBatchTimes:
 
 
 def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[tuple[int, int, int, int]]:
-    """(m, n, k, count) of a block's forward GEMMs on one rank after TP/EP sharding."""
+    """(m, n, k, count) of a block's forward GEMMs on one rank after TP/EP sharding, attention's first (q, k
+    and v, then wo: ATTENTION_GEMMS of them); train.fuse_projections (Problem.fused_for) joins q|k|v and w1|w3
+    into one GEMM each (activations.fused_projection_groups)."""
     s, tp = problem.shape, lay.tp
     h, kv = s.dim, max(s.kv_dim // tp, s.head_dim)
-    out = [(tokens, h // tp, h, 1), (tokens, kv, h, 2), (tokens, h, h // tp, 1)]
+    fused = problem.fused_for(lay)
+    qkv = [(tokens, h + 2 * kv, h, 1)] if fused else [(tokens, h // tp, h, 1), (tokens, kv, h, 2)]
+    out = qkv + [(tokens, h, h // tp, 1)]
+    ups = 2 if s.arch == "llama" else 1
+    up = (lambda m, f: (m, ups * f, h, 1)) if fused and ups == 2 else (lambda m, f: (m, f, h, ups))
     if moe and s.moe is not None:
         local_experts = max(1, s.moe.num_experts // lay.ep)
         per_expert = max(1, round(tokens * s.moe.top_k * s.moe.load_factor * lay.ep / s.moe.num_experts))
         f = math.ceil(s.expert_ffn / tp)
-        ups = 2 if s.arch == "llama" else 1
         out += [(per_expert, f, h, ups * local_experts), (per_expert, h, f, local_experts), (tokens, s.moe.num_experts, h, 1)]
         if s.moe.num_shared_experts:  # the shared MLP sees every token, split by tp like a dense MLP
             fs = math.ceil(s.moe.num_shared_experts * s.expert_ffn / tp)
-            out += [(tokens, fs, h, ups), (tokens, h, fs, 1)]
+            out += [up(tokens, fs), (tokens, h, fs, 1)]
         return out
     f = math.ceil(s.ffn_dim / tp)
-    ups = 2 if s.arch == "llama" else 1
     if lay.linear_tiles > 1:  # parallel/tiling.py: torch.tensor_split's tiles, the first ffn % tiles one wider
         return out + [g for f_t, n in _tile_widths(s.ffn_dim, lay.linear_tiles)
                       for g in ((tokens, f_t, h, ups * n), (tokens, h, f_t, n))]
-    return out + [(tokens, f, h, ups), (tokens, h, f, 1)]
+    return out + [up(tokens, f), (tokens, h, f, 1)]
+
+
+def _attention_gemms(problem: Problem, lay: Layout) -> int:
+    """How many entries of `_block_gemms` are attention's (q, k and v, or their join; then wo)."""
+    return 2 if problem.fused_for(lay) else 3
 
 
 def _tile_widths(ffn: int, tiles: int) -> list[tuple[int, int]]:
@@ -111,15 +120,16 @@ def _kernel_key(s, reg: str) -> tuple[str, str]:
     return s.arch, "autocast" if reg == "autocast_fp8" else reg
 
 
-def eager_block_kernels(s, reg: str, moe: bool, ep: int) -> tuple[int, int]:
+def eager_block_kernels(s, reg: str, moe: bool, ep: int, fused: bool = False) -> tuple[int, int]:
     """(forward, backward) kernels one block launches in eager mode (constants.EAGER_BLOCK_KERNELS; a MoE
-    block's count grows with its local experts)."""
+    block's count grows with its local experts; `fused`: train.fuse_projections, EAGER_FUSED_*)."""
     key = _kernel_key(s, reg)
     if moe and s.moe is not None:
         fwd, fwd_e, bwd, bwd_e = C.EAGER_MOE_BLOCK_KERNELS[key]
         local = max(1, s.moe.num_experts // ep)
-        return fwd + fwd_e * local, bwd + bwd_e * local
-    return C.EAGER_BLOCK_KERNELS[key]
+        df, db = C.EAGER_FUSED_MOE_DELTA[key] if fused else (0, 0)
+        return fwd + fwd_e * local + df, bwd + bwd_e * local + db
+    return C.EAGER_FUSED_BLOCK_KERNELS[key] if fused else C.EAGER_BLOCK_KERNELS[key]
 
 
 @lru_cache(maxsize=1 << 17)
@@ -168,15 +178,16 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     def block_fwd(moe: bool) -> tuple[float, float, float]:
         gemms = _block_gemms(problem, lay, tokens, moe)
         # FP8 (parallel/float8.py): the block's nn.Linears run at the FP8 peak with 1-byte operands; a MoE
-        # block's stacked experts and router stay bf16 (only its 3 attention GEMMs here are FP8).
-        converted = (3 if moe else len(gemms)) if fp8 else 0
+        # block's stacked experts and router stay bf16 (only its attention GEMMs here are FP8).
+        attention_gemms = _attention_gemms(problem, lay)
+        converted = (attention_gemms if moe else len(gemms)) if fp8 else 0
         times = [c * (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, m, n, k, 1) if i < converted
                       else gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem))
                  for i, (m, n, k, c) in enumerate(gemms)]
         gemm = sum(times)
         # The GEMMs closing each residual branch (wo; a dense MLP's down-projection, gemms[-1] unless
         # tiled): only a residual add reads their outputs, so a compiled recomputation skips them.
-        branch_ends = times[2] + (times[-1] if not moe and lay.linear_tiles == 1 else 0.0)
+        branch_ends = times[attention_gemms - 1] + (times[-1] if not moe and lay.linear_tiles == 1 else 0.0)
         # QK^T and AV: 4 s h FLOPs per token forward (model count), causal half executed; each CP rank
         # holds tokens/cp queries against the whole sequence's keys.
         attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
@@ -206,8 +217,21 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
         # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
+        # Joined projections scale their shared input once per group (tests/unit/test_fused_projections.py).
         pointwise += sum(c * C.FP8_CAST_BYTES * (m * k + k * n) for m, n, k, c in gemms[:converted]) / hbm
         return gemm, attn, pointwise, branch_ends
+
+    def joins(moe: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of one block's weight joins under train.fuse_projections
+        (models/feed_forward.py _JoinedLinear, parallel/float8.py _JoinedFloat8): eager forward joins them
+        (read and write the join's dtype: FP8 joins the fp32 weights, the others the compute-dtype casts
+        the separate linears make too; compiled, the join runs inside those casts), and backward joins them
+        again from the parameters (read the parameter, write the join) instead of keeping them."""
+        if not fused:
+            return 0.0, 0.0
+        joined = sum(n for _, n in A.fused_projection_groups(s, moe, lay.linear_tiles))
+        join, param = (4 if fp8 else elem), (2 if lay.lowp_params else 4)
+        return (2 * join * joined / pointwise_bw if eager else 0.0), (param + join) * joined / pointwise_bw
 
     g_d, a_d, e_d, ends_d = block_fwd(False)
     # parallel.linear_tiles: the tiled MLP's backward recomputes every tile's up-projections (SwiGLU: w1 x
@@ -229,10 +253,12 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             fwd_k, bwd_k = C.EAGER_TILE_KERNELS[s.arch]
             tile_rc += (lay.linear_tiles - 1) * (fwd_k + bwd_k) * launch_s
     g_m, a_m, e_m, ends_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0)
-    fwd_one = g_d + a_d + e_d
-    bwd_one = 2 * (g_d + a_d + e_d)
-    fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m)
-    bwd = rank.dense_layers * bwd_one + rank.moe_layers * 2 * (g_m + a_m + e_m)
+    fused = problem.fused_for(lay)
+    (join_fd, join_bd), (join_fm, join_bm) = joins(False), (joins(True) if rank.moe_layers else (0.0, 0.0))
+    fwd_one = g_d + a_d + e_d + join_fd
+    bwd_one = 2 * (g_d + a_d + e_d) + join_bd
+    fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m + join_fm)
+    bwd = rank.dense_layers * bwd_one + rank.moe_layers * (2 * (g_m + a_m + e_m) + join_bm)
     if rank.head:
         vocab = math.ceil(s.vocab_size / lay.tp)
         head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, vocab, s.dim, elem)
@@ -264,9 +290,14 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         fwd, bwd = fwd + casts, bwd + casts
         if measured is None or measured.device_type == "cuda":  # the GPU's gap between kernels, per kernel
             kf, kb = C.COMPILED_BLOCK_KERNELS[s.arch]
-            fwd, bwd = fwd + rank.layers * kf * launch_s, bwd + rank.layers * kb * launch_s
+            for n, moe_layer in ((rank.dense_layers, False), (rank.moe_layers, True)):
+                # Joined projections: k - 1 fewer GEMMs per group forward, twice that backward, and the
+                # backward's join of each group (a kernel of its own: no cast to fuse it into in fp32).
+                groups = A.fused_projection_groups(s, moe_layer, lay.linear_tiles) if fused else ()
+                fewer = sum(k - 1 for k, _ in groups)
+                fwd, bwd = fwd + n * (kf - fewer) * launch_s, bwd + n * (kb - 2 * fewer + len(groups)) * launch_s
     # (forward, backward) kernels of one dense / MoE block in eager mode
-    dense, moe = eager_block_kernels(s, reg, False, lay.ep), eager_block_kernels(s, reg, True, lay.ep)
+    dense, moe = eager_block_kernels(s, reg, False, lay.ep, fused), eager_block_kernels(s, reg, True, lay.ep, fused)
     if eager:  # launch_s per kernel the rank's eager forward / backward launches
         rest = C.EAGER_REST_KERNELS[_kernel_key(s, reg)] if (rank.head or rank.embedding) else (0, 0)
         for i in (0, 1):

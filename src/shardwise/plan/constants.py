@@ -90,6 +90,17 @@ EAGER_MOE_BLOCK_KERNELS: dict[tuple[str, str], tuple[int, int, int, int]] = {
     ("llama", "fp32"): (64, 5, 76, 16), ("llama", "autocast"): (76, 10, 94, 21), ("llama", "lowp"): (72, 5, 86, 16),
     ("gpt", "fp32"): (44, 3, 45, 9), ("gpt", "autocast"): (58, 6, 61, 12), ("gpt", "lowp"): (48, 3, 51, 9),
 }
+# The same under train.fuse_projections (models/feed_forward.py _JoinedLinear: a join and one GEMM per group
+# instead of a GEMM per linear, the join again in backward); a MoE block joins attention's q|k|v only (its
+# shared experts' w1|w3 too, not counted: no preset has them), by EAGER_FUSED_MOE_DELTA on its count above.
+EAGER_FUSED_BLOCK_KERNELS: dict[tuple[str, str], tuple[int, int]] = {
+    ("llama", "fp32"): (34, 60), ("llama", "autocast"): (45, 77), ("llama", "lowp"): (38, 65),
+    ("gpt", "fp32"): (12, 23), ("gpt", "autocast"): (24, 37), ("gpt", "lowp"): (12, 24),
+}
+EAGER_FUSED_MOE_DELTA: dict[tuple[str, str], tuple[int, int]] = {
+    ("llama", "fp32"): (0, -2), ("llama", "autocast"): (-2, -4), ("llama", "lowp"): (0, -2),
+    ("gpt", "fp32"): (0, -4), ("gpt", "autocast"): (-4, -8), ("gpt", "lowp"): (0, -4),
+}
 EAGER_REST_KERNELS: dict[tuple[str, str], tuple[int, int]] = {
     ("llama", "fp32"): (10, 19), ("llama", "autocast"): (13, 22), ("llama", "lowp"): (13, 21),
     ("gpt", "fp32"): (8, 8), ("gpt", "autocast"): (11, 11), ("gpt", "lowp"): (9, 8),

@@ -405,4 +405,4 @@ def evaluate(problem: Problem, lay: Layout, mem: Memory | None = None) -> Estima
                 tp2d.setdefault(c.axis, {}).setdefault(c.kind, 0.0)
                 tp2d[c.axis][c.kind] += c.total
     return Estimate(lay, mem, t, breakdown, tokens_per_s, tflops, mfu, days, days_6nd, source, detail, tp2d,
-                    problem.stack_for(lay).describe())
+                    problem.stack_description(lay))

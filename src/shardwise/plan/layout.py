@@ -177,6 +177,7 @@ class Problem:
     stack_choices: tuple[tuple[str, str], ...] = ()
     device_type: str = "cuda"
     fp8_head: bool = False  # train.fp8_head: the output head's GEMMs in FP8 too (precision "fp8" only)
+    fuse_projections: bool = False  # train.fuse_projections: q|k|v and w1|w3 as one GEMM each (fused_for)
 
     def eager_for(self, lay: Layout) -> bool:
         """Whether `lay` runs eagerly under this problem's train.compile (see compile_unset)."""
@@ -235,7 +236,17 @@ class Problem:
                           or t.compile_backend == "aot_eager"),  # aot_eager: eager kernels, a debugging backend
                    compile_unset=t.compile is None,
                    tf32=t.tf32 and kind == "cuda", stack_choices=tuple(choices.items()), device_type=kind,
-                   fp8_head=t.fp8_head)
+                   fp8_head=t.fp8_head, fuse_projections=t.fuse_projections)
+
+    def fused_for(self, lay: Layout) -> bool:
+        """train.fuse_projections in effect on `lay` (models/feed_forward.py fused_linear): the trainer joins
+        the projections where each weight is whole on its rank, tp = 1, and not under FSDP's FP8 all-gather
+        (spec/rules.py fused_projection_rules, which refuses the rest: a search prices those layouts unjoined)."""
+        return self.fuse_projections and lay.tp == 1 and not self.fp8_gathers(lay)
+
+    def stack_description(self, lay: Layout) -> str:
+        """The software stack `lay` is priced on, in words (plan/stack.py), with the joined projections."""
+        return self.stack_for(lay).describe() + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else "")
 
     @property
     def head_in_fp8(self) -> bool:

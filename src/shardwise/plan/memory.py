@@ -216,6 +216,8 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
         key += ("2d",)
     if not problem.eager_for(core):  # compiled blocks save what inductor's partitioner keeps (plan/compiled.py)
         key += ("compiled",)
+    if problem.fused_for(core):  # train.fuse_projections (activations.fused_projection_delta)
+        key += ("fused",)
     (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
@@ -255,7 +257,11 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
         fp8_weights = 2.0 * shape.fp8_linears(moe)[0] if fp8_gathers else 0.0
         # parallel.linear_tiles (dense MLPs only): the tiled MLP saves its input, not its intermediates.
         t = A.tiled_mlp_delta(shape, reg) if tiles > 1 and not moe else A.BlockActivations(0.0, 0.0)
-        return (b.per_token + cp_per_token + t.per_token) * tokens + b.fixed + t.fixed + cp_fixed + fp8_weights
+        # train.fuse_projections: under autocast no 16-bit copies of the joined weights (nor, eager, of their input)
+        f = A.fused_projection_delta(shape, reg, compiled, moe, tiles) if "fused" in key[10:] \
+            else A.BlockActivations(0.0, 0.0)
+        return ((b.per_token + cp_per_token + t.per_token + f.per_token) * tokens + b.fixed + t.fixed + f.fixed + cp_fixed
+                + fp8_weights)
 
     def stored(mode: str, moe: bool) -> float:
         if mode == "full":  # the block input only: tiles change nothing stored, only the working set below

@@ -258,7 +258,7 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
         f" (kept fraction {lay.grad_compression_ratio:g})" if lay.grad_compression == "topk" else "") + (
         f": encode / decode {coded:.3g} s in dp_comm" if coded else ": not applied (no data-parallel hook on this layout)")
     out = problem_lines(problem) + [f"layout   {lay.describe()}  (accumulation / micro-batches {lay.accumulation(problem)}, "
-                                    f"{mode}{squeeze})", f"stack    {problem.stack_for(lay).describe()}  (cluster.*_kernel: plan/stack.py)"
+                                    f"{mode}{squeeze})", f"stack    {problem.stack_description(lay)}  (cluster.*_kernel: plan/stack.py)"
                                     + _fitted(problem)]
     out += calibration_lines(problem, lay)[1:] + tp2d_lines(problem, lay)
     con.print("\n".join(out), soft_wrap=True)

@@ -319,10 +319,10 @@ def linear_tiles_rules(s: Any, lay: Layout, precision: str | None = None) -> Rul
 
 
 def fused_projection_rules(fuse: bool, tp: int, precision: str | None, fp8_recipe: str, fsdp: bool) -> Rules:
-    """train.fuse_projections (models/feed_forward.py fused_linear): trainer-only, not priced by the planner.
-    The joined weight must be whole on the rank (TP splits q, k and v by heads, each its own DTensor), and
-    FSDP's FP8 all-gather (tensorwise, parallel/float8.py) gathers each weight already cast with its own
-    scale, which cannot be joined."""
+    """train.fuse_projections (models/feed_forward.py fused_linear): trainer-only (the planner prices these
+    layouts unjoined: plan/layout.py Problem.fused_for). The joined weight must be whole on the rank (TP splits
+    q, k and v by heads, each its own DTensor), and FSDP's FP8 all-gather (tensorwise, parallel/float8.py)
+    gathers each weight already cast with its own scale, which cannot be joined."""
     if not fuse:
         return
     if tp > 1:
