@@ -87,33 +87,63 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     h = shape.dim
     res_div = tp if sp else 1
     a = 4 if reg == "fp32" else 2          # activation element bytes
-    per_token = _norm(shape, reg, res_div, 3) + _norm(shape, reg, res_div, 2 if shape.arch == "llama" else 1)
-    per_token += attention_bytes(shape, a, tp, attention, seq_len)
-    f = shape.expert_ffn if moe_layer else shape.ffn_dim
-    mlp = (4 if shape.arch == "llama" else 2) * a * f / tp  # SwiGLU: w1 out, silu out, w3 out, product; GELU: fc out, gelu out
-    if moe_layer and shape.moe is not None:
-        # models/moe.py, per routed copy (top_k per token, x the capacity / load factor): the expert's
-        # MLP intermediates, its input copy (h) and its output (h, kept for the routing-weight
-        # product); per slot: three int64 index vectors (top-k ids, sort order, token of each copy)
-        # and fp32 top-k probability + gathered weight; per token: the fp32 router probabilities (E)
-        # and the top-k sum. Measured with saved-tensor hooks on tiny-moe: 3172.6 bytes/token, this
-        # formula 3172 (the z-loss, when on, adds the fp32 logits: 4 E + 8).
-        cf = capacity_factor if capacity_factor is not None else shape.moe.load_factor
-        k = shape.moe.top_k
-        mlp = k * cf * (mlp + 2 * a * h) + k * (3 * 8 + 2 * 4) + 4 * shape.moe.num_experts + 4
-        # Shared experts (one always-on MLP of num_shared x expert ffn) save like a dense MLP.
-        mlp += (4 if shape.arch == "llama" else 2) * a * shape.moe.num_shared_experts * f / tp
-    per_token += mlp
+    ups = 2 if shape.arch == "llama" else 1  # up-projections reading the MLP's input: SwiGLU w1, w3; GELU fc
+    per_token = _norm(shape, reg, res_div, 3) + attention_bytes(shape, a, tp, attention, seq_len)
     fixed = 0.0
     if reg == "autocast":
         # One 16-bit copy of every (local) linear weight per micro-batch (models.common.Attention /
-        # SwiGLU / GELUMLP under torch.autocast). Float8Linears (autocast_fp8) keep none: they save the
-        # fp32 parameter itself and cast again in backward (all of a block's linears, whose dims are
-        # multiples of 16 in every preset).
+        # SwiGLU / GELUMLP under torch.autocast; a MoE block's experts and router too). Float8Linears
+        # (autocast_fp8) keep none: they save the fp32 parameter itself and cast again in backward (all of a
+        # block's linears, whose dims are multiples of 16 in every preset).
         fixed = 2 * _local_block_matmul(shape, tp, moe_layer)
     elif reg == "lowp" and shape.arch == "gpt":
         fixed = 2 * 2 * 4 * h  # two LayerNorms' fp32 casts of their 16-bit weight and bias
+    if moe_layer and shape.moe is not None:
+        cf = capacity_factor if capacity_factor is not None else shape.moe.load_factor
+        moe_per_token, moe_fixed = _moe_feed_forward(shape, reg, tp, res_div, cf)
+        return BlockActivations(per_token + moe_per_token, fixed + moe_fixed)
+    # SwiGLU: w1 out, silu out, w3 out, product; GELU: fc out, gelu out
+    per_token += _norm(shape, reg, res_div, ups) + mlp_intermediates(shape) * a * shape.ffn_dim / tp
     return BlockActivations(per_token, fixed)
+
+
+def _moe_feed_forward(shape: ModelShape, reg: str, tp: int, res_div: float, cf: float) -> tuple[float, float]:
+    """(bytes per token, fixed bytes) a MoE block's MLP norm and feed-forward save (models/moe.py), by regime
+    (a: the compute dtype's bytes; ups: the up-projections, SwiGLU's 2, GELU's 1; every regime but fp32 runs
+    under torch.autocast, 16-bit parameters too):
+      the norm's output y: the router reads y.float() (fp32: y itself, one storage with what the norm keeps;
+      otherwise autocast's 16-bit cast of it, 2h); the shared experts' linears read y (autocast: a 16-bit
+      cast per up-projection; FP8's Float8Linears y itself, fp32; lowp y itself, 16-bit); the routed copies
+      are gathered from it, which keeps nothing of it;
+      per routed copy (top_k per token x the capacity / load factor): its input (a h; under fp32 parameters
+      cast per up-projection, FP8's included: the experts are not Float8Linears), the expert's
+      intermediates, its output as y.float() (4h, for the routing-weight product); three int64 index
+      vectors (top-k ids, sort order, token of each copy) and the top-k probability and gathered weight in
+      the router's dtype (16-bit under autocast), as are the per-token router probabilities (E) and top-k
+      sum; the shared experts' intermediates as a dense MLP's;
+      fixed: under autocast every weight's 16-bit copy (block_bytes' own); under FP8 the experts' and the
+      router's (the attention and shared linears are Float8Linears); under lowp the router's (of its
+      y.float()-style fp32 copy).
+    Measured with saved-tensor hooks, llama and gpt, with and without a shared expert, fp32 / autocast /
+    lowp / FP8: equal to the byte but the aux-loss statistics' 18-36 (tests/unit/test_plan_moe_memory.py);
+    the z-loss, when on, adds the fp32 logits (4 E + 8)."""
+    moe, h, f = shape.moe, shape.dim, shape.expert_ffn
+    a = 4 if reg == "fp32" else 2
+    ups = 2 if shape.arch == "llama" else 1
+    fp32_params = reg in ("autocast", "autocast_fp8")
+    internals = (4 * h + 8) if shape.arch == "gpt" else (4 * h + 4 + (2 if reg == "lowp" else 4) * h)
+    shared = moe.num_shared_experts > 0
+    y = 4 * h if reg == "fp32" else 2 * h + ({"lowp": 2 * h, "autocast": ups * 2 * h, "autocast_fp8": 4 * h}[reg] if shared else 0.0)
+    p = 4 if reg == "fp32" else 2  # the router's dtype
+    routed = (ups if fp32_params else 1) * a * h + mlp_intermediates(shape) * a * f / tp + 4 * h
+    per_token = internals / res_div + y + moe.top_k * cf * routed + moe.top_k * (3 * 8 + 2 * p) + (moe.num_experts + 1) * p
+    per_token += mlp_intermediates(shape) * a * moe.num_shared_experts * f / tp
+    fixed = 0.0
+    if reg == "autocast_fp8":
+        fixed = 2 * ((ups + 1) * moe.num_experts * f * h / tp + moe.num_experts * h)
+    elif reg == "lowp":
+        fixed = 2 * moe.num_experts * h
+    return per_token, fixed
 
 
 def mlp_intermediates(shape: ModelShape) -> int:

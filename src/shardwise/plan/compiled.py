@@ -71,10 +71,12 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     if moe_layer and shape.moe is not None:
         # The eager MoE feed-forward's own tensors: the eager MoE block less the eager dense block's
         # non-MLP part (both count the same norms and attention).
-        eager_moe = A.block_bytes(shape, reg, tp, sp, True).per_token
+        eager_moe = A.block_bytes(shape, reg, tp, sp, True)
         eager_dense = A.block_bytes(shape, reg, tp, sp, False).per_token
-        return A.BlockActivations(per_token + eager_moe - (eager_dense - A.mlp_intermediates(shape) * a * shape.ffn_dim / tp),
-                                  fixed)
+        # ... and the weight copies it makes (FP8: the experts' and the router's; 16-bit parameters: the
+        # router's), which the compiled part does not (under autocast `fixed` has every weight's already).
+        return A.BlockActivations(per_token + eager_moe.per_token - (eager_dense - A.mlp_intermediates(shape) * a * shape.ffn_dim / tp),
+                                  fixed + (eager_moe.fixed if reg != "autocast" else 0.0))
     per_token += (3 if shape.arch == "llama" else 2) * a * f
     return A.BlockActivations(per_token, fixed)
 
