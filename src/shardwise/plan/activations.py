@@ -300,7 +300,10 @@ def head_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, chunked_loss: boo
     copy under autocast; none when train.fp8_head makes it a Float8Linear, which casts the fp32 weight
     itself), and the loss's own (`loss_bytes`)."""
     loss = loss_bytes(shape, reg, tp, chunked_loss)
-    per_token = _norm(shape, reg, 1, 1) if chunked_loss else _norm(shape, reg, tp if sp else 1, 1)
+    # Under FP8 the head is a plain linear unless fp8_head: it saves autocast's 16-bit cast of the norm's output,
+    # not the fp32 output a Float8Linear keeps.
+    norm_reg = "autocast" if reg == "autocast_fp8" and not fp8_head else reg
+    per_token = _norm(shape, norm_reg, 1, 1) if chunked_loss else _norm(shape, norm_reg, tp if sp else 1, 1)
     fixed = loss.fixed
     if reg == "autocast" or (reg == "autocast_fp8" and not fp8_head):  # a plain linear under FP8 unless fp8_head
         fixed += 2 * shape.vocab_size * shape.dim / tp
