@@ -22,8 +22,9 @@ stages) against the planner's `activations_stored` (the per-micro-batch inventor
 schedule's in-flight micro-batches, plan/memory.py), within PP_ACTIVATION_RTOL = 3%: the in-flight
 counts are exact. What is left is the int64 token / target storage, which all micro-batches share as
 views of one tensor (the meter counts it once in full: -0.3% at most, -1.5% on full recompute's
-small total), and the TP row's per-token gap (-2.1%, the same 128 B/token as the non-PP tp2 row's
--1.6%). 3% still catches
+small total). (The TP rows' former 128 B/token, -1.3% .. -2.1%, was the meter counting the sequence-parallel
+embedding's reduce-scatter result twice: an AsyncCollectiveTensor, whose storage is its tensor's,
+train/memory_meter.py _storage_key.) 3% still catches
 a wrong in-flight model on these rows: one chunk-micro-batch too many or too few is >= 18%, a
 missing per-stage RoPE table set 3.5-4.3%. They run one step before the measured one, so the counted
 traffic is a steady step's (the schedules' first step adds 4-byte handshakes between neighbours).
@@ -33,9 +34,8 @@ Context-parallel rows (cp2_*, parallel/context.py) are the same comparisons on e
 exposed a CP-specific term of what autograd saves, now in the planner (plan/activations.py
 cp_block_bytes_per_token, cp_rope_bytes_per_block, cp_stage_bytes): the core's output copy that wo
 saves, Ulysses' repeated KV heads and index permutations, ring's bf16 LSE under autocast, and RoPE's
-gathered cos/sin rows in place of the whole tables. They match to the byte except the TP rows (the
-non-CP tp2 row's 128 B/token, -1.6%) and cp2_ring_pp2_1f1b (the shared int64 token / target storage,
--0.2% at most).
+gathered cos/sin rows in place of the whole tables. They match to the byte except cp2_ring_pp2_1f1b (the
+shared int64 token / target storage, -0.2% at most).
 
 Selective "op" recomputation keeps the outputs of matmuls / SDPA inside torch's selective-checkpoint
 cache, where saved-tensor hooks cannot see them; the trainer's meter counts them with a dispatch mode

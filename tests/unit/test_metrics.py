@@ -90,6 +90,18 @@ def test_activation_meter_mlp_by_hand():
     assert meter.bytes == 1536
 
 
+def test_activation_meter_counts_a_functional_collectives_result_once():
+    """A DTensor redistribution (the sequence-parallel embedding's reduce-scatter) hands back an
+    AsyncCollectiveTensor, a wrapper with no storage of its own: counted by size, the first block's norm,
+    which saves its input twice (pow and mul), counted it twice (the TP validation rows' -1.6%)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    x = AsyncCollectiveTensor(torch.randn(8, 16, requires_grad=True))
+    with ActivationMeter() as meter:
+        x.pow(2).mean(-1, keepdim=True).rsqrt() * x
+    assert meter.bytes == 4 * (8 * 16 + 8)  # x once, and rsqrt
+
+
 def test_activation_meter_excludes_parameters_and_dedupes_views():
     model = _mlp()
     x = torch.randn(8, 16, requires_grad=True)  # now W1.t() is saved too (for dx)

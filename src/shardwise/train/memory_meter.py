@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -23,6 +24,12 @@ def _storage_key(t: torch.Tensor) -> tuple[Hashable | None, int]:
     once, in full: a view keeps its whole storage alive. Key None means "cannot dedupe" (meta or
     storage-less tensors), which then count by their own size."""
     t = local_shard(t)
+    if isinstance(t, AsyncCollectiveTensor):
+        # A functional collective's result (a DTensor redistribution's, e.g. the sequence-parallel embedding's
+        # reduce-scatter) is a wrapper with no storage of its own: its tensor's storage is the one kept. Counted
+        # by size, the same result saved by two ops counted twice (the first block's norm under SP: one
+        # h-wide tensor per token, the TP rows' "-1.6%" in tests/dist/test_plan_validation.py).
+        t = t.elem
     try:
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
