@@ -75,9 +75,8 @@ class _JoinedLinear(torch.autograd.Function):
         with torch.autocast(xc.device.type, enabled=False):
             dx = torch.mm(dy, join_rows(weights, xc.dtype)).reshape(xc.shape).to(ctx.x_dtype) if need_x else None
             dw = torch.mm(dy.t(), xc.reshape(-1, xc.shape[-1])) if any(need_weights) else None
-        dws = [part.to(w.dtype) if need else None
-               for part, w, need in zip(dw.split([w.shape[0] for w in weights]) if dw is not None else [None] * len(weights),
-                                        weights, need_weights)]
+        parts = dw.split([w.shape[0] for w in weights]) if dw is not None else [None] * len(weights)
+        dws = [part.to(w.dtype) if need else None for part, w, need in zip(parts, weights, need_weights)]
         db = dy.sum(0).to(ctx.bias_dtype) if need_bias and ctx.bias_dtype is not None else None
         return dx, db, *dws
 
