@@ -125,6 +125,7 @@ CASES[2].update({
     # torch's zero-bubble order defers the weight passes: the last rank holds p micro-batches (the loss's
     # own tensors once: the input pass detaches it); priced as 1F1B's 1 it was -44% (plan/inflight.py).
     "pp2_zero_bubble": dict(PP, **{"parallel.pp_schedule": "zero_bubble"}),
+    "pp2_1f1b_bf16_fused": dict(PP, **{"train.precision": "bf16", "train.fuse_projections": "true"}),  # joined projections
 })
 CASES[4].update({
     "pp2_zero1_dp2_bf16": dict(PP, **{"parallel.dp_shard": 2, "parallel.zero": 1, "train.precision": "bf16"}),
