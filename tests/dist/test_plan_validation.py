@@ -70,6 +70,8 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
         # planner read -11.4%, -11.0% and (ZeRO-3: every block's unsharded q|k|v and w1|w3 at once) -13.5% here.
         "single_fused": {"train.micro_batch": 8, "train.fuse_projections": "true"},
         "single_fp8_fused": {"train.micro_batch": 8, "train.precision": "fp8", "train.fuse_projections": "true"},
+        "recompute_op_fused": {"train.micro_batch": 4, "train.recompute": "selective", "train.fuse_projections": "true"},
+        "recompute_full_fused": {"train.micro_batch": 8, "train.recompute": "full", "train.fuse_projections": "true"},
         # under autocast joined weights keep no 16-bit copies (plan/activations.py fused_projection_delta)
         "single_bf16_fused": {"train.micro_batch": 8, "train.precision": "bf16", "train.fuse_projections": "true"},
         "gpt_bf16_fused": {"train.micro_batch": 8, "train.precision": "bf16", "train.fuse_projections": "true",
