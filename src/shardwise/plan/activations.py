@@ -100,14 +100,22 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
         fixed = 2 * 2 * 4 * h  # two LayerNorms' fp32 casts of their 16-bit weight and bias
     if moe_layer and shape.moe is not None:
         cf = capacity_factor if capacity_factor is not None else shape.moe.load_factor
-        moe_per_token, moe_fixed = _moe_feed_forward(shape, reg, tp, res_div, cf)
+        moe_per_token, moe_fixed = moe_feed_forward(shape, reg, tp, res_div, cf)
         return BlockActivations(per_token + moe_per_token, fixed + moe_fixed)
     # SwiGLU: w1 out, silu out, w3 out, product; GELU: fc out, gelu out
     per_token += _norm(shape, reg, res_div, ups) + mlp_intermediates(shape) * a * shape.ffn_dim / tp
     return BlockActivations(per_token, fixed)
 
 
-def _moe_feed_forward(shape: ModelShape, reg: str, tp: int, res_div: float, cf: float) -> tuple[float, float]:
+def moe_norm_internals(shape: ModelShape, reg: str) -> float:
+    """What a MoE block's MLP norm keeps of its own per token before SP's division (moe_feed_forward): llama's
+    RMSNorm x.float() (4h), rsqrt, x * rsqrt (4h; 16-bit parameters: the 16-bit normalized tensor, 2h); gpt's
+    LayerNorm its input, mean and rstd."""
+    h = shape.dim
+    return (4 * h + 8) if shape.arch == "gpt" else (4 * h + 4 + (2 if reg == "lowp" else 4) * h)
+
+
+def moe_feed_forward(shape: ModelShape, reg: str, tp: int, res_div: float, cf: float) -> tuple[float, float]:
     """(bytes per token, fixed bytes) a MoE block's MLP norm and feed-forward save (models/moe.py), by regime
     (a: the compute dtype's bytes; ups: the up-projections, SwiGLU's 2, GELU's 1; every regime but fp32 runs
     under torch.autocast, 16-bit parameters too):
@@ -131,7 +139,7 @@ def _moe_feed_forward(shape: ModelShape, reg: str, tp: int, res_div: float, cf: 
     a = 4 if reg == "fp32" else 2
     ups = 2 if shape.arch == "llama" else 1
     fp32_params = reg in ("autocast", "autocast_fp8")
-    internals = (4 * h + 8) if shape.arch == "gpt" else (4 * h + 4 + (2 if reg == "lowp" else 4) * h)
+    internals = moe_norm_internals(shape, reg)
     shared = moe.num_shared_experts > 0
     y = 4 * h if reg == "fp32" else 2 * h + ({"lowp": 2 * h, "autocast": ups * 2 * h, "autocast_fp8": 4 * h}[reg] if shared else 0.0)
     p = 4 if reg == "fp32" else 2  # the router's dtype

@@ -69,14 +69,18 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     # casts its fp32 parameters itself and keeps none; fp32 and 16-bit parameters have no copies.
     fixed = 2.0 * shape.block_matmul_numel(moe_layer, active=False) / tp if reg == "autocast" else 0.0
     if moe_layer and shape.moe is not None:
-        # The eager MoE feed-forward's own tensors: the eager MoE block less the eager dense block's
-        # non-MLP part (both count the same norms and attention).
-        eager_moe = A.block_bytes(shape, reg, tp, sp, True)
-        eager_dense = A.block_bytes(shape, reg, tp, sp, False).per_token
-        # ... and the weight copies it makes (FP8: the experts' and the router's; 16-bit parameters: the
+        # The MoE feed-forward runs eagerly between two graphs (parallel/compile.py apply_compile): the graph
+        # hands it the MLP norm's output, of which it keeps a 16-bit copy under autocast, as a dense block keeps
+        # its GEMM input, and nothing otherwise (the router or the shared experts keep what they read); then
+        # the eager feed-forward's own bytes (activations.moe_feed_forward) but the norm's, which the graph
+        # holds; and the weight copies it makes (FP8: the experts' and the router's; 16-bit parameters: the
         # router's), which the compiled part does not (under autocast `fixed` has every weight's already).
-        return A.BlockActivations(per_token + eager_moe.per_token - (eager_dense - A.mlp_intermediates(shape) * a * shape.ffn_dim / tp),
-                                  fixed + (eager_moe.fixed if reg != "autocast" else 0.0))
+        # Held to a compiled MoE block on CPU for llama and gpt, with and without a shared expert
+        # (tests/unit/test_plan_moe_memory.py).
+        ffn, ffn_fixed = A.moe_feed_forward(shape, reg, tp, res_div, shape.moe.load_factor)
+        norm_input = 0.0 if reg == "autocast" else a * h
+        return A.BlockActivations(per_token - norm_input + ffn - A.moe_norm_internals(shape, reg) / res_div,
+                                  fixed + (ffn_fixed if reg != "autocast" else 0.0))
     per_token += (3 if shape.arch == "llama" else 2) * a * f
     return A.BlockActivations(per_token, fixed)
 
