@@ -14,6 +14,9 @@ from shardwise.parallel import float8 as F8
 from shardwise.parallel.precision import autocast
 from shardwise.preflight import check
 
+# inductor's import warns of torch.jit.script_method (as tests/unit/test_plan_compiled.py filters)
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 
 def _model(preset: str):
     cfg = load_config(None, [f"--model.preset={preset}", "--model.vocab_size=512"])

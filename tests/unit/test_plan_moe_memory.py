@@ -19,6 +19,9 @@ from shardwise.plan import activations as A
 from shardwise.plan import compiled as K
 from shardwise.spec.shapes import ModelShape
 
+# inductor's import warns of torch.jit.script_method (as tests/unit/test_plan_compiled.py filters)
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 REGIMES = {"fp32": "fp32", "bf16": "autocast", "lowp": "lowp", "fp8": "autocast_fp8"}
 # gpt with 16-bit parameters is left out: CPU autocast runs LayerNorm in bf16 where CUDA's runs it in fp32 (on
 # its fp32 list) and saves an fp32 copy of its input, which the planner prices (the dense block's too).
