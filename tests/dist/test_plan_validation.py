@@ -76,7 +76,7 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
         "single_bf16_fused": {"train.micro_batch": 8, "train.precision": "bf16", "train.fuse_projections": "true"},
         "gpt_bf16_fused": {"train.micro_batch": 8, "train.precision": "bf16", "train.fuse_projections": "true",
                            "model.preset": "tiny-gpt", "model.vocab_size": 512},
-        # MoE blocks under autocast and FP8 (plan/activations.py _moe_feed_forward; before: -5.5% and -18.7%)
+        # MoE blocks under autocast and FP8 (plan/activations.py moe_feed_forward; before: -5.5% and -18.7%)
         "moe_bf16_autocast": {"train.micro_batch": 8, "train.precision": "bf16", "model.preset": "tiny-moe",
                               "model.vocab_size": 512},
         "moe_shared_fp8": {"train.micro_batch": 8, "train.precision": "fp8", "model.preset": "tiny-moe",

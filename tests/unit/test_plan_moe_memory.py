@@ -1,10 +1,12 @@
-"""plan/activations.py's inventory of a MoE block (_moe_feed_forward) held to what autograd saves: one block
-of a llama and a gpt MoE model, with and without a shared expert, in every regime the trainer runs (fp32;
-bf16 under autocast with fp32 parameters; 16-bit parameters, which run under autocast too; FP8, emulated),
-its saved storages listed with saved-tensor hooks (the activation meter's) and summed. Before, only fp32
-was exact: autocast -6% .. -11%, 16-bit parameters -8% .. -13%, FP8 -19% .. -25% (a routed copy's output is
-kept in fp32, its input cast once per up-projection, the router's probabilities in 16-bit, the experts'
-weights cast per call)."""
+"""plan/activations.py's inventory of a MoE block (moe_feed_forward), and plan/compiled.py's of the same block
+compiled (its feed-forward eager between two graphs, as parallel/compile.py runs it), held to what autograd
+saves: one block of a llama and a gpt MoE model, with and without a shared expert, in every regime the trainer
+runs (fp32; bf16 under autocast with fp32 parameters; 16-bit parameters, which run under autocast too; FP8,
+emulated), its saved storages listed with saved-tensor hooks (the activation meter's) and summed. Before
+2026-11-27 only fp32 was exact: eager, autocast -6% .. -11%, 16-bit parameters -7% .. -9% (llama), FP8 -19% ..
+-25% (a routed copy's output is kept in fp32, its input cast once per up-projection, the router's
+probabilities in 16-bit, the experts' weights cast per call); compiled, -11% .. -17%, -8% .. -13% and -24% ..
+-32%."""
 from __future__ import annotations
 
 import itertools
