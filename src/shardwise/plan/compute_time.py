@@ -80,7 +80,7 @@ class MicroBatchTimes:
 
 def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[tuple[int, int, int, int]]:
     """(m, n, k, count) of a block's forward GEMMs on one rank after TP/EP sharding, attention's first (q, k
-    and v, then wo: ATTENTION_GEMMS of them); train.fuse_projections (Problem.fused_for) joins q|k|v and w1|w3
+    and v, then wo: _attention_gemms of them); train.fuse_projections (Problem.fused_for) joins q|k|v and w1|w3
     into one GEMM each (activations.fused_projection_groups)."""
     s, tp = problem.shape, lay.tp
     h, kv = s.dim, max(s.kv_dim // tp, s.head_dim)
