@@ -87,7 +87,7 @@ def block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_layer: bool 
     h = shape.dim
     res_div = tp if sp else 1
     a = 4 if reg == "fp32" else 2          # activation element bytes
-    ups = 2 if shape.arch == "llama" else 1  # up-projections reading the MLP's input: SwiGLU w1, w3; GELU fc
+    ups = up_projections(shape)
     per_token = _norm(shape, reg, res_div, 3) + attention_bytes(shape, a, tp, attention, seq_len)
     fixed = 0.0
     if reg == "autocast":
@@ -137,7 +137,7 @@ def moe_feed_forward(shape: ModelShape, reg: str, tp: int, res_div: float, cf: f
     the z-loss, when on, adds the fp32 logits (4 E + 8)."""
     moe, h, f = shape.moe, shape.dim, shape.expert_ffn
     a = 4 if reg == "fp32" else 2
-    ups = 2 if shape.arch == "llama" else 1
+    ups = up_projections(shape)
     fp32_params = reg in ("autocast", "autocast_fp8")
     internals = moe_norm_internals(shape, reg)
     shared = moe.num_shared_experts > 0
@@ -152,6 +152,11 @@ def moe_feed_forward(shape: ModelShape, reg: str, tp: int, res_div: float, cf: f
     elif reg == "lowp":
         fixed = 2 * moe.num_experts * h
     return per_token, fixed
+
+
+def up_projections(shape: ModelShape) -> int:
+    """Linears reading an MLP's input: SwiGLU's w1 and w3, GELU's fc."""
+    return 2 if shape.arch == "llama" else 1
 
 
 def mlp_intermediates(shape: ModelShape) -> int:
@@ -204,7 +209,7 @@ def tiled_selective_delta(shape: ModelShape, reg: str) -> float:
     (ups x f + h) per token — is not kept; the block's replay in backward reruns the tiled forward
     instead (plan/cost.py)."""
     a = 4 if reg == "fp32" else 2
-    ups = 2 if shape.arch == "llama" else 1
+    ups = up_projections(shape)
     return -a * (ups * shape.ffn_dim + shape.dim)
 
 
@@ -242,7 +247,7 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     kv_local = max(kv / tp, shape.head_dim)
     res_div = tp if sp else 1
     f = shape.expert_ffn if moe_layer else shape.ffn_dim
-    n_up = 2 if shape.arch == "llama" else 1
+    n_up = up_projections(shape)
     mlp = a * (n_up * f / tp + h)
     if moe_layer and shape.moe is not None:
         shared = shape.moe.num_shared_experts * f

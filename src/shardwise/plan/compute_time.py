@@ -87,8 +87,8 @@ def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[
     fused = problem.fused_for(lay)
     qkv = [(tokens, h + 2 * kv, h, 1)] if fused else [(tokens, h // tp, h, 1), (tokens, kv, h, 2)]
     out = qkv + [(tokens, h, h // tp, 1)]
-    ups = 2 if s.arch == "llama" else 1
-    up = (lambda m, f: (m, ups * f, h, 1)) if fused and ups == 2 else (lambda m, f: (m, f, h, ups))
+    ups = A.up_projections(s)
+    up = (lambda m, f: (m, ups * f, h, 1)) if fused else (lambda m, f: (m, f, h, ups))
     if moe and s.moe is not None:
         local_experts = max(1, s.moe.num_experts // lay.ep)
         per_expert = max(1, round(tokens * s.moe.top_k * s.moe.load_factor * lay.ep / s.moe.num_experts))
@@ -243,7 +243,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # its GEMMs are not cached), on top.
     tile_rc = 0.0
     if lay.linear_tiles > 1 and rank.dense_layers:
-        ups = 2 if s.arch == "llama" else 1
+        ups = A.up_projections(s)
         a = elem
         tile_rc = sum(n * ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem)
                       for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
@@ -327,7 +327,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     elif lay.recompute == "selective":  # "op": the pointwise forward runs again
         recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
         if lay.linear_tiles > 1:  # ... and the tiled MLP's forward GEMMs, which the policy does not cache
-            ups = 2 if s.arch == "llama" else 1
+            ups = A.up_projections(s)
             recompute += rank.dense_layers * sum(
                 n * ((ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem))
                      + gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, s.dim, w, elem))

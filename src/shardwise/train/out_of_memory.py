@@ -27,6 +27,7 @@ import torch
 from shardwise.config import Config
 from shardwise.errors import OutOfMemory, exception_chain, out_of_memory
 from shardwise.spec.hf import exportable
+from shardwise.train.manifest import step_dir_name
 from shardwise.train.planned_memory import PlannedMemory, local_world_size, planned_memory
 
 if TYPE_CHECKING:
@@ -211,7 +212,8 @@ def checkpoint_save_line(cfg: Config, rank: int, device_type: str, what: str, st
         fix = f"lower what else holds this node's host memory: {', '.join(holders)}"
     else:
         fix = "free host memory on this node (other processes hold it) or run fewer ranks per node"
-    partial = "the partial checkpoint was removed" if removed else f"the partial checkpoint (step_{step:08d}.tmp) is never resumed from"
+    partial = "the partial checkpoint was removed" if removed else \
+        f"the partial checkpoint ({step_dir_name(step)}.tmp) is never resumed from"
     kept = remains_words(newest) if listed else "the earlier checkpoints were not touched"
     rerun = "then rerun to resume" if listed and newest is not None else "then rerun"
     return f"checkpoint: rank {rank} ran out of {place} memory saving step {step}: {what}; {partial} and {kept}; fix: {fix}, {rerun}"
