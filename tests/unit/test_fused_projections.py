@@ -13,6 +13,7 @@ from shardwise.models.feed_forward import fuse_training_projections
 from shardwise.parallel import float8 as F8
 from shardwise.parallel.precision import autocast
 from shardwise.preflight import check
+from shardwise.train.memory_meter import ActivationMeter
 
 # inductor's import warns of torch.jit.script_method (as tests/unit/test_plan_compiled.py filters)
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -112,17 +113,9 @@ def _saved_bytes(model, precision: str, compiled: bool) -> int:
             block.compile(backend="aot_eager_decomp_partition")
         with autocast(precision, "cpu"):
             model(tokens).float().sum().backward()  # compiles
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(precision, "cpu"):
+    with ActivationMeter(exclude=model) as meter, autocast(precision, "cpu"):  # the trainer's own meter
         model(tokens)
-    return sum(saved.values())
+    return meter.bytes
 
 
 def _joined_weight_elements(model) -> int:

@@ -2,7 +2,7 @@
 compiled (its feed-forward eager between two graphs, as parallel/compile.py runs it), held to what autograd
 saves: one block of a llama and a gpt MoE model, with and without a shared expert, in every regime the trainer
 runs (fp32; bf16 under autocast with fp32 parameters; 16-bit parameters, which run under autocast too; FP8,
-emulated), its saved storages listed with saved-tensor hooks (the activation meter's) and summed. Before
+emulated), its saved storages summed by the trainer's activation meter (train/memory_meter.py ActivationMeter). Before
 2026-11-27 only fp32 was exact: eager, autocast -6% .. -11%, 16-bit parameters -7% .. -9% (llama), FP8 -19% ..
 -25% (a routed copy's output is kept in fp32, its input cast once per up-projection, the router's
 probabilities in 16-bit, the experts' weights cast per call); compiled, -11% .. -17%, -8% .. -13% and -24% ..
@@ -20,6 +20,7 @@ from shardwise.parallel.precision import autocast
 from shardwise.plan import activations as A
 from shardwise.plan import compiled as K
 from shardwise.spec.shapes import ModelShape
+from shardwise.train.memory_meter import ActivationMeter
 
 # inductor's import warns of torch.jit.script_method (as tests/unit/test_plan_compiled.py filters)
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -36,24 +37,16 @@ def _saved_bytes(model: torch.nn.Module, precision: str, tokens: tuple[int, int]
         from shardwise.parallel.compile import apply_compile
 
         apply_compile(model, "aot_eager_decomp_partition")
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     dtype = torch.bfloat16 if precision == "lowp" else torch.float32
     x = torch.randn(*tokens, model.cfg.dim, dtype=dtype, requires_grad=True, generator=torch.Generator().manual_seed(0))
     regime = autocast("fp32" if precision == "fp32" else "bf16", "cpu")
     if compiled:
         with regime:
             block(x, **model.block_kwargs()).float().sum().backward()  # compiles
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), regime:
+    # The trainer's own meter; the RoPE tables (buffers) are priced per stage, not per block.
+    with ActivationMeter(exclude=[*model.parameters(), *model.buffers()]) as meter, regime:
         block(x, **model.block_kwargs())
-    return sum(seen.values())
+    return meter.bytes
 
 
 @pytest.fixture
