@@ -1,6 +1,6 @@
 """plan/compiled.py's inventory of a compiled block, held to what inductor's partitioner saves: a llama and a
 gpt block compiled on this CPU under bf16 autocast with fp32 weights (the planner's "autocast" regime), its saved
-storages listed with saved-tensor hooks (the same hooks the activation meter uses) and summed."""
+storages summed by the trainer's activation meter (train/memory_meter.py ActivationMeter)."""
 from __future__ import annotations
 
 import pytest
@@ -11,25 +11,18 @@ from shardwise.models.common import RotaryEmbedding
 from shardwise.models.llama import LlamaBlock
 from shardwise.plan import compiled as K
 from shardwise.spec.shapes import ModelShape
+from shardwise.train.memory_meter import ActivationMeter
 
 pytest.importorskip("torch._inductor")
 
 
 def _saved_bytes(call, block: torch.nn.Module, rope: RotaryEmbedding, x: torch.Tensor) -> int:
-    seen: dict[int, int] = {}
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    skip |= {b.untyped_storage().data_ptr() for b in rope.buffers()}  # RoPE tables: counted per stage, not per block
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    # The trainer's own meter; RoPE tables are counted per stage, not per block.
+    with ActivationMeter(exclude=[*block.parameters(), *rope.buffers()]) as meter, \
+            torch.autocast("cpu", dtype=torch.bfloat16):
         y = call(x)
     y.float().sum().backward()
-    return sum(seen.values())
+    return meter.bytes
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
