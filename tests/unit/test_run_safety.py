@@ -344,3 +344,44 @@ def test_a_multi_node_failure_says_to_rerun_on_every_node(capsys, tmp_path):
         assert report_failure({0: _failure(-9, "", 1, 42)}, checkpoints=tmp_path, every_node=every_node) == 1
         err = capsys.readouterr().err
         assert f"newest checkpoint {newest}: {words} from it" in err, err
+
+
+# A rank of a one-process gloo group whose training raises `argv[2]`'s OS error; run in a process of its own
+# (it initialises torch.distributed).
+_RANK_RAISES_AN_OS_ERROR = """
+import errno, sys
+from pathlib import Path
+import torch.distributed as dist
+from shardwise.config import build_config
+from shardwise.train import __main__ as entry, data, trainer
+from shardwise.train.signals import StopRequest
+
+class Trainer:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def train(self):
+        raise OSError(getattr(errno, sys.argv[2]), "raised by the test")
+
+trainer.Trainer, data.prepare_data = Trainer, lambda *a, **k: None
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+cfg = build_config(None, [("model.preset", "tiny"), ("run.dir", sys.argv[1])])
+print("exit code", entry._run(cfg, Path(sys.argv[1]), StopRequest(), "", 0, True))
+"""
+
+
+@pytest.mark.parametrize("error, code", [("ECONNRESET", 1), ("ENOSPC", 4)])
+def test_a_rank_s_os_error_is_a_crash_or_a_storage_failure_never_a_traceback(tmp_path, error, code):
+    """A rank whose training raised an OS error that is not the disk's (a peer's or a loader worker's
+    broken pipe) re-raised it from its own except clause: it escaped as a 66-line "[rank0]: Traceback" in
+    the terminal and the launcher's line said "no Python error" (a CI run of 2026-11-27). Now it is a crash
+    like any other, its traceback in errors/rank_0.txt; a full disk stays exit 4 with its one line."""
+    done = subprocess.run([sys.executable, "-c", _RANK_RAISES_AN_OS_ERROR, str(tmp_path / "run"), error],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and f"exit code {code}" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    crash = tmp_path / "run" / "errors" / "rank_0.txt"
+    if code == 1:
+        assert "ConnectionResetError" in crash.read_text()
+    else:
+        assert not crash.exists() and "cannot write: " in done.stderr and "free space" in done.stderr, done.stderr

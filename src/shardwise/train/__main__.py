@@ -153,14 +153,6 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             _say(e.render())
             rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)
         return e.exit_code
-    except OSError as e:
-        failure = storage_failure(e)
-        if failure is None:
-            raise
-        _say(failure.message)
-        if rank == 0:
-            rundir.record_unrestartable_failure(run_dir, run_id, failure.exit_code)
-        return failure.exit_code
     except RunFailure as e:
         if e.report:
             _say(e.message, "" if isinstance(e, Interrupted) else "error: ")
@@ -168,6 +160,15 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)
         return e.exit_code
     except Exception as e:
+        # A full or read-only disk: exit 4. Any other OS error (a peer's or a loader worker's broken
+        # pipe) is a crash like any exception below; re-raised from its own clause, it escaped as a
+        # traceback in the terminal instead (a CI run's ConnectionResetError).
+        failure = storage_failure(e) if isinstance(e, OSError) else None
+        if failure is not None:
+            _say(failure.message)
+            if rank == 0:
+                rundir.record_unrestartable_failure(run_dir, run_id, failure.exit_code)
+            return failure.exit_code
         if watchdog is not None and is_timeout(e):
             report = watchdog.report(e)
             if report and attempt < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):

@@ -14,7 +14,9 @@ path (TokenBatches.__getstate__), never as a copy of the corpus.
 """
 from __future__ import annotations
 
+import multiprocessing
 import signal
+import time
 from collections.abc import Iterator
 
 import torch
@@ -29,6 +31,10 @@ PREFETCH_PER_WORKER = 2
 # Blocked in the rank while it forks its loader workers (BatchPrefetcher._start), unblocked in each worker
 # (_worker_init): the two must name the same signals.
 _BLOCKED_WHILE_FORKING = (*STOP_SIGNALS, signal.SIGCHLD)
+# How long a broken pipe to the workers waits for a worker's death to become visible (see
+# BatchPrefetcher._worker_death): the kernel closes a dying process's sockets before its parent can
+# reap it, a window of microseconds to milliseconds; a second is ample and delays only a failing rank.
+WORKER_EXIT_GRACE_S = 1.0
 
 
 class _RankBatches(Dataset):
@@ -66,6 +72,7 @@ class BatchPrefetcher:
         self.pin_memory = pin_memory
         self._loader: DataLoader | None = None
         self._iterator: Iterator[torch.Tensor] | None = None
+        self._workers: list[multiprocessing.Process] = []
         self._next_step = -1
 
     def micro_batches(self, step: int) -> list[torch.Tensor]:
@@ -73,7 +80,13 @@ class BatchPrefetcher:
             return self.batches.local_micro_batches(step, self.batch_rank, self.batch_size, self.micro_batch)
         if self._iterator is None or step != self._next_step:
             self._start(step)
-        rows = next(self._iterator)
+        try:
+            rows = next(self._iterator)
+        except (ConnectionError, EOFError) as e:
+            death = self._worker_death(WORKER_EXIT_GRACE_S)
+            if death is None:
+                raise
+            raise RuntimeError(death) from e
         self._next_step += 1
         return split_micro_batches(rows, self.micro_batch)
 
@@ -91,14 +104,34 @@ class BatchPrefetcher:
         # ("Exception ignored in ... __del__"); blocked, the death is reported once the iterator is whole.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_WHILE_FORKING)
         try:
+            others = set(multiprocessing.active_children())
             self._iterator = iter(self._loader)
+            self._workers = [p for p in multiprocessing.active_children() if p not in others]
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self._next_step = step
 
+    def _worker_death(self, grace_s: float) -> str | None:
+        """What to say when the pipe from the workers broke because one of them died, else None.
+
+        A worker killed while it hands over a batch (the OOM killer, a SIGKILL) can break the pipe before
+        torch sees it dead: torch's own check (DataLoader._try_get_data) then re-raises the bare
+        ConnectionResetError, and the rank's one line said "Connection reset by peer" instead of naming
+        the worker (1 run in 7 of tests/dist/test_recovery.py on this machine)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [p for p in self._workers if p.exitcode is not None]
+            if dead:
+                code = dead[0].exitcode
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                return f"DataLoader worker (pid {dead[0].pid}) exited unexpectedly: {how}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
     def close(self) -> None:
         """Stop the workers now (they would also stop with the iterator's garbage collection)."""
-        iterator, self._iterator, self._loader = self._iterator, None, None
+        iterator, self._iterator, self._loader, self._workers = self._iterator, None, None, []
         shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's multi-process iterator
         if shutdown is not None:
             shutdown()
