@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardwise.config import Config, load_config
 from shardwise.config_reference import describe
-from shardwise.errors import ConfigError, Interrupted, RunFailure, storage_failure
+from shardwise.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailure, storage_failure
 
 USAGE = """shardwise <command> [options]
 
@@ -170,7 +170,7 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
             return _train_in_process(cfg, data)
         return torchrun(args.nproc, "shardwise.train", ["--config", str(config_path)],
                         max_restarts=cfg.run.max_restarts, run_dir=run_dir, checkpoints=rundir.checkpoint_dir(cfg),
-                        nodes=nodes)
+                        nodes=nodes, resumes=cfg.checkpoint.resume)
     finally:
         for lock in locks:
             lock.release()
@@ -180,6 +180,7 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
 
 def _train_in_process(cfg: Config, data) -> int:
     """One process, no launcher: the trainer runs here (a restart needs torchrun's agent)."""
+    from shardwise.train import rundir
     from shardwise.train.out_of_memory import building_the_trainer
     from shardwise.train.trainer import Trainer
 
@@ -196,6 +197,11 @@ def _train_in_process(cfg: Config, data) -> int:
     except RunFailure as e:
         print(("" if isinstance(e, Interrupted) else "error: ") + e.message, file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # as a rank's crash under the launcher: one line, the traceback in errors/rank_0.txt
+        traceback_file = rundir.record_crash(Path(cfg.run.dir), 0, e)
+        hint = rundir.resume_hint(rundir.checkpoint_dir(cfg), resumes=cfg.checkpoint.resume)
+        print(f"error: {rundir.crash_line(e, traceback_file)}{hint}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

@@ -205,6 +205,41 @@ def test_a_worker_exception_is_one_line_with_the_rank_and_its_message(common, tm
     assert not [p for p in processes_mentioning(str(run)) if alive(p)]  # no orphan
 
 
+def test_a_one_process_crash_is_one_line_and_its_advice_resumes(common, tmp_path):
+    """One process trains inside the CLI (no launcher). An exception there (its data-loader worker killed
+    under it) printed Python's traceback, ~30 lines, where a rank under the launcher gets one line. Now it
+    is one line too: the exception, its traceback's file, and the checkpoint to resume from. The run was
+    started with --checkpoint.resume=false, with which the same command starts over: the advice is the
+    override that resumes, and following it resumes from the checkpoint it named."""
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    args = [*common, f"--run.dir={run}", "--train.micro_batch=4", "--data.num_workers=1", "--checkpoint.every=2"]
+    job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *args, "--train.steps=100000",
+                            "--checkpoint.resume=false"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+
+    def loader() -> list[int]:  # the run's forked loader worker, once a checkpoint is complete
+        found = [p for p in processes_mentioning(str(run)) if _ppid(p) == job.pid]
+        return found if list(ckpt.glob("step_*/manifest.json")) else []
+
+    _, out, err = _kill_when(job, loader)
+    assert job.returncode == 1, err[-2000:]
+    lines = _said(err)
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("error: training failed: RuntimeError: DataLoader worker (pid"), line
+    assert f"(traceback: {run / 'errors' / 'rank_0.txt'})" in line and "Traceback" not in err, line
+    assert "Traceback" in (run / "errors" / "rank_0.txt").read_text()
+    assert "rerun with --checkpoint.resume=true to resume from it" in line, line
+    named = Path(line.split("; newest checkpoint ")[1].split(": rerun")[0])
+    assert named.parent == ckpt and (named / "manifest.json").is_file(), line
+    step = int(named.name.removeprefix("step_"))
+    # The advice, with a finite step count in place of 100000 so that the test ends.
+    again = _cli("train", *args, f"--train.steps={step + 2}", "--checkpoint.resume=true", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"resumed from {named} at step {step}" in again.stdout, again.stdout[-2000:]
+    assert not [p for p in processes_mentioning(str(run)) if alive(p)]  # no orphan
+
+
 def test_a_rank_file_that_does_not_load_sets_its_checkpoint_aside(common, tmp_path):
     """Item 5: an RNG file that matches its manifest but is not an RNG state (rewritten with the manifest
     to match): before, every rerun crashed loading it; now verify calls it damaged and the run sets it

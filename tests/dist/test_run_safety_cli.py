@@ -197,10 +197,13 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes_bitwise(common, tmp_pat
 @pytest.mark.parametrize("sig,code,target", [(signal.SIGINT, 130, "launcher"), (signal.SIGUSR1, 143, "worker"),
                                              (signal.SIGINT, 130, "group")])
 def test_other_stop_signals(common, tmp_path, sig, code, target):
-    """"group": the signal reaches the launcher's whole process group at once, as Ctrl-C in a terminal does."""
+    """"group": the signal reaches the launcher's whole process group at once, as Ctrl-C in a terminal does.
+    That run starts with --checkpoint.resume=false, with which the same command would start over: the line
+    advises the override that resumes (it said "rerun the same command" whatever the flag)."""
     run = tmp_path / "run"
+    fresh = ["--checkpoint.resume=false"] if target == "group" else []
     proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1",
-                  "--data.num_workers=2", own_group=target == "group")
+                  "--data.num_workers=2", *fresh, own_group=target == "group")
     _wait_for_step(run, 5, proc)
     if target == "group":
         os.killpg(proc.pid, sig)
@@ -209,6 +212,8 @@ def test_other_stop_signals(common, tmp_path, sig, code, target):
     err = _finish(proc)
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err and len(user_lines(err)) == 1, err
+    advice = "rerun with --checkpoint.resume=true to resume" if fresh else "rerun the same command to resume"
+    assert advice in user_lines(err)[0], err
     assert list((run / "checkpoints").glob("step_*/manifest.json"))
     assert not processes_mentioning(str(run)), "a rank or loader worker outlived the run"
 

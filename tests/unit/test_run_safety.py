@@ -344,6 +344,15 @@ def test_a_multi_node_failure_says_to_rerun_on_every_node(capsys, tmp_path):
         assert report_failure({0: _failure(-9, "", 1, 42)}, checkpoints=tmp_path, every_node=every_node) == 1
         err = capsys.readouterr().err
         assert f"newest checkpoint {newest}: {words} from it" in err, err
+    # A run started with checkpoint.resume=false: its same command would start over (tests/dist/test_recovery.py
+    # follows this advice); before, the hint said "rerun the same command" whatever the flag.
+    for every_node, words in ((False, "rerun with --checkpoint.resume=true to resume from it"),
+                              (True, "rerun on every node with --checkpoint.resume=true to resume from it")):
+        assert report_failure({0: _failure(-9, "", 1, 42)}, checkpoints=tmp_path, every_node=every_node,
+                              resumes=False) == 1
+        err = capsys.readouterr().err
+        assert f"newest checkpoint {newest}: {words} (with checkpoint.resume=false the same command starts over)" in err
+        assert "the same command to resume" not in err, err
 
 
 # A rank of a one-process gloo group whose training raises `argv[2]`'s OS error; run in a process of its own
@@ -364,24 +373,33 @@ class Trainer:
         raise OSError(getattr(errno, sys.argv[2]), "raised by the test")
 
 trainer.Trainer, data.prepare_data = Trainer, lambda *a, **k: None
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+distributed = sys.argv[3] == "distributed"
+if distributed:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 cfg = build_config(None, [("model.preset", "tiny"), ("run.dir", sys.argv[1])])
-print("exit code", entry._run(cfg, Path(sys.argv[1]), StopRequest(), "", 0, True))
+print("exit code", entry._run(cfg, Path(sys.argv[1]), StopRequest(), "", 0, distributed))
 """
 
 
 @pytest.mark.parametrize("error, code", [("ECONNRESET", 1), ("ENOSPC", 4)])
-def test_a_rank_s_os_error_is_a_crash_or_a_storage_failure_never_a_traceback(tmp_path, error, code):
+@pytest.mark.parametrize("launch", ["distributed", "alone"])
+def test_a_rank_s_os_error_is_a_crash_or_a_storage_failure_never_a_traceback(tmp_path, error, code, launch):
     """A rank whose training raised an OS error that is not the disk's (a peer's or a loader worker's
     broken pipe) re-raised it from its own except clause: it escaped as a 66-line "[rank0]: Traceback" in
     the terminal and the launcher's line said "no Python error" (a CI run of 2026-11-27). Now it is a crash
-    like any other, its traceback in errors/rank_0.txt; a full disk stays exit 4 with its one line."""
-    done = subprocess.run([sys.executable, "-c", _RANK_RAISES_AN_OS_ERROR, str(tmp_path / "run"), error],
+    like any other, its traceback in errors/rank_0.txt; a full disk stays exit 4 with its one line.
+    "alone": `python -m shardwise.train` without a launcher re-raised every crash; it now says it in one line,
+    as the launcher would."""
+    done = subprocess.run([sys.executable, "-c", _RANK_RAISES_AN_OS_ERROR, str(tmp_path / "run"), error, launch],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and f"exit code {code}" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     crash = tmp_path / "run" / "errors" / "rank_0.txt"
     if code == 1:
         assert "ConnectionResetError" in crash.read_text()
+        said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert said == ([] if launch == "distributed" else [
+            f"error: training failed: ConnectionResetError: [Errno 104] raised by the test (traceback: {crash}); "
+            "no checkpoint was written yet"]), done.stderr
     else:
         assert not crash.exists() and "cannot write: " in done.stderr and "free space" in done.stderr, done.stderr

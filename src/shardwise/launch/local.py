@@ -34,6 +34,7 @@ from shardwise.errors import (
 from shardwise.launch.peer_failure import RefusalWatch, workers_started
 from shardwise.launch.rendezvous import MultiNode, wait_for_rendezvous
 from shardwise.scratch import owned_directory
+from shardwise.train.rundir import resume_hint
 
 # When several workers failed with their own codes, the most specific wins.
 _PRIORITY = (EXIT_BAD_INPUT, EXIT_IO, EXIT_OUT_OF_MEMORY, EXIT_DIVERGED, EXIT_STALLED, EXIT_SIGTERM, EXIT_SIGINT)
@@ -95,14 +96,16 @@ def _quiet_torchrun(max_restarts: int = 0) -> None:
 
 
 def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | None = None, max_restarts: int = 0,
-             run_dir: Path | None = None, checkpoints: Path | None = None, nodes: MultiNode | None = None) -> int:
+             run_dir: Path | None = None, checkpoints: Path | None = None, nodes: MultiNode | None = None,
+             resumes: bool = True) -> int:
     """`torchrun --standalone --nproc-per-node N -m MODULE ARGS...` in this process; returns an exit code.
 
     --standalone picks a free rendezvous port on localhost, so concurrent launches never collide.
     `nodes` (a MultiNode from check_multinode) launches this node's share of a multi-node job instead:
     c10d rendezvous at its endpoint, every node's agent started with the same id.
     `max_restarts` restarts the whole worker group after a failure (the elastic agent's own restarts).
-    `run_dir` / `checkpoints` let a failure report point at tracebacks and the checkpoint to resume.
+    `run_dir` / `checkpoints` let a failure report point at tracebacks and the checkpoint to resume;
+    `resumes`: the run's checkpoint.resume (false: the same command would start over, so the advice differs).
     SIGUSR1 is forwarded to the workers like SIGTERM (SLURM sends it ahead of a time limit).
     """
     from torch.distributed import run as torch_run
@@ -148,7 +151,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
                   f"run.rendezvous_timeout_s = {nodes.timeout_s:g} s)", flush=True)
         torch_run.run(torch_run.get_args_parser().parse_args(argv))
     except ChildFailedError as e:
-        return report_failure(e.failures, run_dir, checkpoints, every_node=nodes is not None)
+        return report_failure(e.failures, run_dir, checkpoints, every_node=nodes is not None, resumes=resumes)
     except SignalException as e:
         if watch is not None and watch.refusal and before_workers.raised(e):
             print(f"error: {watch.refusal}", file=sys.stderr, flush=True)
@@ -169,7 +172,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
             # workers report their lost peers (a race; either way the cause is node 0).
             print(f"error: node 0 was lost during the run (its rendezvous at {nodes.endpoint} closed): its agent "
                   "stopped or its node died, or the network to it failed, and node 0's own output names the cause"
-                  f"{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
+                  f"{resume_hint(checkpoints, every_node=True, resumes=resumes)}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         if isinstance(e, RendezvousConnectionError):
             # Not a timeout of run.rendezvous_timeout_s: node 0's store is gone or unreachable. A node that joins
@@ -177,12 +180,12 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
             # stopped between wait_for_rendezvous and torch's own connection.
             print(f"error: the rendezvous{where} cannot be reached, or closed while this node waited: node 0's agent "
                   "is not running there (a job that ends, finished or failed, closes it) or its address is not "
-                  f"reachable from this node{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
+                  f"reachable from this node{resume_hint(checkpoints, every_node=True, resumes=resumes)}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         if nodes is not None and nodes.elastic:
             print(f"error: fewer than {nodes.min_nodes} node(s) (--nnodes {nodes.min_nodes}:{nodes.nnodes}) met at the "
                   f"rendezvous{where} within run.rendezvous_timeout_s ({nodes.timeout_s:g} s): "
-                  f"{type(e).__name__}{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
+                  f"{type(e).__name__}{resume_hint(checkpoints, every_node=True, resumes=resumes)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
         if nodes is not None and isinstance(e, RendezvousTimeoutError):
             # A node never started, or started with another config (the rendezvous id derives from run.dir)
@@ -190,7 +193,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
             print(f"error: fewer than {nodes.nnodes} nodes (--nnodes {nodes.nnodes}) met at the rendezvous{where} "
                   f"within run.rendezvous_timeout_s ({nodes.timeout_s:g} s): start every node, --node-rank 0 to "
                   f"{nodes.nnodes - 1}, with the same config and --rdzv-endpoint"
-                  f"{_resume_hint(checkpoints, every_node=True)}", file=sys.stderr, flush=True)
+                  f"{resume_hint(checkpoints, every_node=True, resumes=resumes)}", file=sys.stderr, flush=True)
             return EXIT_TOO_FEW_NODES
         ask = ("are the other nodes running, with this node's address as their --rdzv-endpoint?"
                if nodes is not None and nodes.node_rank == 0 else "is node 0 running, and its address reachable from "
@@ -244,7 +247,7 @@ TORCHELASTIC_NO_RECORD = "To enable traceback see:"
 
 
 def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Path | None = None,
-                   every_node: bool = False) -> int:
+                   every_node: bool = False, resumes: bool = True) -> int:
     """The job's exit code from torchelastic's per-rank ProcessFailure records; prints the root cause
     unless a worker already printed its own line. `every_node`: a multi-node job, resumed by rerunning on
     every node."""
@@ -269,7 +272,8 @@ def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Pat
             what += f" (traceback: {run_dir / 'errors' / f'rank_{rank}.txt'})"
     others = len(failures) - 1
     tail = f"; {others} other rank(s) stopped with it" if others else ""
-    print(f"error: rank {rank} (pid {failure.pid}) {what}{tail}{_resume_hint(checkpoints, every_node)}", file=sys.stderr, flush=True)
+    hint = resume_hint(checkpoints, every_node, resumes)
+    print(f"error: rank {rank} (pid {failure.pid}) {what}{tail}{hint}", file=sys.stderr, flush=True)
     return EXIT_FAILED
 
 
@@ -304,20 +308,6 @@ def _root_cause(failures: dict):
         if not lost_peer(failure_message(f)):
             return rank, f
     return items[0]
-
-
-def _resume_hint(checkpoints: Path | None, every_node: bool = False) -> str:
-    """Where to resume from. A multi-node job resumes only when every node reruns (`every_node`): one node
-    rerun alone waits for the others at the rendezvous."""
-    if checkpoints is None:
-        return ""
-    from shardwise.train.manifest import complete_checkpoints
-
-    found = complete_checkpoints(checkpoints)
-    newest = found[-1] if found else None
-    where = " on every node" if every_node else ""
-    return (f"; newest checkpoint {newest}: rerun the same command{where} to resume from it (run.max_restarts "
-            "restarts automatically)" if newest else "; no checkpoint was written yet")
 
 
 def check_nproc(nproc: int) -> None:

@@ -20,7 +20,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from shardwise.train.distributed import (
@@ -40,25 +39,6 @@ LOST_PEER_GRACE_S = 2.0
 
 def _say(text: str, prefix: str = "error: ") -> None:
     print(f"{prefix}{text}", file=sys.stderr, flush=True)
-
-
-def _record_crash(run_dir: Path, rank: int, error: BaseException) -> Path | None:
-    """The traceback to <run_dir>/errors/rank_<r>.txt, and the root cause to torchelastic's error file
-    (the launcher picks the first failure by its timestamp)."""
-    text = "".join(traceback.format_exception(error))
-    path = None
-    try:
-        path = run_dir / "errors" / f"rank_{rank}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{text}\n")
-    except OSError:
-        path = None
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(error)
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,9 +163,10 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             # time (a CI run named this rank instead of its SIGKILLed peer once the loss-curve plot no longer
             # delayed its exit).
             time.sleep(LOST_PEER_GRACE_S)
-        _record_crash(run_dir, rank, e)  # the launcher names the root cause among the failed ranks
-        if not distributed:
-            raise
+        traceback_file = rundir.record_crash(run_dir, rank, e)  # the launcher names the root cause among the failed ranks
+        if not distributed:  # no launcher to say it: this process does
+            hint = rundir.resume_hint(rundir.checkpoint_dir(cfg), resumes=cfg.checkpoint.resume)
+            _say(rundir.crash_line(e, traceback_file) + hint)
         return 1
     finally:
         if lock is not None:

@@ -29,6 +29,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from shardwise.config import dotted
@@ -335,3 +336,50 @@ def unrestartable_failure(run_dir: Path, run_id: str) -> int | None:
     except (OSError, ValueError):
         return None
     return int(record["exit_code"]) if run_id and record.get("run_id") == run_id else None
+
+
+def record_crash(run_dir: Path, rank: int, error: BaseException) -> Path | None:
+    """The traceback to <run_dir>/errors/rank_<r>.txt (None if it cannot be written), and the root cause to
+    torchelastic's error file (the launcher picks the first failure by its timestamp)."""
+    text = "".join(traceback.format_exception(error))
+    path = None
+    try:
+        path = run_dir / "errors" / f"rank_{rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{text}\n")
+    except OSError:
+        path = None
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
+    return path
+
+
+def crash_line(error: BaseException, traceback_file: Path | None) -> str:
+    """One process's crash in one line, as the launcher says a rank's (launch/local.py report_failure): the
+    exception's "Type: message" and where its traceback is."""
+    message = (str(error).strip().splitlines() or [""])[0]
+    where = f" (traceback: {traceback_file})" if traceback_file is not None else ""
+    return f"training failed: {type(error).__name__}{': ' if message else ''}{message}"[:300] + where
+
+
+def rerun_to_resume(resumes: bool, where: str = "", what: str = "") -> str:
+    """The advice that resumes a run. `resumes`: its checkpoint.resume; with false the same command starts over
+    (supersede_previous_run sets the checkpoints aside), so the advice names the override that resumes."""
+    if resumes:
+        return f"rerun the same command{where} to resume{what}"
+    return f"rerun{where} with --checkpoint.resume=true to resume{what} (with checkpoint.resume=false the same command starts over)"
+
+
+def resume_hint(checkpoints: Path | None, every_node: bool = False, resumes: bool = True) -> str:
+    """Where to resume from. A multi-node job resumes only when every node reruns (`every_node`): one node
+    rerun alone waits for the others at the rendezvous."""
+    if checkpoints is None:
+        return ""
+    found = mf.complete_checkpoints(checkpoints)
+    if not found:
+        return "; no checkpoint was written yet"
+    advice = rerun_to_resume(resumes, " on every node" if every_node else "", " from it")
+    return f"; newest checkpoint {found[-1]}: {advice}" + (" (run.max_restarts restarts automatically)" if resumes else "")

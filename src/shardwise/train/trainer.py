@@ -39,7 +39,7 @@ from shardwise.spec.dims import lowp_params, offload_tier
 from shardwise.spec.layout import fp8_gemm_fits
 from shardwise.tensors import local_shard
 from shardwise.train import manifest as mf
-from shardwise.train import moe_stats
+from shardwise.train import moe_stats, rundir
 from shardwise.train.agreement import check_same_setup, setup_facts
 from shardwise.train.checkpoint import CheckpointManager, read_rank_state
 from shardwise.train.control import Control
@@ -390,7 +390,8 @@ class Trainer:
         stop = self.guard.stop
         name = stop.name if stop is not None and stop.signum is not None else "a stop signal on another rank"
         saved = f"checkpoint {path} written" if path else "checkpoints are off (checkpoint.every=0, final=false)"
-        raise Interrupted(f"interrupted by {name} after step {self.step}: {saved}; rerun the same command to resume",
+        raise Interrupted(f"interrupted by {name} after step {self.step}: {saved}; "
+                          f"{rundir.rerun_to_resume(self.cfg.checkpoint.resume)}",
                           code, report=self.rank == 0)
 
     def memory(self) -> dict[str, int]:
