@@ -25,7 +25,8 @@ PACKAGE = "shardwise"
 FLOORS: list[tuple[str, ...]] = [
     ("shardwise.errors",),
     ("shardwise.spec",),
-    ("shardwise.config", "shardwise.config_model", "shardwise.config_reference", "shardwise.tensors", "shardwise.scratch"),
+    ("shardwise.config", "shardwise.config_model", "shardwise.config_reference", "shardwise.tensors", "shardwise.scratch",
+     "shardwise.paths"),
     ("shardwise.preflight", "shardwise.models"),
     ("shardwise.parallel", "shardwise.plan"),
     ("shardwise.train",),

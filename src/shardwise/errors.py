@@ -160,11 +160,11 @@ class Interrupted(RunFailure):
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 
 
-def storage_failure(error: OSError, report: bool = True) -> StorageFailure | None:
+def storage_failure(error: OSError, report: bool = True,
+                    then: str = "then rerun to resume from the newest checkpoint") -> StorageFailure | None:
     """A write the run needed (metrics, logs, checkpoints) failed for a reason of the disk's: the one
-    line to show, or None for other OS errors."""
+    line to show, or None for other OS errors. `then`: what to do once the disk is fixed."""
     if error.errno not in _STORAGE_ERRNOS:
         return None
     where = f" ({error.filename})" if error.filename else ""
-    return StorageFailure(f"cannot write{where}: {error.strerror}; free space or fix the permissions, then rerun to "
-                          "resume from the newest checkpoint", report=report)
+    return StorageFailure(f"cannot write{where}: {error.strerror}; free space or fix the permissions, {then}", report=report)

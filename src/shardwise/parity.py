@@ -24,6 +24,7 @@ from typing import NoReturn
 
 from shardwise.config import Config, build_config, load_toml, parse_overrides
 from shardwise.errors import ConfigError
+from shardwise.paths import writable_dir
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4
@@ -139,6 +140,8 @@ def parity_main(argv: list[str]) -> int:
         raise ConfigError("--layout", "no layout given", "pass at least one, e.g. --layout dp_shard=2,zero=3")
     base_toml = load_toml(args.config) if args.config else {}
     base = parse_overrides(rest) + [("train.steps", str(args.steps))]
+    if args.out:
+        writable_dir(Path(args.out), "--out")
     out = Path(args.out or tempfile.mkdtemp(prefix="shardwise-parity-"))
     try:
         return _run_parity(args, base_toml, base, out)

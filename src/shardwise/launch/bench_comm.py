@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.paths import writable_file
 from shardwise.plan.calibration import OPS, SCHEMA, bandwidths, fit_axis
 
 # Default sizes: gloo over loopback moves ~1 GB/s, so 16 MiB keeps a run to seconds; NCCL needs large
@@ -140,9 +141,9 @@ def main(argv: list[str]) -> int:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     sizes = parse_sizes(args.sizes or DEFAULT_SIZES[backend])
-    for path in (args.out, args.plot):
-        if path and Path(path).is_dir():
-            raise ConfigError(path, "is a directory", "give a file name")
+    for field, path in (("--out", args.out), ("--plot", args.plot)):
+        if path:
+            writable_file(Path(path), field)
     with tempfile.TemporaryDirectory(prefix="shardwise-bench-comm-") as tmp:
         spec = {"dims": dims.__dict__, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
                 "result": str(Path(tmp) / "result.json")}

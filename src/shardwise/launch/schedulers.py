@@ -27,6 +27,7 @@ from pathlib import Path
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
+from shardwise.paths import writable_file
 from shardwise.preflight import check
 
 # The network variables a multi-node job commonly needs on every rank, and why (printed as comments).
@@ -246,6 +247,7 @@ def _slurm(argv: list[str]) -> int:
     if out is None:
         print(script, end="")
         return 0
+    writable_file(Path(out), "--out")
     Path(out).write_text(script)
     print(f"wrote {out}")
     if not args.submit:

@@ -26,6 +26,7 @@ from typing import Any
 
 from shardwise.config import Config, build_config, load_toml, parse_overrides
 from shardwise.errors import ConfigError
+from shardwise.paths import writable_file
 from shardwise.plan import constants as C
 from shardwise.plan.calibration import PLAN_SCHEMA as SCHEMA
 from shardwise.plan.cost import evaluate
@@ -197,6 +198,8 @@ def calibrate_main(argv: list[str]) -> int:
     if any(not a.startswith("--") or "=" not in a for a in extra):
         raise ConfigError("plan calibrate", f"unrecognized arguments: {' '.join(extra)}",
                           "config overrides for every --runs row look like --section.key=value")
+    if args.out:
+        writable_file(Path(args.out), "--out")
     runs = [run_from_dir(Path(d)) for d in args.run_dirs] + (runs_from_table(Path(args.runs), extra) if args.runs else [])
     if not runs:
         raise ConfigError("RUN_DIR", "no run given", "pass run directories and/or --runs FILE.json")

@@ -14,6 +14,8 @@ The checkpoint is verified against its manifest first; a damaged one is never ex
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -23,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from shardwise.config import Config, build_config, load_toml
 from shardwise.errors import ConfigError
+from shardwise.paths import writable_dir
 from shardwise.spec import hf
 from shardwise.train.checkpoint import _dcp, verify_directory
 from shardwise.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
@@ -116,9 +119,45 @@ def _eos_id(step_dir: Path) -> int | None:
 
 def export_hf(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32",
               max_shard_bytes: int = 5 << 30, log: Callable[[str], None] = print) -> Path:
-    """Write the checkpoint as a Hugging Face directory `out`; returns the checkpoint exported."""
+    """Write the checkpoint as a Hugging Face directory `out`; returns the checkpoint exported.
+
+    `out` is new or empty, and checked writable before anything is read. An export that fails (a refused
+    checkpoint, a full disk, Ctrl-C) removes what it wrote: a rerun after the fix is not refused for a
+    non-empty `out`, and no half-written model directory looks like a model."""
     if dtype not in DTYPES:
         raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}", "use float32 (exact) or bfloat16")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("--hf", f"{out} exists and is not an empty directory", "give a new directory (nothing is overwritten)")
+    created = not out.exists()
+    writable_dir(out, "--hf")
+    try:
+        return _export_into(run_dir, out, step, dtype, max_shard_bytes, log)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:  # empty before this export: everything in it is this export's
+            for path in out.iterdir():
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        raise
+
+
+def _save_safetensors(save_file: Callable, tensors: dict, path: Path) -> None:
+    """safetensors reports an OS error of its writer (a full disk) as its own SafetensorError, "... (os error
+    28)": raised again as the OSError it is, so that the command says it in one line (exit 4 for the disk's)."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
+
+
+def _export_into(run_dir: Path, out: Path, step: int | None, dtype: str, max_shard_bytes: int,
+                 log: Callable[[str], None]) -> Path:
     step_dir = find_checkpoint(run_dir, step)
     cfg = run_config(step_dir / "config.toml")
     eos = _eos_id(step_dir)
@@ -134,9 +173,6 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, dtype: str = "f
                           "export a checkpoint written by `shardwise train` with that config")
     from safetensors.torch import save_file
 
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError("--hf", f"{out} exists and is not empty", "give a new directory (nothing is overwritten)")
-    out.mkdir(parents=True, exist_ok=True)
     names = sorted(shapes, key=lambda n: (n.startswith("layers."), int(n.split(".")[1]) if n.startswith("layers.") else 0, n))
     groups = _shards(names, shapes, DTYPES[dtype].itemsize, max_shard_bytes)
     weight_map: dict[str, str] = {}
@@ -147,7 +183,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, dtype: str = "f
              planner=SafeLoadPlanner())
         file = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {hf.hf_name(name): state[f"{MODEL_PREFIX}{name}"].to(DTYPES[dtype]).contiguous() for name in group}
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        _save_safetensors(save_file, tensors, out / file)
         weight_map |= {name: file for name in tensors}
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     if len(groups) > 1:

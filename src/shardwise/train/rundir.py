@@ -27,13 +27,13 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 from shardwise.config import dotted
 from shardwise.errors import NOT_RESTARTABLE, ConfigError
+from shardwise.paths import writable_dir
 from shardwise.scratch import process_alive
 from shardwise.train import manifest as mf
 from shardwise.train.distributed import RUN_ID  # torch is imported there only inside functions
@@ -51,32 +51,17 @@ def checkpoint_dir(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
 
 
-def _writable_dir(path: Path, field: str) -> None:
-    if path.exists() and not path.is_dir():
-        raise ConfigError(field, f"{path} exists and is not a directory", f"point {field} at a directory (or a new path)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(field, f"cannot create {path}: {e.strerror or e}", f"point {field} at a writable location") from None
-    try:
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".shardwise-write-test-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(field, f"{path} is not writable: {e.strerror or e}", f"point {field} at a writable location") from None
-
-
 def check_cache_dir(cfg) -> None:
     """data.cache_dir exists (or is created) and accepts a file: the corpus is prepared there first."""
-    _writable_dir(Path(os.path.expanduser(cfg.data.cache_dir)), "data.cache_dir")
+    writable_dir(Path(os.path.expanduser(cfg.data.cache_dir)), "data.cache_dir")
 
 
 def check_run_dirs(cfg) -> None:
     """run.dir and the checkpoint directory exist (or are created) and accept a file. Called after
     every other check, so a refused config creates no run directory."""
-    _writable_dir(Path(cfg.run.dir), "run.dir")
+    writable_dir(Path(cfg.run.dir), "run.dir")
     if cfg.checkpoint.every > 0 or cfg.checkpoint.final:
-        _writable_dir(checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else "run.dir")
+        writable_dir(checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else "run.dir")
 
 
 class DirectoryLock:

@@ -1,0 +1,164 @@
+"""`shardwise plan evaluate | search | calibrate` (cli.py dispatches here): pure Python, no process group, no
+torch import. `search --emit` writes the fastest layout this version's trainer runs as a config."""
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+from shardwise.config import Config, load_config
+from shardwise.errors import ConfigError
+from shardwise.paths import writable_file
+
+
+def _trainer_refusal(cfg: Config, world: int) -> str | None:
+    """Why `shardwise train` would refuse this layout today (a rule marked trainer_only in
+    spec/rules.py, such as EP with ZeRO-0/1 or with dp_replicate), or None: the planner also plans
+    layouts later versions will train. It is the trainer's whole pre-flight check (torch-free), so
+    what it accepts, `shardwise train` runs."""
+    from shardwise.preflight import check
+
+    try:
+        check(cfg, world)
+    except ConfigError as e:
+        return f"{e.field}: {e.problem}"
+    return None
+
+
+def _emit(cfg: Config, problem, result, path: str, quiet: bool) -> None:
+    """Write the fastest layout this version's trainer runs (usually #1) as a config `shardwise
+    train` runs unchanged; say so when #1 needs an axis that is not trained yet. If none of the
+    ranked layouts is trainable, #1 is written with the reason."""
+    configs = [_with_layout(cfg, problem, e) for e in result.ranked]
+    refusals = [_trainer_refusal(c, problem.cluster.num_gpus) for c in configs]
+    rank = next((i for i, why in enumerate(refusals) if why is None), 0)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    configs[rank].save(path)
+    load_config(path)  # what we wrote must load
+    if not quiet:
+        print(f"wrote {path}: #{rank + 1} {result.ranked[rank].layout.describe()}")
+        if rank > 0:
+            print(f"note: #1 is not trained by this version ({refusals[0]}); wrote the fastest layout it trains")
+        elif refusals[0]:
+            print(f"note: this version's `shardwise train` refuses this layout ({refusals[0]})")
+        t, default = configs[rank].train, Config().train
+        untuned = [f"train.{k} = {getattr(t, k)}" for k in ("lr", "warmup_steps") if getattr(t, k) == getattr(default, k)]
+        if untuned:
+            print(f"note: {', '.join(untuned)} are the defaults (set for the tiny presets), not tuned for this model: set yours")
+
+
+def _with_layout(cfg: Config, problem, estimate) -> Config:
+    """`cfg` with the estimate's layout, and what the plan knows in place of the keys left at their
+    defaults: the steps that train train.tokens, the Young/Daly checkpoint interval, a run directory
+    named after the model (the user's own values stay)."""
+    from shardwise.plan.goodput import run_cost
+
+    out, default = copy.deepcopy(cfg), Config()
+    for section, values in estimate.layout.config_values(problem).items():
+        for key, value in values.items():
+            setattr(getattr(out, section), key, value)
+    t = out.train
+    if t.tokens and t.steps == default.train.steps:
+        t.steps = -(-t.tokens // (t.global_batch * t.seq_len))
+    every = run_cost(problem, estimate).checkpoint_every_steps
+    if out.checkpoint.every == default.checkpoint.every and every is not None:
+        out.checkpoint.every = min(every, t.steps)
+    if out.run.dir == default.run.dir:
+        out.run.dir = f"runs/{out.model.preset or out.model.arch}"
+    return out
+
+
+def plan_main(argv: list[str]) -> int:
+    """`shardwise plan evaluate | search`: pure Python, no process group, no torch import."""
+    import json
+
+    from shardwise.plan.cost import evaluate
+    from shardwise.plan.layout import Problem, check_layout
+    from shardwise.plan.report import evaluate_text, plot, search_json, search_text
+    from shardwise.plan.search import search
+    from shardwise.spec.layout import Layout
+    from shardwise.spec.rules import pipeline_split_rules
+
+    if argv and argv[0] == "calibrate":  # fit the planner to measured runs (plan/fit.py)
+        from shardwise.plan.fit import calibrate_main
+
+        return calibrate_main(argv[1:])
+    if not argv or argv[0] not in ("evaluate", "search"):
+        raise ConfigError("plan", f"expected 'evaluate' or 'search', got {argv[0] if argv else 'nothing'!r}",
+                          "run `shardwise plan evaluate --config run.toml` or `shardwise plan search --config run.toml`")
+    action = argv[0]
+    parser = argparse.ArgumentParser(prog=f"shardwise plan {action}")
+    parser.add_argument("--config", default=None, help="TOML config file (model / train / parallel / cluster)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--assume-mfu", type=float, default=None, help="fix MFU (e.g. 0.4) instead of predicting it")
+    # A bare --plot / --emit writes into the config's run directory (<run.dir>/plan/), not wherever the
+    # command happens to run (often the repository root); a path given is used as written.
+    parser.add_argument("--plot", nargs="?", const="", default=None,
+                        help="write the memory / search-space figure to this PNG (no value: <run.dir>/plan/ACTION.png)")
+    if action == "search":
+        parser.add_argument("--top", type=int, default=10, help="layouts to show")
+        parser.add_argument("--emit", nargs="?", const="", default=None,
+                            help="write the best layout as a TOML `shardwise train` runs (no value: <run.dir>/plan/best.toml)")
+        parser.add_argument("--allow-cross-node-tp", action="store_true", help="let tp span nodes")
+        parser.add_argument("--allow-uneven-pp", action="store_true", help="allow n_layers not divisible by pp x virtual stages")
+    if action == "evaluate":  # --mode=decode: serving one tp x pp replica (plan/decode.py)
+        parser.add_argument("--mode", choices=("train", "decode"), default="train", help="plan a training step or serving")
+        parser.add_argument("--batch", type=int, default=1, help="--mode=decode: sequences decoded together")
+        parser.add_argument("--prompt-len", type=int, default=None, help="--mode=decode: prompt tokens (default train.seq_len)")
+        parser.add_argument("--max-new-tokens", type=int, default=128, help="--mode=decode: tokens generated per sequence")
+    args, overrides = parser.parse_known_args(argv[1:])
+    if args.assume_mfu is not None:
+        overrides.append(f"--cluster.assume_mfu={args.assume_mfu}")
+    cfg = load_config(args.config, overrides)
+    if getattr(args, "mode", "train") == "decode":
+        from shardwise.plan.decode import decode_estimate
+        from shardwise.plan.report import decode_text
+
+        if args.plot is not None:
+            raise ConfigError("--plot", "--mode=decode draws no figure", "drop --plot")
+        decode = decode_estimate(cfg, args.batch, args.prompt_len, args.max_new_tokens)
+        print(json.dumps(decode.to_json(), indent=2) if args.json else decode_text(decode), end="\n" if args.json else "")
+        return 0
+    problem = Problem.from_config(cfg)
+    if args.plot == "":
+        args.plot = str(Path(cfg.run.dir) / "plan" / f"{action}.png")
+    if getattr(args, "emit", None) == "":
+        args.emit = str(Path(cfg.run.dir) / "plan" / "best.toml")
+    for field, path in (("--plot", args.plot), ("--emit", getattr(args, "emit", None))):
+        if path:  # before the plan is priced and printed: not a traceback after it
+            writable_file(Path(path), field)
+    if action == "evaluate":
+        layout = Layout.from_config(cfg, problem.cluster.num_gpus)
+        violation = check_layout(problem, layout) or next(pipeline_split_rules(cfg.parallel, problem.shape.n_layers), None)
+        if violation is not None:
+            raise violation.error()
+        est = evaluate(problem, layout)
+        refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
+        if args.json:
+            from shardwise.plan.goodput import run_cost
+
+            print(json.dumps({**est.to_json(), "cost": run_cost(problem, est).to_json(), "trainable": refusal is None,
+                              "trainer_refusal": refusal,
+                              # every split is priced by its schedule's order now; kept for --json readers
+                              "split_notes": []}, indent=2))
+        else:
+            print(evaluate_text(problem, est), end="")
+            refused = [f"this version's `shardwise train` refuses this layout ({refusal})"] if refusal else []
+            print("".join(f"note: {n}\n" for n in refused), end="")
+        if args.plot:
+            plot(args.plot, problem, [est])
+        return 0
+    if args.top < 1:
+        raise ConfigError("--top", f"must be >= 1, got {args.top}", "e.g. --top 10")
+    result = search(problem, top=args.top, allow_cross_node_tp=args.allow_cross_node_tp, allow_uneven_pp=args.allow_uneven_pp)
+    if result.best is None:
+        print(json.dumps(search_json(problem, result, args.top), indent=2) if args.json else search_text(problem, result, args.top))
+        raise ConfigError("cluster", f"no layout of {cfg.model.preset} fits {problem.cluster.num_gpus} x {problem.cluster.device.name}",
+                          "add GPUs, use a device with more memory, or shorten train.seq_len / train.global_batch")
+    print(json.dumps(search_json(problem, result, args.top), indent=2) if args.json else search_text(problem, result, args.top),
+          end="\n" if args.json else "")
+    if args.emit:
+        _emit(cfg, problem, result, args.emit, quiet=args.json)
+    if args.plot:
+        plot(args.plot, problem, result.ranked[:args.top], result.points)
+    return 0
