@@ -197,6 +197,8 @@ def _train_in_process(cfg: Config, data) -> int:
     except RunFailure as e:
         print(("" if isinstance(e, Interrupted) else "error: ") + e.message, file=sys.stderr)
         return e.exit_code
+    except ConfigError:  # bad input found while building the trainer (e.g. fp8 on this GPU): exit 2, in main
+        raise
     except Exception as e:  # as a rank's crash under the launcher: one line, the traceback in errors/rank_0.txt
         traceback_file = rundir.record_crash(Path(cfg.run.dir), 0, e)
         hint = rundir.resume_hint(rundir.checkpoint_dir(cfg), resumes=cfg.checkpoint.resume)

@@ -403,3 +403,21 @@ def test_a_rank_s_os_error_is_a_crash_or_a_storage_failure_never_a_traceback(tmp
             "no checkpoint was written yet"]), done.stderr
     else:
         assert not crash.exists() and "cannot write: " in done.stderr and "free space" in done.stderr, done.stderr
+
+
+def test_a_one_process_run_s_bad_input_found_by_the_trainer_stays_exit_2(base_overrides, tmp_path, monkeypatch, capsys):
+    """One process trains inside the CLI, whose crash handler turns any exception into exit 1: bad input the
+    trainer itself finds (fp8 on a GPU without it, no torchao) must stay exit 2 with its field and fix."""
+    from shardwise.cli import main
+    from shardwise.train import trainer
+
+    class Trainer:
+        def __init__(self, *args, **kwargs):
+            raise ConfigError("train.precision", '"fp8": raised by the test', 'use train.precision="bf16" on this GPU')
+
+    monkeypatch.setattr(trainer, "Trainer", Trainer)
+    argv = ["train", *[f"--{k}={v}" for k, v in base_overrides], f"--run.dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('error: train.precision: "fp8": raised by the test') and "training failed" not in err, err
+    assert not (tmp_path / "run" / "errors").exists()
