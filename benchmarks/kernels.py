@@ -2,10 +2,12 @@
 
 Each section measures what one planner constant assumes, so the constant can cite a run of this script:
   gemm       FLOP/s of F.linear / torch.mm for squares, a transformer block's forward, dgrad (dX = dY W) and
-             wgrad (dW = dY^T X) GEMMs, and skinny decode shapes (m = 1, 4, 16), as a fraction of the device
-             peak: MAMF_FRACTION, tile/wave quantization (GEMM_TILE_M/N, COMPUTE_UNITS) and the roofline; on a
-             GPU of spec/hardware.py's table, cost.gemm_time's prediction is printed beside each shape. On
-             CPU the peak is measured (the best square matmul here or train/peak_flops.py's probe).
+             wgrad (dW = dY^T X) GEMMs at --gemm-tokens token counts, and skinny decode shapes (m = 1, 4, 16),
+             as a fraction of the device peak: MAMF_FRACTION, tile/wave quantization (GEMM_TILE_M/N,
+             COMPUTE_UNITS) and the roofline; on a GPU of spec/hardware.py's table, cost.gemm_time's prediction
+             is printed beside each shape. On CPU the peak is measured (the best square matmul here or
+             train/peak_flops.py's probe), and the planner prices each GEMM at the efficiency of the measured
+             shapes nearest it (plan/calibration.py MeasuredDevice.gemm_shapes).
   sdpa       causal F.scaled_dot_product_attention, torch's default and each backend forced (sdpa_kernel),
              with enable_gqa as models/common.py calls it and with K/V expanded to all heads: forward and
              forward+backward FLOP/s counting the causal half, against ATTENTION_FRACTION; the backend that
@@ -29,7 +31,7 @@ and after each repetition. Small GEMM operands rotate over copies so they are no
 On a GPU machine (defaults: bf16, the 886M LLaMA of ../shared/gpu/h100-runs.json: dim 2048, ffn 5632, 16/8
 heads, 16384 tokens = micro-batch 8 x seq 2048; 1 GiB tensors; 100M optimizer parameters):
     python benchmarks/kernels.py [--device auto|cuda|cpu] [--dtype bf16|fp16|fp32] [--dim --ffn --heads
-        --kv-heads --tokens --seq] [--squares 4096,8192] [--decode-m 1,4,16] [--sdpa-dtypes bf16,fp32]
+        --kv-heads --tokens --seq] [--squares 4096,8192] [--gemm-tokens T,T/2,T/4] [--decode-m 1,4,16] [--sdpa-dtypes bf16,fp32]
         [--bytes N] [--opt-params N] [--chain-ops 1000] [--reps 5] [--sections gemm,sdpa,...] [--no-compile]
         [--out F] [--smoke]
 CPU defaults: fp32, dim 256, ffn 704, 4/2 heads, 1024 tokens (seq 256), 256 MiB tensors, 10M parameters.
@@ -88,6 +90,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--squares", help="square GEMM sizes n (n x n x n), comma-separated")
     p.add_argument("--decode-m", default="1,4,16", help="rows of the skinny decode GEMMs")
+    p.add_argument("--gemm-tokens", help="token counts of the block GEMMs, comma-separated (default: --tokens, "
+                   "/2, /4: a CPU's planner prices each GEMM at the measured shape nearest it)")
     p.add_argument("--sdpa-dtypes", help="dtypes of the SDPA section, comma-separated")
     p.add_argument("--chain-ops", type=int, default=1000, help="length of the tiny-op chain (overhead section)")
     p.add_argument("--reps", type=int, default=5)
@@ -108,6 +112,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    args.gemm_tokens = args.gemm_tokens or ",".join(str(max(1, args.tokens // d)) for d in (1, 2, 4))
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if not set(args.sections) <= set(SECTIONS) or args.reps < 1 or args.dim % args.heads or args.heads % args.kv_heads:
         p.error(f"--sections from {SECTIONS}; --reps >= 1; dim divisible by heads, heads by kv-heads")
@@ -121,9 +126,11 @@ def gemm_shapes(a) -> list[tuple[str, str, int, int, int]]:
     kv_dim = a.kv_heads * (a.dim // a.heads)
     weights = [("q/o proj", a.dim, a.dim), ("k/v proj", kv_dim, a.dim), ("gate/up", a.ffn, a.dim), ("down", a.dim, a.ffn)]
     rows = [(f"square {n}", "fwd", n, n, n) for n in map(int, a.squares.split(","))]
-    for name, n, k in weights:
-        rows += [(f"{name} fwd", "fwd", a.tokens, n, k), (f"{name} dgrad", "dgrad", a.tokens, k, n),
-                 (f"{name} wgrad", "wgrad", n, k, a.tokens)]
+    for t in map(int, a.gemm_tokens.split(",")):
+        at = f" @{t}" if t != a.tokens else ""
+        for name, n, k in weights:
+            rows += [(f"{name} fwd{at}", "fwd", t, n, k), (f"{name} dgrad{at}", "dgrad", t, k, n),
+                     (f"{name} wgrad{at}", "wgrad", n, k, t)]
     for m in map(int, a.decode_m.split(",")):
         rows += [(f"decode m={m} {name}", "fwd", m, n, k) for name, n, k in (weights[0], weights[2], weights[3])]
     return rows

@@ -169,6 +169,9 @@ class MeasuredDevice:
     block_kernel_s: float = 0.0
     full_checkpoint_kernel_s: float = 0.0
     selective_checkpoint_kernel_s: float = 0.0
+    # Every GEMM the file measured, (M, N, K, FLOP/s over gemm_flops): a CPU's GEMMs are priced at the
+    # efficiency of the measured shapes nearest theirs (compute_time.gemm_time); a GPU's by its tiles and waves.
+    gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
 
     def as_device(self, base: Any) -> Any:
         """`base` (the table's entry for cluster.gpu) with these rates: named measured-<base> (plan/cost.py
@@ -211,7 +214,10 @@ def _measured_device(data: dict[str, Any], p: str | Path) -> MeasuredDevice:
                               float(fused["bytes_per_param_at_copy_bw"]) if fused else 0.0,
                               float(optimizer.get("clip_bytes_per_param_at_copy_bw", 0.0)) if kind == "cuda" else 0.0,
                               block.get("block forward + backward", 0.0), block.get("full checkpoint, extra", 0.0),
-                              block.get("selective checkpoint, extra", 0.0))
+                              block.get("selective checkpoint, extra", 0.0),
+                              tuple((int(r["m"]), int(r["n"]), int(r["k"]), float(r["flops"]) / peak)
+                                    for r in data["gemm"].get("rows", [])
+                                    if all(float(r.get(key) or 0) > 0 for key in ("m", "n", "k", "flops"))))
     except (KeyError, TypeError, ValueError, StopIteration, statistics.StatisticsError) as e:
         raise ConfigError("cluster.calibration", f"{p}: an incomplete benchmarks/kernels.py result ({type(e).__name__}: {e})",
                           "re-run `python benchmarks/kernels.py --out FILE` (not --smoke)") from None

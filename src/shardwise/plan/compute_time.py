@@ -30,12 +30,14 @@ def _device_constant(table: dict[str, float], name: str, default: float) -> floa
 
 
 @lru_cache(maxsize=65536)
-def gemm_time(device_name: str, peak: float, hbm_gbps: float, m: int, n: int, k: int, elem: int) -> float:
+def gemm_time(device_name: str, peak: float, hbm_gbps: float, m: int, n: int, k: int, elem: int,
+              shapes: tuple[tuple[int, int, int, float], ...] = ()) -> float:
     """Seconds for one (m x k) @ (k x n) GEMM: 2mnk FLOPs at peak x MAMF x tile x wave efficiency,
-    but no faster than moving its operands through HBM (roofline)."""
+    but no faster than moving its operands through HBM (roofline). `shapes`: a measured CPU's GEMMs
+    (calibration.MeasuredDevice.gemm_shapes), whose efficiency near this shape replaces tiles and waves."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    mamf = _mamf(device_name)
+    mamf = measured_gemm_efficiency(shapes, m, n, k) if shapes else _mamf(device_name)
     tile_eff = wave_eff = 1.0
     if device_name != "measured-cpu":  # a CPU GEMM has no thread-block tiles or SM waves
         units = int(_device_constant(C.COMPUTE_UNITS, device_name.removeprefix("measured-"), C.COMPUTE_UNITS_DEFAULT))
@@ -46,6 +48,20 @@ def gemm_time(device_name: str, peak: float, hbm_gbps: float, m: int, n: int, k:
     compute = 2.0 * m * n * k / (peak * mamf * tile_eff * wave_eff)
     traffic = elem * (m * k + k * n + m * n) / (hbm_gbps * 1e9 * _hbm_fraction(device_name))
     return max(compute, traffic)
+
+
+def measured_gemm_efficiency(shapes: tuple[tuple[int, int, int, float], ...], m: int, n: int, k: int) -> float:
+    """FLOP/s over the best square matmul of an (m, n, k) GEMM on a measured CPU: the measured shapes' own,
+    inverse-distance weighted over the three nearest in log2(M, N, K). A CPU GEMM's efficiency falls with its
+    size and shape (fp32, 2 threads: the small preset's block GEMMs at 256 tokens reach 81-95%, at 1024
+    87-99%, its weight gradients with few output rows the least); priced at the best square's rate, the
+    planner put small micro-batches 8% too fast (benchmarks/plan_accuracy.py, the accumulation row)."""
+    point = (math.log2(m), math.log2(n), math.log2(k))
+    nearest = sorted((math.dist(point, (math.log2(a), math.log2(b), math.log2(c))), f) for a, b, c, f in shapes)[:3]
+    if nearest[0][0] < 1e-9:
+        return nearest[0][1]
+    weights = [1.0 / d ** 2 for d, _ in nearest]
+    return sum(w * f for w, (_, f) in zip(weights, nearest)) / sum(weights)
 
 
 def _measured(name: str) -> bool:
@@ -142,6 +158,10 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     tokens = max(1, lay.micro_batch * problem.seq_len // lay.cp)
     hbm = dev.memory_bandwidth_gbps * 1e9 * _hbm_fraction(dev.name)
     measured = problem.cluster.measured_device
+    shapes = measured.gemm_shapes if measured and measured.device_type == "cpu" else ()
+
+    def gemm_s(m: int, n: int, k: int, pk: float = peak, e: int = elem) -> float:
+        return gemm_time(dev.name, pk, dev.memory_bandwidth_gbps, m, n, k, e, shapes)
     # Eager pointwise kernels, op by op, stream worse than a copy (constants.EAGER_POINTWISE_HBM_FRACTION of
     # the datasheet; a measured device: its measured copy rate), unless `plan calibrate` fitted a fraction.
     # A GPU's measured bandwidth is its copy rate: eager kernels keep their ratio to the streaming fraction.
@@ -181,10 +201,12 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # block's stacked experts and router stay bf16 (only its attention GEMMs here are FP8).
         attention_gemms = _attention_gemms(problem, lay)
         converted = (attention_gemms if moe else len(gemms)) if fp8 else 0
-        times = [c * (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, m, n, k, 1) if i < converted
-                      else gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, m, n, k, elem))
-                 for i, (m, n, k, c) in enumerate(gemms)]
-        gemm = sum(times)
+        times = [c * (gemm_s(m, n, k, peak8, 1) if i < converted else gemm_s(m, n, k)) for i, (m, n, k, c) in enumerate(gemms)]
+        # Backward's input and weight gradients: twice the forward, or on a measured CPU their own shapes
+        # (dgrad m x k over n, wgrad n x k over m), whose efficiencies differ from the forward's.
+        backward = 2 * sum(times) if not shapes else sum(
+            c * (gemm_s(m, k, n, peak8, 1) + gemm_s(n, k, m, peak8, 1) if i < converted else gemm_s(m, k, n) + gemm_s(n, k, m))
+            for i, (m, n, k, c) in enumerate(gemms))
         # The GEMMs closing each residual branch (wo; a dense MLP's down-projection, gemms[-1] unless
         # tiled): only a residual add reads their outputs, so a compiled recomputation skips them.
         branch_ends = times[attention_gemms - 1] + (times[-1] if not moe and lay.linear_tiles == 1 else 0.0)
@@ -219,7 +241,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
         # Joined projections scale their shared input once per group (tests/unit/test_fused_projections.py).
         pointwise += sum(c * C.FP8_CAST_BYTES * (m * k + k * n) for m, n, k, c in gemms[:converted]) / hbm
-        return gemm, attn, pointwise, branch_ends
+        return sum(times), backward, attn, pointwise, branch_ends
 
     def joins(moe: bool) -> tuple[float, float]:
         """(forward, backward) seconds of one block's weight joins under train.fuse_projections
@@ -233,7 +255,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         join, param = (4 if fp8 else elem), (2 if lay.lowp_params else 4)
         return (2 * join * joined / pointwise_bw if eager else 0.0), (param + join) * joined / pointwise_bw
 
-    g_d, a_d, e_d, ends_d = block_fwd(False)
+    g_d, gb_d, a_d, e_d, ends_d = block_fwd(False)
     # parallel.linear_tiles: the tiled MLP's backward recomputes every tile's up-projections (SwiGLU: w1 x
     # and w3 x, 2 GEMMs of 2 x tokens x dim x ffn FLOPs in all; GELU: fc x, 1) and pointwise ops (SwiGLU's
     # silu and product, GELU's gelu: their share of pointwise_forward_bytes, 5 a f / 2 a f per token), and
@@ -245,28 +267,30 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     if lay.linear_tiles > 1 and rank.dense_layers:
         ups = A.up_projections(s)
         a = elem
-        tile_rc = sum(n * ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem)
+        tile_rc = sum(n * ups * gemm_s(tokens, w, s.dim)
                       for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
         tile_rc += (5 if s.arch == "llama" else 2) * a * s.ffn_dim * tokens / pointwise_bw
         e_d += (lay.linear_tiles - 1) * 3 * a * s.dim * tokens / pointwise_bw
         if eager:  # each tile past the first launches its forward and backward kernels once more
             fwd_k, bwd_k = C.EAGER_TILE_KERNELS[s.arch]
             tile_rc += (lay.linear_tiles - 1) * (fwd_k + bwd_k) * launch_s
-    g_m, a_m, e_m, ends_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0)
+    g_m, gb_m, a_m, e_m, ends_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0, 0.0)
     fused = problem.fused_for(lay)
     (join_fd, join_bd), (join_fm, join_bm) = joins(False), (joins(True) if rank.moe_layers else (0.0, 0.0))
     fwd_one = g_d + a_d + e_d + join_fd
-    bwd_one = 2 * (g_d + a_d + e_d) + join_bd
+    bwd_one = (gb_d + 2 * (a_d + e_d) if shapes else 2 * (g_d + a_d + e_d)) + join_bd
     fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m + join_fm)
-    bwd = rank.dense_layers * bwd_one + rank.moe_layers * (2 * (g_m + a_m + e_m) + join_bm)
+    bwd = rank.dense_layers * bwd_one + rank.moe_layers * ((gb_m + 2 * (a_m + e_m) if shapes else 2 * (g_m + a_m + e_m)) + join_bm)
     if rank.head:
         vocab = math.ceil(s.vocab_size / lay.tp)
-        head = gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, vocab, s.dim, elem)
+        head = gemm_s(tokens, vocab, s.dim)
+        # Backward's two GEMMs: twice the forward, or on a measured CPU their own shapes (as a block's).
+        head_bwd = gemm_s(tokens, s.dim, vocab) + gemm_s(vocab, s.dim, tokens) if shapes else 2 * head
         if problem.head_in_fp8:
             # train.fp8_head: the head's GEMMs at the FP8 peak with 1-byte operands, plus the scaling casts of
             # its input and weight (forward; backward, 2x below, the logits' gradient and the transposes).
-            head = (gemm_time(dev.name, peak8, dev.memory_bandwidth_gbps, tokens, vocab, s.dim, 1)
-                    + C.FP8_CAST_BYTES * (tokens * s.dim + s.dim * vocab) / hbm)
+            head = gemm_s(tokens, vocab, s.dim, peak8, 1) + C.FP8_CAST_BYTES * (tokens * s.dim + s.dim * vocab) / hbm
+            head_bwd = 2 * head
         logits = tokens * s.vocab_size / lay.tp
         if not loss_is_chunked(tokens, s.vocab_size, lay.tp):
             loss_f = loss_b = 3 * 4.0 * logits / hbm  # logits -> fp32 -> log-softmax, and back
@@ -281,7 +305,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             # each), the cast back (read 4, write a): 2 a + 36 B; at the eager pointwise rate.
             loss_f, loss_b = (elem + 24) * logits / eager_bw, (2 * elem + 36) * logits / eager_bw
         fwd += head + loss_f
-        bwd += 2 * head + loss_b
+        bwd += head_bwd + loss_b
     if not eager:
         # Compiled: the weights' autocast casts run inside the graph, per micro-batch (plan/compiled.py
         # weight_cast_bytes), forward and (the gradients' casts) backward alike.
@@ -329,8 +353,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         if lay.linear_tiles > 1:  # ... and the tiled MLP's forward GEMMs, which the policy does not cache
             ups = A.up_projections(s)
             recompute += rank.dense_layers * sum(
-                n * ((ups * gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, w, s.dim, elem))
-                     + gemm_time(dev.name, peak, dev.memory_bandwidth_gbps, tokens, s.dim, w, elem))
+                n * ((ups * gemm_s(tokens, w, s.dim)) + gemm_s(tokens, s.dim, w))
                 for w, n in _tile_widths(s.ffn_dim, lay.linear_tiles))
         if host:
             recompute += fwd_kernels * host.selective_checkpoint_kernel_s
