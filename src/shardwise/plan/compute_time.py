@@ -278,6 +278,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     fused = problem.fused_for(lay)
     (join_fd, join_bd), (join_fm, join_bm) = joins(False), (joins(True) if rank.moe_layers else (0.0, 0.0))
     fwd_one = g_d + a_d + e_d + join_fd
+    # (Without measured shapes gb_d is 2 x g_d: the old sum, kept as written so that GPU prices stay bit-identical.)
     bwd_one = (gb_d + 2 * (a_d + e_d) if shapes else 2 * (g_d + a_d + e_d)) + join_bd
     fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m + join_fm)
     bwd = rank.dense_layers * bwd_one + rank.moe_layers * ((gb_m + 2 * (a_m + e_m) if shapes else 2 * (g_m + a_m + e_m)) + join_bm)
