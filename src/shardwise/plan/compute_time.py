@@ -53,8 +53,8 @@ def gemm_time(device_name: str, peak: float, hbm_gbps: float, m: int, n: int, k:
 def measured_gemm_efficiency(shapes: tuple[tuple[int, int, int, float], ...], m: int, n: int, k: int) -> float:
     """FLOP/s over the best square matmul of an (m, n, k) GEMM on a measured CPU: the measured shapes' own,
     inverse-distance weighted over the three nearest in log2(M, N, K). A CPU GEMM's efficiency falls with its
-    size and shape (fp32, 2 threads: the small preset's block GEMMs at 256 tokens reach 81-95%, at 1024
-    87-99%, its weight gradients with few output rows the least); priced at the best square's rate, the
+    size and shape (fp32, 2 threads: the small preset's forward and input-gradient GEMMs reach 91-99% at 1024
+    tokens and 81-89% at 256, its weight gradients 78-96%); priced at the best square's rate, the
     planner put small micro-batches 8% too fast (benchmarks/plan_accuracy.py, the accumulation row)."""
     point = (math.log2(m), math.log2(n), math.log2(k))
     nearest = sorted((math.dist(point, (math.log2(a), math.log2(b), math.log2(c))), f) for a, b, c, f in shapes)[:3]
