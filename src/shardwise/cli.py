@@ -190,7 +190,8 @@ def _train_in_process(cfg: Config, data) -> int:
                 trainer = Trainer(cfg, data=data)
             trainer.train()
         except OSError as e:
-            failure = storage_failure(e)  # disk full / read-only -> StorageFailure (exit 4); anything else as it is
+            # disk full / read-only -> StorageFailure (exit 4); anything else as it is
+            failure = storage_failure(e, resumes=cfg.checkpoint.resume)
             if failure is None:
                 raise
             raise failure from e

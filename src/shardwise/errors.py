@@ -160,11 +160,21 @@ class Interrupted(RunFailure):
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 
 
-def storage_failure(error: OSError, report: bool = True,
-                    then: str = "then rerun to resume from the newest checkpoint") -> StorageFailure | None:
+def rerun_to_resume(resumes: bool, where: str = "", what: str = "") -> str:
+    """The advice that resumes a run. `resumes`: its checkpoint.resume; with false the same command starts over
+    (rundir.supersede_previous_run sets the checkpoints aside), so the advice names the override that resumes."""
+    if resumes:
+        return f"rerun the same command{where} to resume{what}"
+    return f"rerun{where} with --checkpoint.resume=true to resume{what} (with checkpoint.resume=false the same command starts over)"
+
+
+def storage_failure(error: OSError, report: bool = True, then: str | None = None,
+                    resumes: bool = True) -> StorageFailure | None:
     """A write the run needed (metrics, logs, checkpoints) failed for a reason of the disk's: the one
-    line to show, or None for other OS errors. `then`: what to do once the disk is fixed."""
+    line to show, or None for other OS errors. `then`: what to do once the disk is fixed (default: resume
+    the run, whose checkpoint.resume is `resumes`)."""
     if error.errno not in _STORAGE_ERRNOS:
         return None
     where = f" ({error.filename})" if error.filename else ""
+    then = then or f"then {rerun_to_resume(resumes, what=' from the newest checkpoint')}"
     return StorageFailure(f"cannot write{where}: {error.strerror}; free space or fix the permissions, {then}", report=report)

@@ -118,6 +118,7 @@ def test_after_a_divergence_the_advised_rerun_resumes_from_the_newest_good_check
     assert "train.lr 0.003 -> 1000000.0" in changed and "checkpoint.every 1 -> 3" in changed
     message = next(line for line in bad.stderr.splitlines() if line.startswith("error: training diverged"))
     named = Path(message.split("newest good checkpoint: ")[1].split(". Lower train.lr")[0])
+    assert message.endswith("then rerun with the new value to resume from it"), message
     assert named.is_dir() and _manifest(named)["good"] is True
     # The streak's checkpoints, and the one whose weights gave its first non-finite step, are set aside:
     # data order is fixed, so resuming from them would replay the same non-finite step at any lr.

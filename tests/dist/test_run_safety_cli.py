@@ -73,17 +73,23 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_divergence_exits_3_with_one_line_and_strict_metrics(common, tmp_path, precision):
+@pytest.mark.parametrize("precision, fresh", [("fp32", False), ("fp16", True)])
+def test_divergence_exits_3_with_one_line_and_strict_metrics(common, tmp_path, precision, fresh):
     """lr=1e6: the loss or gradient norm stops being finite within a few steps. Before, fp32 ran on
     with NaN losses and exit 0, and fp16 backed its loss scale off forever, also exit 0."""
     run = tmp_path / "diverge"
     p = _train(common, run, "--train.lr=1e6", "--train.steps=30", "--checkpoint.every=2", "--checkpoint.keep=1",
-               "--train.log_every=1", f"--train.precision={precision}", "--model.n_layers=1")
+               "--train.log_every=1", f"--train.precision={precision}", "--model.n_layers=1",
+               f"--checkpoint.resume={'false' if fresh else 'true'}")
     assert p.returncode == 3, p.stderr[-3000:]
     assert "Traceback" not in p.stdout + p.stderr
     errors = user_lines(p.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: training diverged: 5 steps in a row"), errors
+    # The advice resumes as the run was started (test_recovery follows it); with checkpoint.resume=false the
+    # rerun with a lower lr alone would start over, so the line names the override.
+    advice = ("then rerun with the new value and --checkpoint.resume=true to resume from it (with checkpoint.resume=false "
+              "the command starts over)") if fresh else "then rerun with the new value to resume from it"
+    assert errors[0].endswith(advice), errors
     records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))
                for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records[-5:]] == [1] * 5
@@ -290,10 +296,12 @@ def test_bad_directories_are_refused_before_spawning(common, tmp_path, read_only
         assert "Traceback" not in p.stderr and "model:" not in p.stdout  # nothing was spawned
 
 
-def test_a_full_disk_exits_4_and_keeps_the_older_checkpoint(common, tmp_path, small_disk):
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_full_disk_exits_4_keeps_the_older_checkpoint_and_its_advice_resumes(common, tmp_path, small_disk, resume):
     ckpt = small_disk / "checkpoints"
-    p = _train(common, tmp_path / "run", *ZERO3, "--train.steps=8", "--checkpoint.every=2", "--checkpoint.keep=5",
-               f"--checkpoint.dir={ckpt}")
+    command = [*ZERO3, "--train.steps=8", "--checkpoint.every=2", "--checkpoint.keep=5", f"--checkpoint.dir={ckpt}",
+               f"--checkpoint.resume={str(resume).lower()}"]
+    p = _train(common, tmp_path / "run", *command)
     assert p.returncode == 4, p.stderr[-3000:]
     lines = user_lines(p.stderr)
     assert len(lines) == 1 and "No space left on device" in lines[0] and "step_00000002 is intact" in lines[0], lines
@@ -301,6 +309,14 @@ def test_a_full_disk_exits_4_and_keeps_the_older_checkpoint(common, tmp_path, sm
     verify = subprocess.run([sys.executable, "-m", "shardwise.cli", "checkpoint", "verify", str(ckpt)],
                             capture_output=True, text=True)
     assert verify.returncode == 0 and "step_00000002: OK" in verify.stdout
+    # What the user does next: free space (here the disk grows), then what the line says. A run started with
+    # checkpoint.resume=false starts over if rerun as it was, so the advice must name the override.
+    advice = "rerun the same command to resume" if resume else "rerun with --checkpoint.resume=true to resume"
+    assert f"Free space, then {advice}" in lines[0], lines
+    assert subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], capture_output=True).returncode == 0
+    rerun = _train(common, tmp_path / "run", *command, *([] if resume else ["--checkpoint.resume=true"]))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stdout and "at step 2" in rerun.stdout, rerun.stdout[-2000:]
 
 
 def test_resume_refuses_another_model_and_says_when_a_run_is_finished(common, tmp_path):

@@ -172,7 +172,11 @@ def test_the_checkpoint_save_line_names_what_else_holds_host_memory():
     line = checkpoint_save_line(busy, 3, "cuda", HOST_WORDS, 50, newest, removed=True)
     assert line == (f"checkpoint: rank 3 ran out of host memory saving step 50: {HOST_WORDS}; the partial checkpoint was "
                     f"removed and {intact}; fix: lower what else holds this node's host memory: data.num_workers (now 4: "
-                    "loader processes per rank), parallel.offload (now cpu: the model states live there), then rerun to resume")
+                    "loader processes per rank), parallel.offload (now cpu: the model states live there), then rerun the same command "
+                    "to resume")
+    fresh = load_config(None, ["--checkpoint.resume=false"])  # the same command would start over: name the override
+    assert checkpoint_save_line(fresh, 0, "cpu", HOST_WORDS, 50, newest, removed=True).endswith(
+        "then rerun with --checkpoint.resume=true to resume (with checkpoint.resume=false the same command starts over)")
     plain = load_config(None, [])
     line = checkpoint_save_line(plain, 0, "cpu", HOST_WORDS, 1, None, removed=False)
     assert line.endswith("the partial checkpoint (step_00000001.tmp) is never resumed from and no earlier checkpoint exists; "

@@ -355,6 +355,23 @@ def test_a_multi_node_failure_says_to_rerun_on_every_node(capsys, tmp_path):
         assert "the same command to resume" not in err, err
 
 
+def test_a_storage_failure_advises_the_rerun_that_resumes():
+    """A full disk mid-run: the advice resumes the run as it was started (checkpoint.resume true: the same
+    command; false: the override), and a command that is no run says only "then rerun"."""
+    import errno
+
+    from shardwise.errors import storage_failure
+
+    full = OSError(errno.ENOSPC, "No space left on device", "runs/x/metrics.jsonl")
+    assert storage_failure(full).message.endswith("fix the permissions, then rerun the same command to resume from the "
+                                                  "newest checkpoint")
+    assert storage_failure(full, resumes=False).message.endswith(
+        "then rerun with --checkpoint.resume=true to resume from the newest checkpoint (with checkpoint.resume=false "
+        "the same command starts over)")
+    assert storage_failure(full, then="then rerun").message.endswith("fix the permissions, then rerun")
+    assert storage_failure(OSError(errno.ECONNRESET, "Connection reset by peer")) is None
+
+
 # A rank of a one-process gloo group whose training raises `argv[2]`'s OS error; run in a process of its own
 # (it initialises torch.distributed).
 _RANK_RAISES_AN_OS_ERROR = """

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardwise.errors import StorageFailure, exception_chain
+from shardwise.errors import StorageFailure, exception_chain, rerun_to_resume
 from shardwise.parallel.parallelize import canonical_fqn
 from shardwise.train import manifest as mf
 from shardwise.train.control import Control
@@ -132,8 +132,10 @@ def _app_state(model: nn.Module, optimizer: torch.optim.Optimizer, for_load: boo
 class CheckpointManager:
     """Saves and loads checkpoints under `directory`; every method is collective over `control`."""
 
-    def __init__(self, directory: Path, keep: int, control: Control, log: Callable[[str], None] = print):
+    def __init__(self, directory: Path, keep: int, control: Control, log: Callable[[str], None] = print,
+                 resumes: bool = True):
         self.directory = directory
+        self.resumes = resumes  # checkpoint.resume: what a failed save's line tells the user to rerun
         self.keep = keep
         self.control = control
         self.log = log
@@ -244,8 +246,8 @@ class CheckpointManager:
             if error is not None else "failed on another rank"
         kept = remains_words(self.latest())
         raise StorageFailure(f"checkpoint: cannot write step {step} to {self.directory}: {what}; the partial "
-                             f"checkpoint was removed and {kept}. Free space or point checkpoint.dir elsewhere, "
-                             "then rerun to resume", report=report)
+                             f"checkpoint was removed and {kept}. Free space, then {rerun_to_resume(self.resumes)} "
+                             "(a new checkpoint.dir resumes only once the checkpoints are copied there)", report=report)
 
     def _prune(self) -> None:
         mf.remove_leftovers(self.directory)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from shardwise.config import Config
-from shardwise.errors import OutOfMemory, exception_chain, out_of_memory
+from shardwise.errors import OutOfMemory, exception_chain, out_of_memory, rerun_to_resume
 from shardwise.spec.hf import exportable
 from shardwise.train.manifest import step_dir_name
 from shardwise.train.planned_memory import PlannedMemory, local_world_size, planned_memory
@@ -215,7 +215,7 @@ def checkpoint_save_line(cfg: Config, rank: int, device_type: str, what: str, st
     partial = "the partial checkpoint was removed" if removed else \
         f"the partial checkpoint ({step_dir_name(step)}.tmp) is never resumed from"
     kept = remains_words(newest) if listed else "the earlier checkpoints were not touched"
-    rerun = "then rerun to resume" if listed and newest is not None else "then rerun"
+    rerun = f"then {rerun_to_resume(cfg.checkpoint.resume)}" if listed and newest is not None else "then rerun"
     return f"checkpoint: rank {rank} ran out of {place} memory saving step {step}: {what}; {partial} and {kept}; fix: {fix}, {rerun}"
 
 

@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 
 from shardwise.config import dotted
-from shardwise.errors import NOT_RESTARTABLE, ConfigError
+from shardwise.errors import NOT_RESTARTABLE, ConfigError, rerun_to_resume
 from shardwise.paths import writable_dir
 from shardwise.scratch import process_alive
 from shardwise.train import manifest as mf
@@ -348,14 +348,6 @@ def crash_line(error: BaseException, traceback_file: Path | None) -> str:
     message = (str(error).strip().splitlines() or [""])[0]
     where = f" (traceback: {traceback_file})" if traceback_file is not None else ""
     return f"training failed: {type(error).__name__}{': ' if message else ''}{message}"[:300] + where
-
-
-def rerun_to_resume(resumes: bool, where: str = "", what: str = "") -> str:
-    """The advice that resumes a run. `resumes`: its checkpoint.resume; with false the same command starts over
-    (supersede_previous_run sets the checkpoints aside), so the advice names the override that resumes."""
-    if resumes:
-        return f"rerun the same command{where} to resume{what}"
-    return f"rerun{where} with --checkpoint.resume=true to resume{what} (with checkpoint.resume=false the same command starts over)"
 
 
 def resume_hint(checkpoints: Path | None, every_node: bool = False, resumes: bool = True) -> str:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.config import Config
-from shardwise.errors import Diverged, Interrupted, OutOfMemory, out_of_memory
+from shardwise.errors import Diverged, Interrupted, OutOfMemory, out_of_memory, rerun_to_resume
 from shardwise.models import build_model
 from shardwise.parallel.activation_checkpoint import SELECTIVE_SAVE_OPS
 from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names
@@ -39,7 +39,7 @@ from shardwise.spec.dims import lowp_params, offload_tier
 from shardwise.spec.layout import fp8_gemm_fits
 from shardwise.tensors import local_shard
 from shardwise.train import manifest as mf
-from shardwise.train import moe_stats, rundir
+from shardwise.train import moe_stats
 from shardwise.train.agreement import check_same_setup, setup_facts
 from shardwise.train.checkpoint import CheckpointManager, read_rank_state
 from shardwise.train.control import Control
@@ -157,7 +157,7 @@ class Trainer:
         self.grad_compression = getattr(self.model, "grad_compression_state", None)
         self.last_memory: dict[str, list[int]] = {}
         self.checkpoints = CheckpointManager(Path(cfg.checkpoint.dir or self.run_dir / "checkpoints"), cfg.checkpoint.keep,
-                                             self.control, self.log)
+                                             self.control, self.log, resumes=cfg.checkpoint.resume)
         if cfg.checkpoint.resume or restarted:
             self._maybe_resume()
 
@@ -382,7 +382,15 @@ class Trainer:
                 f"train.max_skipped_steps={g.max_skipped_steps}); checkpoints from step {g.streak_start - 1} on set aside "
                 f"as step_N.diverged (they replay the same steps); newest good checkpoint: "
                 f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr ({t.lr:g}) or raise train.warmup_steps, then "
-                "rerun to resume from it (--checkpoint.resume=false starts over)")
+                f"{self._rerun_with_the_new_value()}")
+
+    def _rerun_with_the_new_value(self) -> str:
+        """A divergence's advice: the rerun with a lower lr resumes from the newest good checkpoint, unless this run
+        started with checkpoint.resume=false (then that rerun would start over: name the override)."""
+        if self.cfg.checkpoint.resume:
+            return "rerun with the new value to resume from it"
+        return ("rerun with the new value and --checkpoint.resume=true to resume from it (with checkpoint.resume=false "
+                "the command starts over)")
 
     def _stop(self, code: int) -> None:
         """A stop signal reached some rank: checkpoint this step (when checkpoints are on) and raise."""
@@ -391,7 +399,7 @@ class Trainer:
         name = stop.name if stop is not None and stop.signum is not None else "a stop signal on another rank"
         saved = f"checkpoint {path} written" if path else "checkpoints are off (checkpoint.every=0, final=false)"
         raise Interrupted(f"interrupted by {name} after step {self.step}: {saved}; "
-                          f"{rundir.rerun_to_resume(self.cfg.checkpoint.resume)}",
+                          f"{rerun_to_resume(self.cfg.checkpoint.resume)}",
                           code, report=self.rank == 0)
 
     def memory(self) -> dict[str, int]:
@@ -436,7 +444,8 @@ class Trainer:
         if not self.guard.weights_finite(self.params):
             raise Diverged(f"training diverged: the weights after step {self.step} are not finite (train.lr "
                            f"{self.cfg.train.lr:g}), so no checkpoint was written; newest good checkpoint: "
-                           f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr, then rerun", report=self.rank == 0)
+                           f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr, then "
+                           f"{self._rerun_with_the_new_value()}", report=self.rank == 0)
         manifest = {"good": self.guard.in_a_row == 0, "run_id": self.run_id, "config": self.fingerprint,
                     "layout": self.dims.describe(), "world_size": self.dims.world_size}
         with saving_checkpoint(self.cfg, self.rank, self.device.type, self.step, self.checkpoints.latest, self.run_dir, self.run_id):
