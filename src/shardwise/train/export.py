@@ -128,13 +128,13 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, dtype: str = "f
         raise ConfigError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}", "use float32 (exact) or bfloat16")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("--hf", f"{out} exists and is not an empty directory", "give a new directory (nothing is overwritten)")
-    created = not out.exists()
+    created = _outermost_missing(out)  # what this export creates: removed whole if it fails
     writable_dir(out, "--hf")
     try:
         return _export_into(run_dir, out, step, dtype, max_shard_bytes, log)
     except BaseException:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         else:  # empty before this export: everything in it is this export's
             for path in out.iterdir():
                 if path.is_dir():
@@ -142,6 +142,17 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None, dtype: str = "f
                 else:
                     path.unlink(missing_ok=True)
         raise
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` (itself included) that does not exist yet, or None: `--hf a/b/c` with
+    only `a` there creates `a/b`, and a failed export leaves no empty `a/b` behind either."""
+    missing = None
+    for candidate in (path, *path.absolute().parents):
+        if candidate.exists():
+            return missing
+        missing = candidate
+    return missing
 
 
 def _save_safetensors(save_file: Callable, tensors: dict, path: Path) -> None:
