@@ -78,6 +78,25 @@ def test_two_agents_train_like_one(common, tmp_path):
                                                              "different settings: 0.003 on ranks 0-1"), err
             assert "0.01 on ranks 2-3" in errors[0] and "fix: start every node with the same config file" in err, err
         assert not (run / "metrics.jsonl").exists()
+        # Node 1 started with --nnodes 3 and a layout that absorbs the world size (dp_shard=-1): its own checks pass
+        # (6 ranks), and both nodes waited at the rendezvous, each for its own count, until run.rendezvous_timeout_s
+        # (then exit 6, "fewer than N nodes met"). Whichever node waited first keeps its count in the store; the other
+        # is refused, and both end at once with its line.
+        absorbing = ["--parallel.dp_shard=-1", "--train.micro_batch=2", "--train.global_batch=12"]
+        started = time.monotonic()
+        mixed = [agent(0, *absorbing), agent(1, *absorbing, "--nnodes", "3")]
+        lines = []
+        for k, (out, err) in enumerate(a.communicate(timeout=180) for a in mixed):
+            errors = [line for line in err.splitlines() if line.startswith("error:")]
+            assert mixed[k].returncode == 2 and "Traceback" not in err, f"node {k}:\n{out[-2000:]}\n{err[-3000:]}"
+            assert len(errors) == 1, err
+            lines.append(errors[0])
+        assert lines[0] == lines[1] and time.monotonic() - started < 150, lines  # run.rendezvous_timeout_s: 600 s
+        refused = "error: node {0} was refused before the rendezvous, so the job cannot start: --nnodes: node {0} was " \
+                  "started with --nnodes {1}, node {2} of this job with --nnodes {3}"
+        assert lines[0] in (refused.format(1, 3, 0, 2), refused.format(0, 2, 1, 3)), lines
+        assert "fix: start every node with the job's own --nnodes (the same on each); then rerun every node" in err, err
+        assert not (run / "metrics.jsonl").exists()
         # Node 1 refused before the rendezvous (its --nnodes 3 does not fit the layout): node 0, waiting there, ended
         # after run.rendezvous_timeout_s with "fewer than 2 nodes met" (exit 6). It now ends at once with node 1's
         # error (launch/peer_failure.py), node 0 started first as the waiting one.

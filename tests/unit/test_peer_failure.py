@@ -81,3 +81,80 @@ def test_a_refused_node_0_serves_its_error_until_every_node_has_read_it():
     finally:
         signal.signal(signal.SIGTERM, previous)
         gc.collect()
+
+
+def test_a_node_with_another_nnodes_is_refused_and_the_first_node_ends_with_its_line(served):
+    """Nodes started with --nnodes 2 and 3 (a layout absorbing the world size passes both nodes' own checks)
+    each waited for their own count until run.rendezvous_timeout_s. The first to wait keeps its count in the
+    store; the other refuses itself there, and the first reads its line (tests/dist/test_multinode.py runs it)."""
+    from shardwise.launch.peer_failure import NNODES, nnodes_refusal
+
+    store, endpoint = served
+    signals = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: signals.append(signum))
+    try:
+        first = RefusalWatch(endpoint, started=lambda: False, node_rank=0, spec="2").start()
+        deadline = time.monotonic() + 10
+        while not store.check([NNODES]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.get(NNODES).decode() == "2@0" and signals == []  # alone, or with its own count: it waits
+        same = RefusalWatch(endpoint, started=lambda: False, node_rank=2, spec="2").start()
+        time.sleep(1.5)
+        assert signals == [] and same.refusal is None
+        other = RefusalWatch(endpoint, started=lambda: False, node_rank=1, spec="3").start()
+        while len(signals) < 3 and time.monotonic() < deadline + 10:
+            time.sleep(0.1)
+        for watch in (first, same, other):
+            watch.stop()
+        line = nnodes_refusal(1, "3", "2@0")
+        assert line == ("node 1 was refused before the rendezvous, so the job cannot start: --nnodes: node 1 was started "
+                        "with --nnodes 3, node 0 of this job with --nnodes 2\n  fix: start every node with the job's own "
+                        "--nnodes (the same on each); then rerun every node")
+        assert signals == [signal.SIGTERM] * 3 and first.refusal == same.refusal == other.refusal == line
+        assert nnodes_refusal(1, "2", "2@0") is None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_elastic_node_with_another_range_ends_alone(served):
+    """An elastic job (--nnodes MIN:MAX) goes on without a refused node, so only the node with another range ends."""
+    store, endpoint = served
+    signals = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: signals.append(signum))
+    try:
+        first = RefusalWatch(endpoint, started=lambda: False, node_rank=0, spec="1:2", tell=False).start()
+        time.sleep(1.5)
+        other = RefusalWatch(endpoint, started=lambda: False, node_rank=1, spec="1:3", tell=False).start()
+        deadline = time.monotonic() + 10
+        while not signals and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)
+        first.stop()
+        other.stop()
+        assert signals == [signal.SIGTERM] and first.refusal is None and "--nnodes 1:3, node 0" in other.refusal
+        assert not store.check([KEY])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_refused_node_0_stops_its_agent_only_once_a_waiting_node_read_its_line(served):
+    """Node 0's agent serves the store, and stopping node 0 closes it: when node 0 is the node with another
+    --nnodes, the node that waited first reads its line before node 0 stops (else it saw the store vanish)."""
+    from shardwise.launch.peer_failure import READ_BY
+
+    store, endpoint = served
+    read_when_stopped = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: read_when_stopped.append(store.add(READ_BY, 0)))
+    try:
+        first = RefusalWatch(endpoint, started=lambda: False, node_rank=1, spec="3").start()
+        time.sleep(1.5)
+        node0 = RefusalWatch(endpoint, started=lambda: False, node_rank=0, spec="2").start()
+        deadline = time.monotonic() + 15
+        while len(read_when_stopped) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first.stop()
+        node0.stop()
+        assert node0.refusal == first.refusal and "node 0 was started with --nnodes 2, node 1" in node0.refusal
+        assert read_when_stopped == [1, 1], read_when_stopped  # node 1 read it first, then node 0 stopped
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -141,8 +141,9 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
     watch = None
     try:
         before_workers.install()
-        if nodes is not None and not nodes.elastic:  # a node refused before the rendezvous ends the wait (peer_failure.py)
-            watch = RefusalWatch(nodes.endpoint, lambda: workers_started(log_dir or own_log_dir)).start()
+        if nodes is not None:  # a node refused before the rendezvous, or with another --nnodes, ends the wait (peer_failure.py)
+            watch = RefusalWatch(nodes.endpoint, lambda: workers_started(log_dir or own_log_dir), nodes.node_rank,
+                                 nodes.spec, tell=not nodes.elastic).start()
         if nodes is not None and nodes.node_rank != 0 and not wait_for_rendezvous(nodes):
             return EXIT_FAILED
         if nodes is not None:  # the agents wait for each other without a word until the job starts or times out

@@ -14,6 +14,12 @@ A refused node 0 has no agent to serve that store, so it serves one itself at th
 line, until every other node has read it (each adds 1 to a second key) or TELL_WAIT_S have passed: the
 nodes waiting for its rendezvous to open see it open, read the line and end. An elastic job (--nnodes
 MIN:MAX) goes on without the refused node, as it would after losing one, so it is not told.
+
+Nodes started with different --nnodes pass every check of their own, then wait for each other at the
+rendezvous until run.rendezvous_timeout_s, each for its own count (measured on two nodes, --nnodes 2 and 3,
+2026-11-28: both waited, and would have ended with "fewer than N nodes met", exit 6, after 600 s). So each
+waiting node leaves its --nnodes in the store too (the first one stays); a node that finds another count
+there is refused like any other, and every node ends with its line and exit 2 at once.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from shardwise.launch.rendezvous import RDZV_DEFAULT_PORT, split_endpoint
 # The keys in node 0's store: one job per store (its port is taken while the job runs), so no job id in them.
 KEY = "shardwise/refused_before_rendezvous"
 READ_BY = "shardwise/refusal_read_by"  # how many nodes have read KEY
+NNODES = "shardwise/nnodes"  # "SPEC@NODE_RANK": the --nnodes of the first node that waited, and which node it was
 # How long a refused node waits for node 0's store to open (the nodes of a job start within seconds of
 # each other; node 0 needs a few to check its own data before its agent opens the store).
 TELL_WAIT_S = 30.0
@@ -85,14 +92,29 @@ def refusal_line(node_rank: int, error: str) -> str:
     return f"node {node_rank} was refused before the rendezvous, so the job cannot start: {error}; then rerun every node"
 
 
+def nnodes_refusal(node_rank: int, spec: str, stored: str) -> str | None:
+    """This node's refusal when the store's --nnodes (`stored`, "SPEC@NODE_RANK") is another than its own
+    `spec`, else None."""
+    other, _, other_rank = stored.partition("@")
+    if other == spec:
+        return None
+    return refusal_line(node_rank, f"--nnodes: node {node_rank} was started with --nnodes {spec}, node {other_rank} "
+                                   f"of this job with --nnodes {other}\n  fix: start every node with the job's own "
+                                   "--nnodes (the same on each)")
+
+
 class RefusalWatch:
     """Polls the rendezvous store for a refused node's line while this node waits there; on one, stops the
     waiting main thread with SIGTERM (launch/local.py's _StopBeforeWorkers turns it into torch's
     SignalException before any worker runs) and keeps the line in `refusal`. Stops by itself once this
-    node's workers have started (`started()`), after which no node can have been refused."""
+    node's workers have started (`started()`), after which no node can have been refused. Compares this
+    node's --nnodes (`spec`) with the first waiting node's, and refuses this node when they differ
+    (`tell`: other nodes read its line; an elastic job goes on without a refused node, so its nodes do not
+    read the others' refusals)."""
 
-    def __init__(self, endpoint: str, started):
+    def __init__(self, endpoint: str, started, node_rank: int = 0, spec: str | None = None, tell: bool = True):
         self.endpoint, self.started = endpoint, started
+        self.node_rank, self.spec, self.tell = node_rank, spec, tell
         self.refusal: str | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="shardwise-refusal-watch", daemon=True)
@@ -113,14 +135,35 @@ class RefusalWatch:
                 return
             try:
                 store = store or _client(self.endpoint, 2.0)
-                if store.check([KEY]):
-                    self.refusal = store.get(KEY).decode(errors="replace")
+                if self.spec is not None:
+                    stored = store.compare_set(NNODES, "", f"{self.spec}@{self.node_rank}").decode(errors="replace")
+                    mine = nnodes_refusal(self.node_rank, self.spec, stored)
+                    self.spec = None  # compared once: the first node's count stays in the store
+                    if mine is not None:
+                        if self.tell:
+                            store.compare_set(KEY, "", mine)  # the waiting nodes end with it (the first refusal stays)
+                            if self.node_rank == 0:  # its agent serves the store: stopping closes it, so the node
+                                self._wait_read(store)  # that waits there reads the line first
+                        self._stop_main(mine)
+                        return
+                if self.tell and store.check([KEY]):
                     store.add(READ_BY, 1)  # a refused node 0 serves the line until every node has read it
-                    if not self._done.is_set():
-                        signal.pthread_kill(self._main, signal.SIGTERM)
+                    self._stop_main(store.get(KEY).decode(errors="replace"))
                     return
             except (RuntimeError, ValueError, OSError):  # not open yet, or closed: try again
                 store = None
+
+    @staticmethod
+    def _wait_read(store) -> None:
+        """Until one other node has read the refusal (each polls every POLL_S), or a few polls' time."""
+        deadline = time.monotonic() + 3 * POLL_S + 2.0
+        while store.add(READ_BY, 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _stop_main(self, line: str) -> None:
+        self.refusal = line
+        if not self._done.is_set():
+            signal.pthread_kill(self._main, signal.SIGTERM)
 
 
 def workers_started(log_dir: Path | str) -> bool:

@@ -43,11 +43,15 @@ class MultiNode:
         """run.rendezvous_timeout_s as the agents use it (torch's join_timeout when unset)."""
         return self.join_timeout_s if self.join_timeout_s is not None else RDZV_DEFAULT_JOIN_TIMEOUT_S
 
+    @property
+    def spec(self) -> str:
+        """--nnodes as the agents read it: "N", or "MIN:MAX" for an elastic job."""
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+
     def torchrun_args(self) -> list[str]:
         # torchrun ignores --node-rank under c10d (the rendezvous orders the nodes itself); it is passed
         # so the agent's view matches the command line, and shardwise uses it for run-directory ownership.
-        nodes = f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
-        out = [f"--nnodes={nodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
+        out = [f"--nnodes={self.spec}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
                # Node 0 serves the rendezvous store at the endpoint, the others connect to it. torch would
                # guess by matching the endpoint against the host name's addresses, which fails where the
