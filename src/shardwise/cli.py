@@ -201,9 +201,7 @@ def _train_in_process(cfg: Config, data) -> int:
     except ConfigError:  # bad input found while building the trainer (e.g. fp8 on this GPU): exit 2, in main
         raise
     except Exception as e:  # as a rank's crash under the launcher: one line, the traceback in errors/rank_0.txt
-        traceback_file = rundir.record_crash(Path(cfg.run.dir), 0, e)
-        hint = rundir.resume_hint(rundir.checkpoint_dir(cfg), resumes=cfg.checkpoint.resume)
-        print(f"error: {rundir.crash_line(e, traceback_file)}{hint}", file=sys.stderr)
+        print(f"error: {rundir.crash_line(cfg, e, rundir.record_crash(Path(cfg.run.dir), 0, e))}", file=sys.stderr)
         return EXIT_FAILED
     return 0
 

@@ -160,12 +160,14 @@ class Interrupted(RunFailure):
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 
 
-def rerun_to_resume(resumes: bool, where: str = "", what: str = "") -> str:
+def rerun_to_resume(resumes: bool, where: str = "", what: str = "", changing: str = "") -> str:
     """The advice that resumes a run. `resumes`: its checkpoint.resume; with false the same command starts over
-    (rundir.supersede_previous_run sets the checkpoints aside), so the advice names the override that resumes."""
+    (rundir.supersede_previous_run sets the checkpoints aside), so the advice names the override that resumes.
+    `changing`: what the rerun changes (a divergence's "the new value"), else it is the same command."""
     if resumes:
-        return f"rerun the same command{where} to resume{what}"
-    return f"rerun{where} with --checkpoint.resume=true to resume{what} (with checkpoint.resume=false the same command starts over)"
+        return f"rerun {f'with {changing}' if changing else 'the same command'}{where} to resume{what}"
+    return (f"rerun{where} with {f'{changing} and ' if changing else ''}--checkpoint.resume=true to resume{what} "
+            f"(with checkpoint.resume=false the {'' if changing else 'same '}command starts over)")
 
 
 def storage_failure(error: OSError, report: bool = True, then: str | None = None,

@@ -34,7 +34,7 @@ from shardwise.errors import (
 from shardwise.launch.peer_failure import RefusalWatch, workers_started
 from shardwise.launch.rendezvous import MultiNode, wait_for_rendezvous
 from shardwise.scratch import owned_directory
-from shardwise.train.rundir import resume_hint
+from shardwise.train.rundir import resume_hint, traceback_file
 
 # When several workers failed with their own codes, the most specific wins.
 _PRIORITY = (EXIT_BAD_INPUT, EXIT_IO, EXIT_OUT_OF_MEMORY, EXIT_DIVERGED, EXIT_STALLED, EXIT_SIGTERM, EXIT_SIGINT)
@@ -269,8 +269,8 @@ def report_failure(failures: dict, run_dir: Path | None = None, checkpoints: Pat
             what = f"failed: {message[0][:300]}" if message else (
                 f"exited with code {failure.exitcode} and no Python error: native code crashed, or memory ran out even "
                 "for reporting (its own output above says more)")
-        if run_dir is not None and (run_dir / "errors" / f"rank_{rank}.txt").is_file():
-            what += f" (traceback: {run_dir / 'errors' / f'rank_{rank}.txt'})"
+        if run_dir is not None and traceback_file(run_dir, rank).is_file():
+            what += f" (traceback: {traceback_file(run_dir, rank)})"
     others = len(failures) - 1
     tail = f"; {others} other rank(s) stopped with it" if others else ""
     hint = resume_hint(checkpoints, every_node, resumes)

@@ -30,6 +30,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from shardwise.errors import ConfigError
 from shardwise.launch.rendezvous import RDZV_DEFAULT_PORT, split_endpoint
 
 # The keys in node 0's store: one job per store (its port is taken while the job runs), so no job id in them.
@@ -98,9 +99,9 @@ def nnodes_refusal(node_rank: int, spec: str, stored: str) -> str | None:
     other, _, other_rank = stored.partition("@")
     if other == spec:
         return None
-    return refusal_line(node_rank, f"--nnodes: node {node_rank} was started with --nnodes {spec}, node {other_rank} "
-                                   f"of this job with --nnodes {other}\n  fix: start every node with the job's own "
-                                   "--nnodes (the same on each)")
+    error = ConfigError("--nnodes", f"node {node_rank} was started with --nnodes {spec}, node {other_rank} of this job "
+                        f"with --nnodes {other}", "start every node with the job's own --nnodes (the same on each)")
+    return refusal_line(node_rank, error.render())
 
 
 class RefusalWatch:

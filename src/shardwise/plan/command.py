@@ -32,8 +32,7 @@ def _emit(cfg: Config, problem, result, path: str, quiet: bool) -> None:
     configs = [_with_layout(cfg, problem, e) for e in result.ranked]
     refusals = [_trainer_refusal(c, problem.cluster.num_gpus) for c in configs]
     rank = next((i for i, why in enumerate(refusals) if why is None), 0)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    configs[rank].save(path)
+    configs[rank].save(path)  # its directory made and checked writable before the search (paths.writable_file)
     load_config(path)  # what we wrote must load
     if not quiet:
         print(f"wrote {path}: #{rank + 1} {result.ranked[rank].layout.describe()}")

@@ -277,11 +277,15 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     g_m, gb_m, a_m, e_m, ends_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0, 0.0)
     fused = problem.fused_for(lay)
     (join_fd, join_bd), (join_fm, join_bm) = joins(False), (joins(True) if rank.moe_layers else (0.0, 0.0))
+
+    def block_bwd(g: float, gb: float, a: float, e: float) -> float:
+        # Without measured shapes gb is 2 x g: the old sum, kept as written so that GPU prices stay bit-identical.
+        return gb + 2 * (a + e) if shapes else 2 * (g + a + e)
+
     fwd_one = g_d + a_d + e_d + join_fd
-    # (Without measured shapes gb_d is 2 x g_d: the old sum, kept as written so that GPU prices stay bit-identical.)
-    bwd_one = (gb_d + 2 * (a_d + e_d) if shapes else 2 * (g_d + a_d + e_d)) + join_bd
+    bwd_one = block_bwd(g_d, gb_d, a_d, e_d) + join_bd
     fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m + join_fm)
-    bwd = rank.dense_layers * bwd_one + rank.moe_layers * ((gb_m + 2 * (a_m + e_m) if shapes else 2 * (g_m + a_m + e_m)) + join_bm)
+    bwd = rank.dense_layers * bwd_one + rank.moe_layers * (block_bwd(g_m, gb_m, a_m, e_m) + join_bm)
     if rank.head:
         vocab = math.ceil(s.vocab_size / lay.tp)
         head = gemm_s(tokens, vocab, s.dim)

@@ -163,10 +163,9 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             # time (a CI run named this rank instead of its SIGKILLed peer once the loss-curve plot no longer
             # delayed its exit).
             time.sleep(LOST_PEER_GRACE_S)
-        traceback_file = rundir.record_crash(run_dir, rank, e)  # the launcher names the root cause among the failed ranks
+        written = rundir.record_crash(run_dir, rank, e)  # the launcher names the root cause among the failed ranks
         if not distributed:  # no launcher to say it: this process does
-            hint = rundir.resume_hint(rundir.checkpoint_dir(cfg), resumes=cfg.checkpoint.resume)
-            _say(rundir.crash_line(e, traceback_file) + hint)
+            _say(rundir.crash_line(cfg, e, written))
         return 1
     finally:
         if lock is not None:

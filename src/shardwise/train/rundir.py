@@ -323,13 +323,18 @@ def unrestartable_failure(run_dir: Path, run_id: str) -> int | None:
     return int(record["exit_code"]) if run_id and record.get("run_id") == run_id else None
 
 
+def traceback_file(run_dir: Path, rank: int) -> Path:
+    """Where a rank's crash leaves its traceback (record_crash); the launcher's line names it."""
+    return run_dir / "errors" / f"rank_{rank}.txt"
+
+
 def record_crash(run_dir: Path, rank: int, error: BaseException) -> Path | None:
     """The traceback to <run_dir>/errors/rank_<r>.txt (None if it cannot be written), and the root cause to
     torchelastic's error file (the launcher picks the first failure by its timestamp)."""
     text = "".join(traceback.format_exception(error))
     path = None
     try:
-        path = run_dir / "errors" / f"rank_{rank}.txt"
+        path = traceback_file(run_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{text}\n")
@@ -342,12 +347,14 @@ def record_crash(run_dir: Path, rank: int, error: BaseException) -> Path | None:
     return path
 
 
-def crash_line(error: BaseException, traceback_file: Path | None) -> str:
-    """One process's crash in one line, as the launcher says a rank's (launch/local.py report_failure): the
-    exception's "Type: message" and where its traceback is."""
+def crash_line(cfg, error: BaseException, written: Path | None) -> str:
+    """A run without a launcher crashed: its one line, as the launcher says a rank's (launch/local.py
+    report_failure): the exception's "Type: message", where its traceback was `written` (record_crash), and
+    the checkpoint to resume from."""
     message = (str(error).strip().splitlines() or [""])[0]
-    where = f" (traceback: {traceback_file})" if traceback_file is not None else ""
-    return f"training failed: {type(error).__name__}{': ' if message else ''}{message}"[:300] + where
+    where = f" (traceback: {written})" if written is not None else ""
+    return (f"training failed: {type(error).__name__}{': ' if message else ''}{message}"[:300] + where
+            + resume_hint(checkpoint_dir(cfg), resumes=cfg.checkpoint.resume))
 
 
 def resume_hint(checkpoints: Path | None, every_node: bool = False, resumes: bool = True) -> str:

@@ -385,12 +385,8 @@ class Trainer:
                 f"{self._rerun_with_the_new_value()}")
 
     def _rerun_with_the_new_value(self) -> str:
-        """A divergence's advice: the rerun with a lower lr resumes from the newest good checkpoint, unless this run
-        started with checkpoint.resume=false (then that rerun would start over: name the override)."""
-        if self.cfg.checkpoint.resume:
-            return "rerun with the new value to resume from it"
-        return ("rerun with the new value and --checkpoint.resume=true to resume from it (with checkpoint.resume=false "
-                "the command starts over)")
+        """A divergence's advice: the rerun with a lower lr resumes from the newest good checkpoint."""
+        return rerun_to_resume(self.cfg.checkpoint.resume, what=" from it", changing="the new value")
 
     def _stop(self, code: int) -> None:
         """A stop signal reached some rank: checkpoint this step (when checkpoints are on) and raise."""
