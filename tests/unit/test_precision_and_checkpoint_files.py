@@ -98,3 +98,29 @@ def test_a_pipeline_stage_is_gathered_to_host_memory_one_tensor_at_a_time(monkey
     assert asked and all(o is None or not o.full_state_dict for o in asked)
     on_host = full_model.full_tensors_on_host(nn.Linear(1, 1))
     assert list(on_host) == ["a", "b"] and all(t.device.type == "cpu" for t in on_host.values())
+
+
+def test_a_save_that_fails_for_neither_disk_nor_memory_raises_the_rank_s_own_error(tmp_path, monkeypatch):
+    """DCP wraps each rank's error in CheckpointException, a BaseException: the entry points' `except Exception`
+    let it through as a traceback (a data-loader worker killed during a save, tests/dist/test_recovery.py).
+    The save raises the rank's own error instead, so it is a crash like any other: one line."""
+    import pytest
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardwise.train import checkpoint as ck
+    from shardwise.train.control import Control
+
+    died = RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed.")
+
+    def failing_save(state, checkpoint_id, **kwargs):
+        raise CheckpointException("save", {0: (died, None)})
+
+    monkeypatch.setattr(ck.dcp, "save", failing_save)
+    manager = ck.CheckpointManager(tmp_path / "checkpoints", keep=2, control=Control(False, 10), log=lambda _: None)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError) as raised:
+        manager.save(2, model, torch.optim.SGD(model.parameters(), lr=0.1), {}, {}, {})
+    assert raised.value is died and isinstance(raised.value.__cause__, CheckpointException)
+    assert not mf.complete_checkpoints(tmp_path / "checkpoints")  # nothing published as a checkpoint
+    assert ck._rank_error(CheckpointException("save", {3: (died, None), 1: (OSError(5, "x"), None)}), 0) is not died
+    assert ck._rank_error(CheckpointException("save", {3: (died, None)}), 0) is died  # another rank's, on a rank that did not fail

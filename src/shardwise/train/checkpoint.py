@@ -92,6 +92,16 @@ def _storage_error(e: CheckpointException, directory: Path) -> OSError | None:
     return None
 
 
+def _rank_error(e: CheckpointException, rank: int) -> BaseException:
+    """The error behind a failed DCP save that was neither the disk's nor memory's: this rank's own, else the
+    first failing rank's. DCP wraps the ranks' errors in CheckpointException, a BaseException, which the entry
+    points' `except Exception` let through as a traceback: a data-loader worker killed during a save (its
+    SIGCHLD handler raises inside DCP's write) ended a one-process run so in about half the runs of
+    tests/dist/test_recovery.py's one-process crash. Raised on, it is a crash like any other: one line."""
+    own, _trace = e.failures.get(rank) or e.failures[min(e.failures)]
+    return own
+
+
 def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
     from shardwise.parallel.zero1 import ZeroOneOptimizer
 
@@ -181,7 +191,7 @@ class CheckpointManager:
             if storage:
                 self._failed(error, step, tmp, report=self.rank == 0)
             if not short:
-                raise
+                raise _rank_error(e, self.rank) from e
             self._remove_partial(tmp)
             raise SaveOutOfMemory(memory) from None
 
