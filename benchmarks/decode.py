@@ -40,6 +40,12 @@ with the fusion: compiled 877 tokens/s at batch 1 (14.7x eager's 60; 43% of the 
 best 331: 2.41x); the planner's decode 903 (+3%). `--compare-mode reduce-overhead` against
 coordinate_descent_tuning (inductor's own tuned one-row GEMMs): 782 against 888, 0.88x, so the engine
 keeps reduce-overhead (infer/engine.py compile_settings).
+Measured on one H200 (torch 2.11, `--batches 1 --new-tokens 128 --transformers-batches '' --finishing-batch 0
+--compare-mode combo_kernels=1 --profile DIR`), 2026-11-28: compiled 1,011 tokens/s at batch 1 (35% of the
+2,910 tokens/s roofline; the planner 1,010), with inductor's combo kernels 1,099 (1.087x, the same greedy
+ids; prefill 37.6k against 33.7k tokens/s), so the engine takes them on a GPU since. The step's profile:
+0.87 ms of GPU time in 1.04 ms of wall (the rest: the host between replays), 0.60 ms of it in 81 GEMMs
+reading 1.65 GB at 2.7 TB/s. `--compare-mode combo_kernels=0` measures the engine without them.
 Sequences ending at different times, on the 2-core CI machine (`--batches 16 --new-tokens 64`, 2026-11-26):
 ending after 19 of 64 tokens on average, the shrinking batch computed 37% of the rows eager (44% compiled)
 and decoded 1.49x (1.40x compiled) faster than every row to the end, the same ids.

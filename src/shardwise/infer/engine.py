@@ -41,6 +41,9 @@ from shardwise.train.checkpoint import load_model_weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CAPACITY_BUCKET = 64  # slots: a compiled decode step is specialised to its cache's capacity
 DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) every this many steps
+# The compiled steps' inductor options on a GPU (compile_settings): CUDA graphs ("reduce-overhead") and
+# combo kernels. A tuple of pairs: a module-level constant stays immutable.
+GPU_DECODE_OPTIONS = (("triton.cudagraphs", True), ("combo_kernels", True))
 # torch.profiler ranges around a generation's two phases (benchmarks/decode.py --profile reads the decode
 # steps' kernels from inside DECODE_MARK); when nothing profiles, a range costs a check.
 PREFILL_MARK, DECODE_MARK = "shardwise.prefill", "shardwise.decode"
@@ -76,20 +79,24 @@ class Generation:
 
 
 def compile_settings(device_type: str, mode: str | dict[str, Any] | None = None) -> dict[str, Any]:
-    """torch.compile's mode or options for the compiled steps on `device_type`. On a GPU, "reduce-overhead":
-    every step is a CUDA graph, one launch per step instead of one per kernel, which bounds eager decoding
-    (886M bf16 at batch 1 on an H100: 888 tokens/s against 61 eager). Measured and not taken: adding
-    coordinate_descent_tuning, with which inductor rewrites each one-row decode GEMM as a multiply-and-sum
-    it generates and tunes (torch/_inductor/decomposition.py `mm`), gave 782 tokens/s against 888 in the
-    same run (H100, torch 2.11, `decode.py --batches 1 --compare-mode`), 0.88x. On a CPU: inductor's
-    defaults. `mode` (benchmarks/decode.py --compile-mode, --compare-mode): a mode name, used as it is, or
-    inductor options (e.g. {"combo_kernels": True}), on a GPU over CUDA graphs (torch.compile takes a mode
-    or options, not both; {"triton.cudagraphs": True} is what "reduce-overhead" sets)."""
+    """torch.compile's mode or options for the compiled steps on `device_type`. On a GPU, CUDA graphs
+    (what mode "reduce-overhead" sets: every step one graph replay instead of one launch per kernel, which
+    bounds eager decoding: 886M bf16 at batch 1 on an H100, 888 tokens/s against 61 eager) with inductor's
+    combo kernels (GPU_DECODE_OPTIONS: independent small kernels of a step, e.g. the norms' and rotary
+    embeddings' pointwise work beside each other, launched as one): measured on an H200 (torch 2.11,
+    886M bf16, batch 1, `decode.py --compare-mode combo_kernels=1`, 2026-11-28), 1,099 tokens/s against
+    1,011 with CUDA graphs alone, 1.087x, the same greedy ids, and the compiled prefill 37.6k tokens/s
+    against 33.7k. Measured and not taken: coordinate_descent_tuning, with which inductor rewrites each
+    one-row decode GEMM as a multiply-and-sum it generates and tunes (torch/_inductor/decomposition.py
+    `mm`): 782 tokens/s against 888 (H100, torch 2.11, `decode.py --batches 1 --compare-mode`), 0.88x.
+    On a CPU: inductor's defaults. `mode` (benchmarks/decode.py --compile-mode, --compare-mode): a mode
+    name, used as it is, or inductor options (e.g. {"combo_kernels": False}), on a GPU over CUDA graphs
+    (torch.compile takes a mode or options, not both)."""
     if isinstance(mode, dict):
         return {"options": {**({"triton.cudagraphs": True} if device_type == "cuda" else {}), **mode}}
     if mode is not None:
         return {"mode": mode}
-    return {"mode": "reduce-overhead"} if device_type == "cuda" else {}
+    return {"options": dict(GPU_DECODE_OPTIONS)} if device_type == "cuda" else {}
 
 
 def serving_tf32(dtype: str) -> bool:
