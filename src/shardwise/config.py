@@ -97,7 +97,8 @@ class TrainConfig:
     fp8_recipe: str = opt("tensorwise", 'For precision="fp8": "tensorwise" (one scale per tensor; FSDP2 gathers the weights in '
                                         'FP8) or "rowwise" (one scale per row: more accurate, slower).')
     fp8_head: bool = opt(False, 'For precision="fp8": the output head\'s GEMMs in FP8 too (false: bf16, as torchtitan '
-                                'and DeepSeek-V3 keep it; the logits and the loss stay bf16 / fp32 either way).')
+                                'and DeepSeek-V3 keep it; the logits and the loss stay bf16 / fp32 either way). Slower on '
+                                'an H200, 0.92x: the eager head scales the logits\' gradient op by op.')
     recompute: str = opt("none", '"none", "selective" or "full" activation checkpointing.')
     recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th '
                                       'block).')
@@ -110,7 +111,8 @@ class TrainConfig:
                                         "joined at every step (as Megatron-LM does: linear_qkv, linear_fc1): fewer, larger "
                                         "kernels from the same parameters, names and checkpoints. tp = 1 only; with "
                                         "fp8, not with FSDP's FP8 all-gather (tensorwise): each weight is gathered with "
-                                        "its own scale. FP8 tensorwise then scales the joined weight as one tensor.")
+                                        "its own scale. FP8 tensorwise then scales the joined weight as one tensor. Compiled "
+                                        "FP8 is slower joined on an H200, 0.95x (docs/precision.md).")
     seed: int = opt(0, "Seed for weight initialization and data order; identical for every layout.")
     log_every: int = opt(10, "Write metrics every this many steps (the progress bar updates every step).")
     tokens: int = opt(0, "Tokens to train on in total, for planning; 0 means steps x global_batch x seq_len.")

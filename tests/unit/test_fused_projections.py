@@ -184,7 +184,8 @@ def test_fp8_joined_gemms_scale_each_input_once(fresh_dynamo):
 
 def test_the_planner_prices_the_joined_projections(capsys):
     """plan evaluate with train.fuse_projections (plan/layout.py Problem.fused_for): joined GEMMs, FP8 scaling
-    each input once, the joins made again in backward, and under autocast none of the joined weights' 16-bit
+    each input once but the joined outputs' split and gradients' concatenation and scaling unfused (measured),
+    the joins made again in backward, and under autocast none of the joined weights' 16-bit
     copies (compiled: 2 B x 31.46M joined elements x 16 blocks of the 886M LLaMA = 0.9375 GiB); a TP layout,
     which the trainer refuses joined, is priced unjoined."""
     import json
@@ -203,7 +204,9 @@ def test_the_planner_prices_the_joined_projections(capsys):
     joined = "--train.fuse_projections=true"
     fp8, fp8_joined = plan("--train.precision=fp8"), plan("--train.precision=fp8", joined)
     assert fp8_joined["stack"] == fp8["stack"] + ", q|k|v and w1|w3 joined"
-    assert fp8_joined["step_time_s"] < 0.97 * fp8["step_time_s"]  # 153.2 -> 146.2 ms
+    # Measured on an H200 (tests/unit/test_plan_fp8_options.py): 0.946x the separate linears' speed, where this
+    # price was 153.2 -> 146.2 ms on an H100 until constants.FP8_JOINED_OUTPUT_BYTES; now slower, as measured.
+    assert fp8_joined["step_time_s"] > 1.03 * fp8["step_time_s"]
     bf16, bf16_joined = plan("--train.precision=bf16"), plan("--train.precision=bf16", joined)
     assert bf16["memory_gib"]["activations"] - bf16_joined["memory_gib"]["activations"] == pytest.approx(0.9375, abs=1e-3)
     assert bf16_joined["step_time_s"] > bf16["step_time_s"]  # the backward's joins outweigh the larger GEMMs

@@ -243,7 +243,9 @@ def test_fp8_head_prices_the_heads_gemms_at_the_fp8_peak_and_keeps_no_16_bit_cop
     its 16-bit weight copy (autocast) is gone from the activations, exactly 2 B per head weight, while its input
     is kept as the norm's fp32 output (a Float8Linear's) instead of a 16-bit cast: 2 B more per token and dim
     (both held to the trainer's meter: tests/dist/test_plan_validation.py single_fp8_autocast, single_fp8_head).
-    On the 886M model the head is 6.9% of the FLOPs: the step gets ~2% faster (3.6 ms of 153 today)."""
+    On the 886M model the head is 6.9% of the FLOPs, but the head is eager, and scaling its logits' gradient
+    op by op (constants.FP8_EAGER_HEAD_GRAD_BYTES) costs more than its FP8 GEMMs save: measured on an H200
+    0.923x (tests/unit/test_plan_fp8_options.py); priced here, on an H100 (less bandwidth), 13% slower."""
     model = ["--model.preset=small", "--model.dim=2048", "--model.n_layers=16", "--model.n_heads=16",
              "--model.n_kv_heads=8", "--model.ffn_dim=5632", "--model.vocab_size=32000", "--model.max_seq_len=2048",
              "--train.seq_len=2048", "--train.global_batch=8", "--train.micro_batch=8", "--cluster.num_gpus=1",
@@ -252,8 +254,21 @@ def test_fp8_head_prices_the_heads_gemms_at_the_fp8_peak_and_keeps_no_16_bit_cop
     for head in ("false", "true"):
         cfg = cfg_of(*model, f"--train.fp8_head={head}")
         est[head] = evaluate(Problem.from_config(cfg), Layout.from_config(cfg, 1))
-    saved = est["false"].step_time_s - est["true"].step_time_s
-    assert 0.01 < saved / est["false"].step_time_s < 0.04, saved
+    cost = est["true"].step_time_s / est["false"].step_time_s - 1
+    assert 0.05 < cost < 0.20, cost
+    # Its GEMMs alone are faster: without the eager scaling of the logits' gradient it would be a gain.
+    from shardwise.plan import constants as C
+    from shardwise.plan.compute_time import microbatch_times
+
+    kept = C.FP8_EAGER_HEAD_GRAD_BYTES
+    try:
+        C.FP8_EAGER_HEAD_GRAD_BYTES = 0.0
+        microbatch_times.cache_clear()
+        cfg = cfg_of(*model, "--train.fp8_head=true")
+        assert evaluate(Problem.from_config(cfg), Layout.from_config(cfg, 1)).step_time_s < est["false"].step_time_s
+    finally:
+        C.FP8_EAGER_HEAD_GRAD_BYTES = kept
+        microbatch_times.cache_clear()
     assert est["false"].memory.activations - est["true"].memory.activations == 2 * 32000 * 2048 - 2 * 2048 * 8 * 2048
     from shardwise.errors import ConfigError
 

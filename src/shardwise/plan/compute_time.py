@@ -253,7 +253,10 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             return 0.0, 0.0
         joined = sum(n for _, n in A.fused_projection_groups(s, moe, lay.linear_tiles))
         join, param = (4 if fp8 else elem), (2 if lay.lowp_params else 4)
-        return (2 * join * joined / pointwise_bw if eager else 0.0), (param + join) * joined / pointwise_bw
+        # Compiled FP8: the joined outputs' split and their gradients' concatenation and scaling, which
+        # separate linears fuse into their neighbours' kernels (C.FP8_JOINED_OUTPUT_BYTES, measured).
+        outputs = C.FP8_JOINED_OUTPUT_BYTES * tokens * joined / s.dim / fused_bw if fp8 and not eager else 0.0
+        return (2 * join * joined / pointwise_bw if eager else 0.0), (param + join) * joined / pointwise_bw + outputs
 
     g_d, gb_d, a_d, e_d, ends_d = block_fwd(False)
     # parallel.linear_tiles: the tiled MLP's backward recomputes every tile's up-projections (SwiGLU: w1 x
@@ -295,7 +298,8 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             # train.fp8_head: the head's GEMMs at the FP8 peak with 1-byte operands, plus the scaling casts of
             # its input and weight (forward; backward, 2x below, the logits' gradient and the transposes).
             head = gemm_s(tokens, vocab, s.dim, peak8, 1) + C.FP8_CAST_BYTES * (tokens * s.dim + s.dim * vocab) / hbm
-            head_bwd = 2 * head
+            # The head is eager (not in a compiled block): its logits' gradient is scaled op by op.
+            head_bwd = 2 * head + C.FP8_EAGER_HEAD_GRAD_BYTES * tokens * vocab / eager_bw
         logits = tokens * s.vocab_size / lay.tp
         if not loss_is_chunked(tokens, s.vocab_size, lay.tp):
             loss_f = loss_b = 3 * 4.0 * logits / hbm  # logits -> fp32 -> log-softmax, and back

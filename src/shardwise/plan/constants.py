@@ -267,6 +267,20 @@ def family(device_name: str) -> str:
 # FP8 dynamic scaling (torchao float8 training, tensorwise / rowwise): per element of a GEMM operand, an
 # amax pass reads the 16-bit tensor (2 B), the cast reads it again (2 B) and writes FP8 (1 B).
 FP8_CAST_BYTES = 5
+# FITTED (one H200, torch 2.11, torchao 0.18, the 886M LLaMA compiled, 2026-11-28; ../shared/gpu/
+# h200-2026-11-28/fp8.json): what two FP8 options cost beyond the bytes above, where the casts cannot fuse.
+# - train.fuse_projections: per element of a joined GEMM's output (tokens x (q|k|v + w1|w3 widths)), bytes at
+#   the streaming rate. Separate Float8Linears' output gradients are scaled inside the kernels that make
+#   them (rotary's and SwiGLU's backward); the joined GEMM first concatenates them, then scales the join,
+#   and its forward outputs are split into copies (the profile: pointwise 2.4 -> 10.1 ms a step, scale +
+#   cast 38.0 -> 43.1 ms). Measured 108,646 tokens/s against 114,794 apart (0.946x) where the planner, with
+#   only the scaled inputs it shares, priced a gain; held out: the 2.4B row below lands within 2%.
+FP8_JOINED_OUTPUT_BYTES = 19.0
+# - train.fp8_head: the head stays eager (parallel/compile.py), so torchao scales the logits' gradient op
+#   by op (abs, amax, fp32 multiply, clamp, cast, and a transposed copy for the weight's gradient): bytes
+#   per logit at the eager pointwise rate. Measured: the head's GEMMs 7.8 -> 2.6 ms a step, but copy +9.4
+#   and pointwise +6.9 ms; 100,273 tokens/s against 108,646 with the head in bf16 (0.923x).
+FP8_EAGER_HEAD_GRAD_BYTES = 100.0
 
 # ===================================================================================================
 # What a run costs: power, failures, checkpoints (plan/goodput.py). Not part of the step-time model.
