@@ -122,5 +122,6 @@ def test_a_save_that_fails_for_neither_disk_nor_memory_raises_the_rank_s_own_err
         manager.save(2, model, torch.optim.SGD(model.parameters(), lr=0.1), {}, {}, {})
     assert raised.value is died and isinstance(raised.value.__cause__, CheckpointException)
     assert not mf.complete_checkpoints(tmp_path / "checkpoints")  # nothing published as a checkpoint
+    assert not list((tmp_path / "checkpoints").iterdir())  # nor its partial step_2.tmp left holding the disk
     assert ck._rank_error(CheckpointException("save", {3: (died, None), 1: (OSError(5, "x"), None)}), 0) is not died
     assert ck._rank_error(CheckpointException("save", {3: (died, None)}), 0) is died  # another rank's, on a rank that did not fail

@@ -190,9 +190,9 @@ class CheckpointManager:
             storage, short = self.control.max([float(error is not None), float(memory is not None)])
             if storage:
                 self._failed(error, step, tmp, report=self.rank == 0)
+            self._remove_partial(tmp)  # never resumed (no manifest), and on a full disk its bytes count
             if not short:
                 raise _rank_error(e, self.rank) from e
-            self._remove_partial(tmp)
             raise SaveOutOfMemory(memory) from None
 
         def local_files() -> None:
