@@ -175,6 +175,56 @@ def test_greedy_compiled_decoding_looks_at_the_ids_every_few_steps(model_dir):
     assert len(calls) == DONE_CHECK_EVERY < NEW - 1  # the prefill chose the first ids; one block of steps
 
 
+class _CopyPending:
+    """A GPU copy's event, on a CPU: the block counts as not yet read back until it is waited for."""
+
+    def __init__(self, waited: list):
+        self.waited = waited
+
+    def synchronize(self) -> None:
+        self.waited.append(1)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+def test_ids_read_back_behind_the_next_block_as_on_a_gpu_give_the_same_ids(model_dir, monkeypatch):
+    """On a GPU a block's ids are copied to the host behind its steps and read READ_BACK_AT steps into the
+    next block (infer/engine.py ids_read_back_async), which a CPU never does: forced here, with the copy's
+    event stood in for. The ids equal eager's, greedy with sequences ending at different steps and sampled
+    with the batch shrinking (rows recorded per block); once all have ended, at most DONE_CHECK_EVERY +
+    READ_BACK_AT - 1 further steps run, and the last block is read at once."""
+    from shardwise.infer import engine as engine_module
+    from shardwise.infer.engine import DONE_CHECK_EVERY, READ_BACK_AT, IdsOnTheWay
+
+    waited: list = []
+
+    def start(cls, ids, rows, asynchronous):
+        return cls(ids.cpu(), list(rows), _CopyPending(waited) if asynchronous else None)
+
+    engine = _engine(model_dir)
+    eager = engine.generate(PROMPTS, NEW, Sampler())
+    eos = {eager.ids[0][2], eager.ids[1][4], eager.ids[2][5]}  # every sequence ends by its 6th token
+    long = 2 * DONE_CHECK_EVERY + 2  # a second block long enough to be read into
+    want = engine.generate(PROMPTS, long, Sampler(), eos_ids=eos).ids
+    lengths = {new: engine.generate(PROMPTS, new, Sampler()).ids for new in (2, DONE_CHECK_EVERY + 2, 2 * DONE_CHECK_EVERY + 1)}
+    sampled_eager = engine.generate(BATCH, 24, Sampler(False, 0.8, 0.9, seed=11))
+    sampled_eos = {ids[2] for ids in sampled_eager.ids[:6]}
+    sampled_want = engine.generate(BATCH, 24, Sampler(False, 0.8, 0.9, seed=11), eos_ids=sampled_eos).ids
+    monkeypatch.setattr(engine_module, "ids_read_back_async", lambda device_type: True)
+    monkeypatch.setattr(IdsOnTheWay, "start", classmethod(start))
+    assert engine.generate(PROMPTS, NEW, Sampler(), compiled=True).ids == eager.ids
+    assert waited  # a block was read behind the next one
+    calls = []
+    step = engine._compiled["greedy"]
+    engine._compiled["greedy"] = lambda *args: calls.append(1) or step(*args)
+    assert engine.generate(PROMPTS, long, Sampler(), eos_ids=eos, compiled=True).ids == want
+    assert len(calls) == DONE_CHECK_EVERY + READ_BACK_AT  # the first block, read 4 steps into the next
+    assert engine.generate(BATCH, 24, Sampler(False, 0.8, 0.9, seed=11), eos_ids=sampled_eos, compiled=True).ids \
+        == sampled_want
+    assert engine.generate(BATCH, 24, Sampler(False, 0.8, 0.9, seed=11), compiled=True).ids == sampled_eager.ids
+    for new, ids in lengths.items():  # last blocks shorter than READ_BACK_AT: read at once, behind another or not
+        assert engine.generate(PROMPTS, new, Sampler(), compiled=True).ids == ids
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 def test_sampled_compiled_decoding_draws_on_the_device_and_equals_eager(model_dir):
     """Sampled compiled decoding runs like greedy (infer/engine.py _decode_on_device): the draw inside the
