@@ -98,7 +98,7 @@ class TrainConfig:
                                         'FP8) or "rowwise" (one scale per row: more accurate, slower).')
     fp8_head: bool = opt(False, 'For precision="fp8": the output head\'s GEMMs in FP8 too (false: bf16, as torchtitan '
                                 'and DeepSeek-V3 keep it; the logits and the loss stay bf16 / fp32 either way). Slower on '
-                                'an H200, 0.92x: the eager head scales the logits\' gradient op by op.')
+                                'an H200, 0.92x: the eager head scales the gradient of the logits op by op.')
     recompute: str = opt("none", '"none", "selective" or "full" activation checkpointing.')
     recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th '
                                       'block).')
