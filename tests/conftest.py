@@ -16,25 +16,6 @@ torch.set_num_threads(1)
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 CORPUS_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "json/decoder.py")
-# The longest test files, longest first (seconds of one run with 2 xdist workers, 2026-11-28: 2,073 s in all):
-# `make test` hands out whole files (--dist loadfile) in collection order, so a long file collected late ran
-# alone at the end while the other worker idled (test_docs_commands.py, the last ~5 minutes). Started first,
-# the short files fill in around them. Only the order changes; every file's tests stay together.
-LONGEST_FIRST = ("tests/parity/test_parity.py",            # ~700: the layout matrix
-                 "tests/dist/test_docs_commands.py",       # ~300
-                 "tests/dist/test_run_safety_cli.py",      # ~300
-                 "tests/dist/test_clean_exit.py",          # ~250
-                 "tests/dist/test_elastic.py",             # ~230
-                 "tests/dist/test_hf_layouts.py",          # ~200
-                 "tests/dist/test_checkpoint_resume.py",   # ~190
-                 "tests/dist/test_recovery.py",            # ~160
-                 "tests/dist/test_multinode.py")           # ~110
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    root = Path(str(config.rootpath))
-    items.sort(key=lambda item: rank.get(Path(str(item.path)).relative_to(root).as_posix(), len(rank)))
 
 
 @pytest.fixture(scope="session")
