@@ -259,13 +259,11 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     # no longer timed here). Its eager variants are the train/eager rows' paths. bench/fp8-2.4b (only when
     # named, ~150 s on an H200): the issue's second FP8 model, 2.4B at micro-batch 4.
     # --profile: 3 more steps per variant (decode: per batch) under torch.profiler, by kernel class (kernel_breakdown.py).
-    big = ["--micro-batch", "4", "--model.dim=2560", "--model.n_layers=32", "--model.n_heads=32", "--model.n_kv_heads=8",
-           "--model.ffn_dim=6912"]
     for name, out, args in (("bench/throughput", "throughput.json", ["--variants", "shardwise+compile,shardwise+compile+fused,"
                                                                      "plain+compile"]),
                             ("bench/fp8", "fp8.json", ["--precision", "fp8", "--variants", "shardwise+compile,plain+compile"]),
                             ("bench/fp8-2.4b", "fp8_2p4b.json", ["--precision", "fp8", "--variants",
-                                                                 "shardwise+compile,plain+compile", *big])):
+                                                                 "shardwise+compile,plain+compile", "--size", "2.4b"])):
         rows[name] = lambda n=name, o=out, a=args: command_row(
             ctx, n, [sys.executable, str(bench / "gpu_throughput.py"), *smoke, *([] if smoke else [
                 *a, "--steps", "6", "--warmup", "3", "--profile", str(ctx.out / "profile" / Path(o).stem),

@@ -14,7 +14,7 @@ tokens/s is the mean of its two passes, so slow drift of the machine cancels out
 MFU = tokens/s x (6N + 12 L s h) / the datasheet peak of the device found (train/peak_flops.py;
 on CPU a measured matmul peak).
 
-    python benchmarks/gpu_throughput.py [--device auto|cuda|cpu] [--size 886m|tiny] [--steps 20] [--warmup 5]
+    python benchmarks/gpu_throughput.py [--device auto|cuda|cpu] [--size 886m|2.4b|tiny] [--steps 20] [--warmup 5]
         [--micro-batch 8] [--seq-len 2048] [--precision bf16|fp8] [--compile-backend inductor]
         [--variants shardwise,shardwise+compile,plain,plain+compile] [--out F] [--profile DIR] [--smoke]
         [--model.k=v ...]
@@ -80,6 +80,11 @@ SIZES = {
                        ("model.n_heads", "16"), ("model.n_kv_heads", "8"), ("model.ffn_dim", "5632"),
                        ("model.vocab_size", "32000"), ("model.max_seq_len", "2048")],
              "seq_len": 2048, "micro_batch": 8, "precision": "bf16"},
+    # The second FP8 model (2.4B parameters: dim 2560, 32 layers, 32/8 heads, ffn 6912), micro-batch 4.
+    "2.4b": {"model": [("model.preset", "small"), ("model.dim", "2560"), ("model.n_layers", "32"),
+                       ("model.n_heads", "32"), ("model.n_kv_heads", "8"), ("model.ffn_dim", "6912"),
+                       ("model.vocab_size", "32000"), ("model.max_seq_len", "2048")],
+             "seq_len": 2048, "micro_batch": 4, "precision": "bf16"},
     # CPU: big enough that a step is tens of ms on 2 cores (benchmarks/overhead.py's size).
     "tiny": {"model": [("model.preset", "tiny"), ("model.dim", "128"), ("model.n_layers", "4"), ("model.ffn_dim", "384"),
                        ("model.vocab_size", "2048")],

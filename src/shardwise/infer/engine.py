@@ -44,9 +44,9 @@ DONE_CHECK_EVERY = 8  # greedy compiled decoding looks at the ids (end tokens) e
 # On a GPU a block's ids come back while the next block runs, and are read this many steps into it
 # (Engine._decode_on_device): the host has long passed them, and the GPU still has steps queued.
 READ_BACK_AT = 4
-# The compiled steps' inductor options on a GPU (compile_settings): CUDA graphs ("reduce-overhead") and
-# combo kernels. A tuple of pairs: a module-level constant stays immutable.
-GPU_DECODE_OPTIONS = (("triton.cudagraphs", True), ("combo_kernels", True))
+# The compiled steps' inductor options on a GPU, over CUDA graphs (compile_settings): combo kernels. A tuple
+# of pairs: a module-level constant stays immutable.
+GPU_DECODE_OPTIONS = (("combo_kernels", True),)
 # torch.profiler ranges around a generation's two phases (benchmarks/decode.py --profile reads the decode
 # steps' kernels from inside DECODE_MARK); when nothing profiles, a range costs a check.
 PREFILL_MARK, DECODE_MARK = "shardwise.prefill", "shardwise.decode"
@@ -95,11 +95,11 @@ def compile_settings(device_type: str, mode: str | dict[str, Any] | None = None)
     On a CPU: inductor's defaults. `mode` (benchmarks/decode.py --compile-mode, --compare-mode): a mode
     name, used as it is, or inductor options (e.g. {"combo_kernels": False}), on a GPU over CUDA graphs
     (torch.compile takes a mode or options, not both)."""
+    if mode is None and device_type == "cuda":
+        mode = dict(GPU_DECODE_OPTIONS)
     if isinstance(mode, dict):
         return {"options": {**({"triton.cudagraphs": True} if device_type == "cuda" else {}), **mode}}
-    if mode is not None:
-        return {"mode": mode}
-    return {"options": dict(GPU_DECODE_OPTIONS)} if device_type == "cuda" else {}
+    return {} if mode is None else {"mode": mode}
 
 
 def serving_tf32(dtype: str) -> bool:
