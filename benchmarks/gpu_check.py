@@ -12,8 +12,9 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
   hf/export, hf/import                                              export -> transformers greedy ids; --hf back in
   layout/{fsdp,hsdp,tp_sp,cp_ring,cp_ulysses,ep,tp2d,pp}            2-4 processes sharing the GPU over gloo
                                                                     (run.backend=gloo), `shardwise parity`
-  doctor, bench/{kernels,cross_entropy,throughput,fp8,decode}        the machine check and five benchmarks
-  bench/fp8-2.4b, bench/decode-modes                                FP8 on the 2.4B; decode under max-autotune (only when named)
+  doctor, bench/{kernels,cross_entropy,throughput,decode}            the machine check and four benchmarks
+  bench/fp8, bench/fp8-2.4b, bench/decode-modes                     FP8 alone (bench/throughput times it too); FP8 on
+                                                                    the 2.4B; decode under max-autotune (only when named)
 The rows that time nothing (resume, hf, doctor and the layouts, which check placement and numbers, not
 speed) run --jobs at a time (default 4 on a GPU machine, 1 on CPU) after every measured row, so nothing
 they do overlaps a timing (hf/export after resume/bitwise, whose checkpoint it exports); the measured rows
@@ -65,6 +66,8 @@ MODELS = {
 # tiny llama: these rows check where tensors live and that the numbers agree, not speed.
 LAYOUT_MODEL = ["--model.preset=tiny", "--model.vocab_size=512", "--train.seq_len=32", "--train.micro_batch=2",
                 "--train.global_batch=8"]
+# bench/throughput's variants (gpu_throughput.py): what the targets of issue 27 read (gpu_report.py TARGETS).
+THROUGHPUT_VARIANTS = "shardwise+compile,shardwise+compile+fused,shardwise+compile+fp8,plain+compile"
 LAYOUTS = {
     "fsdp": (2, "dp_shard=2,zero=3"), "hsdp": (4, "dp_replicate=2,dp_shard=2,zero=3"), "tp_sp": (2, "tp=2"),
     "cp_ring": (2, "cp=2,cp_mode=ring"), "cp_ulysses": (2, "cp=2,cp_mode=ulysses"),
@@ -253,14 +256,14 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     rows["bench/cross_entropy"] = lambda: command_row(
         ctx, "bench/cross_entropy", [sys.executable, str(bench / "cross_entropy.py"), *smoke, "--out",
                                      str(ctx.out / "cross_entropy.json")])
-    # Issue 27's speed targets: shardwise compiled against the plain compiled loop, bf16 and FP8 (the plain
-    # loop stays bf16), two passes each (gpu_throughput.py); bf16 with train.fuse_projections beside them (FP8
-    # joined, and with train.fp8_head, measured slower on an H200 (2026-11-28, 180 s for the four variants):
-    # no longer timed here). Its eager variants are the train/eager rows' paths. bench/fp8-2.4b (only when
+    # Issue 27's speed targets: shardwise compiled, bf16 and FP8, against the plain compiled loop in bf16, in one
+    # run of gpu_throughput.py (two passes each), with bf16 train.fuse_projections beside them: one plain loop
+    # for both ratios, where a run of its own for FP8 (bench/fp8, now only when named) timed the same plain loop
+    # again in a process of its own. FP8 joined, and with train.fp8_head, measured slower on an H200
+    # (2026-11-28): not timed here. Its eager variants are the train/eager rows' paths. bench/fp8-2.4b (only when
     # named, ~150 s on an H200): the issue's second FP8 model, 2.4B at micro-batch 4.
     # --profile: 3 more steps per variant (decode: per batch) under torch.profiler, by kernel class (kernel_breakdown.py).
-    for name, out, args in (("bench/throughput", "throughput.json", ["--variants", "shardwise+compile,shardwise+compile+fused,"
-                                                                     "plain+compile"]),
+    for name, out, args in (("bench/throughput", "throughput.json", ["--variants", THROUGHPUT_VARIANTS]),
                             ("bench/fp8", "fp8.json", ["--precision", "fp8", "--variants", "shardwise+compile,plain+compile"]),
                             ("bench/fp8-2.4b", "fp8_2p4b.json", ["--precision", "fp8", "--variants",
                                                                  "shardwise+compile,plain+compile", "--size", "2.4b"])):
@@ -286,7 +289,7 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     return rows
 
 
-DEFAULT_EXCLUDED = ("offload-big/*", "bench/decode-modes", "bench/fp8-2.4b", "fixture/*")
+DEFAULT_EXCLUDED = ("offload-big/*", "bench/decode-modes", "bench/fp8", "bench/fp8-2.4b", "fixture/*")
 # The measured rows the open issues' targets read (gpu_report.py TARGETS), run before the others: a check cut
 # short by --budget (a lent GPU's session is shorter than the whole check) has measured these first.
 FIRST = ("bench/throughput", "bench/fp8", "bench/fp8-2.4b", "bench/decode", "offload-big/cpu", "offload-big/nvme",

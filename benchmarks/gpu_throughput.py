@@ -6,6 +6,8 @@ Four variants train the same model class from the same seeded weights on the sam
   shardwise+compile+fused  the same with train.fuse_projections=true (q|k|v and w1|w3 as one GEMM each);
                      not in the default set: name it in --variants; +head (with --precision fp8):
                      train.fp8_head=true, the output head's GEMMs in FP8 too
+  shardwise+compile+fp8  shardwise+compile with train.precision=fp8 whatever --precision says: FP8 measured
+                     in the same run as bf16 and against the same plain loop (gpu-check's bench/throughput)
   plain              a hand-written loop: AdamW (fused on CUDA), autocast, F.cross_entropy(logits.float())
   plain+compile      the same loop over torch.compile(model)
 Each variant is built, warmed up (compilation happens there), timed and freed in turn, so its peak
@@ -71,8 +73,10 @@ from shardwise.train.peak_flops import device_peak_flops  # noqa: E402
 from shardwise.train.trainer import Trainer  # noqa: E402
 
 VARIANTS = ("shardwise", "shardwise+compile", "plain", "plain+compile")
-# Options the default set leaves off: +fused train.fuse_projections, +head train.fp8_head (--precision fp8 only).
-EXTRA_VARIANTS = ("shardwise+compile+fused", "shardwise+compile+head", "shardwise+compile+fused+head")
+# Options the default set leaves off: +fused train.fuse_projections, +head train.fp8_head (--precision fp8 only),
+# +fp8 train.precision=fp8 for this variant alone.
+EXTRA_VARIANTS = ("shardwise+compile+fused", "shardwise+compile+head", "shardwise+compile+fused+head",
+                  "shardwise+compile+fp8")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_throughput.json"
 SIZES = {
     # The issue's H100 model (../shared/gpu/h100-runs.json): 886M parameters.
@@ -133,12 +137,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     return args, overrides
 
 
-def make_config(args, overrides, size: dict, tmp: Path, compiled: bool, fused: bool = False, head: bool = False) -> Config:
+def variant_precision(name: str, args, size: dict) -> str:
+    """The precision a variant trains in: fp8 for a +fp8 variant, else --precision (default: the size's)."""
+    return "fp8" if name.endswith("+fp8") else args.precision or size["precision"]
+
+
+def make_config(args, overrides, size: dict, tmp: Path, compiled: bool, fused: bool = False, head: bool = False,
+                precision: str | None = None) -> Config:
     steps = 2 * (args.warmup + args.steps) + (args.profile_steps if args.profile else 0)
     micro = args.micro_batch or size["micro_batch"]
     base = size["model"] + [
         ("train.seq_len", str(args.seq_len or size["seq_len"])), ("train.global_batch", str(micro)),
-        ("train.micro_batch", str(micro)), ("train.precision", args.precision or size["precision"]),
+        ("train.micro_batch", str(micro)), ("train.precision", precision or args.precision or size["precision"]),
         ("train.steps", str(steps)), ("train.compile", str(compiled).lower()),
         ("train.compile_backend", args.compile_backend), ("train.log_every", str(steps)),
         ("train.fuse_projections", str(fused).lower()), ("train.fp8_head", str(head).lower()),
@@ -206,7 +216,7 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     gc.collect()
     compiled = "+compile" in name
     cfg = make_config(args, overrides, size, tmp, compiled and name.startswith("shardwise"), "+fused" in name,
-                      name.endswith("+head"))
+                      name.endswith("+head"), variant_precision(name, args, size) if name.startswith("shardwise") else None)
     cfg.run.memory_snapshot = args.memory_snapshot and first_pass and device.type == "cuda"
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -291,23 +301,35 @@ def main(argv: list[str] | None = None) -> int:
     # MFU against the compute dtype's peak: FP8 counts against bf16's, as the trainer does (spec/layout.py).
     peak_flops, peak_label = device_peak_flops(device.type, compute_precision(precision),
                                                name if device.type == "cuda" else None)
+    peak_of = {compute_precision(precision): peak_flops}  # a +fp8 variant's compute dtype may differ from the run's
+
+    def peak_for(variant_precision: str) -> float:
+        dtype = compute_precision(variant_precision)
+        if dtype not in peak_of:
+            peak_of[dtype] = device_peak_flops(device.type, dtype, name if device.type == "cuda" else None)[0]
+        return peak_of[dtype]
+
     rows = []
     for variant, runs in results.items():
         tps = statistics.mean(r["tokens_per_s"] for r in runs)
         peaks = [r["peak_gib"] for r in runs if r["peak_gib"] is not None]
         rows.append({"variant": variant, "tokens_per_s": tps, "passes": [r["tokens_per_s"] for r in runs],
-                     "mfu": tps * runs[0]["flops_per_token"] / peak_flops, "peak_gib": max(peaks) if peaks else None,
-                     "first_loss": runs[0]["first_loss"], "num_params": runs[0]["num_params"]})
+                     "mfu": tps * runs[0]["flops_per_token"] / peak_for(runs[0]["precision"]),
+                     "peak_gib": max(peaks) if peaks else None,
+                     "first_loss": runs[0]["first_loss"], "num_params": runs[0]["num_params"],
+                     "precision": runs[0]["precision"]})
     by = {r["variant"]: r for r in rows}
     first = results[args.variants[0]][0]
     print(f"\n{name}, {precision}, seq {first['seq_len']}, micro-batch {first['micro_batch']}, "
           f"{rows[0]['num_params'] / 1e6:.1f}M params; "
           f"MFU against {peak_flops / 1e12:.1f} TFLOP/s ({peak_label})")
-    print(f"{'variant':24s} {'tokens/s':>12s} {'MFU':>7s} {'peak GiB':>9s} {'vs plain':>9s} {'vs plain+compile':>17s}")
+    print(f"{'variant':24s} {'precision':>9s} {'tokens/s':>12s} {'MFU':>7s} {'peak GiB':>9s} {'vs plain':>9s} "
+          f"{'vs plain+compile':>17s}")
     for r in rows:
         vs = [f"{r['tokens_per_s'] / by[b]['tokens_per_s']:.3f}" if b in by else "-" for b in ("plain", "plain+compile")]
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
-        print(f"{r['variant']:24s} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>6.1f}% {peak:>9s} {vs[0]:>9s} {vs[1]:>17s}")
+        print(f"{r['variant']:24s} {r['precision']:>9s} {r['tokens_per_s']:>12,.0f} {100 * r['mfu']:>6.1f}% {peak:>9s} "
+              f"{vs[0]:>9s} {vs[1]:>17s}")
     for variant, runs in results.items():
         if "peak_split" in runs[0]:
             split = runs[0]["peak_split"]

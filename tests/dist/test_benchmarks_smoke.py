@@ -13,10 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _smoke(script: str, out: Path) -> object:
+def _smoke(script: str, out: Path, *extra: str) -> object:
     # sys.executable: the venv's interpreter that runs this suite, so the scripts see the same torch and
     # the installed shardwise. The timeout only bounds a hang; a smoke run takes seconds to a minute.
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0, f"{script} --smoke exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     assert out.is_file(), f"{script} --smoke did not write {out}\n{p.stdout[-2000:]}"
@@ -51,12 +51,18 @@ def test_run_safety_probes_smoke(tmp_path):
 
 
 def test_gpu_throughput_smoke(tmp_path):
-    """On CPU (CI has no GPU): the four variants run and start from the same loss (same model, weights, batch)."""
-    data = _smoke("gpu_throughput.py", tmp_path / "gpu_throughput.json")
-    assert data["smoke"] is True and [r["variant"] for r in data["rows"]] == ["shardwise", "shardwise+compile", "plain",
-                                                                              "plain+compile"]
-    first = {r["first_loss"] for r in data["rows"]}
+    """On CPU (CI has no GPU): the four variants run and start from the same loss (same model, weights, batch);
+    a +fp8 variant (gpu-check's bench/throughput times one beside bf16) trains in FP8 (torchao's emulation
+    here) within the run's own precision."""
+    variants = ["shardwise", "shardwise+compile", "plain", "plain+compile", "shardwise+compile+fp8"]
+    data = _smoke("gpu_throughput.py", tmp_path / "gpu_throughput.json", "--variants", ",".join(variants))
+    assert data["smoke"] is True and [r["variant"] for r in data["rows"]] == variants
+    assert [r["precision"] for r in data["rows"]] == ["fp32"] * 4 + ["fp8"]
+    assert all(run["precision"] == "fp8" for run in data["runs"]["shardwise+compile+fp8"]), data["runs"]
+    first = {r["first_loss"] for r in data["rows"][:4]}
     assert max(first) - min(first) <= 1e-5 * max(first), data["rows"]
+    fp8 = data["rows"][4]["first_loss"]  # the same model and batch, its GEMMs' operands rounded to e4m3
+    assert fp8 != data["rows"][0]["first_loss"] and abs(fp8 - data["rows"][0]["first_loss"]) <= 0.02 * fp8, data["rows"]
     # --profile (on in the smoke): each variant's trace beside the JSON, its breakdown in the JSON
     assert set(data["profile"]) == {r["variant"] for r in data["rows"]}
     assert (tmp_path / "gpu_throughput.profile" / "trace_plain+compile.json.gz").is_file()

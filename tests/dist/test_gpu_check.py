@@ -48,8 +48,12 @@ def test_untimed_rows_run_in_parallel_after_the_measured_ones():
     assert {c[0] for c in chains if len(c) > 1} == {"resume/bitwise"}
     assert gpu_check.schedule(["hf/export", "train/eager/fp32/none"]) == (["train/eager/fp32/none"], [["hf/export"]])
     # The rows the targets read run first (a check cut by --budget has them), in FIRST's order.
-    assert measured[:6] == ["bench/throughput", "bench/fp8", "bench/decode", "train/compiled/bf16/none",
-                            "train/compiled/fp8/none", "train/eager/bf16/none"]
+    assert measured[:5] == ["bench/throughput", "bench/decode", "train/compiled/bf16/none", "train/compiled/fp8/none",
+                            "train/eager/bf16/none"]
+    # FP8 is timed in bench/throughput, against the same plain loop as bf16; bench/fp8 alone only when named.
+    assert "bench/fp8" not in names and gpu_check.select(list(gpu_check.all_rows(ctx)), "bench/fp8") == ["bench/fp8"]
+    assert set(gpu_check.THROUGHPUT_VARIANTS.split(",")) == {"shardwise+compile", "shardwise+compile+fused",
+                                                             "shardwise+compile+fp8", "plain+compile"}
 
 
 def test_a_budget_ends_the_check_in_time_and_says_what_it_left(tmp_path):
@@ -92,11 +96,15 @@ def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
 def test_the_report_states_each_issue_target_with_what_this_check_measured(tmp_path):
     """The benchmark rows' JSON (the shapes gpu_throughput.py and decode.py write: today's H100 figures) and
     the training rows give each open issue's target a measured value and a verdict; a target whose row did
-    not run says so; on a CPU nothing is judged (the check tests itself there)."""
-    def throughput(ours: float, plain: float, mfu: float) -> dict:
+    not run says so, even where an earlier check left its file; on a CPU nothing is judged (the check tests
+    itself there)."""
+    def throughput(ours: float, plain: float, mfu: float, fp8: float | None = None) -> dict:
         return {"rows": [{"variant": "shardwise+compile", "tokens_per_s": ours, "mfu": mfu},
-                         {"variant": "plain+compile", "tokens_per_s": plain, "mfu": 0.5}]}
+                         {"variant": "plain+compile", "tokens_per_s": plain, "mfu": 0.5},
+                         *([{"variant": "shardwise+compile+fp8", "tokens_per_s": fp8, "mfu": 0.6}] if fp8 else [])]}
     (tmp_path / "fp8.json").write_text(json.dumps(throughput(102357.0, 90517.0, 0.593)))
+    # An earlier check's bench/throughput file: this check did not run that row, so nothing is read from it.
+    (tmp_path / "throughput.json").write_text(json.dumps(throughput(95000.0, 90000.0, 0.56, 110000.0)))
     (tmp_path / "decode.json").write_text(json.dumps({"rows": [
         {"batch": 1, "compiled_roofline_fraction": 0.432, "compiled_over_transformers_best": 2.41,
          "compiled_decode_ratio": 1.03}, {"batch": 64, "compiled_roofline_fraction": 0.9}]}))
@@ -104,7 +112,8 @@ def test_the_report_states_each_issue_target_with_what_this_check_measured(tmp_p
                           predicted={"step_s": 0.096, "peak_gib": 5.6, "step_s_error": -0.04, "peak_gib_error": 0.12}),
             gpu_check.Row("offload-big/cpu", "pass"),
             gpu_check.Row("fixture/886m-fp16-mb8", "pass", measured={"step_s": 0.2, "peak_gib": 35.0},
-                          predicted={"step_s": 0.2, "peak_gib": 33.8, "step_s_error": 0.0, "peak_gib_error": -0.034})]
+                          predicted={"step_s": 0.2, "peak_gib": 33.8, "step_s_error": 0.0, "peak_gib_error": -0.034}),
+            gpu_check.Row("bench/fp8", "pass"), gpu_check.Row("bench/decode", "pass")]
     header = {"device_name": "NVIDIA H100 80GB HBM3", "device": "cuda", "torch": "2.11.0", "commit": "abc1234",
               "steps": 8, "planner_gpu": "h100-sxm-80gb", "when": "2026-11-27", "only": None, "seconds": 1200.0}
     gpu_check.write_report(tmp_path, rows, header)
@@ -131,6 +140,11 @@ def test_the_report_states_each_issue_target_with_what_this_check_measured(tmp_p
     assert next(g for g in partial if g["target"].startswith("the whole check"))["measured"] is None
     gpu_check.write_report(tmp_path, rows, {**header, "device": "cpu"})
     assert all(g["met"] is None for g in json.loads((tmp_path / "report.json").read_text())["targets"])
+    # bench/throughput (the default check) times FP8 beside bf16 against one plain loop: its FP8 ratio is read first.
+    gpu_check.write_report(tmp_path, [*rows, gpu_check.Row("bench/throughput", "pass")], header)
+    goals = {g["target"]: g for g in json.loads((tmp_path / "report.json").read_text())["targets"]}
+    assert goals["FP8 compiled / bf16 plain compiled loop (886M)"]["measured"] == pytest.approx(110000 / 90000)
+    assert goals["shardwise compiled / plain compiled loop (886M bf16)"]["measured"] == pytest.approx(95000 / 90000)
 
 
 def test_issue_29s_open_memory_rows_are_trained_again_as_their_fixture_says(tmp_path):
