@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 benchmarks/gpu_check.py [--only PATTERN,...] [--out runs/gpu-check] [--list]
         [--steps 8] [--timeout 300] [--budget SECONDS] [--device cuda|cpu] [--jobs N] [--smoke]
 
-Each row is a process of its own (a crash, an OOM or a hang fails its row, not the check) and is one of:
+Each row is a process of its own (a crash, an OOM or a hang fails its row, not the check; its shardwise commands
+start in an interpreter that imported torch and the trainer while the row before ran: gpu_warm.py) and is one of:
   train/{eager,compiled}/{fp32,bf16,fp16,fp8}/{none,selective,full}   one-process training of the check model
   offload/{cpu,nvme}, tiles/4                                       model states off the GPU; tiled MLPs
   offload-big/{cpu,nvme}                                            states larger than the GPU (only when named)
@@ -48,6 +49,7 @@ from typing import Any, Callable
 
 from gpu_hf_rows import hf_row
 from gpu_report import Row, metrics, one_line, peak_split, planner_summary, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
+from gpu_warm import WarmShardwise
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # a checkout runs as it is (PYTHONPATH=src on the GPU machine)
@@ -85,6 +87,7 @@ class Ctx:
     corpus: Path
     env: dict[str, str]
     deadline: float | None = None  # time.monotonic() by which every row has ended (--budget)
+    warm: WarmShardwise | None = None  # interpreters started ahead of the shardwise commands (main sets it)
 
     def common(self, model: list[str] | None = None) -> list[str]:
         return [f"--data.path={self.corpus}", "--data.tokenizer=byte", f"--data.cache_dir={self.out / 'cache'}",
@@ -102,6 +105,10 @@ class Ctx:
         return self.deadline is not None and time.monotonic() >= self.deadline - 1
 
     def shardwise(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+        """`python -m shardwise.cli ARGS`, in an interpreter that imported torch and the trainer while the row before
+        ran (gpu_warm.py), except the planner's commands: pure Python, they import no torch (0.2 s)."""
+        if self.warm is not None and args[0] != "plan":
+            return self.warm.run(list(args), self.limit(timeout))
         return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
                               cwd=self.out, env=self.env, timeout=self.limit(timeout))
 
@@ -434,16 +441,20 @@ def main(argv: list[str]) -> int:
         for name in chain:
             record(run_row(name))
 
-    for name in serial:
-        record(run_row(name))
-    header["serial_seconds"] = time.perf_counter() - started
-    if chains:
-        from concurrent.futures import ThreadPoolExecutor
+    ctx.warm = WarmShardwise(ctx.out, ctx.env)
+    try:
+        for name in serial:
+            record(run_row(name))
+        header["serial_seconds"] = time.perf_counter() - started
+        if chains:
+            from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=jobs) as pool:  # each row is its own processes: threads only wait
-            for future in [pool.submit(run_chain, c) for c in chains]:
-                future.result()
-        rows.sort(key=lambda r: chosen.index(r.name))
+            with ThreadPoolExecutor(max_workers=jobs) as pool:  # each row is its own processes: threads only wait
+                for future in [pool.submit(run_chain, c) for c in chains]:
+                    future.result()
+            rows.sort(key=lambda r: chosen.index(r.name))
+    finally:
+        ctx.warm.close()
     header["seconds"] = time.perf_counter() - started  # the bound of issue 27 (gpu_report.py TARGETS)
     header["parallel_seconds"] = header["seconds"] - header["serial_seconds"]
     write_report(ctx.out, rows, header)

@@ -123,9 +123,10 @@ def test_every_benchmark_has_a_smoke_test():
     # --profile of gpu_throughput.py and decode.py (on in their smokes), and memory_peak.py, which reads a
     # GPU's allocator history: both tested in tests/unit on traces and histories in torch's formats;
     # kernels.py's timer and overhead section, smoked with it.
-    # gpu_hf_rows.py: gpu-check's Hugging Face rows, hf/import run on CPU in tests/dist/test_gpu_check.py.
-    helpers = {"gpu_report.py", "gpu_hf_rows.py", "kernel_breakdown.py", "memory_peak.py", "kernel_timing.py",
-               "kernel_overhead.py"}
+    # gpu_hf_rows.py: gpu-check's Hugging Face rows, hf/import run on CPU in tests/dist/test_gpu_check.py;
+    # gpu_warm.py: the interpreters gpu-check starts ahead of its commands, tested there too.
+    helpers = {"gpu_report.py", "gpu_hf_rows.py", "gpu_warm.py", "kernel_breakdown.py", "memory_peak.py",
+               "kernel_timing.py", "kernel_overhead.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
 
 

@@ -225,3 +225,48 @@ def test_the_hugging_face_import_row_runs_on_cpu(tmp_path):
     p = _run("--device", "cpu", "--only", "hf/import", "--out", str(tmp_path / "hf"))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "PASS hf/import" in p.stdout and "transformers and shardwise --hf eager and compiled" in p.stdout
+
+
+def _has_torch_loaded(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_shardwise_commands_start_in_an_interpreter_that_imported_ahead(tmp_path):
+    """gpu_warm.py: each command gets an interpreter started before it, which had imported torch before its
+    command line came, and starts the next; what a command prints and exits with is `python -m shardwise.cli`'s;
+    a timeout kills it as subprocess.run would; close() ends the one left waiting, which never ran a command."""
+    import os
+
+    from gpu_warm import WarmShardwise
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    warm = WarmShardwise(tmp_path, env)
+    try:
+        first = warm.run(["--version"], timeout=120)  # started now: nothing ahead of the first command
+        cold = subprocess.run([sys.executable, "-m", "shardwise.cli", "--version"], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=120)
+        assert (first.returncode, first.stdout, first.stderr) == (cold.returncode, cold.stdout, cold.stderr) == \
+            (0, cold.stdout, "") and cold.stdout.startswith("shardwise ")
+        ahead = warm.waiting_pid()
+        deadline = time.monotonic() + 120
+        while not _has_torch_loaded(ahead):  # the next command's interpreter imports torch with no command yet
+            assert time.monotonic() < deadline, "the waiting interpreter never imported torch"
+            time.sleep(0.2)
+        bad = ["train", "--nproc", "1", "--model.presett=tiny"]
+        got = warm.run(bad, timeout=120)
+        assert got.args[0] == sys.executable and warm.waiting_pid() != ahead  # it ran in `ahead`; a new one waits
+        want = subprocess.run([sys.executable, "-m", "shardwise.cli", *bad], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=120)
+        assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+        assert got.returncode == 2 and got.stderr.startswith("error: model.presett"), got.stderr
+        with pytest.raises(subprocess.TimeoutExpired):
+            warm.run(["train", "--nproc", "1", "--model.preset=tiny", "--train.steps=100000", "--data.tokenizer=byte",
+                      f"--data.path={ROOT / 'README.md'}", f"--run.dir={tmp_path / 'run'}", "--train.seq_len=32",
+                      "--train.micro_batch=1", "--train.global_batch=1", "--model.vocab_size=512"], timeout=3)
+    finally:
+        last = warm._waiting
+        warm.close()
+    assert last.returncode == 0 and warm.waiting_pid() is None
