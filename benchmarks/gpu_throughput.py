@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import gc
 import json
 import platform
@@ -142,13 +143,13 @@ def variant_precision(name: str, args, size: dict) -> str:
     return "fp8" if name.endswith("+fp8") else args.precision or size["precision"]
 
 
-def make_config(args, overrides, size: dict, tmp: Path, compiled: bool, fused: bool = False, head: bool = False,
-                precision: str | None = None) -> Config:
+def make_config(args, overrides, size: dict, tmp: Path, precision: str, compiled: bool, fused: bool = False,
+                head: bool = False) -> Config:
     steps = 2 * (args.warmup + args.steps) + (args.profile_steps if args.profile else 0)
     micro = args.micro_batch or size["micro_batch"]
     base = size["model"] + [
         ("train.seq_len", str(args.seq_len or size["seq_len"])), ("train.global_batch", str(micro)),
-        ("train.micro_batch", str(micro)), ("train.precision", precision or args.precision or size["precision"]),
+        ("train.micro_batch", str(micro)), ("train.precision", precision),
         ("train.steps", str(steps)), ("train.compile", str(compiled).lower()),
         ("train.compile_backend", args.compile_backend), ("train.log_every", str(steps)),
         ("train.fuse_projections", str(fused).lower()), ("train.fp8_head", str(head).lower()),
@@ -215,8 +216,8 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
     # 2026-11-25 read 52.9 and 61.3 GiB for two passes of the same 2.4B variant (8.4 GiB left behind).
     gc.collect()
     compiled = "+compile" in name
-    cfg = make_config(args, overrides, size, tmp, compiled and name.startswith("shardwise"), "+fused" in name,
-                      name.endswith("+head"), variant_precision(name, args, size) if name.startswith("shardwise") else None)
+    cfg = make_config(args, overrides, size, tmp, variant_precision(name, args, size), compiled and name.startswith("shardwise"),
+                      "+fused" in name, name.endswith("+head"))
     cfg.run.memory_snapshot = args.memory_snapshot and first_pass and device.type == "cuda"
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -298,23 +299,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {variant:24s} {r['tokens_per_s']:>12,.0f} tok/s  step {1e3 * r['step_s']:8.1f} ms  "
                       f"first loss {r['first_loss']:.5f}  (warm-up incl. compile {r['warmup_s']:.1f} s)", flush=True)
     precision = args.precision or size["precision"]
-    # MFU against the compute dtype's peak: FP8 counts against bf16's, as the trainer does (spec/layout.py).
-    peak_flops, peak_label = device_peak_flops(device.type, compute_precision(precision),
-                                               name if device.type == "cuda" else None)
-    peak_of = {compute_precision(precision): peak_flops}  # a +fp8 variant's compute dtype may differ from the run's
+    # MFU against the compute dtype's peak: FP8 counts against bf16's, as the trainer does (spec/layout.py); each
+    # variant against its own (a +fp8 variant's may differ from the run's), each dtype's peak found once (a CPU's
+    # is measured).
+    @functools.cache
+    def peak_of(dtype: str) -> tuple[float, str]:
+        return device_peak_flops(device.type, dtype, name if device.type == "cuda" else None)
 
-    def peak_for(variant_precision: str) -> float:
-        dtype = compute_precision(variant_precision)
-        if dtype not in peak_of:
-            peak_of[dtype] = device_peak_flops(device.type, dtype, name if device.type == "cuda" else None)[0]
-        return peak_of[dtype]
+    peak_flops, peak_label = peak_of(compute_precision(precision))
 
     rows = []
     for variant, runs in results.items():
         tps = statistics.mean(r["tokens_per_s"] for r in runs)
         peaks = [r["peak_gib"] for r in runs if r["peak_gib"] is not None]
         rows.append({"variant": variant, "tokens_per_s": tps, "passes": [r["tokens_per_s"] for r in runs],
-                     "mfu": tps * runs[0]["flops_per_token"] / peak_for(runs[0]["precision"]),
+                     "mfu": tps * runs[0]["flops_per_token"] / peak_of(compute_precision(runs[0]["precision"]))[0],
                      "peak_gib": max(peaks) if peaks else None,
                      "first_loss": runs[0]["first_loss"], "num_params": runs[0]["num_params"],
                      "precision": runs[0]["precision"]})
