@@ -16,10 +16,12 @@ start in an interpreter that imported torch and the trainer while the row before
   doctor, bench/{kernels,cross_entropy,throughput,decode}            the machine check and four benchmarks
   bench/fp8, bench/fp8-2.4b, bench/decode-modes                     FP8 alone (bench/throughput times it too); FP8 on
                                                                     the 2.4B; decode under max-autotune (only when named)
-The rows that time nothing (resume, hf, doctor and the layouts, which check placement and numbers, not
-speed) run --jobs at a time (default 4 on a GPU machine, 1 on CPU) after every measured row, so nothing
-they do overlaps a timing (hf/export after resume/bitwise, whose checkpoint it exports); the measured rows
-(training, offload, tiles, the benchmarks) run one after another. A training row records pass/fail with a
+The measured rows (training, offload, tiles, the benchmarks) run one after another: FIRST (what the targets
+read), then, after the pool, the others. The pool runs --jobs at a time (default 4 on a GPU machine, 1 on CPU),
+between the two, so that nothing in it overlaps a timing: the rows that time nothing (resume, hf, doctor and
+the layouts, which check placement and numbers, not speed; hf/export after resume/bitwise, whose checkpoint it
+exports), and the command of each compiled row of the second part run ahead, untimed, to fill torch's compile
+cache for its timed run (schedule, prewarm). A training row records pass/fail with a
 one-line reason, tokens/s, MFU, peak memory and J/token from metrics.jsonl, the planner's prediction
 for the same config (`shardwise plan evaluate` on the table entry of this GPU): step time and peak memory,
 and their errors, and what made up step 2's peak (memory_peak.py on the allocator history each row records
@@ -34,7 +36,6 @@ Runs from a checkout (PYTHONPATH=src) on whatever torch the machine has. Exit: 0
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import math
 import os
@@ -49,6 +50,7 @@ from typing import Any, Callable
 
 from gpu_hf_rows import hf_row
 from gpu_report import Row, metrics, one_line, peak_split, planner_summary, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
+from gpu_schedule import PREWARM, schedule, select  # noqa: F401  (this folder; tests use them from here)
 from gpu_warm import WarmShardwise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,11 +127,16 @@ def predict(ctx: Ctx, run: Path) -> dict[str, float]:
     return {"step_s": plan["step_time_s"], "peak_gib": plan["memory_gib"]["total"], "stack": plan.get("stack", "")}
 
 
+def train_args(ctx: Ctx, run: Path, overrides: list[str], steps: int | None = None) -> list[str]:
+    """A one-process training row's command line (after `shardwise`)."""
+    return ["train", "--nproc", "1", *ctx.common(), f"--train.steps={steps or ctx.steps}", "--run.memory_snapshot=true",
+            *overrides, f"--run.dir={run}"]
+
+
 def train_row(ctx: Ctx, name: str, overrides: list[str], steps: int | None = None) -> Row:
     run = ctx.out / "runs" / name.replace("/", "_")
     shutil.rmtree(run, ignore_errors=True)
-    p = ctx.shardwise("train", "--nproc", "1", *ctx.common(), f"--train.steps={steps or ctx.steps}",
-                      "--run.memory_snapshot=true", *overrides, f"--run.dir={run}")
+    p = ctx.shardwise(*train_args(ctx, run, overrides, steps))
     if p.returncode != 0:
         return Row(name, "fail", one_line(p))
     row = Row(name, "pass", measured={**metrics(run), **peak_split(run)}, predicted=predict(ctx, run))
@@ -236,20 +243,52 @@ def fixture_row(ctx: Ctx, name: str) -> Row:
     return row
 
 
+def training_rows(ctx: Ctx) -> dict[str, list[str]]:
+    """The one-process training rows of the check model and their overrides (train_args)."""
+    rows = {f"train/{mode}/{precision}/{recompute}": [f"--train.compile={str(mode == 'compiled').lower()}",
+                                                     f"--train.precision={precision}", f"--train.recompute={recompute}"]
+            for mode in ("eager", "compiled") for precision in PRECISIONS for recompute in RECOMPUTES}
+    rows["offload/cpu"] = ["--parallel.offload=cpu", "--parallel.zero=3"]
+    rows["offload/nvme"] = ["--parallel.offload=nvme", "--parallel.zero=3", f"--parallel.offload_dir={ctx.out / 'nvme'}"]
+    rows["tiles/4"] = ["--parallel.linear_tiles=4"]
+    return rows
+
+
+def compiles_with_cache(ctx: Ctx, overrides: list[str]) -> bool:
+    """Whether a training row compiles through inductor, whose graphs torch's compile cache keeps across
+    processes (on disk, keyed by the graph and its settings): train.compile as the row sets it, else its
+    default (on for CUDA, off for CPU); train.compile_backend as the check model sets it (aot_eager on CPU),
+    else inductor. The last occurrence of a key wins, as on shardwise's command line."""
+    def last(key: str, default: str) -> str:
+        given = [a.split("=", 1)[1] for a in [*ctx.common(), *overrides] if a.startswith(f"--{key}=")]
+        return given[-1] if given else default
+
+    return last("train.compile", str(ctx.device == "cuda").lower()) == "true" and \
+        last("train.compile_backend", "inductor") == "inductor"
+
+
+def prewarm(ctx: Ctx, name: str, overrides: list[str]) -> dict[str, Any]:
+    """The row's own command, untimed, side by side with the untimed rows, so that its timed run loads its
+    compiled graphs from torch's compile cache instead of compiling them one row after another. Its outcome
+    goes to report.json's header only: the timed run is the row (a failure here fails nothing)."""
+    run = ctx.out / "runs" / f"prewarm_{name.replace('/', '_')}"
+    shutil.rmtree(run, ignore_errors=True)
+    start = time.perf_counter()
+    try:
+        p = ctx.shardwise(*train_args(ctx, run, overrides))
+    except subprocess.TimeoutExpired as e:
+        return {"status": "fail", "reason": f"timed out after {e.timeout:.0f} s", "seconds": time.perf_counter() - start}
+    done = {"status": "pass" if p.returncode == 0 else "fail", "seconds": time.perf_counter() - start}
+    if p.returncode != 0:
+        return {**done, "reason": one_line(p)}
+    m = metrics(run)
+    return {**done, **{k: m[k] for k in ("warmup_s", "compiled_graphs") if k in m}}
+
+
 def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     """Every row name, in the order they run, and what runs it."""
-    rows: dict[str, Callable[[], Row]] = {}
-    for mode in ("eager", "compiled"):
-        for precision in PRECISIONS:
-            for recompute in RECOMPUTES:
-                name = f"train/{mode}/{precision}/{recompute}"
-                rows[name] = (lambda n=name, m=mode, pr=precision, rc=recompute: train_row(
-                    ctx, n, [f"--train.compile={str(m == 'compiled').lower()}", f"--train.precision={pr}",
-                             f"--train.recompute={rc}"]))
-    nvme = [f"--parallel.offload_dir={ctx.out / 'nvme'}"]
-    rows["offload/cpu"] = lambda: train_row(ctx, "offload/cpu", ["--parallel.offload=cpu", "--parallel.zero=3"])
-    rows["offload/nvme"] = lambda: train_row(ctx, "offload/nvme", ["--parallel.offload=nvme", "--parallel.zero=3", *nvme])
-    rows["tiles/4"] = lambda: train_row(ctx, "tiles/4", ["--parallel.linear_tiles=4"])
+    rows: dict[str, Callable[[], Row]] = {name: (lambda n=name, o=overrides: train_row(ctx, n, o))
+                                          for name, overrides in training_rows(ctx).items()}
     rows["resume/bitwise"] = lambda: resume_row(ctx)
     rows["hf/export"] = lambda: hf_row(ctx, "hf/export")
     rows["hf/import"] = lambda: hf_row(ctx, "hf/import")
@@ -296,44 +335,7 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     return rows
 
 
-DEFAULT_EXCLUDED = ("offload-big/*", "bench/decode-modes", "bench/fp8", "bench/fp8-2.4b", "fixture/*")
-# The measured rows the open issues' targets read (gpu_report.py TARGETS), run before the others: a check cut
-# short by --budget (a lent GPU's session is shorter than the whole check) has measured these first.
-FIRST = ("bench/throughput", "bench/fp8", "bench/fp8-2.4b", "bench/decode", "offload-big/cpu", "offload-big/nvme",
-         "train/compiled/bf16/none", "train/compiled/fp8/none", "train/eager/bf16/none")
-# Rows that report pass/fail and time nothing: they run in parallel, after the measured rows. On one H100
-# (2026-11-27) resume/bitwise took 47 s and hf/import 79 s, beside one other row.
-UNTIMED = ("resume/*", "hf/*", "doctor", "layout/*")
-AFTER = {"hf/export": "resume/bitwise"}  # exports the checkpoint that row leaves
-
-
-def schedule(chosen: list[str]) -> tuple[list[str], list[list[str]]]:
-    """The measured rows, in order, to run one at a time; and the untimed rows as chains to run in parallel,
-    a row that needs another's output (AFTER) in that row's chain, after it."""
-    untimed = [n for n in chosen if any(fnmatch.fnmatch(n, p) for p in UNTIMED)]
-    chains: list[list[str]] = []
-    for name in untimed:
-        first = AFTER.get(name)
-        chain = next((c for c in chains if first in c), None)
-        if chain is None:
-            chains.append([name])
-        else:
-            chain.append(name)
-    measured = [n for n in chosen if n not in untimed]
-    first = [n for n in FIRST if n in measured]
-    return first + [n for n in measured if n not in first], chains
-
-
 SMOKE_ROWS = "train/eager/fp32/none,resume/bitwise,layout/fsdp"  # a row of each kind of runner
-
-
-def select(names: list[str], only: str | None) -> list[str]:
-    """Row names matching --only's comma-separated shell patterns (a bare prefix like `hf` means `hf/*`);
-    every row but the opt-in ones without --only."""
-    if not only:
-        return [n for n in names if not any(fnmatch.fnmatch(n, p) for p in DEFAULT_EXCLUDED)]
-    patterns = [p.strip() for p in only.split(",") if p.strip()]
-    return [n for n in names if any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n, f"{p}/*") for p in patterns)]
 
 
 def header_of(ctx: Ctx) -> dict[str, Any]:
@@ -415,8 +417,10 @@ def main(argv: list[str]) -> int:
     print(f"gpu-check: {len(chosen)} rows on {header['device_name']}; report in {ctx.out / 'report.md'}", flush=True)
     runners = all_rows(ctx)
     jobs = args.jobs or (4 if device == "cuda" else 1)
-    # Measured rows first, one at a time; then the untimed ones, `jobs` chains at a time (no timing among them).
-    serial, chains = schedule(chosen)
+    # The FIRST rows one at a time; the untimed rows and the compiled rows' runs ahead side by side (no timing
+    # among them); the other measured rows one at a time.
+    training = training_rows(ctx)
+    first, chains, rest = schedule(chosen, {n for n, o in training.items() if compiles_with_cache(ctx, o)}, jobs)
     lock = threading.Lock()  # rows are recorded from the pool's threads
 
     def run_row(name: str) -> Row:
@@ -437,26 +441,43 @@ def main(argv: list[str]) -> int:
             print(f"  {row.status.upper():4s} {row.name:34s} {row.seconds:6.1f} s  {row.reason}", flush=True)
             write_report(ctx.out, rows, header)
 
+    def run_ahead(name: str) -> None:
+        done = {"status": "skip", "reason": "not started: the --budget ran out"} if ctx.spent() else \
+            prewarm(ctx, name, training[name])
+        with lock:
+            header.setdefault("prewarmed", {})[name] = done
+            print(f"  {'WARM' if done['status'] == 'pass' else done['status'].upper():4s} {name:34s} "
+                  f"{done.get('seconds', 0):6.1f} s  {done.get('reason', 'run ahead, untimed: its graphs are in the compile cache')}",
+                  flush=True)
+
     def run_chain(chain: list[str]) -> None:
         for name in chain:
-            record(run_row(name))
+            if name.startswith(PREWARM):
+                run_ahead(name[len(PREWARM):])
+            else:
+                record(run_row(name))
 
     ctx.warm = WarmShardwise(ctx.out, ctx.env)
     try:
-        for name in serial:
+        for name in first:
             record(run_row(name))
-        header["serial_seconds"] = time.perf_counter() - started
+        serial = time.perf_counter() - started
         if chains:
             from concurrent.futures import ThreadPoolExecutor
 
+            parallel = time.perf_counter()
             with ThreadPoolExecutor(max_workers=jobs) as pool:  # each row is its own processes: threads only wait
                 for future in [pool.submit(run_chain, c) for c in chains]:
                     future.result()
-            rows.sort(key=lambda r: chosen.index(r.name))
+            header["parallel_seconds"] = time.perf_counter() - parallel
+        rest_started = time.perf_counter()
+        for name in rest:
+            record(run_row(name))
+        header["serial_seconds"] = serial + time.perf_counter() - rest_started
+        rows.sort(key=lambda r: chosen.index(r.name))
     finally:
         ctx.warm.close()
     header["seconds"] = time.perf_counter() - started  # the bound of issue 27 (gpu_report.py TARGETS)
-    header["parallel_seconds"] = header["seconds"] - header["serial_seconds"]
     write_report(ctx.out, rows, header)
     failed = [r.name for r in rows if r.status == "fail"]
     print(f"gpu-check: {len(rows) - len(failed)} of {len(rows)} rows passed or skipped"

@@ -83,7 +83,10 @@ def metrics(run: Path, skip: int = 2) -> dict[str, float]:
            "peak_gib": peak / 2**30 if peak else None, "j_per_token": median("energy_j_per_token"),
            "final_loss": records[-1]["loss"],
            # where the row's wall time went (report.md's time table): its first steps (compilation) and all
-           "warmup_s": sum(seconds[:skip]), "steps_s": sum(seconds)}
+           "warmup_s": sum(seconds[:skip]), "steps_s": sum(seconds),
+           # compiled runs: graphs compiled, and of those loaded from torch's compile cache (gpu_check.py prewarm)
+           "compiled_graphs": records[-1].get("compiled_graphs"),
+           "compiled_graphs_from_cache": records[-1].get("compiled_graphs_from_cache")}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -215,8 +218,9 @@ def time_spent(rows: list[Row], header: dict[str, Any]) -> list[str]:
     """Where the check's wall time went (issue 27 bounds the whole check at 9 minutes on one H100): seconds by
     kind of row, and for training rows how much of it was in their warm-up steps (compilation: steps 1-2), in
     the timed steps, and outside any step (the process's start, imports, the model's build, the data, the
-    allocator history's file and its split, the planner's prediction). The untimed rows run side by side:
-    their seconds add up to more than the pool's wall time (`parallel_seconds`)."""
+    allocator history's file and its split, the planner's prediction). The untimed rows, and the compiled
+    rows' commands run ahead to fill torch's compile cache (`prewarmed`), run side by side: their seconds add
+    up to more than the pool's wall time (`parallel_seconds`)."""
     if not any(r.seconds for r in rows):
         return []
     groups: dict[str, list[Row]] = {}
@@ -230,12 +234,27 @@ def time_spent(rows: list[Row], header: dict[str, Any]) -> list[str]:
         steps = sum(r.measured["steps_s"] for r in trained)
         split = f"{warm:.0f} | {steps - warm:.0f} | {sum(r.seconds for r in trained) - steps:.0f}" if trained else " |  | "
         lines.append(f"| {group} | {len(members)} | {total:.0f} | {split} |")
+    lines += ran_ahead(rows, header.get("prewarmed") or {})
     phases = [f"{what} {header[key]:.0f} s" for key, what in (("serial_seconds", "measured rows one at a time"),
-              ("parallel_seconds", "untimed rows side by side")) if isinstance(header.get(key), (int, float))]
+              ("parallel_seconds", "untimed rows and runs ahead side by side")) if isinstance(header.get(key), (int, float))]
     if isinstance(header.get("seconds"), (int, float)):
         lines.append("")
-        lines.append(f"the check took {header['seconds']:.0f} s" + (f": {', then '.join(phases)}" if phases else ""))
+        lines.append(f"the check took {header['seconds']:.0f} s" + (f": {'; '.join(phases)}" if phases else ""))
     return lines
+
+
+def ran_ahead(rows: list[Row], prewarmed: dict[str, dict[str, Any]]) -> list[str]:
+    """The compiled rows whose commands ran ahead (gpu_check.py prewarm): their seconds, side by side, and how
+    many of their timed runs' graphs came from the compile cache they filled."""
+    if not prewarmed:
+        return []
+    timed = [r for r in rows if r.name in prewarmed and "compiled_graphs" in r.measured]
+    graphs = sum(r.measured["compiled_graphs"] for r in timed)
+    cached = sum(r.measured.get("compiled_graphs_from_cache", 0) for r in timed)
+    passed = [d for d in prewarmed.values() if d["status"] == "pass"]
+    return ["", f"{len(prewarmed)} compiled rows ran ahead, untimed, side by side with the untimed rows "
+            f"({len(passed)} passed, {sum(d.get('seconds', 0) for d in prewarmed.values()):.0f} s of their own): "
+            f"their timed runs loaded {cached:.0f} of {graphs:.0f} graphs from torch's compile cache"]
 
 
 def write_report(out: Path, rows: list[Row], header: dict[str, Any]) -> None:

@@ -124,8 +124,9 @@ def test_every_benchmark_has_a_smoke_test():
     # GPU's allocator history: both tested in tests/unit on traces and histories in torch's formats;
     # kernels.py's timer and overhead section, smoked with it.
     # gpu_hf_rows.py: gpu-check's Hugging Face rows, hf/import run on CPU in tests/dist/test_gpu_check.py;
-    # gpu_warm.py: the interpreters gpu-check starts ahead of its commands, tested there too.
-    helpers = {"gpu_report.py", "gpu_hf_rows.py", "gpu_warm.py", "kernel_breakdown.py", "memory_peak.py",
+    # gpu_warm.py: the interpreters gpu-check starts ahead of its commands, and gpu_schedule.py, its rows'
+    # order, tested there too.
+    helpers = {"gpu_report.py", "gpu_hf_rows.py", "gpu_schedule.py", "gpu_warm.py", "kernel_breakdown.py", "memory_peak.py",
                "kernel_timing.py", "kernel_overhead.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
 

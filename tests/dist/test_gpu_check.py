@@ -36,24 +36,71 @@ def test_rows_and_selection():
         [f"train/compiled/{p}/full" for p in gpu_check.PRECISIONS] + ["hf/import"]
 
 
-def test_untimed_rows_run_in_parallel_after_the_measured_ones():
-    """Rows that time nothing go to the pool (after every measured row); hf/export in resume/bitwise's chain,
-    since it exports that row's checkpoint; alone when resume/bitwise is not selected."""
+def test_untimed_rows_run_side_by_side_between_the_first_measured_rows_and_the_others():
+    """Rows that time nothing go to the pool (after the FIRST rows, before the other measured ones); hf/export
+    in resume/bitwise's chain, since it exports that row's checkpoint; alone when resume/bitwise is not selected."""
     ctx = gpu_check.Ctx(Path("/nonexistent"), "cpu", 8, 300, None, Path("/nonexistent/corpus"), {})
     names = gpu_check.select(list(gpu_check.all_rows(ctx)), None)
-    measured, chains = gpu_check.schedule(names)
+    first, chains, rest = gpu_check.schedule(names)
+    measured = first + rest
     assert all(n.startswith(("train/", "offload/", "tiles/", "bench/")) for n in measured), measured
     assert ["resume/bitwise", "hf/export"] in chains and ["hf/import"] in chains and ["doctor"] in chains
     assert sorted(measured + [n for c in chains for n in c]) == sorted(names)  # every row once
     assert {c[0] for c in chains if len(c) > 1} == {"resume/bitwise"}
-    assert gpu_check.schedule(["hf/export", "train/eager/fp32/none"]) == (["train/eager/fp32/none"], [["hf/export"]])
+    assert gpu_check.schedule(["hf/export", "train/eager/fp32/none"]) == ([], [["hf/export"]], ["train/eager/fp32/none"])
     # The rows the targets read run first (a check cut by --budget has them), in FIRST's order.
-    assert measured[:5] == ["bench/throughput", "bench/decode", "train/compiled/bf16/none", "train/compiled/fp8/none",
-                            "train/eager/bf16/none"]
+    assert first == ["bench/throughput", "bench/decode", "train/compiled/bf16/none", "train/compiled/fp8/none",
+                     "train/eager/bf16/none"]
     # FP8 is timed in bench/throughput, against the same plain loop as bf16; bench/fp8 alone only when named.
     assert "bench/fp8" not in names and gpu_check.select(list(gpu_check.all_rows(ctx)), "bench/fp8") == ["bench/fp8"]
     assert set(gpu_check.THROUGHPUT_VARIANTS.split(",")) == {"shardwise+compile", "shardwise+compile+fused",
                                                              "shardwise+compile+fp8", "plain+compile"}
+
+
+def test_compiled_rows_run_ahead_side_by_side_to_fill_the_compile_cache():
+    """On a GPU every row that compiles through inductor (the compiled matrix, and offload / tiles, compiled
+    by default there) and is timed after the pool has its command run ahead in the pool; eager rows, the
+    FIRST rows (timed before the pool) and the CPU's aot_eager rows do not. Nothing runs ahead with one job,
+    or for a row alone in the pool, where it would only repeat the row."""
+    gpu = gpu_check.Ctx(Path("/nonexistent"), "cuda", 8, 300, None, Path("/nonexistent/corpus"), {})
+    cpu = gpu_check.Ctx(Path("/nonexistent"), "cpu", 8, 300, None, Path("/nonexistent/corpus"), {})
+    training = gpu_check.training_rows(gpu)
+    cacheable = {n for n, o in training.items() if gpu_check.compiles_with_cache(gpu, o)}
+    assert cacheable == {n for n in training if not n.startswith("train/eager/")}
+    assert len(cacheable) == 12 + 3
+    assert not any(gpu_check.compiles_with_cache(cpu, o) for o in gpu_check.training_rows(cpu).values())
+    assert gpu_check.compiles_with_cache(cpu, ["--train.compile=true", "--train.compile_backend=inductor"])
+    names = gpu_check.select(list(gpu_check.all_rows(gpu)), None)
+    first, chains, rest = gpu_check.schedule(names, cacheable, jobs=4)
+    ahead = [c[0][len(gpu_check.PREWARM):] for c in chains if c[0].startswith(gpu_check.PREWARM)]
+    assert ahead == [n for n in rest if n in cacheable] and len(ahead) == 13  # bf16/none, fp8/none are FIRST
+    assert all(len(c) == 1 for c in chains if c[0].startswith(gpu_check.PREWARM))
+    assert chains.index([gpu_check.PREWARM + ahead[-1]]) < chains.index(["doctor"])  # the longest start first
+    assert gpu_check.schedule(names, cacheable, jobs=1)[1] == gpu_check.schedule(names)[1]  # one at a time: no gain
+    alone = ["train/compiled/fp32/full"]
+    assert gpu_check.schedule(alone, cacheable, jobs=4) == ([], [], alone)
+    assert gpu_check.schedule(alone + ["doctor"], cacheable, jobs=4)[1] == [[gpu_check.PREWARM + alone[0]], ["doctor"]]
+
+
+def test_a_compiled_row_run_ahead_loads_its_graphs_from_the_compile_cache(tmp_path, monkeypatch):
+    """End to end on CPU with inductor (the check model's aot_eager has no cache): the row's command runs ahead
+    beside `doctor`, in a compile cache of this test's own, and the timed run loads every graph it compiles
+    from it (metrics.jsonl compiled_graphs_from_cache); the report says so."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))  # torch's own variable
+    monkeypatch.setitem(gpu_check.MODELS, "cpu", [*gpu_check.MODELS["cpu"], "--train.compile_backend=inductor"])
+    row = "train/compiled/fp32/none"
+    assert gpu_check.main(["--device", "cpu", "--jobs", "2", "--only", f"{row},doctor", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["prewarmed"][row]["status"] == "pass", report["prewarmed"]
+    ahead = [json.loads(r) for r in (tmp_path / "runs" / "prewarm_train_compiled_fp32_none" / "metrics.jsonl")
+             .read_text().splitlines()]
+    assert ahead[-1]["compiled_graphs"] > 0 and ahead[-1]["compiled_graphs_from_cache"] == 0  # it compiled them
+    timed = {r["name"]: r for r in report["rows"]}[row]["measured"]
+    assert timed["compiled_graphs"] == ahead[-1]["compiled_graphs"] == timed["compiled_graphs_from_cache"], timed
+    md = (tmp_path / "report.md").read_text()
+    n = timed["compiled_graphs"]
+    assert "1 compiled rows ran ahead, untimed, side by side with the untimed rows (1 passed" in md
+    assert f"their timed runs loaded {n} of {n} graphs from torch's compile cache" in md
 
 
 def test_a_budget_ends_the_check_in_time_and_says_what_it_left(tmp_path):
@@ -67,7 +114,7 @@ def test_a_budget_ends_the_check_in_time_and_says_what_it_left(tmp_path):
     assert len(rows) == 3 and all(r["status"] in ("pass", "skip") for r in rows), rows  # a cut row is not a failure
     reasons = {r["reason"] for r in rows if r["status"] == "skip"}
     assert reasons <= {"cut at the end of the --budget of 3 s", "not started: the --budget of 3 s ran out"}, rows
-    assert rows[-1]["reason"] == "not started: the --budget of 3 s ran out", rows  # layout/fsdp, after the others
+    assert rows[-1]["reason"] == "not started: the --budget of 3 s ran out", rows  # layout/fsdp: the pool (1 job) ran resume first
     assert _run("--budget", "0").returncode == 2
 
 
@@ -90,7 +137,7 @@ def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
     rows[0].measured.update(warmup_s=20.0, steps_s=21.6)
     md = gpu_check.report_md(rows, {**header, "seconds": 50.0, "serial_seconds": 44.0, "parallel_seconds": 6.0})
     assert "| train/compiled | 1 | 41 | 20 | 2 | 19 |" in md and "| offload | 1 | 3 |  |  |  |" in md
-    assert "the check took 50 s: measured rows one at a time 44 s, then untimed rows side by side 6 s" in md
+    assert "the check took 50 s: measured rows one at a time 44 s; untimed rows and runs ahead side by side 6 s" in md
 
 
 def test_the_report_states_each_issue_target_with_what_this_check_measured(tmp_path):

@@ -79,3 +79,14 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def graphs_from_cache() -> int:
+    """Graphs AOTAutograd loaded whole from torch's compile cache in this process so far (its forward and
+    backward, with inductor's code for both) instead of tracing and compiling them: a run of a command
+    that ran before on this machine, with the same config, loads them (metrics.jsonl
+    `compiled_graphs_from_cache`; gpu-check fills the cache ahead of its timed compiled rows). 0 with
+    compile_backend "aot_eager", which has no cache."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["autograd_cache_hit"])
