@@ -61,8 +61,12 @@ class WarmShardwise:
     def waiting_pid(self) -> int | None:
         return self._waiting.pid if self._waiting else None
 
-    def close(self) -> None:
+    def close(self) -> int | None:
+        """Ends the interpreter left waiting, which ran no command: its exit code (0 once its imports are
+        done), None where none was waiting."""
         with self._lock:
             proc, self._waiting = self._waiting, None
-        if proc is not None:
-            proc.communicate()  # EOF on stdin: it exits 0 once its imports are done
+        if proc is None:
+            return None
+        proc.communicate()  # EOF on stdin: it exits without running a command
+        return proc.returncode

@@ -314,6 +314,5 @@ def test_shardwise_commands_start_in_an_interpreter_that_imported_ahead(tmp_path
                       f"--data.path={ROOT / 'README.md'}", f"--run.dir={tmp_path / 'run'}", "--train.seq_len=32",
                       "--train.micro_batch=1", "--train.global_batch=1", "--model.vocab_size=512"], timeout=3)
     finally:
-        last = warm._waiting
-        warm.close()
-    assert last.returncode == 0 and warm.waiting_pid() is None
+        left = warm.close()
+    assert left == 0 and warm.waiting_pid() is None and warm.close() is None
