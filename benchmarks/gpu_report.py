@@ -1,7 +1,7 @@
 """The report of `make gpu-check` (benchmarks/gpu_check.py; not a script of its own): what a training row's
 run directory says it measured (metrics.jsonl, the allocator history's peak split), the rows as a table
 (report.md) and as JSON (report.json, format in docs/gpu.md), the planner's error over the training rows,
-and the open issues' targets, each with what this check measured: the training rows, and the JSON files
+and the GPU targets of issues 27, 29 and 30, each with what this check measured: the training rows, and the JSON files
 the benchmark rows of this check wrote into its folder (throughput.json, decode.json, ...).
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import fnmatch
 
 # Rows that run only when --only names them (docs/gpu.md says what each costs).
 DEFAULT_EXCLUDED = ("offload-big/*", "bench/decode-modes", "bench/fp8", "bench/fp8-2.4b", "fixture/*")
-# The measured rows the open issues' targets read (gpu_report.py TARGETS), run before the others: a check cut
+# The measured rows the issues' GPU targets read (gpu_report.py TARGETS), run before the others: a check cut
 # short by --budget (a lent GPU's session is shorter than the whole check) has measured these first.
 FIRST = ("bench/throughput", "bench/fp8", "bench/fp8-2.4b", "bench/decode", "offload-big/cpu", "offload-big/nvme",
          "train/compiled/bf16/none", "train/compiled/fp8/none", "train/eager/bf16/none")
