@@ -282,7 +282,7 @@ def prewarm(ctx: Ctx, name: str, overrides: list[str]) -> dict[str, Any]:
     if p.returncode != 0:
         return {**done, "reason": one_line(p)}
     m = metrics(run)
-    return {**done, **{k: m[k] for k in ("warmup_s", "compiled_graphs") if k in m}}
+    return {**done, **{k: m[k] for k in ("warmup_s", "inductor_graphs") if k in m}}
 
 
 def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:

@@ -84,9 +84,10 @@ def metrics(run: Path, skip: int = 2) -> dict[str, float]:
            "final_loss": records[-1]["loss"],
            # where the row's wall time went (report.md's time table): its first steps (compilation) and all
            "warmup_s": sum(seconds[:skip]), "steps_s": sum(seconds),
-           # compiled runs: graphs compiled, and of those loaded from torch's compile cache (gpu_check.py prewarm)
-           "compiled_graphs": records[-1].get("compiled_graphs"),
-           "compiled_graphs_from_cache": records[-1].get("compiled_graphs_from_cache")}
+           # compiled runs: graphs inductor generated code for, and of those loaded from torch's compile cache
+           # (gpu_check.py prewarm)
+           "inductor_graphs": records[-1].get("inductor_graphs"),
+           "inductor_graphs_from_cache": records[-1].get("inductor_graphs_from_cache")}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -248,13 +249,13 @@ def ran_ahead(rows: list[Row], prewarmed: dict[str, dict[str, Any]]) -> list[str
     many of their timed runs' graphs came from the compile cache they filled."""
     if not prewarmed:
         return []
-    timed = [r for r in rows if r.name in prewarmed and "compiled_graphs" in r.measured]
-    graphs = sum(r.measured["compiled_graphs"] for r in timed)
-    cached = sum(r.measured.get("compiled_graphs_from_cache", 0) for r in timed)
+    timed = [r for r in rows if r.name in prewarmed and "inductor_graphs" in r.measured]
+    graphs = sum(r.measured["inductor_graphs"] for r in timed)
+    cached = sum(r.measured.get("inductor_graphs_from_cache", 0) for r in timed)
     passed = [d for d in prewarmed.values() if d["status"] == "pass"]
     return ["", f"{len(prewarmed)} compiled rows ran ahead, untimed, side by side with the untimed rows "
             f"({len(passed)} passed, {sum(d.get('seconds', 0) for d in prewarmed.values()):.0f} s of their own): "
-            f"their timed runs loaded {cached:.0f} of {graphs:.0f} graphs from torch's compile cache"]
+            f"their timed runs loaded {cached:.0f} of {graphs:.0f} inductor graphs from torch's compile cache"]
 
 
 def write_report(out: Path, rows: list[Row], header: dict[str, Any]) -> None:

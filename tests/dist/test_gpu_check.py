@@ -85,22 +85,22 @@ def test_compiled_rows_run_ahead_side_by_side_to_fill_the_compile_cache():
 def test_a_compiled_row_run_ahead_loads_its_graphs_from_the_compile_cache(tmp_path, monkeypatch):
     """End to end on CPU with inductor (the check model's aot_eager has no cache): the row's command runs ahead
     beside `doctor`, in a compile cache of this test's own, and the timed run loads every graph it compiles
-    from it (metrics.jsonl compiled_graphs_from_cache); the report says so."""
+    from it (metrics.jsonl inductor_graphs_from_cache); the report says so."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))  # torch's own variable
     monkeypatch.setitem(gpu_check.MODELS, "cpu", [*gpu_check.MODELS["cpu"], "--train.compile_backend=inductor"])
-    row = "train/compiled/fp32/none"
+    row = "train/compiled/fp8/selective"  # torchao's FP8 tensors: AOTAutograd's own cache passes over its graph
     assert gpu_check.main(["--device", "cpu", "--jobs", "2", "--only", f"{row},doctor", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["prewarmed"][row]["status"] == "pass", report["prewarmed"]
-    ahead = [json.loads(r) for r in (tmp_path / "runs" / "prewarm_train_compiled_fp32_none" / "metrics.jsonl")
+    ahead = [json.loads(r) for r in (tmp_path / "runs" / "prewarm_train_compiled_fp8_selective" / "metrics.jsonl")
              .read_text().splitlines()]
-    assert ahead[-1]["compiled_graphs"] > 0 and ahead[-1]["compiled_graphs_from_cache"] == 0  # it compiled them
+    assert ahead[-1]["inductor_graphs"] > 0 and ahead[-1]["inductor_graphs_from_cache"] == 0  # it compiled them
     timed = {r["name"]: r for r in report["rows"]}[row]["measured"]
-    assert timed["compiled_graphs"] == ahead[-1]["compiled_graphs"] == timed["compiled_graphs_from_cache"], timed
+    assert timed["inductor_graphs"] == ahead[-1]["inductor_graphs"] == timed["inductor_graphs_from_cache"], timed
     md = (tmp_path / "report.md").read_text()
-    n = timed["compiled_graphs"]
+    n = timed["inductor_graphs"]
     assert "1 compiled rows ran ahead, untimed, side by side with the untimed rows (1 passed" in md
-    assert f"their timed runs loaded {n} of {n} graphs from torch's compile cache" in md
+    assert f"their timed runs loaded {n} of {n} inductor graphs from torch's compile cache" in md
 
 
 def test_a_budget_ends_the_check_in_time_and_says_what_it_left(tmp_path):

@@ -81,12 +81,16 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def graphs_from_cache() -> int:
-    """Graphs AOTAutograd loaded whole from torch's compile cache in this process so far (its forward and
-    backward, with inductor's code for both) instead of tracing and compiling them: a run of a command
-    that ran before on this machine, with the same config, loads them (metrics.jsonl
-    `compiled_graphs_from_cache`; gpu-check fills the cache ahead of its timed compiled rows). 0 with
-    compile_backend "aot_eager", which has no cache."""
+def inductor_graphs() -> tuple[int, int]:
+    """Graphs inductor generated code for in this process so far (a forward and a backward for each graph
+    dynamo compiled for training), and how many of them it loaded from torch's compile cache on disk
+    instead: a run of a command that ran before on this machine, with the same config, loads them
+    (metrics.jsonl `inductor_graphs`, `inductor_graphs_from_cache`; gpu-check fills the cache ahead of its
+    timed compiled rows). Counted at inductor, not at AOTAutograd's cache of whole graphs: that one passes
+    over graphs with tensor subclasses (torchao's FP8: measured on this torch, 2026-11-28), whose
+    generated code inductor's cache still holds. (0, 0) with compile_backend "aot_eager", which generates none."""
     from torch._dynamo.utils import counters
 
-    return int(counters["aot_autograd"]["autograd_cache_hit"])
+    made = counters["inductor"]
+    hits = int(made["fxgraph_cache_hit"])
+    return hits + int(made["fxgraph_cache_miss"]) + int(made["fxgraph_cache_bypass"]), hits

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from shardwise.config import Config
 from shardwise.parallel.comm_counter import describe_comm
-from shardwise.parallel.compile import compile_enabled, compiled_graphs, graphs_from_cache
+from shardwise.parallel.compile import compile_enabled, compiled_graphs, inductor_graphs
 from shardwise.parallel.precision import DynamicLossScaler
 from shardwise.spec.dims import ParallelDims, offload_tier
 from shardwise.spec.layout import compute_precision
@@ -75,7 +75,7 @@ class StepLog:
         # Graphs this run compiled: dynamo's counter is per process, and a process may train several runs.
         self.compiled = compile_enabled(cfg, device.type)
         self.graphs_before = compiled_graphs() if self.compiled else 0
-        self.cached_before = graphs_from_cache() if self.compiled else 0
+        self.inductor_before = inductor_graphs() if self.compiled else (0, 0)
         self.last_timeline: dict | None = None  # the newest recorded pipeline step, written at the end
         writer = rank == 0
         if writer:
@@ -157,7 +157,9 @@ class StepLog:
         self.logged.append({k: record[k] for k in ("tokens_per_s", "mfu", "mem_max_memory_allocated_bytes") if k in record})
         if self.compiled:  # constant after the first steps: nothing recompiles
             record["compiled_graphs"] = compiled_graphs() - self.graphs_before
-            record["compiled_graphs_from_cache"] = graphs_from_cache() - self.cached_before
+            made, cached = inductor_graphs()
+            record["inductor_graphs"] = made - self.inductor_before[0]
+            record["inductor_graphs_from_cache"] = cached - self.inductor_before[1]
         if timeline is not None:
             record["pp_bubble_measured"] = timeline["bubble_measured"]
             record["pp_bubble_theoretical"] = timeline["bubble_theoretical"]
