@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpu_hf_rows import hf_row
-from gpu_report import Row, metrics, one_line, peak_split, planner_summary, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
+from gpu_report import Row, metrics, one_line, peak_split, planner_summary, process_times, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
 from gpu_schedule import PREWARM, schedule, select  # noqa: F401  (this folder; tests use them from here)
 from gpu_warm import WarmShardwise
 
@@ -136,10 +136,13 @@ def train_args(ctx: Ctx, run: Path, overrides: list[str], steps: int | None = No
 def train_row(ctx: Ctx, name: str, overrides: list[str], steps: int | None = None) -> Row:
     run = ctx.out / "runs" / name.replace("/", "_")
     shutil.rmtree(run, ignore_errors=True)
+    started = time.time()
     p = ctx.shardwise(*train_args(ctx, run, overrides, steps))
+    ended = time.time()
     if p.returncode != 0:
         return Row(name, "fail", one_line(p))
-    row = Row(name, "pass", measured={**metrics(run), **peak_split(run)}, predicted=predict(ctx, run))
+    row = Row(name, "pass", measured={**metrics(run), **peak_split(run), **process_times(run, started, ended)},
+              predicted=predict(ctx, run))
     for key in ("step_s", "peak_gib"):
         got, want = row.measured.get(key), row.predicted.get(key)
         if isinstance(got, float) and isinstance(want, float) and got > 0:

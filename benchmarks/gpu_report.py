@@ -91,6 +91,17 @@ def metrics(run: Path, skip: int = 2) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def process_times(run: Path, started: float, ended: float) -> dict[str, float]:
+    """The training command's wall time (`process_s`: from its command line's start to its exit, Unix seconds
+    `started` and `ended`), and how much of it came before its first step began (`before_steps_s`: the
+    configuration, the device's start, the model's build, the data), from metrics.jsonl's `time` (when each
+    logged step ended) less the first step's own time. {} for records without `time`."""
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    if not isinstance(first.get("time"), (int, float)):
+        return {}
+    return {"process_s": ended - started, "before_steps_s": max(0.0, first["time"] - first["step_time_s"] - started)}
+
+
 def peak_split(run: Path) -> dict[str, float]:
     """What made up step 2's peak, from the allocator history every training row records (steps 1-2, which
     no timing reads): memory_peak.py's split of it into what was there before the step (parameters,
@@ -217,9 +228,10 @@ def _time_group(name: str) -> str:
 
 def time_spent(rows: list[Row], header: dict[str, Any]) -> list[str]:
     """Where the check's wall time went (issue 27 bounds the whole check at 9 minutes on one H100): seconds by
-    kind of row, and for training rows how much of it was in their warm-up steps (compilation: steps 1-2), in
-    the timed steps, and outside any step (the process's start, imports, the model's build, the data, the
-    allocator history's file and its split, the planner's prediction). The untimed rows, and the compiled
+    kind of row, and for training rows how much of it was before their first step (the configuration, the
+    device's start, the model's build, the data: process_times), in their warm-up steps (compilation: steps
+    1-2), in the timed steps, in the rest of the training process (between and after the steps: logging, the
+    allocator history's file, the process's end), and in the harness (the history's split, the planner). The untimed rows, and the compiled
     rows' commands run ahead to fill torch's compile cache (`prewarmed`), run side by side: their seconds add
     up to more than the pool's wall time (`parallel_seconds`)."""
     if not any(r.seconds for r in rows):
@@ -227,13 +239,21 @@ def time_spent(rows: list[Row], header: dict[str, Any]) -> list[str]:
     groups: dict[str, list[Row]] = {}
     for r in rows:
         groups.setdefault(_time_group(r.name), []).append(r)
-    lines = ["", "| rows | count | s | in warm-up steps (compilation) | in timed steps | outside the steps |",
-             "|---|---|---|---|---|---|"]
+    lines = ["", "| rows | count | s | before the first step | in warm-up steps (compilation) | in timed steps | "
+             "the rest of the process | in the harness |", "|---|---|---|---|---|---|---|---|"]
     for group, members in groups.items():
         trained = [r for r in members if "steps_s" in r.measured]
         total, warm = sum(r.seconds for r in members), sum(r.measured["warmup_s"] for r in trained)
         steps = sum(r.measured["steps_s"] for r in trained)
-        split = f"{warm:.0f} | {steps - warm:.0f} | {sum(r.seconds for r in trained) - steps:.0f}" if trained else " |  | "
+        split = " |  |  |  | "
+        if trained:
+            timed = [r for r in trained if "process_s" in r.measured]  # a row's split as its process_times say
+            before = sum(r.measured["before_steps_s"] for r in timed)
+            process = sum(r.measured["process_s"] for r in timed)
+            rest = process - before - sum(r.measured["steps_s"] for r in timed)
+            harness = sum(r.seconds - r.measured["process_s"] for r in timed)
+            split = (f"{before:.0f} | {warm:.0f} | {steps - warm:.0f} | {rest:.0f} | {harness:.0f}" if len(timed) == len(trained)
+                     else f" | {warm:.0f} | {steps - warm:.0f} | {sum(r.seconds for r in trained) - steps:.0f} | ")
         lines.append(f"| {group} | {len(members)} | {total:.0f} | {split} |")
     lines += ran_ahead(rows, header.get("prewarmed") or {})
     phases = [f"{what} {header[key]:.0f} s" for key, what in (("serial_seconds", "measured rows one at a time"),

@@ -136,7 +136,12 @@ def test_the_report_has_a_row_per_check_with_the_planners_prediction(tmp_path):
     # Where the check's time went: a training row's seconds split by its step times; other rows by kind
     rows[0].measured.update(warmup_s=20.0, steps_s=21.6)
     md = gpu_check.report_md(rows, {**header, "seconds": 50.0, "serial_seconds": 44.0, "parallel_seconds": 6.0})
-    assert "| train/compiled | 1 | 41 | 20 | 2 | 19 |" in md and "| offload | 1 | 3 |  |  |  |" in md
+    assert "| train/compiled | 1 | 41 |  | 20 | 2 | 19 |  |" in md and "| offload | 1 | 3 |  |  |  |  |  |" in md
+    # With the training process's own times (process_times): before its first step, the rest of the process
+    # (between and after the steps), and the harness's part of the row (41 - 38 s)
+    rows[0].measured.update(process_s=38.0, before_steps_s=10.0)
+    md = gpu_check.report_md(rows, {**header, "seconds": 50.0, "serial_seconds": 44.0, "parallel_seconds": 6.0})
+    assert "| train/compiled | 1 | 41 | 10 | 20 | 2 | 6 | 3 |" in md
     assert "the check took 50 s: measured rows one at a time 44 s; untimed rows and runs ahead side by side 6 s" in md
 
 
@@ -258,8 +263,10 @@ def test_rows_run_end_to_end_on_cpu(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| resume/bitwise | PASS |" in md
     # Where the time went, from the training row's own step times; no loss curve drawn (matplotlib: 0.7 s a row)
-    train = rows["train/eager/fp32/none"]
-    assert 0 < train["measured"]["warmup_s"] < train["measured"]["steps_s"] < train["seconds"]
+    train = rows["train/eager/fp32/none"]["measured"]
+    assert 0 < train["warmup_s"] < train["steps_s"]
+    assert 0 < train["before_steps_s"] and train["before_steps_s"] + train["steps_s"] < train["process_s"] < \
+        rows["train/eager/fp32/none"]["seconds"], train
     assert "| train/eager | 1 |" in md and "| layout | 1 |" in md and "the check took" in md
     assert not list(tmp_path.glob("runs/*/loss_curve.png"))
 

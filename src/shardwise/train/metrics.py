@@ -148,7 +148,7 @@ class MetricsLogger:
         if self._tb is not None:
             for name, value in metrics.items():
                 value = _json_default(value) if hasattr(value, "item") else value
-                if isinstance(value, (int, float)):
+                if isinstance(value, (int, float)) and name != "time":  # TensorBoard keeps its own wall time
                     self._tb.add_scalar(name, value, step)
 
     def progress(self, step: int, loss: float, tokens_per_s: float) -> None:

@@ -9,6 +9,7 @@ so every rank calls after_step for every step; only rank 0 prints or writes.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,8 @@ class StepLog:
         record = {"loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tokens_per_step / r.seconds,
                   "tokens_per_s_per_device": per_device, "step_time_s": r.seconds,
                   "mfu": mfu(self.flops_per_token, per_device, self.peak), "skipped": int(r.skipped),
-                  "skipped_steps": self.guard.skipped_total, "loss_scale": self.scaler.scale}
+                  "skipped_steps": self.guard.skipped_total, "loss_scale": self.scaler.scale,
+                  "time": time.time()}  # wall clock, Unix seconds: when the step ended (and was logged)
         record.update({f"mem_{k}_bytes": v[self.rank] for k, v in memory.items()})
         record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in comm_bytes.items()})
         record["comm_bytes_per_step"] = comm_bytes
