@@ -28,7 +28,7 @@ if not line:
     sys.exit(0)
 argv = json.loads(line)
 sys.argv = [cli.__file__, *argv]
-sys.exit(cli.main(argv))
+sys.exit(cli.console(argv))
 """
 
 

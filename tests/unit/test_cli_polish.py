@@ -480,3 +480,27 @@ def test_node_0_is_refused_a_rendezvous_port_in_use_before_anything_starts(liste
         port = free.getsockname()[1]
     assert not rendezvous._in_use("127.0.0.1", port)  # a port nobody holds
     assert check_multinode(2, 1, listening, "job") is not None  # node 1 only dials the port
+
+
+def test_the_process_entry_ends_without_collecting_torch_and_main_does_not_freeze():
+    """The `shardwise` script and `python -m shardwise.cli` end through console(), which freezes the heap
+    so that the interpreter's final collections skip torch's objects (0.63 s a process, cli.py console);
+    main(), which tests call in their own process, freezes nothing."""
+    import gc
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tomllib
+
+    frozen = gc.get_freeze_count()
+    assert main(["--version"]) == 0 and gc.get_freeze_count() == frozen
+    probe = ("import gc, sys; from shardwise.cli import console\n"
+             "code = console(['--version'])\nprint(gc.get_freeze_count() > 0, file=sys.stderr); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("shardwise ") and done.stderr.strip() == "True", done
+    module = subprocess.run([sys.executable, "-m", "shardwise.cli", "--version"], capture_output=True, text=True,
+                            timeout=60)
+    assert module.returncode == 0 and module.stdout == done.stdout
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["shardwise"] == "shardwise.cli:console"
