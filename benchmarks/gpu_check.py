@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 from gpu_hf_rows import hf_row
 from gpu_report import Row, metrics, one_line, peak_split, planner_summary, process_times, report_md, write_report  # noqa: F401  (this folder; tests use them from here)
-from gpu_schedule import PREWARM, schedule, select  # noqa: F401  (this folder; tests use them from here)
+from gpu_schedule import COMPILE_CACHE, PREWARM, drop_autotune_choices, schedule, select  # noqa: F401  (this folder; tests use them from here)
 from gpu_warm import WarmShardwise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -381,8 +381,12 @@ def main(argv: list[str]) -> int:
     has_torch = importlib.util.find_spec("torch") is not None
     cuda = has_torch and __import__("torch").cuda.is_available()
     device = args.device or ("cuda" if cuda else None)
-    ctx = Ctx(args.out.resolve(), device or "cpu", args.steps, args.timeout, None, args.out.resolve() / "corpus.txt",
-              {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
+    out = args.out.resolve()
+    # torch's compile cache (TORCHINDUCTOR_CACHE_DIR, torch's own variable): the check's own, emptied at its
+    # start (below), so that what a row compiles, and how long that takes, does not depend on what ran before.
+    ctx = Ctx(out, device or "cpu", args.steps, args.timeout, None, out / "corpus.txt",
+              {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               "TORCHINDUCTOR_CACHE_DIR": str(out / COMPILE_CACHE)})
     names = list(all_rows(ctx))
     chosen = select(names, args.only)
     if args.only and not chosen:
@@ -414,6 +418,7 @@ def main(argv: list[str]) -> int:
         ctx.gpu = match_cuda_name(torch.cuda.get_device_name())
     (ctx.out / "nvme").mkdir(parents=True, exist_ok=True)  # offload="nvme" rows' state directory
     _write_corpus(ctx.corpus)
+    shutil.rmtree(ctx.out / COMPILE_CACHE, ignore_errors=True)
     header, rows = {**header_of(ctx), "only": args.only, "budget": args.budget}, []
     started = time.perf_counter()
     ctx.deadline = None if args.budget is None else time.monotonic() + args.budget
@@ -473,6 +478,7 @@ def main(argv: list[str]) -> int:
                 for future in [pool.submit(run_chain, c) for c in chains]:
                     future.result()
             header["parallel_seconds"] = time.perf_counter() - parallel
+            drop_autotune_choices(ctx.out / COMPILE_CACHE)
         rest_started = time.perf_counter()
         for name in rest:
             record(run_row(name))

@@ -5,6 +5,7 @@ the compiled rows' commands run ahead to fill torch's compile cache, share it si
 from __future__ import annotations
 
 import fnmatch
+from pathlib import Path
 
 # Rows that run only when --only names them (docs/gpu.md says what each costs).
 DEFAULT_EXCLUDED = ("offload-big/*", "bench/decode-modes", "bench/fp8", "bench/fp8-2.4b", "fixture/*")
@@ -18,6 +19,7 @@ UNTIMED = ("resume/*", "hf/*", "doctor", "layout/*")
 AFTER = {"hf/export": "resume/bitwise"}  # exports the checkpoint that row leaves
 # A chain entry that runs the named training row's command ahead, untimed (prewarm), not the row itself.
 PREWARM = "prewarm:"
+COMPILE_CACHE = "compile-cache"  # under --out: the check's own compile cache (gpu_check.py main)
 
 
 def schedule(chosen: list[str], cacheable: set[str] | frozenset[str] = frozenset(),
@@ -55,3 +57,14 @@ def select(names: list[str], only: str | None) -> list[str]:
         return [n for n in names if not any(fnmatch.fnmatch(n, p) for p in DEFAULT_EXCLUDED)]
     patterns = [p.strip() for p in only.split(",") if p.strip()]
     return [n for n in names if any(fnmatch.fnmatch(n, p) or fnmatch.fnmatch(n, f"{p}/*") for p in patterns)]
+
+
+def drop_autotune_choices(cache: Path) -> int:
+    """Removes the kernel configurations inductor chose by timing them (`*.best_config` beside each generated
+    kernel in the compile cache) during the runs ahead, where they were timed beside the pool's other work on
+    the GPU: each timed row then times its kernels' candidates again, alone, in its own warm-up steps, and
+    still loads its graphs' code from the cache. Returns how many it removed."""
+    chosen = list(cache.rglob("*.best_config")) if cache.is_dir() else []
+    for path in chosen:
+        path.unlink(missing_ok=True)
+    return len(chosen)

@@ -84,9 +84,9 @@ def test_compiled_rows_run_ahead_side_by_side_to_fill_the_compile_cache():
 
 def test_a_compiled_row_run_ahead_loads_its_graphs_from_the_compile_cache(tmp_path, monkeypatch):
     """End to end on CPU with inductor (the check model's aot_eager has no cache): the row's command runs ahead
-    beside `doctor`, in a compile cache of this test's own, and the timed run loads every graph it compiles
-    from it (metrics.jsonl inductor_graphs_from_cache); the report says so."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))  # torch's own variable
+    beside `doctor`, in the check's own compile cache (OUT/compile-cache, emptied at its start), and the timed
+    run loads every graph it compiles from it (metrics.jsonl inductor_graphs_from_cache); the report says so."""
+    (tmp_path / "compile-cache" / "stale").mkdir(parents=True)  # an earlier check's cache: emptied at the start
     monkeypatch.setitem(gpu_check.MODELS, "cpu", [*gpu_check.MODELS["cpu"], "--train.compile_backend=inductor"])
     row = "train/compiled/fp8/selective"  # torchao's FP8 tensors: AOTAutograd's own cache passes over its graph
     assert gpu_check.main(["--device", "cpu", "--jobs", "2", "--only", f"{row},doctor", "--out", str(tmp_path)]) == 0
@@ -97,6 +97,7 @@ def test_a_compiled_row_run_ahead_loads_its_graphs_from_the_compile_cache(tmp_pa
     assert ahead[-1]["inductor_graphs"] > 0 and ahead[-1]["inductor_graphs_from_cache"] == 0  # it compiled them
     timed = {r["name"]: r for r in report["rows"]}[row]["measured"]
     assert timed["inductor_graphs"] == ahead[-1]["inductor_graphs"] == timed["inductor_graphs_from_cache"], timed
+    assert not (tmp_path / "compile-cache" / "stale").exists() and list((tmp_path / "compile-cache").iterdir())
     md = (tmp_path / "report.md").read_text()
     n = timed["inductor_graphs"]
     assert "1 compiled rows ran ahead, untimed, side by side with the untimed rows (1 passed" in md
@@ -323,3 +324,16 @@ def test_shardwise_commands_start_in_an_interpreter_that_imported_ahead(tmp_path
     finally:
         left = warm.close()
     assert left == 0 and warm.waiting_pid() is None and warm.close() is None
+
+
+def test_kernel_configurations_timed_beside_the_pool_are_not_kept_for_the_timed_rows(tmp_path):
+    """Inductor times a kernel's candidate configurations on its first call and keeps the choice beside the
+    kernel (`*.best_config`); a run ahead times them beside the pool's other work on the GPU. The check
+    removes those choices after the pool, keeping the generated code, so a timed row chooses alone."""
+    kernel = tmp_path / "compile-cache" / "triton" / "0" / "ab"
+    kernel.mkdir(parents=True)
+    for name in ("k1.py", "k1.best_config", "x.best_config", "fxgraph.entry"):
+        (kernel / name).write_text("{}")
+    assert gpu_check.drop_autotune_choices(tmp_path / "compile-cache") == 2
+    assert sorted(p.name for p in kernel.iterdir()) == ["fxgraph.entry", "k1.py"]
+    assert gpu_check.drop_autotune_choices(tmp_path / "nowhere") == 0
