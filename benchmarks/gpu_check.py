@@ -258,16 +258,14 @@ def training_rows(ctx: Ctx) -> dict[str, list[str]]:
 
 
 def compiles_with_cache(ctx: Ctx, overrides: list[str]) -> bool:
-    """Whether a training row compiles through inductor, whose graphs torch's compile cache keeps across
-    processes (on disk, keyed by the graph and its settings): train.compile as the row sets it, else its
-    default (on for CUDA, off for CPU); train.compile_backend as the check model sets it (aot_eager on CPU),
-    else inductor. The last occurrence of a key wins, as on shardwise's command line."""
-    def last(key: str, default: str) -> str:
-        given = [a.split("=", 1)[1] for a in [*ctx.common(), *overrides] if a.startswith(f"--{key}=")]
-        return given[-1] if given else default
+    """Whether a training row compiles through inductor, whose generated code torch's compile cache keeps
+    across processes (on disk, keyed by the graph and its settings): the trainer's own rule (compile_enabled)
+    on the row's own config, and its compile_backend (the check model's is aot_eager on CPU, with no cache)."""
+    from shardwise.config import load_config
+    from shardwise.parallel.compile import compile_enabled
 
-    return last("train.compile", str(ctx.device == "cuda").lower()) == "true" and \
-        last("train.compile_backend", "inductor") == "inductor"
+    cfg = load_config(None, [*ctx.common(), *overrides])
+    return compile_enabled(cfg, ctx.device) and cfg.train.compile_backend == "inductor"
 
 
 def prewarm(ctx: Ctx, name: str, overrides: list[str]) -> dict[str, Any]:

@@ -231,9 +231,9 @@ def time_spent(rows: list[Row], header: dict[str, Any]) -> list[str]:
     kind of row, and for training rows how much of it was before their first step (the configuration, the
     device's start, the model's build, the data: process_times), in their warm-up steps (compilation: steps
     1-2), in the timed steps, in the rest of the training process (between and after the steps: logging, the
-    allocator history's file, the process's end), and in the harness (the history's split, the planner). The untimed rows, and the compiled
-    rows' commands run ahead to fill torch's compile cache (`prewarmed`), run side by side: their seconds add
-    up to more than the pool's wall time (`parallel_seconds`)."""
+    allocator history's file, the process's end), and in the harness (the history's split, the planner). The
+    untimed rows, and the compiled rows' commands run ahead to fill torch's compile cache (`prewarmed`), run
+    side by side: their seconds add up to more than the pool's wall time (`parallel_seconds`)."""
     if not any(r.seconds for r in rows):
         return []
     groups: dict[str, list[Row]] = {}

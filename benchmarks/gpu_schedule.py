@@ -30,8 +30,8 @@ def schedule(chosen: list[str], cacheable: set[str] | frozenset[str] = frozenset
     inductor: gpu_check.py compiles_with_cache), its command run ahead (PREWARM): a compiled row took 21-34 s on
     an H200 against ~12 s for an eager one (2026-11-26), and run ahead side by side with the untimed rows its
     compilation fills torch's compile cache for the timed run instead of being paid in full, one row after
-    another. Only when the pool runs several at a time and
-    has several to run: a lone run ahead would only repeat its row."""
+    another. Only when the pool runs several at a time and has several to run: a lone run ahead would only
+    repeat its row."""
     untimed = [n for n in chosen if any(fnmatch.fnmatch(n, p) for p in UNTIMED)]
     chains: list[list[str]] = []
     for name in untimed:
