@@ -26,8 +26,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("shardwise.errors",),
     ("shardwise.spec",),
     ("shardwise.config", "shardwise.config_model", "shardwise.config_reference", "shardwise.tensors", "shardwise.scratch",
-     "shardwise.paths"),
-    ("shardwise.preflight", "shardwise.models"),
+     "shardwise.paths", "shardwise.orphans"),
+    # data/: corpus preparation and token shards, torch-free (its workers start without torch).
+    ("shardwise.preflight", "shardwise.models", "shardwise.data"),
     ("shardwise.parallel", "shardwise.plan"),
     ("shardwise.train",),
     ("shardwise.launch",),
@@ -35,7 +36,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("shardwise.cli", "shardwise.__init__"),
 ]
 SEPARATE = {("shardwise.parallel", "shardwise.plan"), ("shardwise.plan", "shardwise.parallel"),
-            ("shardwise.preflight", "shardwise.models"), ("shardwise.models", "shardwise.preflight")}
+            ("shardwise.preflight", "shardwise.models"), ("shardwise.models", "shardwise.preflight"),
+            ("shardwise.data", "shardwise.models"), ("shardwise.models", "shardwise.data"),
+            ("shardwise.data", "shardwise.preflight"), ("shardwise.preflight", "shardwise.data")}
 
 
 def module_name(path: Path) -> str:

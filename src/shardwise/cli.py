@@ -22,6 +22,8 @@ commands:
            [--nnodes N or MIN:MAX --node-rank K --rdzv-endpoint HOST:PORT]   multi-node (MIN:MAX: elastic)
   parity   --nproc N --layout k=v,k=v [--layout ...] [--steps 20] [--config FILE.toml] [--section.key=value ...]
            compare layouts with the single-process reference
+  data     prepare [--config FILE.toml] [--workers N] [--data.path=... or [[data.sources]]] [--section.key=value ...]
+           tokenize a corpus into token shards (parallel, resumable) where `train` finds them
   config   [--config FILE.toml] [--section.key=value ...] [--keys]     print the resolved config (or every key)
   plan     evaluate --config FILE.toml [--json] [--assume-mfu X] [--plot out.png] [--section.key=value ...]
            search   --config FILE.toml [--top 10] [--json] [--emit best.toml] [--plot out.png]
@@ -135,19 +137,23 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
     # Offloaded states against this node's memory, at the fewest nodes the job may run on (the largest shards).
     check_offload_fits_host(cfg, args.nproc * ((nodes.min_nodes or nodes.nnodes) if nodes is not None else 1), args.nproc)
     rundir.check_cache_dir(cfg)
-    from shardwise.train.data import check_corpus, prepare_data
+    from shardwise.train.data import check_batches, prepare_data
     from shardwise.train.manifest import file_digest
 
     data = prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
-    check_corpus(len(data.tokens), cfg.train.seq_len, cfg.train.global_batch)  # one global batch at least
+    # One global batch at least, a resumed mixture's data, and its sources' max_epochs over train.steps.
+    check_batches(data, cfg, rundir.newest_trainer_state(cfg))
     rundir.check_run_dirs(cfg)
+    if nodes is not None:  # compared with the other nodes' before the rendezvous (launch/peer_failure.py)
+        digest = hashlib.sha256(f"{data.tokens_sha256}/{file_digest(data.tokenizer_path)[1]}".encode()).hexdigest()
+        nodes = dataclasses.replace(nodes, data=f"{digest}@{data.describe()}")
     # Node 0 owns the run directory (lock, config.toml); other nodes only check it: with a shared file
     # system a second lock would refuse our own job (train/rundir.py).
     owner = nodes is None or nodes.node_rank == 0
     locks = rundir.lock_dirs(cfg, job=nodes.rdzv_id if nodes else None) if owner else []  # held until the job ends
     worker_config = None
     try:
-        done = rundir.resume_preflight(cfg, len(data.tokens), file_digest(data.tokenizer_path)[1])
+        done = rundir.resume_preflight(cfg, data.num_tokens, file_digest(data.tokenizer_path)[1])
         if done:
             print(done)
             return 0
@@ -242,6 +248,12 @@ def _export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     export_hf(Path(args.run_dir), Path(args.hf), args.step, args.dtype, int(args.max_shard_size * 2**30))
     return 0
+
+
+def _data(argv: list[str]) -> int:
+    from shardwise.data.command import data_main
+
+    return data_main(argv)
 
 
 def _generate(argv: list[str]) -> int:
@@ -340,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     commands["bench-comm"] = lambda rest: _launch_command("bench_comm", rest)
     commands["launch"] = lambda rest: _launch_command("schedulers", rest)
     commands["generate"] = _generate
+    commands["data"] = _data
     if command not in commands:
         import difflib
 
@@ -352,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e.render()}", file=sys.stderr)
         return 2
+    except RunFailure as e:  # a corpus's preparation interrupted, or its disk full: one line, its exit code
+        print(("" if isinstance(e, Interrupted) else "error: ") + e.message, file=sys.stderr)
+        return e.exit_code
     except OSError as e:  # a file a command reads or writes: one line, not a traceback (the disk's fault: exit 4)
         failure = storage_failure(e, then="then rerun")
         print(f"error: {failure.message if failure else f'shardwise {command}: {e}'}", file=sys.stderr)

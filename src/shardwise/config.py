@@ -170,11 +170,38 @@ class ParallelConfig:
 
 
 @dataclass
+class DataSource:
+    """One source of a mixture ([[data.sources]]): its own corpus, prepared like data.path, and its share."""
+
+    path: str = opt("", "Text, JSONL, JSON or Parquet file, directory or glob, or a Megatron-LM indexed dataset "
+                        "(PREFIX, PREFIX.bin or PREFIX.idx).")
+    weight: float = opt(1.0, "Share of the training tokens drawn from this source, relative to the other sources' "
+                             "weights (they need not sum to 1). May change when a run resumes: from that step on.")
+    name: str = opt("", "Name in the start-up lines, metrics.jsonl (tokens_<name>) and checkpoints; default: the "
+                        "path's file name without its extension.")
+    max_epochs: float = opt(0.0, "The most times this source may be read over by the end of train.steps (1: no sample "
+                                 "twice); a run that would need more is refused before it starts. 0: no limit.")
+    text_key: str = opt("", "Field holding the text in this source's JSONL / Parquet records; empty: data.text_key.")
+
+
+@dataclass
 class DataConfig:
-    path: str = opt("", "Text, JSONL or Parquet file, directory or glob; empty = the Python standard library's source.")
+    path: str = opt("", "Text, JSONL, JSON or Parquet file, directory or glob, or a Megatron-LM indexed dataset "
+                        "(PREFIX, PREFIX.bin or PREFIX.idx); empty = the Python standard library's source "
+                        "(unless data.sources is set).")
+    sources: list[DataSource] = opt([], "A weighted mixture instead of data.path: [[data.sources]] tables with path, "
+                                        "weight and optionally name, max_epochs, text_key (docs/data.md).")
     tokenizer: str = opt("bpe", '"bpe" (trained on the corpus and cached), "byte", or a path to a tokenizer.json.')
     text_key: str = opt("text", "Field holding the text in JSONL / Parquet records.")
-    cache_dir: str = opt("~/.cache/shardwise", "Where trained tokenizers and token arrays are cached.")
+    cache_dir: str = opt("~/.cache/shardwise", "Where trained tokenizers and prepared corpora (token shards) are kept.")
+    bad_records: str = opt("error", '"error": a malformed JSON line, a record without data.text_key or an unreadable '
+                                    'Parquet row group stops the preparation (exit 2) naming file and line; "skip": '
+                                    "such records are skipped, counted in the manifest and printed.")
+    shard_mb: float = opt(32.0, "Input megabytes per prepared shard: the unit a preparation worker tokenizes and writes, "
+                                "and what a killed preparation keeps. Part of the prepared corpus's identity.")
+    prepare_workers: int = opt(0, "Processes that tokenize the corpus when it is prepared (`shardwise data prepare "
+                                  "--workers N`, or `train` finding it unprepared); 0: one per core. The shards are "
+                                  "the same for any count.")
     num_workers: int = opt(0, "Background processes per rank that prepare the batches of the next steps (0: in the training "
                               "process). The batches are the same for any count; ~cores / ranks - 1 is plenty.")
 
@@ -348,7 +375,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if isinstance(value, str):
             value = _parse_cli_value(key, value if value.lstrip().startswith("[") else f"[{value}]", list)
         if not isinstance(value, list):
-            raise ConfigError(key, f"expected a list of {item.__name__}, got {value!r}", f"write e.g. {key}=[1, 2]")
+            example = '[{path = "a.jsonl", weight = 1}]' if dataclasses.is_dataclass(item) else "[1, 2]"
+            raise ConfigError(key, f"expected a list of {item.__name__}, got {value!r}", f"write e.g. {key}={example}")
+        if dataclasses.is_dataclass(item):
+            return [_table(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
         return [_coerce(key, v, item) for v in value]
     if isinstance(value, str) and base is not str:
         value = _parse_cli_value(key, value, base)
@@ -363,6 +393,21 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         # trained until it diverged).
         raise ConfigError(key, f"must be a finite number, got {value!r}", f"give {key} a finite value")
     return value
+
+
+def _table(key: str, value: Any, cls: type) -> Any:
+    """One table of an array of tables ([[data.sources]]) as its dataclass, strictly: every key must be
+    one of its fields and of its type (`key` names the entry in errors: data.sources[1])."""
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"expected a table of keys, got {value!r}",
+                          f"write it as [[{key.split('[')[0]}]] with {', '.join(f.name for f in dataclasses.fields(cls))}")
+    hints = _field_types(cls)
+    out = cls()
+    for name, v in value.items():
+        if name not in hints:
+            raise ConfigError(f"{key}.{name}", "unknown key", did_you_mean(name, list(hints)))
+        setattr(out, name, _coerce(f"{key}.{name}", v, hints[name]))
+    return out
 
 
 def _alias(key: str, value: Any, aliases: dict[bool, Any]) -> Any:

@@ -25,9 +25,9 @@ def test_paths_are_not_compared_but_what_they_hold_is():
     assert _facts(("model.moe.top_k", "1"))["model.moe.top_k"] == 1  # nested sections are flattened
 
 
-def test_the_token_digest_is_of_the_tokens_and_cached_beside_them(corpus_file, tmp_path):
-    """The digest does not depend on the corpus's path or cache (another node's copy), is cached with the
-    document count after the first computation, and changes with one byte of the corpus (the same length)."""
+def test_the_token_digest_is_of_the_tokens_whatever_their_path(corpus_file, tmp_path):
+    """The digest does not depend on the corpus's path or cache (another node's copy), is read from the
+    prepared corpus's manifest on a warm start, and changes with one byte of the corpus (the same length)."""
     from shardwise.train.data import prepare_data
 
     def prepared(path, cache):
@@ -35,20 +35,18 @@ def test_the_token_digest_is_of_the_tokens_and_cached_beside_them(corpus_file, t
                                                 ("data.cache_dir", str(cache))]).data, 512, log=lambda _: None)
 
     first = prepared(corpus_file, tmp_path / "a")
-    assert first.tokens_sha256 == hashlib.sha256(np.ascontiguousarray(first.tokens).tobytes()).hexdigest()
-    assert first.num_documents == int(np.count_nonzero(np.asarray(first.tokens) == first.eod_id)) > 0
-    [cached] = (tmp_path / "a" / "tokens").glob("*.facts.json")
-    assert json.loads(cached.read_text()) == {"sha256": first.tokens_sha256, "documents": first.num_documents}
-    cached.write_text(json.dumps({"sha256": "c" * 64, "documents": 7}))  # a warm start reads them, not the array
-    again = prepared(corpus_file, tmp_path / "a")
-    assert (again.tokens_sha256, again.num_documents) == ("c" * 64, 7)
+    stream = first.sources[0].corpus.stream
+    shard_digest = hashlib.sha256(np.ascontiguousarray(stream.read(0, len(stream))).tobytes()).hexdigest()
+    assert first.tokens_sha256 == hashlib.sha256(shard_digest.encode()).hexdigest()  # one shard's digest, hashed
+    [manifest] = (tmp_path / "a" / "prepared").glob("*/manifest.json")
+    assert json.loads(manifest.read_text())["sha256"] == first.tokens_sha256
     copy = tmp_path / "copy.txt"
     shutil.copy(corpus_file, copy)
     assert prepared(copy, tmp_path / "b").tokens_sha256 == first.tokens_sha256
     text = corpus_file.read_text()
     copy.write_text(text[:-10] + ("x" if text[-10] != "x" else "y") + text[-9:])
     edited = prepared(copy, tmp_path / "c")
-    assert len(edited.tokens) == len(first.tokens) and edited.tokens_sha256 != first.tokens_sha256
+    assert edited.num_tokens == first.num_tokens and edited.tokens_sha256 != first.tokens_sha256
 
 
 def test_the_error_names_the_first_key_each_groups_value_and_the_others():

@@ -1,4 +1,5 @@
-"""Corpus discovery, tokenizers, the token cache, and layout-independent batches (shardwise.train.data)."""
+"""Corpus discovery, tokenizers, and layout-independent batches (shardwise.data, shardwise.train.data).
+Preparation itself (shards, resume, faults, mixtures): test_prepare.py."""
 from __future__ import annotations
 
 import json
@@ -15,11 +16,13 @@ import pytest
 import torch
 
 from shardwise.config import DataConfig
+from shardwise.data import corpus
+from shardwise.data import tokenizer as T
+from shardwise.data.corpus import corpus_files
+from shardwise.data.records import iter_documents
+from shardwise.data.tokenizer import load_tokenizer, tokenizer_file
 from shardwise.errors import ConfigError
-from shardwise.train import corpus
-from shardwise.train import data as D
-from shardwise.train.corpus import corpus_files, iter_documents
-from shardwise.train.data import TokenBatches, load_or_train_tokenizer, prepare_data, split_inputs_targets
+from shardwise.train.data import TokenBatches, prepare_data, split_inputs_targets
 from shardwise.train.loader import BatchPrefetcher
 
 EXCLUDED = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
@@ -35,8 +38,8 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_default_corpus_is_stdlib_sorted_without_tests():
-    root = corpus._stdlib_root()
-    files = corpus_files(DataConfig(path=""))
+    root = corpus.stdlib_root()
+    files = corpus_files("")
     rel = [f.relative_to(root).as_posix() for f in files]
     assert len(files) > 100
     assert rel == sorted(rel)
@@ -51,31 +54,31 @@ def test_default_corpus_exclusions_on_a_fake_stdlib(tmp_path, monkeypatch):
                 "test/t.py", "pkg/tests/t.py", "idlelib/idle_test/t.py", "site-packages/s.py",
                 "dist-packages/d.py"]:
         _write(tmp_path / rel, "x = 1\n")
-    monkeypatch.setattr(corpus, "_stdlib_root", lambda: tmp_path)
-    rel = [f.relative_to(tmp_path).as_posix() for f in corpus_files(DataConfig())]
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: tmp_path)
+    rel = [f.relative_to(tmp_path).as_posix() for f in corpus_files("")]
     assert rel == ["a.py", "a/b.py", "a/z.py", "b.py", "pkg/mytest.py"]
 
 
 def test_user_paths_file_directory_glob_and_errors(tmp_path):
     for rel in ["d/b.txt", "d/a.md", "d/sub/c.jsonl", "d/sub/e.parquet", "d/x.bin", "d/.hidden/h.txt", "d/.h.txt"]:
         _write(tmp_path / rel, "{}")
-    got = [f.relative_to(tmp_path / "d").as_posix() for f in corpus_files(DataConfig(path=str(tmp_path / "d")))]
+    got = [f.relative_to(tmp_path / "d").as_posix() for f in corpus_files(str(tmp_path / "d"))]
     assert got == ["a.md", "b.txt", "sub/c.jsonl", "sub/e.parquet"]
-    assert corpus_files(DataConfig(path=str(tmp_path / "d/b.txt"))) == [tmp_path / "d/b.txt"]
-    assert corpus_files(DataConfig(path=str(tmp_path / "d/**/*.jsonl"))) == [tmp_path / "d/sub/c.jsonl"]
+    assert corpus_files(str(tmp_path / "d/b.txt")) == [tmp_path / "d/b.txt"]
+    assert corpus_files(str(tmp_path / "d/**/*.jsonl")) == [tmp_path / "d/sub/c.jsonl"]
     for bad in ["nope.txt", "d/*.nothing"]:
         with pytest.raises(ConfigError) as e:
-            corpus_files(DataConfig(path=str(tmp_path / bad)))
+            corpus_files(str(tmp_path / bad))
         assert e.value.field == "data.path" and e.value.fix
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="holds no"):
-        corpus_files(DataConfig(path=str(tmp_path / "empty")))
+        corpus_files(str(tmp_path / "empty"))
 
 
 def test_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     _write(tmp_path / "corpus.txt", "hi")
-    assert corpus_files(DataConfig(path="~/corpus.txt")) == [tmp_path / "corpus.txt"]
+    assert corpus_files("~/corpus.txt") == [tmp_path / "corpus.txt"]
 
 
 def test_reading_text_jsonl_parquet(tmp_path):
@@ -105,9 +108,14 @@ def test_missing_text_key_names_the_keys_found(tmp_path):
 # ---------------------------------------------------------------- tokenizers
 
 
+def _tokenizer(cfg: DataConfig, vocab: int, documents=()):
+    path, _ = tokenizer_file(cfg.tokenizer, Path(cfg.cache_dir), vocab, lambda: "corpus", lambda: iter(documents))
+    return load_tokenizer(path, vocab)
+
+
 def test_byte_tokenizer_roundtrip(tmp_path):
     cfg = DataConfig(tokenizer="byte", cache_dir=str(tmp_path / "cache"))
-    tok = load_or_train_tokenizer(cfg, 257)
+    tok = _tokenizer(cfg, 257)
     text = "def f(x):\n\treturn 'héllo wörld' 🙂  \x00\xff"
     ids = tok.encode(text, add_special_tokens=False).ids
     assert ids == list(text.encode("utf-8"))
@@ -115,7 +123,7 @@ def test_byte_tokenizer_roundtrip(tmp_path):
     assert tok.token_to_id("<|endoftext|>") == 256 and tok.get_vocab_size() == 257
     assert len(list((tmp_path / "cache/tokenizers").glob("*.json"))) == 1
     with pytest.raises(ConfigError) as e:
-        load_or_train_tokenizer(cfg, 256)
+        _tokenizer(cfg, 256)
     assert e.value.field == "model.vocab_size"
 
 
@@ -129,7 +137,8 @@ def _small_corpus(tmp_path: Path) -> Path:
 
 def test_bpe_is_trained_once_and_cached(tmp_path, monkeypatch):
     cfg = DataConfig(path=str(_small_corpus(tmp_path)), tokenizer="bpe", cache_dir=str(tmp_path / "cache"))
-    tok = load_or_train_tokenizer(cfg, 300)
+    cold = prepare_data(cfg, 300, log=lambda _: None)
+    tok = load_tokenizer(cold.tokenizer_path, 300)
     cached = list((tmp_path / "cache/tokenizers").glob("*.json"))
     assert len(cached) == 1 and 257 < tok.get_vocab_size() <= 300
     assert tok.token_to_id("<|endoftext|>") is not None
@@ -138,29 +147,34 @@ def test_bpe_is_trained_once_and_cached(tmp_path, monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("retrained although cached")
 
-    monkeypatch.setattr(D, "_train_bpe", no_training)
-    tok2 = load_or_train_tokenizer(cfg, 300)
-    assert tok2.to_str() == tok.to_str()
+    monkeypatch.setattr(T, "_train_bpe", no_training)
+    warm = prepare_data(cfg, 300, log=lambda _: None)
+    assert warm.tokenizer_path.read_text() == cold.tokenizer_path.read_text()
     assert list((tmp_path / "cache/tokenizers").glob("*.json")) == cached and cached[0].stat().st_mtime_ns == stamp
     assert not list((tmp_path / "cache/tokenizers").glob(".*"))  # no temp files left behind
     with pytest.raises(AssertionError, match="retrained"):  # another vocab size is another tokenizer
-        load_or_train_tokenizer(cfg, 320)
+        prepare_data(cfg, 320, log=lambda _: None)
 
 
 def test_tokenizer_file_errors(tmp_path):
     cache = str(tmp_path / "cache")
     with pytest.raises(ConfigError) as e:
-        load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "missing.json"), cache_dir=cache), 1000)
+        _tokenizer(DataConfig(tokenizer=str(tmp_path / "missing.json"), cache_dir=cache), 1000)
     assert e.value.field == "data.tokenizer"
     path = tmp_path / "tok.json"
-    D.byte_tokenizer().save(str(path))
-    assert load_or_train_tokenizer(DataConfig(tokenizer=str(path), cache_dir=cache), 300).get_vocab_size() == 257
+    T.byte_tokenizer().save(str(path))
+    assert _tokenizer(DataConfig(tokenizer=str(path), cache_dir=cache), 300).get_vocab_size() == 257
     with pytest.raises(ConfigError) as e:
-        load_or_train_tokenizer(DataConfig(tokenizer=str(path), cache_dir=cache), 200)
+        _tokenizer(DataConfig(tokenizer=str(path), cache_dir=cache), 200)
     assert e.value.field == "model.vocab_size" and "257" in e.value.fix
 
 
-# ---------------------------------------------------------------- token array
+# ---------------------------------------------------------------- prepared tokens
+
+
+def _all_tokens(data) -> np.ndarray:
+    stream = data.sources[0].corpus.stream
+    return stream.read(0, len(stream))
 
 
 def test_prepare_data_byte_tokens_are_the_bytes(tmp_path):
@@ -171,30 +185,28 @@ def test_prepare_data_byte_tokens_are_the_bytes(tmp_path):
     d = prepare_data(DataConfig(path=str(tmp_path / "c"), tokenizer="byte", cache_dir=str(tmp_path / "cache")),
                      512, log=logs.append)
     want = [*b"ab<|endoftext|>", 256, *b"x", 256, *b"yz", 256]
-    assert d.tokens.tolist() == want and d.tokens.dtype == np.uint16
+    assert _all_tokens(d).tolist() == want and _all_tokens(d).dtype == np.uint16
     assert d.eod_id == 256 and d.tokenizer_vocab == 257 and d.num_documents == 3
-    assert len(logs) == 1 and logs[0].startswith("data:")
+    assert logs[-1].startswith("data: ") and "3 docs" in logs[-1]
 
 
 def test_prepare_data_is_cached(tmp_path, monkeypatch):
+    from shardwise.data import prepare as P
+
     cfg = DataConfig(path=str(_small_corpus(tmp_path)), tokenizer="bpe", cache_dir=str(tmp_path / "cache"))
     logs: list[str] = []
     cold = prepare_data(cfg, 300, log=logs.append)
-    assert isinstance(cold.tokens, np.memmap) and cold.tokens.ndim == 1
-    assert cold.num_documents == 6 and int(cold.tokens[-1]) == cold.eod_id
-    assert len(list((tmp_path / "cache/tokens").glob("*.npy"))) == 1
+    assert cold.num_documents == 6 and int(_all_tokens(cold)[-1]) == cold.eod_id
+    assert len(list((tmp_path / "cache/prepared").glob("*/manifest.json"))) == 1
 
     def no_work(*a, **k):
         raise AssertionError("recomputed although cached")
 
-    monkeypatch.setattr(D, "_tokenize", no_work)
-    monkeypatch.setattr(D, "_train_bpe", no_work)
+    monkeypatch.setattr(P, "prepare_unit", no_work)
+    monkeypatch.setattr(T, "_train_bpe", no_work)
     warm = prepare_data(cfg, 300, log=logs.append)
-    assert np.array_equal(warm.tokens, cold.tokens) and warm.fingerprint == cold.fingerprint
+    assert np.array_equal(_all_tokens(warm), _all_tokens(cold)) and warm.tokens_sha256 == cold.tokens_sha256
     assert warm.tokenizer_path == cold.tokenizer_path and "cached" in logs[-1]
-    # Touching the corpus changes the fingerprint, so the cache is not reused.
-    _write(tmp_path / "corpus/doc9.py", "x = 1\n")
-    assert corpus.corpus_fingerprint(cfg, corpus_files(cfg)) != cold.fingerprint
 
 
 # ---------------------------------------------------------------- batches
@@ -260,10 +272,10 @@ def test_too_small_corpus_and_resume_checks():
     tb = _batches()
     state = tb.state_dict()
     assert state == {"seed": 3, "seq_len": 10, "global_batch": 8, "num_windows": 100}
-    tb.check_state(json.loads(json.dumps(state)))
+    assert tb.load_state(json.loads(json.dumps(state)), 5) is None
     for key, field in [("seed", "train.seed"), ("num_windows", "data.path"), ("global_batch", "train.global_batch")]:
         with pytest.raises(ConfigError) as e:
-            tb.check_state({**state, key: state[key] + 1})
+            tb.load_state({**state, key: state[key] + 1}, 5)
         assert e.value.field == field
 
 
@@ -287,7 +299,7 @@ def test_prefetched_batches_equal_direct_ones_for_any_worker_count(tmp_path, num
     # What a worker receives: the token file's path, not a copy of the corpus.
     assert len(pickle.dumps(tb)) < 4096 < tokens.nbytes
     clone = pickle.loads(pickle.dumps(tb))
-    assert isinstance(clone.tokens, np.memmap) and torch.equal(clone.global_batch_at(5), tb.global_batch_at(5))
+    assert isinstance(clone.sources[0].tokens.tokens, np.memmap) and torch.equal(clone.global_batch_at(5), tb.global_batch_at(5))
 
 
 # Run in a process of its own: it installs torch's SIGCHLD handler and kills a loader worker.

@@ -120,6 +120,35 @@ def test_a_node_with_another_nnodes_is_refused_and_the_first_node_ends_with_its_
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_node_that_prepared_other_data_is_refused_naming_both_preparations(served, monkeypatch):
+    """Node-local caches that differ (a corpus edited on one node): the node whose prepared data differs from the
+    first waiting node's refuses itself before any worker starts, naming both preparations, and the first node
+    ends with its line; a node with the same data waits on."""
+    from shardwise.launch import peer_failure
+    from shardwise.launch.peer_failure import DATA, data_refusal
+
+    store, endpoint = served
+    signals = []
+    monkeypatch.setattr(peer_failure.signal, "pthread_kill", lambda thread, signum: signals.append(signum))
+    mine, theirs = "a" * 64 + "@/cache/prepared/x (sha256 aaaa, 10 tokens)", "b" * 64 + "@/cache/prepared/y (sha256 bbbb, 12 tokens)"
+    first = RefusalWatch(endpoint, started=lambda: False, node_rank=0, spec="2", data=mine).start()
+    deadline = time.monotonic() + 10
+    while not store.check([DATA]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    same = RefusalWatch(endpoint, started=lambda: False, node_rank=2, spec="2", data=mine).start()
+    time.sleep(1.5)
+    assert signals == [] and same.refusal is None
+    other = RefusalWatch(endpoint, started=lambda: False, node_rank=1, spec="2", data=theirs).start()
+    while len(signals) < 3 and time.monotonic() < deadline + 10:
+        time.sleep(0.1)
+    for watch in (first, same, other):
+        watch.stop()
+    line = data_refusal(1, theirs, store.get(DATA).decode())
+    assert line is not None and "node 1 read /cache/prepared/y (sha256 bbbb, 12 tokens), node 0 /cache/prepared/x" in line
+    assert signals == [signal.SIGTERM] * 3 and first.refusal == same.refusal == other.refusal == line
+    assert data_refusal(1, mine, store.get(DATA).decode()) is None
+
+
 def test_an_elastic_node_with_another_range_ends_alone(served):
     """An elastic job (--nnodes MIN:MAX) goes on without a refused node, so only the node with another range ends."""
     store, endpoint = served

@@ -19,13 +19,14 @@ import pytest
 import torch
 
 from shardwise.config import build_config
+from shardwise.data.corpus import file_kind
+from shardwise.data.records import iter_documents
 from shardwise.errors import ConfigError
 from shardwise.launch.local import report_failure
 from shardwise.train import manifest as mf
 from shardwise.train import rundir
 from shardwise.train.checkpoint import SafeLoadPlanner, metadata_problem, read_metadata, verify_directory
 from shardwise.train.control import Control
-from shardwise.train.corpus import file_kind, iter_documents
 from shardwise.train.health import StepGuard
 from shardwise.train.metrics import MetricsLogger, strict_record
 from shardwise.train.signals import StopRequest

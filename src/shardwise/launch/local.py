@@ -143,7 +143,7 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         before_workers.install()
         if nodes is not None:  # a node refused before the rendezvous, or with another --nnodes, ends the wait (peer_failure.py)
             watch = RefusalWatch(nodes.endpoint, lambda: workers_started(log_dir or own_log_dir), nodes.node_rank,
-                                 nodes.spec, tell=not nodes.elastic).start()
+                                 nodes.spec, tell=not nodes.elastic, data=nodes.data).start()
         if nodes is not None and nodes.node_rank != 0 and not wait_for_rendezvous(nodes):
             return EXIT_FAILED
         if nodes is not None:  # the agents wait for each other without a word until the job starts or times out

@@ -15,6 +15,10 @@ line, until every other node has read it (each adds 1 to a second key) or TELL_W
 nodes waiting for its rendezvous to open see it open, read the line and end. An elastic job (--nnodes
 MIN:MAX) goes on without the refused node, as it would after losing one, so it is not told.
 
+Nodes that prepared different data (node-local caches of corpora that differ, a tokenizer changed on one
+node) are told apart the same way, by the digest of what each read (train/agreement.py's), before any
+worker starts: the line names both preparations.
+
 Nodes started with different --nnodes pass every check of their own, then wait for each other at the
 rendezvous until run.rendezvous_timeout_s, each for its own count (measured on two nodes, --nnodes 2 and 3,
 2026-11-28: both waited, and would have ended with "fewer than N nodes met", exit 6, after 600 s). So each
@@ -37,6 +41,7 @@ from shardwise.launch.rendezvous import RDZV_DEFAULT_PORT, split_endpoint
 KEY = "shardwise/refused_before_rendezvous"
 READ_BY = "shardwise/refusal_read_by"  # how many nodes have read KEY
 NNODES = "shardwise/nnodes"  # "SPEC@NODE_RANK": the --nnodes of the first node that waited, and which node it was
+DATA = "shardwise/data"  # "DIGEST@NODE_RANK@WHAT": the prepared data the first node that waited read (train/agreement.py's digest)
 # How long a refused node waits for node 0's store to open (the nodes of a job start within seconds of
 # each other; node 0 needs a few to check its own data before its agent opens the store).
 TELL_WAIT_S = 30.0
@@ -104,6 +109,21 @@ def nnodes_refusal(node_rank: int, spec: str, stored: str) -> str | None:
     return refusal_line(node_rank, error.render())
 
 
+def data_refusal(node_rank: int, mine: str, stored: str) -> str | None:
+    """This node's refusal when the first waiting node read other prepared data (`stored`, "DIGEST@NODE_RANK@WHAT")
+    than this node's (`mine`, "DIGEST@WHAT"), else None: both manifests named, before any worker starts."""
+    other_digest, _, rest = stored.partition("@")
+    other_rank, _, other_what = rest.partition("@")
+    digest, _, what = mine.partition("@")
+    if other_digest == digest:
+        return None
+    error = ConfigError("data.path", f"node {node_rank} prepared other data than node {other_rank}: node {node_rank} read "
+                        f"{what}, node {other_rank} {other_what}",
+                        "give every node the same corpus and tokenizer (a shared data.cache_dir, or copies of one "
+                        "prepared directory), then rerun every node")
+    return refusal_line(node_rank, error.render())
+
+
 class RefusalWatch:
     """Polls the rendezvous store for a refused node's line while this node waits there; on one, stops the
     waiting main thread with SIGTERM (launch/local.py's _StopBeforeWorkers turns it into torch's
@@ -113,9 +133,11 @@ class RefusalWatch:
     (`tell`: other nodes read its line; an elastic job goes on without a refused node, so its nodes do not
     read the others' refusals)."""
 
-    def __init__(self, endpoint: str, started, node_rank: int = 0, spec: str | None = None, tell: bool = True):
+    def __init__(self, endpoint: str, started, node_rank: int = 0, spec: str | None = None, tell: bool = True,
+                 data: str | None = None):
+        """`data`: "DIGEST@WHAT", the prepared data this node read, compared like `spec` (data_refusal)."""
         self.endpoint, self.started = endpoint, started
-        self.node_rank, self.spec, self.tell = node_rank, spec, tell
+        self.node_rank, self.spec, self.tell, self.data = node_rank, spec, tell, data
         self.refusal: str | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="shardwise-refusal-watch", daemon=True)
@@ -136,17 +158,23 @@ class RefusalWatch:
                 return
             try:
                 store = store or _client(self.endpoint, 2.0)
+                mine = None
                 if self.spec is not None:
                     stored = store.compare_set(NNODES, "", f"{self.spec}@{self.node_rank}").decode(errors="replace")
                     mine = nnodes_refusal(self.node_rank, self.spec, stored)
                     self.spec = None  # compared once: the first node's count stays in the store
-                    if mine is not None:
-                        if self.tell:
-                            store.compare_set(KEY, "", mine)  # the waiting nodes end with it (the first refusal stays)
-                            if self.node_rank == 0:  # its agent serves the store: stopping closes it, so the node
-                                self._wait_read(store)  # that waits there reads the line first
-                        self._stop_main(mine)
-                        return
+                if mine is None and self.data is not None:
+                    digest, _, what = self.data.partition("@")
+                    stored = store.compare_set(DATA, "", f"{digest}@{self.node_rank}@{what}").decode(errors="replace")
+                    mine = data_refusal(self.node_rank, self.data, stored)
+                    self.data = None
+                if mine is not None:
+                    if self.tell:
+                        store.compare_set(KEY, "", mine)  # the waiting nodes end with it (the first refusal stays)
+                        if self.node_rank == 0:  # its agent serves the store: stopping closes it, so the node
+                            self._wait_read(store)  # that waits there reads the line first
+                    self._stop_main(mine)
+                    return
                 if self.tell and store.check([KEY]):
                     store.add(READ_BY, 1)  # a refused node 0 serves the line until every node has read it
                     self._stop_main(store.get(KEY).decode(errors="replace"))

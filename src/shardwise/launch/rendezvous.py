@@ -33,6 +33,7 @@ class MultiNode:
     min_nodes: int | None = None  # elastic (--nnodes MIN:MAX): the fewest nodes the job goes on with
     join_timeout_s: float | None = None  # run.rendezvous_timeout_s (None: torch's default)
     last_call_s: float | None = None  # run.rendezvous_last_call_s (None: torch's default)
+    data: str | None = None  # "DIGEST@WHAT": the prepared data this node read, compared before the rendezvous
 
     @property
     def elastic(self) -> bool:

@@ -42,6 +42,8 @@ def setup_facts(cfg, num_tokens: int, tokens_sha256: str, tokenizer_sha256: str)
     node-local paths, and the data it loaded (its token count and the digests of the token array and
     of the tokenizer, train/data.py PreparedData)."""
     facts = {key: value for key, value in dotted(cfg.to_dict()).items() if key not in NODE_LOCAL}
+    # A mixture's sources without their paths (node-local like data.path); their data is in the digest.
+    facts["data.sources"] = [{k: v for k, v in source.items() if k != "path"} for source in facts.get("data.sources", [])]
     facts.update({"data.tokens": num_tokens, "data.tokens_sha256": tokens_sha256, "data.tokenizer_sha256": tokenizer_sha256})
     return facts
 

@@ -235,6 +235,16 @@ def supersede_previous_run(cfg) -> str | None:
 _NOT_REPORTED = {"checkpoint.resume"}
 
 
+def _sources_by_name(flat: dict) -> dict:
+    """A mixture's [[data.sources]] as keys of their own (data.sources[web].weight), so that a changed weight
+    reads as one."""
+    out = {k: v for k, v in flat.items() if k != "data.sources"}
+    for i, source in enumerate(flat.get("data.sources") or []):
+        name = source.get("name") or f"{i}"
+        out.update({f"data.sources[{name}].{k}": v for k, v in source.items() if k != "name"})
+    return out
+
+
 def resume_changes(saved_config: Path, cfg) -> list[str]:
     """["train.lr 0.003 -> 0.001", ...]: the keys whose values differ between the config a checkpoint was
     written under (its own config.toml) and this run's. [] when that file is missing or unreadable."""
@@ -244,7 +254,7 @@ def resume_changes(saved_config: Path, cfg) -> list[str]:
         saved = dotted(tomllib.loads(saved_config.read_text()))
     except (OSError, tomllib.TOMLDecodeError):
         return []
-    now = dotted(cfg.to_dict())
+    saved, now = _sources_by_name(saved), _sources_by_name(dotted(cfg.to_dict()))
     keys = sorted((set(saved) | set(now)) - _NOT_REPORTED)
     return [f"{k} {saved.get(k, '(unset)')} -> {now.get(k, '(unset)')}" for k in keys if saved.get(k) != now.get(k)]
 
@@ -269,6 +279,20 @@ def resume_preflight(cfg, num_tokens: int, tokenizer_sha256: str) -> str | None:
         return (f"{found[-1]} is at step {manifest['step']} and train.steps is {cfg.train.steps}: nothing to train "
                 "(raise --train.steps to continue it, or choose another --run.dir)")
     return None
+
+
+def newest_trainer_state(cfg) -> dict | None:
+    """The trainer state (step, data position, ...) of the newest complete checkpoint a resume would start
+    from, read without torch; None when there is none or it cannot be read (the trainer then falls back)."""
+    if not cfg.checkpoint.resume:
+        return None
+    found = mf.complete_checkpoints(checkpoint_dir(cfg))
+    if not found:
+        return None
+    try:
+        return json.loads((found[-1] / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _failure_file(run_dir: Path) -> Path:

@@ -4,23 +4,19 @@
   SIGUSR1 (SLURM's `--signal` warning before the time limit) do not interrupt anything: they set a stop
   request. The trainer agrees on it with every rank at the end of the current step, writes a
   checkpoint and exits 130 (SIGINT) or 143 (the others), with one line and no traceback.
-- A worker dies with its launcher: PR_SET_PDEATHSIG on Linux (the kernel kills the worker when the
-  process that started it exits, even by SIGKILL), a watcher thread elsewhere. Without it a killed
-  `shardwise train` leaves its workers training and writing into the run directory.
+- A worker dies with its launcher: exit_with_parent (orphans.py, shared with the corpus preparation's
+  workers, which stand below train/).
 """
 from __future__ import annotations
 
-import ctypes
-import os
 import signal
-import sys
 import threading
-import time
 
-from shardwise.errors import EXIT_FAILED, interrupt_exit_code
+from shardwise.errors import interrupt_exit_code
+from shardwise.orphans import exit_with_parent
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+__all__ = ["STOP_SIGNALS", "StopRequest", "exit_with_parent"]
 
 
 class StopRequest:
@@ -60,25 +56,3 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         self.restore()
-
-
-def exit_with_parent() -> None:
-    """Make this process die when its parent (the launcher) does. Call it first thing in a worker."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
-                if os.getppid() != parent:  # the parent died before the request took effect
-                    os._exit(EXIT_FAILED)
-                return
-        except (OSError, AttributeError):
-            pass
-    threading.Thread(target=_watch_parent, args=(parent,), name="shardwise-parent-watch", daemon=True).start()
-
-
-def _watch_parent(parent: int) -> None:
-    """Portable fallback: once the process is re-parented, the launcher is gone."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(EXIT_FAILED)

@@ -56,13 +56,16 @@ class StepLog:
                  accumulation: int, num_params: int, flops_per_token: float, device: torch.device,
                  guard: StepGuard, scaler: DynamicLossScaler, moe_layers: dict, moe_group: dist.ProcessGroup | None,
                  energy_group: dist.ProcessGroup | None = None, io_stats: Callable[[], dict] | None = None,
-                 precision_defaulted: bool = False):
+                 precision_defaulted: bool = False, source_tokens: Callable[[int], dict[str, int]] | None = None):
         """`io_stats`: the NVMe offload tier's disk figures so far (parallel/offload.py IOStats.as_dict),
         added to every record; None without it. `precision_defaulted`: train.precision was unset and
-        the trainer chose it for the device (the start-up line says so)."""
+        the trainer chose it for the device (the start-up line says so). `source_tokens(step)`: a mixture's
+        tokens read from each source by the end of that step (tokens_<name> in the records and the summary)."""
         t = cfg.train
         self.cfg, self.dims, self.run_dir, self.rank, self.quiet = cfg, dims, run_dir, rank, quiet
         self.io_stats = io_stats
+        self.source_tokens = source_tokens
+        self.last_step = start_step
         self.flops_per_token, self.guard, self.scaler = flops_per_token, guard, scaler
         self.moe_layers, self.moe_group = moe_layers, moe_group
         self.device_type = device.type
@@ -120,6 +123,7 @@ class StepLog:
         self.run_tokens += t.global_batch * t.seq_len
         self.run_seconds += r.seconds
         self.run_steps += 1
+        self.last_step = step
         if r.skipped and not self.quiet:
             self.metrics.print(f"step {step}: loss {r.loss:g}, grad norm {r.grad_norm:g}: not finite, step skipped "
                                f"on every rank ({self.guard.in_a_row} in a row; the run stops at "
@@ -146,6 +150,8 @@ class StepLog:
         record["memory_per_rank_bytes"] = memory
         if self.io_stats is not None:
             record.update(self.io_stats())
+        if self.source_tokens is not None:
+            record.update({f"tokens_{name}": n for name, n in self.source_tokens(step).items()})
         if self.moe_layers or self.cfg.model.moe.num_experts:
             record.update(moe_stats.gather(self.moe_layers, self.cfg.model, self.moe_group))
             if not self.quiet:
@@ -192,6 +198,10 @@ class StepLog:
         peak = max((r.get("mem_max_memory_allocated_bytes") or 0) for r in self.logged) if self.logged else 0
         if peak:
             parts.append(peak_words(peak, self.planned))
+        if self.source_tokens is not None:
+            read = self.source_tokens(self.last_step)
+            total = max(1, sum(read.values()))
+            parts.append("tokens read by source: " + ", ".join(f"{name} {n:,} ({n / total:.1%})" for name, n in read.items()))
         if self.energy.enabled and self.energy.total_tokens:
             parts.append(f"GPU energy {self.energy.total_joules / JOULES_PER_KWH:.3g} kWh, "
                          f"{self.energy.total_joules / self.energy.total_tokens:.3g} J/token (all GPUs)")

@@ -43,7 +43,7 @@ from shardwise.train import moe_stats
 from shardwise.train.agreement import check_same_setup, setup_facts
 from shardwise.train.checkpoint import CheckpointManager, read_rank_state
 from shardwise.train.control import Control
-from shardwise.train.data import PreparedData, TokenBatches, prepare_data, split_inputs_targets
+from shardwise.train.data import PreparedData, TokenBatches, batch_sources, prepare_data, split_inputs_targets
 from shardwise.train.distributed import default_device
 from shardwise.train.full_model import full_model_state, gather_pipeline_state, pipeline_owners
 from shardwise.train.health import StepGuard, Verdict
@@ -82,10 +82,10 @@ class Trainer:
         self.log = (lambda _msg: None) if self.quiet else log
         self.data = data or prepare_data(cfg.data, cfg.model.vocab_size, log=self.log)
         tokenizer_sha256 = mf.file_digest(self.data.tokenizer_path)[1]
-        self.fingerprint = mf.fingerprint(cfg, len(self.data.tokens), tokenizer_sha256)
+        self.fingerprint = mf.fingerprint(cfg, self.data.num_tokens, tokenizer_sha256)
         self.control = Control(distributed, cfg.run.collective_timeout_s)
         if distributed:  # before any collective that depends on the layout (train/agreement.py)
-            check_same_setup(setup_facts(cfg, len(self.data.tokens), self.data.tokens_sha256, tokenizer_sha256),
+            check_same_setup(setup_facts(cfg, self.data.num_tokens, self.data.tokens_sha256, tokenizer_sha256),
                              self.control)
         self.dims = check(cfg, world_size)
         check_stage_transport(self.dims.pp, dist.get_backend() if distributed else "none", self.device.type)
@@ -103,7 +103,7 @@ class Trainer:
         if self.snapshot.note:
             self.log(self.snapshot.note)
         t = cfg.train
-        self.batches = TokenBatches(self.data.tokens, t.seq_len, t.global_batch, t.seed)
+        self.batches = TokenBatches(batch_sources(self.data), t.seq_len, t.global_batch, t.seed)
         self.loader = BatchPrefetcher(self.batches, self.batch_rank, self.dims.dp, t.micro_batch, cfg.data.num_workers,
                                       t.steps, pin_memory=self.device.type == "cuda")
 
@@ -160,6 +160,7 @@ class Trainer:
                                              self.control, self.log, resumes=cfg.checkpoint.resume)
         if cfg.checkpoint.resume or restarted:
             self._maybe_resume()
+        self.batches.check_epochs(t.steps)  # a mixture's max_epochs, over the steps left (cli.py asked already)
 
     def _build_pipeline(self) -> torch.nn.Module:
         cfg, dims, t = self.cfg, self.dims, self.cfg.train
@@ -318,7 +319,8 @@ class Trainer:
                          flops_per_token=self.flops_per_token, device=self.device, guard=self.guard,
                          scaler=self.scaler, moe_layers=self.moe_layers, moe_group=self.world_group,
                          energy_group=self.world_group, precision_defaulted=self.precision_defaulted,
-                         io_stats=self.optimizer.stats.as_dict if hasattr(self.optimizer, "stats") else None)
+                         io_stats=self.optimizer.stats.as_dict if hasattr(self.optimizer, "stats") else None,
+                         source_tokens=self._source_tokens if self.batches.mixture else None)
         losses: list[float] = []
         ckpt_every = self.cfg.checkpoint.every
         finished = False
@@ -362,6 +364,10 @@ class Trainer:
             if hasattr(self.optimizer, "close"):  # the NVMe tier's files (checkpoints hold the state)
                 self.optimizer.close()
         return losses
+
+    def _source_tokens(self, step: int) -> dict[str, int]:
+        """A mixture's input tokens read from each source in steps 1..step (seq_len per sample)."""
+        return {name: n * self.cfg.train.seq_len for name, n in self.batches.consumed(step).items()}
 
     def _newest_good_checkpoint(self) -> Path | None:
         good = [p for p in mf.complete_checkpoints(self.checkpoints.directory) if mf.is_good(p)]
@@ -466,13 +472,15 @@ class Trainer:
         if found is None:
             return
         path, state = found
-        self.batches.check_state(state["data"])
+        mixture_note = self.batches.load_state(state["data"], state["step"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The checkpoint's base lr, betas and weight decay came back with it: this run's config decides.
         apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.train)
         changed = resume_changes(path / "config.toml", self.cfg)
         if changed:
             self.log(f"checkpoint: changed since {path.name} (this run's values apply): {'; '.join(changed)}")
+        if mixture_note:
+            self.log(mixture_note)
         self.scaler.load_state_dict(state["scaler"])
         self.guard.load_state_dict(state.get("guard", {}))
         self.step = state["step"]

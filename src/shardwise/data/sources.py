@@ -1,0 +1,248 @@
+"""From the [data] keys to what training reads: the sources (data.path, or the [[data.sources]] of a
+mixture), the tokenizer, and each source prepared (found prepared, finished, or prepared now) or, for a
+Megatron-LM dataset, read as it is. `shardwise data prepare` and `shardwise train` both come here, so a
+corpus one prepared is the corpus the other finds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.config import DataConfig
+from shardwise.data.corpus import corpus_files, corpus_root, file_fingerprints
+from shardwise.data.megatron import megatron_prefix, open_megatron
+from shardwise.data.prepare import PrepareJob, default_workers, prepare_corpus, records_words
+from shardwise.data.prepared import (
+    PreparedCorpus,
+    PrepareLock,
+    corpus_key,
+    earlier_preparations,
+    open_prepared,
+    prepared_dir,
+    read_manifest,
+    refuse_changed_inputs,
+)
+from shardwise.data.records import BadRecord, RecordStats, piece_documents
+from shardwise.data.tokenizer import BPE_TRAIN_CHARS, eod_id, file_sha256, load_tokenizer, tokenizer_file, tokenizer_vocab
+from shardwise.data.units import file_pieces
+from shardwise.errors import ConfigError
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+BAD_RECORD_POLICIES = ("error", "skip")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source as configured: data.path alone is a mixture of one, named after its path."""
+
+    name: str
+    field: str  # the key of its path, for errors
+    path: str
+    weight: float
+    max_epochs: float
+    text_key: str
+
+
+@dataclass
+class Source:
+    spec: SourceSpec
+    corpus: PreparedCorpus
+    files: int  # input files (0 for a Megatron dataset)
+    how: str  # "cached", "prepared" or "Megatron dataset"
+
+
+@dataclass
+class PreparedData:
+    """What training needs from the data side; tokenizer_path travels with checkpoints."""
+
+    sources: list[Source]
+    tokenizer_path: Path
+    tokenizer_vocab: int
+    eod_id: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.corpus.tokens for s in self.sources)
+
+    @property
+    def num_documents(self) -> int:
+        return sum(s.corpus.documents for s in self.sources)
+
+    def describe(self) -> str:
+        """Which preparations these are, for a line that compares them with another node's."""
+        return "; ".join(f"{s.corpus.directory if s.corpus.tokenizer_path else s.corpus.manifest.get('megatron')} "
+                         f"(sha256 {s.corpus.sha256[:12]}, {s.corpus.tokens:,} tokens)" for s in self.sources)
+
+    @property
+    def tokens_sha256(self) -> str:
+        """What the ranks of a job compare (train/agreement.py): the one source's digest, or the mixture's."""
+        if len(self.sources) == 1:
+            return self.sources[0].corpus.sha256
+        text = "\n".join(f"{s.spec.name}:{s.corpus.sha256}" for s in self.sources)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _default_name(path: str) -> str:
+    if not path:
+        return "stdlib"
+    stem = Path(os.path.expanduser(path).rstrip("/*")).name.split(".")[0] or "source"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem)
+
+
+def source_specs(cfg: DataConfig) -> list[SourceSpec]:
+    """The configured sources, checked: ConfigError on a missing path, a bad weight or a clash of names."""
+    if cfg.bad_records not in BAD_RECORD_POLICIES:
+        raise ConfigError("data.bad_records", f"{cfg.bad_records!r} is not a policy", 'use "error" or "skip"')
+    if not cfg.shard_mb > 0:
+        raise ConfigError("data.shard_mb", f"must be > 0, got {cfg.shard_mb}", "use e.g. 32")
+    if not cfg.sources:
+        return [SourceSpec(_default_name(cfg.path), "data.path", cfg.path, 1.0, 0.0, cfg.text_key)]
+    if cfg.path:
+        raise ConfigError("data.sources", "both data.path and data.sources are set",
+                          "give the corpus either as data.path or as [[data.sources]] entries, not both")
+    specs = []
+    for i, s in enumerate(cfg.sources):
+        key = f"data.sources[{i}]"
+        if not s.path:
+            raise ConfigError(f"{key}.path", "is empty", "give each source the path of its files")
+        if not (math.isfinite(s.weight) and s.weight > 0):
+            raise ConfigError(f"{key}.weight", f"must be > 0, got {s.weight}", "give each source a positive weight "
+                              "(remove a source to stop drawing from it)")
+        if s.max_epochs < 0:
+            raise ConfigError(f"{key}.max_epochs", f"must be >= 0, got {s.max_epochs}", "use 0 (no limit) or e.g. 1")
+        name = s.name or _default_name(s.path)
+        if not _NAME.fullmatch(name):
+            raise ConfigError(f"{key}.name", f"{name!r} has characters other than letters, digits, _ . -",
+                              "give it a name like web or code_v2")
+        if name in {x.name for x in specs}:
+            raise ConfigError(f"{key}.name", f"two sources are named {name!r}", f"give {key} a name of its own")
+        specs.append(SourceSpec(name, f"{key}.path", s.path, s.weight, s.max_epochs, s.text_key or cfg.text_key))
+    return specs
+
+
+def _sample(raw: list[tuple[SourceSpec, list[Path]]], policy: str) -> Iterator[str]:
+    """The text a BPE is trained on: the first documents of each source, an equal share of the budget each
+    (a big file's first pieces, never the whole file)."""
+    budget = BPE_TRAIN_CHARS // max(len(raw), 1)
+    stats = RecordStats(policy)
+    for spec, files in raw:
+        seen = 0
+        try:
+            for path in files:
+                for piece, _ in file_pieces(path, 1 << 22):
+                    for text, _end in piece_documents(piece, spec.text_key, stats):
+                        yield text
+                        seen += len(text)
+                        if seen >= budget:
+                            break
+                    if seen >= budget:
+                        break
+                if seen >= budget:
+                    break
+        except BadRecord as e:
+            raise e.error(spec.field, _key_field(spec)) from None
+
+
+def _key_field(spec: SourceSpec) -> str:
+    return "data.text_key" if spec.field == "data.path" else spec.field.replace(".path", ".text_key")
+
+
+def _path_spec(path: str) -> str:
+    return f"stdlib:{corpus_root('')}" if not path else os.path.abspath(os.path.expanduser(path))
+
+
+def prepare_command(spec: SourceSpec, cfg: DataConfig) -> str:
+    if spec.field == "data.path":
+        return f"shardwise data prepare --data.path={spec.path}" if spec.path else "shardwise data prepare"
+    return "shardwise data prepare --config FILE.toml (with the same [[data.sources]])"
+
+
+def _remove_unfinished(cache_dir: Path, corpus: str, but: Path, log: Callable[[str], None]) -> None:
+    """Unfinished preparations of the same corpus from other inputs can never be finished: removed, unless a
+    live process holds one."""
+    for directory in (cache_dir / "prepared").glob(f"{corpus}-*"):
+        if directory == but or not directory.is_dir() or read_manifest(directory) is not None:
+            continue
+        lock = PrepareLock(directory)
+        if not lock.try_acquire():
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        lock.release()
+        log(f"data: removed an unfinished preparation of earlier files: {directory}")
+
+
+def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = print, *, workers: int = 0,
+                 refuse_changed: bool = True) -> PreparedData:
+    """Every source prepared (or found prepared) with the run's tokenizer. `refuse_changed`: a source whose
+    files changed since a preparation of it is named (ConfigError) instead of prepared again; `shardwise
+    data prepare` passes False. `workers`: 0 = data.prepare_workers, then one per core."""
+    t0 = time.perf_counter()
+    cache_dir = Path(os.path.expanduser(cfg.cache_dir))
+    specs = source_specs(cfg)
+    shard_bytes = int(cfg.shard_mb * 1e6)
+    raw: list[tuple[SourceSpec, list[Path]]] = []
+    fingerprints: dict[str, list[dict]] = {}
+    for spec in specs:
+        if megatron_prefix(spec.path) is None:
+            # The cache may lie inside the corpus's directory: its shards are not corpus.
+            files = [f for f in corpus_files(spec.path, spec.field) if cache_dir.resolve() not in f.resolve().parents]
+            raw.append((spec, files))
+            fingerprints[spec.name] = file_fingerprints(spec.path, files)
+    keys = {spec.name: corpus_key(_path_spec(spec.path), spec.text_key, cfg.tokenizer if cfg.tokenizer in ("bpe", "byte")
+                                  else os.path.abspath(os.path.expanduser(cfg.tokenizer)), vocab_size, shard_bytes,
+                                  cfg.bad_records) for spec, _ in raw}
+    if refuse_changed:  # before a tokenizer is trained on files that were not meant to change
+        for spec, _ in raw:
+            found = earlier_preparations(cache_dir, keys[spec.name], but=Path())
+            same = any(m["source"]["files"] == fingerprints[spec.name] for _, m in found)
+            if found and not same:
+                refuse_changed_inputs(spec.field, spec.path or "the stdlib corpus", found[0][0], found[0][1],
+                                      fingerprints[spec.name], prepare_command(spec, cfg))
+    if cfg.tokenizer == "bpe" and not raw:
+        raise ConfigError("data.tokenizer", "a BPE cannot be trained on Megatron-LM datasets (they are tokenized already)",
+                          "set data.tokenizer to the tokenizer.json the dataset was preprocessed with")
+    bpe_key = json.dumps([[s.text_key, fingerprints[s.name]] for s, _ in raw], sort_keys=True)
+    tok_path, _ = tokenizer_file(cfg.tokenizer, cache_dir, vocab_size, lambda: hashlib.sha256(bpe_key.encode()).hexdigest(),
+                                 lambda: _sample(raw, cfg.bad_records))
+    tok = load_tokenizer(tok_path, vocab_size)
+    vocab, eod, tok_sha = tokenizer_vocab(tok), eod_id(tok, tok_path), file_sha256(tok_path)
+    workers = workers or cfg.prepare_workers or default_workers()
+    sources = []
+    for spec in specs:
+        prefix = megatron_prefix(spec.path)
+        if prefix is not None:
+            corpus = open_megatron(prefix, spec.field, spec.name, cache_dir, vocab, str(tok_path), log)
+            sources.append(Source(spec, corpus, 0, "Megatron dataset"))
+            continue
+        files = next(f for s, f in raw if s is spec)
+        directory = prepared_dir(cache_dir, keys[spec.name], fingerprints[spec.name], tok_sha)
+        manifest = read_manifest(directory)
+        if manifest is not None:
+            sources.append(Source(spec, open_prepared(directory, manifest), len(files), "cached"))
+            continue
+        _remove_unfinished(cache_dir, keys[spec.name], directory, log)
+        label = spec.name if spec.name == _default_name(spec.path) else f"{spec.name} ({spec.path})"
+        job = PrepareJob(directory, label, spec.field, _key_field(spec), spec.text_key, tuple(files), tuple(fingerprints[spec.name]),
+                         spec.path, keys[spec.name], tok_path, tok_sha, vocab, eod, shard_bytes, cfg.bad_records)
+        corpus, here = prepare_corpus(job, workers, log)
+        if corpus.tokens == 0:
+            raise ConfigError(spec.field, f"{spec.path or 'the stdlib corpus'} holds no text (0 tokens"
+                              f"{records_words(corpus.manifest['records'])})", "give it files with text in them")
+        sources.append(Source(spec, corpus, len(files), "prepared" if here else "prepared by another process"))
+    data = PreparedData(sources, tok_path, vocab, eod)
+    dt = time.perf_counter() - t0
+    for s in sources:
+        where = "stdlib" if not s.spec.path else s.spec.path
+        name = "" if len(sources) == 1 else f"{s.spec.name} "
+        files = f"{s.files} files, " if s.files else ""
+        log(f"data: {name}{where}, {files}{s.corpus.documents} docs, {s.corpus.tokens / 1e6:.1f}M tokens, vocab {vocab} "
+            f"({s.how}, {dt:.1f}s)" + (records_words(s.corpus.manifest.get("records", {})) if s.how == "cached" else ""))
+    return data
