@@ -137,10 +137,16 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
     # Offloaded states against this node's memory, at the fewest nodes the job may run on (the largest shards).
     check_offload_fits_host(cfg, args.nproc * ((nodes.min_nodes or nodes.nnodes) if nodes is not None else 1), args.nproc)
     rundir.check_cache_dir(cfg)
+    import shlex
+
     from shardwise.train.data import check_batches, prepare_data
     from shardwise.train.manifest import file_digest
 
-    data = prepare_data(cfg.data, cfg.model.vocab_size)  # data errors surface before spawning; ranks hit the cache
+    # Data errors surface before spawning; ranks hit the cache. Files changed since their preparation are
+    # named, with this command's own options as the `data prepare` that prepares them again.
+    again = " ".join(["shardwise data prepare", *(["--config", shlex.quote(args.config)] if args.config else []),
+                      *map(shlex.quote, overrides)])
+    data = prepare_data(cfg.data, cfg.model.vocab_size, prepare_command=again)
     # One global batch at least, a resumed mixture's data, and its sources' max_epochs over train.steps.
     check_batches(data, cfg, rundir.newest_trainer_state(cfg))
     rundir.check_run_dirs(cfg)

@@ -175,8 +175,8 @@ class DataSource:
 
     path: str = opt("", "Text, JSONL, JSON or Parquet file, directory or glob, or a Megatron-LM indexed dataset "
                         "(PREFIX, PREFIX.bin or PREFIX.idx).")
-    weight: float = opt(1.0, "Share of the training tokens drawn from this source, relative to the other sources' "
-                             "weights (they need not sum to 1). May change when a run resumes: from that step on.")
+    weight: float = opt(1.0, "Share of the training tokens drawn from this source, relative to the weights of the other "
+                             "sources (they need not sum to 1). May change when a run resumes: from that step on.")
     name: str = opt("", "Name in the start-up lines, metrics.jsonl (tokens_<name>) and checkpoints; default: the "
                         "path's file name without its extension.")
     max_epochs: float = opt(0.0, "The most times this source may be read over by the end of train.steps (1: no sample "

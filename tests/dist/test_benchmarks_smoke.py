@@ -118,7 +118,7 @@ def test_every_benchmark_has_a_smoke_test():
     --smoke runs in tests/dist/test_gpu_check.py, kill_soak.py's two trials in tests/dist/test_clean_exit.py)."""
     smoked = {"gpu_check.py", "cross_entropy.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
               "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py",
-              "store_polling.py", "peak_memory.py"}
+              "store_polling.py", "peak_memory.py", "data_prepare.py"}
     # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py); kernel_breakdown.py, run by the
     # --profile of gpu_throughput.py and decode.py (on in their smokes), and memory_peak.py, which reads a
     # GPU's allocator history: both tested in tests/unit on traces and histories in torch's formats;
@@ -189,3 +189,16 @@ def test_grad_compression_smoke(tmp_path):
     assert data["smoke"] is True and set(rows) == {"none", "bf16", "int8", "topk", "powersgd"}, rows
     assert all(r["comm_bytes_per_step"] == r["planned_bytes_per_step"] for r in rows.values()), rows
     assert rows["bf16"]["ratio_to_none"] == 0.5 and rows["powersgd"]["counted_step"] == 3, rows
+
+
+def test_data_prepare_smoke(tmp_path):
+    """Both sides prepare both sizes with 1 and 2 workers and agree on the token count (the same tokenizer, an
+    end-of-document token per document on each side); the start-up row reads a many-shard preparation."""
+    data = _smoke("data_prepare.py", tmp_path / "data_prepare.json", "--dir", str(tmp_path / "work"))
+    rows = data["rows"]
+    assert data["smoke"] is True and [(r["side"], r["workers"]) for r in rows[:4]] == [
+        ("shardwise", 1), ("datasets", 1), ("shardwise", 2), ("datasets", 2)], rows
+    for size in {r["size_gb"] for r in rows}:
+        assert len({r["tokens"] for r in rows if r["size_gb"] == size}) == 1, rows
+    assert all(r["peak_tree_rss_bytes"] > 0 and r["wall_s"] > 0 for r in rows)
+    assert data["startup"]["shards"] >= 100 and data["startup"]["data_s"] > 0, data["startup"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -176,10 +177,9 @@ def test_train_names_changed_files_and_the_advice_it_gives_works(tmp_path):
     assert changed.returncode == 2, changed.stderr
     lines = user_lines(changed.stderr)
     assert lines[0].startswith(f"error: data.path: {corpus} changed since it was prepared into ") and "c.jsonl (size" in lines[0]
-    advice = lines[1].split("`")[1]  # fix: prepare it again: `shardwise data prepare --data.path=...`
-    assert advice == f"shardwise data prepare --data.path={corpus}"
-    prepared = subprocess.run([sys.executable, "-m", "shardwise.cli", *advice.split()[1:], "--data.tokenizer=byte",
-                               f"--data.cache_dir={tmp_path / 'cache'}", "--model.vocab_size=512"],
+    advice = lines[1].split("`")[1]  # fix: prepare it again: `shardwise data prepare <this command's options>`
+    assert advice.startswith(f"shardwise data prepare --data.path={corpus} --data.tokenizer=byte"), advice
+    prepared = subprocess.run([sys.executable, "-m", "shardwise.cli", *shlex.split(advice)[1:]],
                               capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert prepared.returncode == 0, prepared.stderr
     again = _train(_train_args(corpus, tmp_path, "--checkpoint.resume=false"), tmp_path)
@@ -224,3 +224,28 @@ def test_a_resume_on_4_ranks_reads_the_batches_2_ranks_would_have(base_overrides
         rows4 = [row for r in four for row in r["rows"][step]]
         rows2 = [row for r in goes_on for row in r["rows"][step]]
         assert rows4 == rows2 == reference.global_batch_at(step).tolist()
+
+
+def test_a_mixture_trains_reports_each_source_and_changes_weights_on_resume(tmp_path):
+    """Through `shardwise train`: tokens_<name> in metrics.jsonl and the summary; a resume with other weights
+    names the change at start-up, and each source's count goes on from where it was (no sample twice)."""
+    a, b = _corpus(tmp_path / "a.jsonl", 200, seed=1), _corpus(tmp_path / "b.jsonl", 200, seed=2)
+
+    def run(weights: tuple[float, float], steps: int) -> subprocess.CompletedProcess:
+        sources = f'[{{path="{a}", weight={weights[0]}}}, {{path="{b}", weight={weights[1]}, name="second"}}]'
+        args = _train_args(a, tmp_path, f"--data.sources={sources}", f"--train.steps={steps}", "--train.log_every=1",
+                           "--checkpoint.every=4", "--checkpoint.final=true")
+        return _train([x for x in args if not x.startswith("--data.path=")], tmp_path)
+
+    first = run((0.75, 0.25), 4)
+    assert first.returncode == 0, first.stderr
+    assert "tokens read by source: a 384 (75.0%), second 128 (25.0%)" in first.stdout, first.stdout
+    second = run((0.25, 0.75), 8)
+    assert second.returncode == 0, second.stderr
+    assert ("data: mixture weights changed at step 4 (shares of the samples: a 0.75 -> 0.25, second 0.25 -> 0.75); each "
+            "source goes on where it was, nothing read again or skipped (samples read so far: a 12, second 4)") in second.stdout
+    assert "data.sources[second].weight 0.25 -> 0.75" in second.stdout  # with the other changed settings
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    per_step = [(r["step"], r["tokens_a"], r["tokens_second"]) for r in records]
+    assert per_step[3] == (4, 384, 128) and per_step[-1] == (8, 384 + 128, 128 + 384), per_step  # 4 steps of 4 at 1:3
+    assert all(x[1] + x[2] == 128 * x[0] for x in per_step)  # every step's 4 x 32 tokens, from one source or the other

@@ -314,3 +314,68 @@ def test_a_mixture_source_read_over_more_than_its_max_epochs_is_refused(tmp_path
     with pytest.raises(ConfigError) as e:
         prepare_data(DataConfig(path=str(a), sources=cfg.sources, tokenizer="byte"), 512, log=_quiet)
     assert e.value.field == "data.sources"
+
+
+# ---------------------------------------------------------------- Megatron-LM datasets
+
+
+def test_a_megatron_dataset_written_by_megatron_core_is_read_as_it_is(tmp_path):
+    """Written with megatron-core's own IndexedDatasetBuilder (a test extra), not with our writer."""
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset",
+                                  reason="megatron-core (the test extra) is not installed: pip install -e '.[test]'")
+    from shardwise.data.tokenizer import byte_tokenizer
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 256, size=int(n)).astype(np.int64) for n in rng.integers(5, 300, size=40)]
+    prefix = tmp_path / "corpus_text_document"
+    builder = indexed.IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    for doc in docs:
+        builder.add_document(np.append(doc, 256), [len(doc) + 1])  # as with --append-eod
+    builder.finalize(str(prefix) + ".idx")
+    tokenizer = tmp_path / "tokenizer.json"
+    byte_tokenizer().save(str(tokenizer))
+    lines: list[str] = []
+    for path in (prefix, f"{prefix}.bin", f"{prefix}.idx"):
+        data = prepare_data(DataConfig(path=str(path), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "cache")), 512,
+                            log=lines.append)
+        stream = data.sources[0].corpus.stream
+        assert np.array_equal(stream.read(0, len(stream)), np.concatenate([np.append(d, 256) for d in docs]))
+        assert data.num_documents == 40 and data.sources[0].how == "Megatron dataset"
+    assert sum("reading" in line for line in lines) == 1  # its digest and largest id, computed once and kept
+    assert not (tmp_path / "cache" / "prepared").exists()  # nothing prepared: read in place
+    ours = TokenBatches([BatchSource("m", stream)], 16, 4, seed=1)
+    assert ours.global_batch_at(0).shape == (4, 17)
+    with pytest.raises(ConfigError) as e:  # a BPE cannot be trained on tokens
+        prepare_data(DataConfig(path=str(prefix), tokenizer="bpe", cache_dir=str(tmp_path / "cache")), 512, log=_quiet)
+    assert e.value.field == "data.tokenizer" and "Megatron" in e.value.problem
+    other = indexed.IndexedDatasetBuilder(str(tmp_path / "wide.bin"), dtype=np.uint16)
+    other.add_document(np.array([1, 300, 256]), [3])  # id 300: made with another tokenizer than the byte one
+    other.finalize(str(tmp_path / "wide.idx"))
+    with pytest.raises(ConfigError) as e:
+        prepare_data(DataConfig(path=str(tmp_path / "wide"), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "cache")),
+                     512, log=_quiet)
+    assert e.value.field == "data.tokenizer" and "token ids up to 300, but the tokenizer" in e.value.problem
+    with open(f"{prefix}.bin", "ab") as f:  # a .bin that does not match its index
+        f.write(b"\0\0")
+    with pytest.raises(ConfigError) as e:
+        prepare_data(DataConfig(path=str(prefix), tokenizer=str(tokenizer), cache_dir=str(tmp_path / "cache")), 512,
+                     log=_quiet)
+    assert e.value.field == "data.path" and "its index" in e.value.problem
+
+
+def test_an_unreadable_parquet_row_group_is_named_or_skipped_and_counted(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(300)]}), path, row_group_size=100,
+                   compression="NONE")
+    meta = pq.ParquetFile(path).metadata
+    middle = meta.row_group(1).column(0)
+    start = middle.data_page_offset
+    raw = bytearray(path.read_bytes())
+    raw[start:start + 64] = b"\xff" * 64  # the second row group's page header: garbage
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ConfigError) as e:
+        prepare_data(_cfg(tmp_path, path), 512, log=_quiet)
+    assert e.value.field == "data.path" and f"{path} row group 1 (rows 0-99 of it) cannot be read" in e.value.problem
+    data = prepare_data(_cfg(tmp_path, path, bad_records="skip"), 512, log=_quiet)
+    records = data.sources[0].corpus.manifest["records"]
+    assert records["bad"] == {"unreadable": 100} and data.num_documents == 200

@@ -47,6 +47,18 @@ PROGRESS_EVERY_S = 30.0
 
 
 @dataclass(frozen=True)
+class ShardJob:
+    """What a worker needs to write a unit's shard (sent with every unit: small, whatever the corpus)."""
+
+    directory: Path
+    text_key: str
+    tokenizer_path: Path
+    vocab: int
+    eod: int
+    policy: str
+
+
+@dataclass(frozen=True)
 class PrepareJob:
     """One corpus to prepare into `directory`, with the tokenizer the run uses."""
 
@@ -65,6 +77,10 @@ class PrepareJob:
     eod: int
     shard_bytes: int
     policy: str
+
+    @property
+    def shard_job(self) -> ShardJob:
+        return ShardJob(self.directory, self.text_key, self.tokenizer_path, self.vocab, self.eod, self.policy)
 
 
 def default_workers() -> int:
@@ -107,7 +123,7 @@ def _encode(tok, texts: list[str], ends: list[bool], eod: int, writer: ShardWrit
     writer.add(np.asarray(ids, dtype=writer.dtype), items)
 
 
-def prepare_unit(job: PrepareJob, unit: Unit) -> dict:
+def prepare_unit(job: ShardJob, unit: Unit) -> dict:
     """Tokenize one unit into its shard (in a worker process); returns the shard's facts."""
     tok = _tokenizer(str(job.tokenizer_path))
     stats = RecordStats(job.policy)
@@ -354,7 +370,8 @@ def _run_pool(job: PrepareJob, todo: list[Unit], workers: int, done: dict[int, d
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
     try:
-        pending = {executor.submit(prepare_unit, job, unit): unit for unit in todo}
+        work = job.shard_job
+        pending = {executor.submit(prepare_unit, work, unit): unit for unit in todo}
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
@@ -374,7 +391,7 @@ def _run_here(job: PrepareJob, todo: list[Unit], done: dict[int, dict], progress
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if len(todo) < default_workers() else "false"
     try:
         for unit in todo:
-            done[unit.index] = prepare_unit(job, unit)
+            done[unit.index] = prepare_unit(job.shard_job, unit)
             progress.update(done[unit.index], len(done))
     finally:
         if saved is None:

@@ -69,14 +69,14 @@ def earlier_preparations(cache_dir: Path, corpus: str, but: Path) -> list[tuple[
 
 
 def refuse_changed_inputs(field: str, shown: str, earlier: Path, manifest: dict, fingerprints: list[dict],
-                          prepare_command: str) -> None:
+                          advice: str) -> None:
     """ConfigError naming the files that changed since `earlier` was prepared from them."""
     changes = changed_files(manifest["source"]["files"], fingerprints)
     if not changes:
         return  # the same files: another tokenizer, prepared anew without asking
     listed = ", ".join(changes[:5]) + (f" and {len(changes) - 5} more" if len(changes) > 5 else "")
     raise ConfigError(field, f"{shown} changed since it was prepared into {earlier}: {listed}",
-                      f"prepare it again: `{prepare_command}` (a new preparation; the earlier one is kept, and a "
+                      f"prepare it again: {advice} (a new preparation; the earlier one is kept, and a "
                       "run resumed from a checkpoint of the earlier data is refused), or restore the files")
 
 
@@ -137,6 +137,11 @@ class PrepareLock:
                     log(f"data: waiting for {who}, which is preparing {self.path.parent} ({status()})")
                     said = now
                 time.sleep(0.2)
+            except OSError as e:  # a file system without locks (ENOLCK): one preparer at a time is then the user's
+                log(f"data: cannot lock {self.path} ({e.strerror}): preparing without the lock; start one preparation "
+                    "of this corpus at a time")
+                os.close(fd)
+                return
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)

@@ -20,9 +20,11 @@ from pathlib import Path
 from shardwise.data.corpus import file_kind
 from shardwise.errors import ConfigError
 
-# A text piece is tokenized in chunks of about this many bytes, cut after a newline (a big text file is
-# one document, read in pieces); JSON-lines pieces are read in blocks of this size.
+# A big text file (one document) is read and tokenized in chunks of about this many bytes, cut after a
+# newline: a tokenizer's Encoding of one call holds ~40 bytes a token, so a 32 MB file at once would
+# hold ~300 MB. A file up to WHOLE_TEXT bytes is tokenized at once (the Python stdlib's largest is 0.76 MB).
 READ_BLOCK = 1 << 20
+WHOLE_TEXT = 4 << 20
 BAD_KINDS = {"not_json": "not valid JSON", "no_text": "no text field", "not_text": "text is not a string",
              "unreadable": "unreadable Parquet rows", "not_object": "not an object"}
 
@@ -111,11 +113,11 @@ def _decode(raw: bytes, stats: RecordStats) -> str:
 
 
 def _text_chunks(piece: Piece, stats: RecordStats) -> Iterator[tuple[str, bool]]:
-    """A text piece with universal newlines (as Python's text mode reads them): a whole file at once, as
-    one document; a piece of a file too big for one unit in chunks cut after newlines, the last of
-    which ends the document when the piece ends the file."""
+    """A text piece with universal newlines (as Python's text mode reads them): a small file at once, as
+    one document; a bigger one, or a piece of a file cut into several units, in chunks cut after
+    newlines, the last of which ends the document when the piece ends the file."""
     with open(piece.path, "rb") as f:
-        if piece.start == 0 and piece.ends_document and piece.stop == os.fstat(f.fileno()).st_size:
+        if piece.start == 0 and piece.ends_document and piece.stop == os.fstat(f.fileno()).st_size <= WHOLE_TEXT:
             text = _decode(f.read(), stats).replace("\r\n", "\n").replace("\r", "\n")
             if text:
                 yield text, True

@@ -183,10 +183,14 @@ class TokenStream:
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """(len(starts), length) int64 rows: the tokens from each start."""
+        starts = np.asarray(starts, dtype=np.int64)
         out = np.empty((len(starts), length), dtype=np.int64)
-        if len(self.counts) == 1:  # one file: fancy indexing reads just these windows from the map
-            out[:] = self._map(0)[starts[:, None] + np.arange(length)[None, :]]
-            return out
-        for row, s in enumerate(starts):
-            out[row] = self.read(int(s), int(s) + length)
+        offsets = np.arange(length)[None, :]
+        first = np.searchsorted(self.starts, starts, side="right") - 1
+        last = np.searchsorted(self.starts, starts + length - 1, side="right") - 1
+        for shard in np.unique(first[first == last]):  # rows inside one file: fancy indexing reads just them
+            rows = np.flatnonzero((first == shard) & (last == shard))
+            out[rows] = self._map(int(shard))[starts[rows, None] - self.starts[shard] + offsets]
+        for row in np.flatnonzero(first != last):  # a row across a shard boundary
+            out[row] = self.read(int(starts[row]), int(starts[row]) + length)
         return out

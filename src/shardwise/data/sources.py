@@ -159,10 +159,12 @@ def _path_spec(path: str) -> str:
     return f"stdlib:{corpus_root('')}" if not path else os.path.abspath(os.path.expanduser(path))
 
 
-def prepare_command(spec: SourceSpec, cfg: DataConfig) -> str:
-    if spec.field == "data.path":
-        return f"shardwise data prepare --data.path={spec.path}" if spec.path else "shardwise data prepare"
-    return "shardwise data prepare --config FILE.toml (with the same [[data.sources]])"
+def _prepare_advice(spec: SourceSpec, command: str | None) -> str:
+    """How to prepare the changed files: the caller's own command as `data prepare` when it gave one."""
+    if command:
+        return f"`{command}`"
+    keys = f"--data.path={spec.path}" if spec.field == "data.path" else "--config FILE.toml"
+    return f"`shardwise data prepare {keys}` with this run's other data.* keys and model.vocab_size"
 
 
 def _remove_unfinished(cache_dir: Path, corpus: str, but: Path, log: Callable[[str], None]) -> None:
@@ -180,9 +182,10 @@ def _remove_unfinished(cache_dir: Path, corpus: str, but: Path, log: Callable[[s
 
 
 def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = print, *, workers: int = 0,
-                 refuse_changed: bool = True) -> PreparedData:
+                 refuse_changed: bool = True, prepare_command: str | None = None) -> PreparedData:
     """Every source prepared (or found prepared) with the run's tokenizer. `refuse_changed`: a source whose
-    files changed since a preparation of it is named (ConfigError) instead of prepared again; `shardwise
+    files changed since a preparation of it is named (ConfigError) instead of prepared again, with
+    `prepare_command` (the caller's own options as `shardwise data prepare`) as the fix; `shardwise
     data prepare` passes False. `workers`: 0 = data.prepare_workers, then one per core."""
     t0 = time.perf_counter()
     cache_dir = Path(os.path.expanduser(cfg.cache_dir))
@@ -193,7 +196,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
     for spec in specs:
         if megatron_prefix(spec.path) is None:
             # The cache may lie inside the corpus's directory: its shards are not corpus.
-            files = [f for f in corpus_files(spec.path, spec.field) if cache_dir.resolve() not in f.resolve().parents]
+            inside = cache_dir.resolve()
+            files = [f for f in corpus_files(spec.path, spec.field) if inside not in f.resolve().parents]
             raw.append((spec, files))
             fingerprints[spec.name] = file_fingerprints(spec.path, files)
     keys = {spec.name: corpus_key(_path_spec(spec.path), spec.text_key, cfg.tokenizer if cfg.tokenizer in ("bpe", "byte")
@@ -205,7 +209,7 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
             same = any(m["source"]["files"] == fingerprints[spec.name] for _, m in found)
             if found and not same:
                 refuse_changed_inputs(spec.field, spec.path or "the stdlib corpus", found[0][0], found[0][1],
-                                      fingerprints[spec.name], prepare_command(spec, cfg))
+                                      fingerprints[spec.name], _prepare_advice(spec, prepare_command))
     if cfg.tokenizer == "bpe" and not raw:
         raise ConfigError("data.tokenizer", "a BPE cannot be trained on Megatron-LM datasets (they are tokenized already)",
                           "set data.tokenizer to the tokenizer.json the dataset was preprocessed with")
@@ -233,16 +237,17 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
         job = PrepareJob(directory, label, spec.field, _key_field(spec), spec.text_key, tuple(files), tuple(fingerprints[spec.name]),
                          spec.path, keys[spec.name], tok_path, tok_sha, vocab, eod, shard_bytes, cfg.bad_records)
         corpus, here = prepare_corpus(job, workers, log)
-        if corpus.tokens == 0:
-            raise ConfigError(spec.field, f"{spec.path or 'the stdlib corpus'} holds no text (0 tokens"
-                              f"{records_words(corpus.manifest['records'])})", "give it files with text in them")
         sources.append(Source(spec, corpus, len(files), "prepared" if here else "prepared by another process"))
+    for s in sources:
+        if s.corpus.tokens == 0:
+            raise ConfigError(s.spec.field, f"{s.spec.path or 'the stdlib corpus'} holds no text (0 tokens"
+                              f"{records_words(s.corpus.manifest.get('records', {}))})", "give it files with text in them")
     data = PreparedData(sources, tok_path, vocab, eod)
     dt = time.perf_counter() - t0
     for s in sources:
         where = "stdlib" if not s.spec.path else s.spec.path
-        name = "" if len(sources) == 1 else f"{s.spec.name} "
-        files = f"{s.files} files, " if s.files else ""
+        name = "" if len(sources) == 1 else f"{s.spec.name} = "
+        files = f"{s.files} file{'' if s.files == 1 else 's'}, " if s.files else ""
         log(f"data: {name}{where}, {files}{s.corpus.documents} docs, {s.corpus.tokens / 1e6:.1f}M tokens, vocab {vocab} "
             f"({s.how}, {dt:.1f}s)" + (records_words(s.corpus.manifest.get("records", {})) if s.how == "cached" else ""))
     return data
