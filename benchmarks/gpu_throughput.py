@@ -267,9 +267,10 @@ def run_variant(name: str, args, overrides, size: dict, tmp: Path, device: torch
 
 
 def _tokens(cfg: Config):
-    from shardwise.train.data import prepare_data
+    """The run's prepared corpus as TokenBatches' sources (the trainer's own data, so both sides read one stream)."""
+    from shardwise.train.data import batch_sources, prepare_data
 
-    return prepare_data(cfg.data, cfg.model.vocab_size).tokens
+    return batch_sources(prepare_data(cfg.data, cfg.model.vocab_size))
 
 
 def main(argv: list[str] | None = None) -> int:

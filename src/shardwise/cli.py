@@ -147,8 +147,7 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
     again = " ".join(["shardwise data prepare", *(["--config", shlex.quote(args.config)] if args.config else []),
                       *map(shlex.quote, overrides)])
     data = prepare_data(cfg.data, cfg.model.vocab_size, prepare_command=again)
-    # One global batch at least, a resumed mixture's data, and its sources' max_epochs over train.steps.
-    check_batches(data, cfg, rundir.newest_trainer_state(cfg))
+    check_batches(data, cfg, epochs=False)  # one global batch at least, before a run directory exists
     rundir.check_run_dirs(cfg)
     if nodes is not None:  # compared with the other nodes' before the rendezvous (launch/peer_failure.py)
         digest = hashlib.sha256(f"{data.tokens_sha256}/{file_digest(data.tokenizer_path)[1]}".encode()).hexdigest()
@@ -163,6 +162,9 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
         if done:
             print(done)
             return 0
+        # The checkpoint's data position fits this data (a mixture's sources), and no source of a mixture is read
+        # over more than its max_epochs by train.steps, from where the run resumes.
+        check_batches(data, cfg, rundir.newest_trainer_state(cfg))
         run_dir = Path(cfg.run.dir)
         if owner:
             rundir.clear_failure_record(run_dir)

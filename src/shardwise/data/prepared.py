@@ -59,11 +59,11 @@ def read_manifest(directory: Path) -> dict | None:
     return manifest if manifest.get("format") == FORMAT else None
 
 
-def earlier_preparations(cache_dir: Path, corpus: str, but: Path) -> list[tuple[Path, dict]]:
-    """Complete preparations of the same corpus from other inputs, newest first."""
+def preparations(cache_dir: Path, corpus: str) -> list[tuple[Path, dict]]:
+    """Every complete preparation of this corpus (from whichever inputs), newest first."""
     found = []
     for directory in sorted((cache_dir / "prepared").glob(f"{corpus}-*")):
-        if directory != but and directory.is_dir() and (manifest := read_manifest(directory)) is not None:
+        if directory.is_dir() and (manifest := read_manifest(directory)) is not None:
             found.append((directory.stat().st_mtime, directory, manifest))
     return [(d, m) for _, d, m in sorted(found, key=lambda x: x[0], reverse=True)]
 

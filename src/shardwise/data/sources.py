@@ -24,8 +24,8 @@ from shardwise.data.prepared import (
     PreparedCorpus,
     PrepareLock,
     corpus_key,
-    earlier_preparations,
     open_prepared,
+    preparations,
     prepared_dir,
     read_manifest,
     refuse_changed_inputs,
@@ -205,7 +205,7 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
                                   cfg.bad_records) for spec, _ in raw}
     if refuse_changed:  # before a tokenizer is trained on files that were not meant to change
         for spec, _ in raw:
-            found = earlier_preparations(cache_dir, keys[spec.name], but=Path())
+            found = preparations(cache_dir, keys[spec.name])
             same = any(m["source"]["files"] == fingerprints[spec.name] for _, m in found)
             if found and not same:
                 refuse_changed_inputs(spec.field, spec.path or "the stdlib corpus", found[0][0], found[0][1],

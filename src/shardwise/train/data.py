@@ -250,15 +250,16 @@ class TokenBatches:
                 f"where it was, nothing read again or skipped (samples read so far: {read})")
 
 
-def check_batches(data: PreparedData, cfg, trainer_state: dict | None) -> TokenBatches:
-    """Before any process starts (cli.py): the batches can be drawn — one global batch at least, the data a
-    resumed checkpoint was written for (`trainer_state`, its trainer_state.json) — and no source of a mixture
-    is read over more than its max_epochs by train.steps."""
+def check_batches(data: PreparedData, cfg, trainer_state: dict | None = None, epochs: bool = True) -> TokenBatches:
+    """Before any process starts (cli.py): the batches can be drawn — one global batch at least, and the data
+    a resumed checkpoint was written for (`trainer_state`, its trainer_state.json) — and (`epochs`) no source
+    of a mixture is read over more than its max_epochs by train.steps, from where the run resumes."""
     t = cfg.train
     batches = TokenBatches(batch_sources(data), t.seq_len, t.global_batch, t.seed)
     if trainer_state is not None and cfg.checkpoint.resume and "data" in trainer_state:
         batches.load_state(trainer_state["data"], trainer_state.get("step", 0))
-    batches.check_epochs(t.steps)
+    if epochs:
+        batches.check_epochs(t.steps)
     return batches
 
 
