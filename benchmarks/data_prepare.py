@@ -7,12 +7,14 @@
    later run): documents of pseudo-words with Zipf frequencies (a natural language's word statistics),
    punctuation and numbers, lengths log-normal around 2 KB; each size its own files (1/10 of it a file).
 2. Trains a byte-level BPE tokenizer.json (vocabulary 32,768) with `tokenizers` on the first 20 MB.
-3. For each size and worker count: `shardwise data prepare` into a fresh cache, and the peer in a fresh
-   process and cache, each with one tokenizer thread per process (TOKENIZERS_PARALLELISM=false for the
+3. For each size and worker count: `shardwise data prepare` into a fresh cache (--rounds times, in ABBA
+   order, at sizes up to 1 GB: this shared machine's speed drifts; rows are medians), and the peer once, in
+   a fresh process and cache (at sizes over 1 GB with the most workers only), each with one tokenizer
+   thread per process (TOKENIZERS_PARALLELISM=false for the
    peer; our workers set it themselves). Measured: wall time, input MB/s, tokens/s (ours from the manifest,
    the peer's counted in its Arrow output, end-of-document tokens included on both sides: they must agree),
    and the peak resident memory of the whole process tree (the sum over the command and its descendants,
-   sampled every 50 ms from /proc; shared pages count once per process, as for any RSS sum).
+   sampled every 100 ms from /proc; shared pages count once per process, as for any RSS sum).
 4. Start-up over many shards: a corpus prepared into >= 1,000 shards (byte tokenizer, fast), then a fresh
    process times what `train` does before its first step with data: find the preparation, open it, and
    build the first global batches.
@@ -30,6 +32,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -171,23 +174,18 @@ def train_tokenizer(files: list[Path], path: Path) -> Path:
 
 
 def _tree_rss(root: int) -> tuple[int, int]:
-    """(sum, max) of the resident bytes of `root` and its descendants, from /proc."""
-    parents: dict[int, int] = {}
-    rss: dict[int, int] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            parents[int(proc.name)] = int(fields[1])
-            rss[int(proc.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, IndexError, ValueError):
-            continue
-    tree, frontier = {root}, [root]
+    """(sum, max) of the resident bytes of `root` and its descendants, from /proc (each process's children
+    lists, so a sample reads a few files, not every process's: the sampler must not slow what it measures)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    values, frontier = [], [root]
     while frontier:
-        frontier = [pid for pid, ppid in parents.items() if ppid in frontier and pid not in tree]
-        tree.update(frontier)
-    values = [rss.get(pid, 0) for pid in tree]
+        pid = frontier.pop()
+        try:
+            values.append(int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page)
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                frontier += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):  # gone meanwhile
+            continue
     return sum(values), max(values, default=0)
 
 
@@ -202,7 +200,7 @@ def run_measured(args: list[str], env: dict | None = None) -> dict:
         while proc.poll() is None:
             total, largest = _tree_rss(proc.pid)
             peak[0], peak[1] = max(peak[0], total), max(peak[1], largest)
-            time.sleep(0.05)
+            time.sleep(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -256,11 +254,13 @@ def main() -> int:
     parser.add_argument("--workers", default="1,2", help="worker counts (ours) and num_proc (the peer)")
     parser.add_argument("--dir", default=str(ROOT / "runs" / "bench-data"), help="where corpora and caches go")
     parser.add_argument("--no-peer", action="store_true", help="skip Hugging Face datasets")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each worker count at sizes up to 1 GB (ABBA order)")
     parser.add_argument("--startup-mb", type=float, default=120.0, help="corpus size for the start-up row (MB)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     sizes = [0.002, 0.004] if args.smoke else [float(s) for s in args.sizes.split(",")]
+    args.rounds = 1 if args.smoke else args.rounds
     workers = [int(w) for w in args.workers.split(",")]
     work = Path(args.dir) / ("smoke" if args.smoke else "")
     rows = []
@@ -268,15 +268,28 @@ def main() -> int:
     for size in sizes:
         files = write_corpus(work / f"corpus-{size:g}gb", int(size * 1e9))
         tokenizer = tokenizer or train_tokenizer(files, work / "tokenizer.json")
-        for w in workers:
-            r = ours(files[0].parent, tokenizer, work / "cache-ours", w)
-            rows.append({"size_gb": size, "side": "shardwise", "workers": w, **r})
-            print(_row(rows[-1]), flush=True)
-            if not args.no_peer:
-                p = peer(files, tokenizer, work / "cache-peer", w)
-                rows.append({"size_gb": size, "side": "datasets", "workers": w, **p,
-                             "input_bytes": sum(f.stat().st_size for f in files)})
-                print(_row(rows[-1]), flush=True)
+        # This machine's speed drifts by tens of percent over minutes (a shared VM): the worker counts are run
+        # in rounds, in ABBA order, and each row is the median of its runs. The peer runs once per count, beside
+        # round 0; at sizes over 1 GB one round, and the peer with the most workers only (hours otherwise).
+        big = size > 1
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for r in range(1 if big else args.rounds):
+            for w in (workers if r % 2 == 0 else workers[::-1]):
+                runs.setdefault(("shardwise", w), []).append(ours(files[0].parent, tokenizer, work / "cache-ours", w))
+                print(_row({"size_gb": size, "side": "shardwise", "workers": w, **runs["shardwise", w][-1]}), flush=True)
+                if r == 0 and not args.no_peer and (not big or w == max(workers)):
+                    p = {**peer(files, tokenizer, work / "cache-peer", w), "input_bytes": sum(f.stat().st_size for f in files)}
+                    runs[("datasets", w)] = [p]
+                    print(_row({"size_gb": size, "side": "datasets", "workers": w, **p}), flush=True)
+        for (side, w), done in runs.items():
+            walls = sorted(run["wall_s"] for run in done)
+            middle = min(done, key=lambda run: abs(run["wall_s"] - statistics.median(walls)))
+            rows.append({"size_gb": size, "side": side, "workers": w, **middle, "wall_s": statistics.median(walls),
+                         "walls_s": walls, "peak_tree_rss_bytes": max(run["peak_tree_rss_bytes"] for run in done),
+                         "peak_process_rss_bytes": max(run["peak_process_rss_bytes"] for run in done)})
+    print("medians:")
+    for row in rows:
+        print(_row(row))
     start = startup(work, int(0.001e9 if args.smoke else args.startup_mb * 1e6), 0.005 if args.smoke else 0.1)
     print(f"start-up over {start['shards']:,} shards: {start['data_s']:.2f} s to find the preparation and build "
           f"the first batches ({start['import_s']:.2f} s of imports before; {start['process_wall_s']:.2f} s the whole process)")

@@ -153,7 +153,7 @@ class PrepareLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError:  # held, or a file system without locks: then nothing may assume it is free
             os.close(fd)
             return False
         self.fd = fd
