@@ -227,3 +227,36 @@ def _records(run: Path) -> list[dict]:
         return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or a line being written
         return []
+
+
+def test_nodes_that_prepared_other_data_end_before_the_rendezvous_naming_both(common, tmp_path):
+    """Node-local caches, and on node 1 a corpus one byte different (a copy edited there): each node prepares its
+    own, both pass their own checks, and both end before any worker starts, the line naming both preparations
+    (launch/peer_failure.py data_refusal), instead of meeting and failing the ranks' agreement afterwards."""
+    corpus = Path(next(c for c in common if c.startswith("--data.path=")).split("=", 1)[1]).read_text()
+    texts = [corpus, corpus[:-10] + ("x" if corpus[-10] != "x" else "y") + corpus[-9:]]
+    base = [c for c in common if not c.startswith(("--data.path=", "--data.cache_dir="))]
+    cli = [sys.executable, "-m", "shardwise.cli", "train", *base, *LAYOUT]
+    with netns.network(2) as net:
+        endpoint = f"{net.address(0)}:{RDZV_PORT}"
+        agents = []
+        for k in range(2):
+            (tmp_path / f"node{k}").mkdir()
+            (tmp_path / f"node{k}" / "corpus.txt").write_text(texts[k])
+            agents.append(net.popen(k, [*cli, "--nproc", "2", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
+                                        endpoint, f"--run.dir={tmp_path / f'node{k}' / 'run'}",
+                                        f"--data.path={tmp_path / f'node{k}' / 'corpus.txt'}",
+                                        f"--data.cache_dir={tmp_path / f'node{k}' / 'cache'}"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path))
+        started = time.monotonic()
+        outputs = [a.communicate(timeout=180) for a in agents]
+    lines = []
+    for k, (a, (out, err)) in enumerate(zip(agents, outputs)):
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert a.returncode == 2 and "Traceback" not in err and len(errors) == 1, f"node {k}:\n{out[-2000:]}\n{err[-3000:]}"
+        lines.append(errors[0])
+    assert lines[0] == lines[1] and time.monotonic() - started < 150, lines
+    assert "so the job cannot start: data.path: node" in lines[0] and "prepared other data than node" in lines[0], lines
+    for k in range(2):
+        assert f"{tmp_path / f'node{k}' / 'cache' / 'prepared'}" in lines[0], lines  # both preparations named
+        assert not (tmp_path / f"node{k}" / "run" / "metrics.jsonl").exists()
