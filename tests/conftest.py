@@ -16,6 +16,7 @@ torch.set_num_threads(1)
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 CORPUS_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "json/decoder.py")
+VALID_MODULES = ("textwrap.py", "string.py")
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +26,21 @@ def corpus_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text("\n".join((stdlib / m).read_text() for m in CORPUS_MODULES))
     return path
+
+
+@pytest.fixture(scope="session")
+def valid_file(tmp_path_factory) -> Path:
+    """A validation set of ~60 KB of other stdlib modules than the corpus's (a [[data.valid]] set)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("valid") / "valid.txt"
+    path.write_text("\n".join((stdlib / m).read_text() for m in VALID_MODULES))
+    return path
+
+
+@pytest.fixture(scope="session")
+def valid_overrides(valid_file) -> list[tuple[str, str]]:
+    """The base config's additions for a validation set: the named set "heldout", 2 global batches per round."""
+    return [("data.valid", f'[{{path = "{valid_file}", name = "heldout"}}]'), ("eval.tokens", "512")]
 
 
 @pytest.fixture(scope="session")

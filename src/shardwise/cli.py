@@ -140,6 +140,7 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
     import shlex
 
     from shardwise.train.data import check_batches, prepare_data
+    from shardwise.train.evaluate import eval_sets
     from shardwise.train.manifest import file_digest
 
     # Data errors surface before spawning; ranks hit the cache. Files changed since their preparation are
@@ -148,6 +149,7 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
                       *map(shlex.quote, overrides)])
     data = prepare_data(cfg.data, cfg.model.vocab_size, prepare_command=again)
     check_batches(data, cfg, epochs=False)  # one global batch at least, before a run directory exists
+    eval_sets(data.valid_sets(), cfg)  # and each validation set (train/evaluate.py)
     rundir.check_run_dirs(cfg)
     if nodes is not None:  # compared with the other nodes' before the rendezvous (launch/peer_failure.py)
         digest = hashlib.sha256(f"{data.tokens_sha256}/{file_digest(data.tokenizer_path)[1]}".encode()).hexdigest()

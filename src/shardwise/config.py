@@ -185,12 +185,31 @@ class DataSource:
 
 
 @dataclass
+class ValidSet:
+    """A named validation set ([[data.valid]]): its own files, prepared with the training tokenizer, never trained on."""
+
+    path: str = opt("", "Text, JSONL, JSON or Parquet file, directory or glob, or a Megatron-LM indexed dataset "
+                        "(PREFIX, PREFIX.bin or PREFIX.idx).")
+    name: str = opt("", "Name in metrics.jsonl (valid_loss_<name>), TensorBoard and the progress line; default: the "
+                        "path's file name without its extension.")
+    text_key: str = opt("", "Field holding the text in this set's JSONL / Parquet records; empty: data.text_key.")
+
+
+@dataclass
 class DataConfig:
     path: str = opt("", "Text, JSONL, JSON or Parquet file, directory or glob, or a Megatron-LM indexed dataset "
                         "(PREFIX, PREFIX.bin or PREFIX.idx); empty = the Python standard library's source "
                         "(unless data.sources is set).")
     sources: list[DataSource] = opt([], "A weighted mixture instead of data.path: [[data.sources]] tables with path, "
                                         "weight and optionally name, max_epochs, text_key (docs/data.md).")
+    valid_fraction: float = opt(0.0, "Share of each source's documents held out for validation (e.g. 0.005), never "
+                                     "trained on: a document goes to the held-out part when a hash of its text (of a "
+                                     "text file: its first 64 KiB and size) falls below this share, so the same "
+                                     "documents on every run, layout and worker count, and copies of a document on "
+                                     "the same side. Part of the prepared corpus's identity. Evaluated as a set "
+                                     "named after its source ([eval]).")
+    valid: list[ValidSet] = opt([], "Named validation sets: [[data.valid]] tables with path and optionally name, "
+                                    "text_key, each evaluated on its own ([eval], docs/data.md).")
     tokenizer: str = opt("bpe", '"bpe" (trained on the corpus and cached), "byte", or a path to a tokenizer.json.')
     text_key: str = opt("text", "Field holding the text in JSONL / Parquet records.")
     cache_dir: str = opt("~/.cache/shardwise", "Where trained tokenizers and prepared corpora (token shards) are kept.")
@@ -204,6 +223,15 @@ class DataConfig:
                                   "the same for any count.")
     num_workers: int = opt(0, "Background processes per rank that prepare the batches of the next steps (0: in the training "
                               "process). The batches are the same for any count; ~cores / ranks - 1 is plenty.")
+
+
+@dataclass
+class EvalConfig:
+    every: int = opt(0, "Evaluate the validation sets (data.valid_fraction, [[data.valid]]) every this many steps; "
+                        "0: only at the end (eval.at_end).")
+    tokens: int = opt(0, "Tokens of each validation set per evaluation, rounded up to whole global batches "
+                         "(train.global_batch x train.seq_len): the same windows every round; 0: the whole set.")
+    at_end: bool = opt(True, "Evaluate after the last step (when there is a validation set).")
 
 
 @dataclass
@@ -306,6 +334,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Optimization and batch."})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"doc": "Parallel layout."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Corpus and tokenizer."})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"doc": "Validation during and after training."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Distributed checkpoints."})
     run: RunConfig = field(default_factory=RunConfig, metadata={"doc": "Outputs of a run."})
     cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"doc": "Cluster to plan for (shardwise plan)."})

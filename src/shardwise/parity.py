@@ -123,6 +123,28 @@ def compare(ref_dir: Path, case_dir: Path) -> tuple[float, float, int]:
     return dloss, dparam, len(losses)
 
 
+def valid_losses(run_dir: Path) -> dict[str, float]:
+    """The last validation round's loss per set in a run's metrics.jsonl ({} without one)."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    out: dict[str, float] = {}
+    for row in rows:
+        out.update({k[len("valid_loss_"):]: v for k, v in row.items() if k.startswith("valid_loss_")})
+    return out
+
+
+def compare_valid(ref_dir: Path, case_dir: Path) -> float | None:
+    """The largest relative |d validation loss| over the sets, None when the reference has no validation.
+    Forward only, the layouts sum the same per-token losses in another order: the training loss's bound
+    (LOSS_RTOL) holds, and a missing or mis-scaled shard moves it by >= 1e-3 as it does the training loss."""
+    ref, got = valid_losses(ref_dir), valid_losses(case_dir)
+    if not ref:
+        return None
+    if set(got) != set(ref):
+        return float("inf")
+    return max(abs(got[k] - ref[k]) / max(abs(ref[k]), 1e-12) for k in ref)
+
+
 def parity_main(argv: list[str]) -> int:
     from shardwise.launch.local import check_nproc
 
@@ -205,23 +227,27 @@ def report(out: Path, cases: list[tuple[Case, Config]], failed_launch: set[str])
 
     table = Table(title=f"parity vs single process (loss rtol {LOSS_RTOL:g}, param atol {PARAM_ATOL:g})")
     table.add_column("layout", overflow="fold")
-    for col in ("procs", "steps", "max rel |dloss|", "max |dparam|", "verdict"):
+    validated = any(valid_losses(out / case.reference) for case, _ in cases)
+    for col in ("procs", "steps", "max rel |dloss|", "max |dparam|") + (("rel |d valid loss|",) if validated else ()) + ("verdict",):
         table.add_column(col, no_wrap=True)
     all_ok = True
     rows = []
     for case, cfg in cases:
         case_dir = Path(cfg.run.dir)
         if case.name in failed_launch or not (case_dir / "losses.json").exists():
-            table.add_row(case.name, str(case.world_size), "-", "-", "-", "ERROR (did not run)")
+            table.add_row(case.name, str(case.world_size), "-", "-", "-", *(("-",) if validated else ()), "ERROR (did not run)")
             all_ok = False
             rows.append({"layout": case.name, "verdict": "error"})
             continue
         dloss, dparam, steps = compare(out / case.reference, case_dir)
-        ok = dloss <= LOSS_RTOL and dparam <= PARAM_ATOL
+        dvalid = compare_valid(out / case.reference, case_dir)
+        ok = dloss <= LOSS_RTOL and dparam <= PARAM_ATOL and (dvalid is None or dvalid <= LOSS_RTOL)
         all_ok &= ok
-        table.add_row(case.name, str(case.world_size), str(steps), f"{dloss:.2e}", f"{dparam:.2e}", "PASS" if ok else "FAIL")
+        shown = (("-" if dvalid is None else f"{dvalid:.2e}"),) if validated else ()
+        table.add_row(case.name, str(case.world_size), str(steps), f"{dloss:.2e}", f"{dparam:.2e}", *shown, "PASS" if ok else "FAIL")
         rows.append({"layout": case.name, "reference": case.reference, "procs": case.world_size, "steps": steps, "max_rel_dloss": dloss,
-                     "max_abs_dparam": dparam, "verdict": "pass" if ok else "fail"})
+                     "max_abs_dparam": dparam, "verdict": "pass" if ok else "fail"}
+                    | ({"rel_dvalid_loss": dvalid} if dvalid is not None else {}))
     # Piped (a log file, CI), rich would lay the table out for 80 columns and fold layout names mid-word.
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     (out / "parity.json").write_text(json.dumps(rows, indent=1))

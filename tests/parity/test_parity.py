@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.parity import LOSS_RTOL, PARAM_ATOL, compare, parity_config, train_and_record
+from shardwise.parity import LOSS_RTOL, PARAM_ATOL, compare, compare_valid, parity_config, train_and_record, valid_losses
 from tests.harness import run_world
 from tests.parity.matrix import COMPILE_FAMILY, MATRIX, REFERENCES, Layout
 
@@ -31,10 +31,11 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def runs(base_overrides, tmp_path_factory) -> dict[str, Path]:
+def runs(base_overrides, valid_overrides, tmp_path_factory) -> dict[str, Path]:
     """name -> run dir holding losses.json and final_model.pt, written by the same code as
     `shardwise parity`. Every world size is spawned once and runs all its layouts; the references
-    run in a world of one, so the pytest process itself never trains (fork safety)."""
+    run in a world of one, so the pytest process itself never trains (fork safety). Every case also
+    evaluates a validation set after its last step (the same 2 global batches everywhere)."""
     root = tmp_path_factory.mktemp("parity")
     refs = [Layout(f"ref_{name}", 1, extra) for name, extra in REFERENCES.items()]
     for world in (1, 2, 4, 8):
@@ -42,7 +43,7 @@ def runs(base_overrides, tmp_path_factory) -> dict[str, Path]:
 
         def work(rank: int, layouts=layouts) -> None:
             for lay in layouts:
-                train_and_record(parity_config({}, [*base_overrides, ("train.steps", str(STEPS))], lay.override_list(),
+                train_and_record(parity_config({}, [*base_overrides, *valid_overrides, ("train.steps", str(STEPS))], lay.override_list(),
                                                root / lay.name), single_process=False)
 
         run_world(world, work)
@@ -58,6 +59,11 @@ def test_layout_matches_single_process(runs, layout: Layout):
         assert dloss == 0.0 and dparam == 0.0, f"recompute changed numerics: {dloss:.2e} {dparam:.2e}"
     assert dloss <= LOSS_RTOL, f"{layout.name}: max relative |dloss| {dloss:.2e} > {LOSS_RTOL}"
     assert dparam <= PARAM_ATOL, f"{layout.name}: max |dparam| {dparam:.2e} > {PARAM_ATOL}"
+    # Validation, forward only on the same windows: the training loss's bound and reasons (parity.compare_valid).
+    dvalid = compare_valid(runs[f"ref_{layout.reference}"], runs[layout.name])
+    assert dvalid is not None and dvalid <= LOSS_RTOL, f"{layout.name}: validation loss differs by {dvalid}"
+    if layout.name in BITWISE:
+        assert dvalid == 0.0
 
 
 def test_accumulation_on_one_rank_equals_four_way_dp(runs):
@@ -69,6 +75,9 @@ def test_accumulation_on_one_rank_equals_four_way_dp(runs):
 def test_loss_falls(runs):
     losses = json.loads((runs["ref_llama"] / "losses.json").read_text())
     assert losses[-1] < losses[0] - 0.5, f"loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
+    # Text the model never saw (other modules): above the training loss, below a uniform guess (ln 512).
+    valid = valid_losses(runs["ref_llama"])["heldout"]
+    assert losses[-1] < valid < 6.24, f"validation loss {valid:.3f} after training loss {losses[-1]:.3f}"
 
 
 def test_summary(runs):
@@ -83,7 +92,8 @@ def test_capacity_dropping_is_counted_and_logged(runs):
     fraction (the same on one process and under EP, since dropping is decided per micro-batch), the
     per-expert load and the aux loss; dropless runs report 0 dropped."""
     def last(name: str) -> dict:
-        return json.loads((runs[name] / "metrics.jsonl").read_text().splitlines()[-1])
+        rows = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "loss" in r][-1]  # the last step's (a validation round's record follows it)
 
     capped, ref_capped, dropless = last("moe_ep2_zero3_capacity1"), last("ref_moe_cap"), last("moe_ep2_zero3")
     assert 0 < capped["moe_dropped_frac"] < 0.5
@@ -102,6 +112,7 @@ def test_compiled_blocks_do_not_recompile(runs, layout: Layout):
     Parity itself is test_layout_matches_single_process (same 1e-5 bound: compiled kernels and
     AOTAutograd's decompositions reorder fp32 sums like any other layout)."""
     records = [json.loads(line) for line in (runs[layout.name] / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]  # the steps' records, not the validation round's
     graphs = [r["compiled_graphs"] for r in records]
     assert [r["step"] for r in records] == [5, 10]
     assert graphs[0] > 0 and len(set(graphs)) == 1, f"{layout.name}: compiled graphs per logged step {graphs}"

@@ -31,7 +31,18 @@ from pathlib import Path
 
 import numpy as np
 
-from shardwise.data.prepared import FORMAT, MANIFEST, SHARDS, TOKENIZER, PreparedCorpus, PrepareLock, open_prepared, read_manifest
+from shardwise.data.holdout import file_key, held_out, text_key
+from shardwise.data.prepared import (
+    FORMAT,
+    MANIFEST,
+    SHARDS,
+    TOKENIZER,
+    VALID,
+    PreparedCorpus,
+    PrepareLock,
+    open_prepared,
+    read_manifest,
+)
 from shardwise.data.publish import TMP_SUFFIX, publish_bytes
 from shardwise.data.records import BAD_KINDS, BadRecord, RecordStats, piece_documents
 from shardwise.data.shards import ShardWriter, token_dtype
@@ -56,6 +67,7 @@ class ShardJob:
     vocab: int
     eod: int
     policy: str
+    valid_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,10 +89,12 @@ class PrepareJob:
     eod: int
     shard_bytes: int
     policy: str
+    valid_fraction: float = 0.0
 
     @property
     def shard_job(self) -> ShardJob:
-        return ShardJob(self.directory, self.text_key, self.tokenizer_path, self.vocab, self.eod, self.policy)
+        return ShardJob(self.directory, self.text_key, self.tokenizer_path, self.vocab, self.eod, self.policy,
+                        self.valid_fraction)
 
 
 def default_workers() -> int:
@@ -123,51 +137,79 @@ def _encode(tok, texts: list[str], ends: list[bool], eod: int, writer: ShardWrit
     writer.add(np.asarray(ids, dtype=writer.dtype), items)
 
 
+class _Output:
+    """One shard being written (the training part, or the held-out part) and the text waiting to be encoded."""
+
+    def __init__(self, writer: ShardWriter):
+        self.writer = writer
+        self.texts: list[str] = []
+        self.ends: list[bool] = []
+        self.size = 0
+
+    def add(self, tok, text: str, end: bool, eod: int) -> None:
+        self.texts.append(text)
+        self.ends.append(end)
+        self.size += len(text)
+        if self.size >= ENCODE_CHARS:
+            self.flush(tok, eod)
+
+    def flush(self, tok, eod: int) -> None:
+        if self.texts:
+            _encode(tok, self.texts, self.ends, eod, self.writer)
+        self.texts, self.ends, self.size = [], [], 0
+
+
 def prepare_unit(job: ShardJob, unit: Unit) -> dict:
-    """Tokenize one unit into its shard (in a worker process); returns the shard's facts."""
+    """Tokenize one unit into its shard (in a worker process); returns the shard's facts. With
+    job.valid_fraction, the held-out documents (data/holdout.py) go to a shard of their own under valid/."""
     tok = _tokenizer(str(job.tokenizer_path))
     stats = RecordStats(job.policy)
-    directory = job.directory / SHARDS
     name = f"{unit.index:05d}"
-    writer = ShardWriter(directory, name, token_dtype(job.vocab))
+    dtype = token_dtype(job.vocab)
+    outputs = [_Output(ShardWriter(job.directory / SHARDS, name, dtype))]
     try:
-        texts: list[str] = []
-        ends: list[bool] = []
-        size = 0
+        if job.valid_fraction > 0:
+            outputs.append(_Output(ShardWriter(job.directory / VALID, name, dtype)))
+        fraction = job.valid_fraction
         for piece in unit.pieces:
+            # A text file is one document, whose chunks may lie in several units: its side is the file's.
+            whole = held_out(file_key(piece.path), fraction) if piece.kind == "text" and fraction > 0 else None
             for text, end in piece_documents(piece, job.text_key, stats):
-                texts.append(text)
-                ends.append(end)
-                size += len(text)
-                if size >= ENCODE_CHARS:
-                    _encode(tok, texts, ends, job.eod, writer)
-                    texts, ends, size = [], [], 0
-        if texts:
-            _encode(tok, texts, ends, job.eod, writer)
-        facts = writer.finish()
+                side = whole if whole is not None else fraction > 0 and held_out(text_key(text), fraction)
+                outputs[int(side)].add(tok, text, end, job.eod)
+        for out in outputs:
+            out.flush(tok, job.eod)
+        facts = outputs[0].writer.finish()
+        if len(outputs) > 1:
+            facts["valid"] = outputs[1].writer.finish()
     except BaseException:
-        writer.abort()
+        for out in outputs:
+            out.writer.abort()
         raise
     facts = {"name": name, **facts, "input_bytes": unit.bytes, "records": stats.as_dict(),
              "pieces": [[p.path, p.kind, p.start, p.stop, p.ends_document] for p in unit.pieces]}
-    publish_bytes(directory / f"{name}.json", json.dumps(facts, sort_keys=True).encode(), replace=True)
+    publish_bytes(job.directory / SHARDS / f"{name}.json", json.dumps(facts, sort_keys=True).encode(), replace=True)
     return facts
 
 
 # ---------------------------------------------------------------- parent side
 
 
-def _done_shard(directory: Path, unit: Unit, itemsize: int) -> dict | None:
-    """The facts of a shard an earlier run finished for this very unit, else None."""
+def _done_shard(directory: Path, unit: Unit, itemsize: int, valid: bool) -> dict | None:
+    """The facts of a shard an earlier run finished for this very unit (and its held-out part when `valid`),
+    else None."""
     name = f"{unit.index:05d}"
     try:
-        facts = json.loads((directory / f"{name}.json").read_text())
-        size = (directory / f"{name}.bin").stat().st_size
-        (directory / f"{name}.idx").stat()
-    except (OSError, ValueError):
+        facts = json.loads((directory / SHARDS / f"{name}.json").read_text())
+        parts = [(SHARDS, facts)] + ([(VALID, facts["valid"])] if valid else [])
+        for part, counts in parts:
+            (directory / part / f"{name}.idx").stat()
+            if (directory / part / f"{name}.bin").stat().st_size != counts.get("tokens", -1) * itemsize:
+                return None
+    except (OSError, ValueError, KeyError):
         return None
     pieces = [[p.path, p.kind, p.start, p.stop, p.ends_document] for p in unit.pieces]
-    return facts if facts.get("pieces") == pieces and size == facts.get("tokens", -1) * itemsize else None
+    return facts if facts.get("pieces") == pieces else None
 
 
 def _remove_temporaries(directory: Path) -> None:
@@ -237,7 +279,14 @@ def _manifest(job: PrepareJob, shards: list[dict]) -> dict:
     for s in shards:
         stats.add(s["records"])
     keep = ("name", "tokens", "documents", "sha256", "open_end", "input_bytes")
-    return {"format": FORMAT, "corpus": job.corpus, "name": job.label,
+    valid = {}
+    if job.valid_fraction > 0:
+        parts = [{"name": s["name"], **{k: s["valid"][k] for k in ("tokens", "documents", "sha256", "open_end")}} for s in shards]
+        valid = {"valid": {"fraction": job.valid_fraction, "tokens": sum(p["tokens"] for p in parts),
+                           "documents": sum(p["documents"] for p in parts),
+                           "sha256": hashlib.sha256("\n".join(p["sha256"] for p in parts).encode()).hexdigest(),
+                           "shards": parts}}
+    return {**valid, "format": FORMAT, "corpus": job.corpus, "name": job.label,
             "source": {"path": job.source_path, "text_key": job.text_key, "files": list(job.fingerprints)},
             "tokenizer": {"sha256": job.tokenizer_sha256, "vocab": job.vocab, "eod_id": job.eod},
             "dtype": token_dtype(job.vocab).name, "shard_bytes": job.shard_bytes, "bad_records": job.policy,
@@ -278,14 +327,16 @@ def prepare_corpus(job: PrepareJob, workers: int, log: Callable[[str], None] = p
 
 def _prepare_locked(job: PrepareJob, workers: int, log: Callable[[str], None]) -> dict:
     shard_dir = job.directory / SHARDS
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    _remove_temporaries(shard_dir)
+    valid_dir = job.directory / VALID
+    for d in (shard_dir, valid_dir) if job.valid_fraction > 0 else (shard_dir,):
+        d.mkdir(parents=True, exist_ok=True)
+        _remove_temporaries(d)
     _remove_temporaries(job.directory)
     units = plan_units(list(job.files), job.shard_bytes)
     if not units:
         raise ConfigError(job.field, f"{job.label} holds no data", "give it files with text in them")
     itemsize = token_dtype(job.vocab).itemsize
-    done = {u.index: f for u in units if (f := _done_shard(shard_dir, u, itemsize)) is not None}
+    done = {u.index: f for u in units if (f := _done_shard(job.directory, u, itemsize, job.valid_fraction > 0)) is not None}
     todo = [u for u in units if u.index not in done]
     total = sum(u.bytes for u in units)
     workers = max(1, min(workers, len(todo) or 1))
@@ -319,6 +370,8 @@ def _prepare_locked(job: PrepareJob, workers: int, log: Callable[[str], None]) -
     finally:
         progress.end()
         _remove_temporaries(shard_dir)
+        if job.valid_fraction > 0:
+            _remove_temporaries(valid_dir)
     shards = [done[u.index] for u in units]
     manifest = _manifest(job, shards)
     shutil.copyfile(job.tokenizer_path, job.directory / f".{TOKENIZER}{TMP_SUFFIX}")
@@ -329,8 +382,17 @@ def _prepare_locked(job: PrepareJob, workers: int, log: Callable[[str], None]) -
     log(f"data: prepared {job.label}: {manifest['tokens'] / 1e6:,.1f}M tokens, {manifest['documents']:,} documents, "
         f"{_plural(len(units), 'shard')} in {dt:.1f} s ({work / dt / 1e6:.1f} MB/s, "
         f"{sum(done[u.index]['tokens'] for u in todo) / dt / 1e6:.2f}M tokens/s, {_plural(workers, 'worker')})"
-        f"{records_words(manifest['records'])}")
+        f"{held_out_words(manifest)}{records_words(manifest['records'])}")
     return manifest
+
+
+def held_out_words(manifest: dict) -> str:
+    """"; held out for validation: 1,234 documents, 0.4M tokens (data.valid_fraction 0.01)" or ""."""
+    valid = manifest.get("valid")
+    if not valid:
+        return ""
+    return (f"; held out for validation: {valid['documents']:,} documents, {valid['tokens'] / 1e6:,.2f}M tokens "
+            f"(data.valid_fraction {valid['fraction']:g})")
 
 
 def _run_workers(job: PrepareJob, todo: list[Unit], workers: int, done: dict[int, dict], progress: _Progress) -> None:

@@ -6,6 +6,8 @@
         shards/NNNNN.bin   tokens (data/shards.py: Megatron's indexed-dataset format)
         shards/NNNNN.idx   document lengths and offsets
         shards/NNNNN.json  the shard's facts, written after its .bin and .idx: the shard is done
+        valid/NNNNN.bin    with data.valid_fraction: the unit's held-out documents (data/holdout.py),
+        valid/NNNNN.idx    written before shards/NNNNN.json
         .lock              held while a process prepares it (others wait)
 
 <corpus> names what is prepared — the source's path, text key, tokenizer kind, vocabulary size, shard
@@ -37,12 +39,15 @@ FORMAT = "shardwise-prepared-v1"
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 SHARDS = "shards"
+VALID = "valid"  # the held-out documents' shards (data.valid_fraction), named as their training shards
 # How often a process waiting for another's preparation says where it stands.
 WAIT_REPORT_S = 30.0
 
 
-def corpus_key(path_spec: str, text_key: str, tokenizer_kind: str, vocab_size: int, shard_bytes: int, policy: str) -> str:
-    return short_key(FORMAT, path_spec, text_key, tokenizer_kind, vocab_size, shard_bytes, policy)
+def corpus_key(path_spec: str, text_key: str, tokenizer_kind: str, vocab_size: int, shard_bytes: int, policy: str,
+               valid_fraction: float = 0.0) -> str:
+    held_out = (valid_fraction,) if valid_fraction > 0 else ()  # without one, the keys of before
+    return short_key(FORMAT, path_spec, text_key, tokenizer_kind, vocab_size, shard_bytes, policy, *held_out)
 
 
 def prepared_dir(cache_dir: Path, corpus: str, fingerprints: list[dict], tokenizer_sha256: str) -> Path:
@@ -88,6 +93,7 @@ class PreparedCorpus:
     manifest: dict
     stream: TokenStream
     tokenizer_path: Path | None  # None for a Megatron dataset (its tokenizer is data.tokenizer)
+    valid: TokenStream | None = None  # the held-out documents (data.valid_fraction)
 
     @property
     def tokens(self) -> int:
@@ -106,7 +112,12 @@ def open_prepared(directory: Path, manifest: dict) -> PreparedCorpus:
     shards = manifest["shards"]
     bins = [str(directory / SHARDS / f"{s['name']}.bin") for s in shards]
     stream = TokenStream(bins, [s["tokens"] for s in shards], np.dtype(manifest["dtype"]))
-    return PreparedCorpus(directory, manifest, stream, directory / TOKENIZER)
+    valid = None
+    if "valid" in manifest:
+        parts = manifest["valid"]["shards"]
+        valid = TokenStream([str(directory / VALID / f"{s['name']}.bin") for s in parts], [s["tokens"] for s in parts],
+                            np.dtype(manifest["dtype"]))
+    return PreparedCorpus(directory, manifest, stream, directory / TOKENIZER, valid)
 
 
 class PrepareLock:

@@ -13,13 +13,13 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardwise.config import DataConfig
 from shardwise.data.corpus import corpus_files, corpus_root, file_fingerprints
 from shardwise.data.megatron import megatron_prefix, open_megatron
-from shardwise.data.prepare import PrepareJob, default_workers, prepare_corpus, records_words
+from shardwise.data.prepare import PrepareJob, default_workers, held_out_words, prepare_corpus, records_words
 from shardwise.data.prepared import (
     PreparedCorpus,
     PrepareLock,
@@ -31,6 +31,7 @@ from shardwise.data.prepared import (
     refuse_changed_inputs,
 )
 from shardwise.data.records import BadRecord, RecordStats, piece_documents
+from shardwise.data.shards import TokenStream
 from shardwise.data.tokenizer import BPE_TRAIN_CHARS, eod_id, file_sha256, load_tokenizer, tokenizer_file, tokenizer_vocab
 from shardwise.data.units import file_pieces
 from shardwise.errors import ConfigError
@@ -59,6 +60,15 @@ class Source:
     how: str  # "cached", "prepared" or "Megatron dataset"
 
 
+@dataclass(frozen=True)
+class ValidStream:
+    """A validation set's tokens: `field` is the key that made it (for errors)."""
+
+    name: str
+    field: str
+    stream: TokenStream
+
+
 @dataclass
 class PreparedData:
     """What training needs from the data side; tokenizer_path travels with checkpoints."""
@@ -67,6 +77,20 @@ class PreparedData:
     tokenizer_path: Path
     tokenizer_vocab: int
     eod_id: int
+    valid: list[Source] = field(default_factory=list)  # the named validation sets ([[data.valid]])
+
+    def valid_sets(self) -> list[ValidStream]:
+        """Every validation set: each source's held-out documents (data.valid_fraction), then [[data.valid]]."""
+        held = [ValidStream(s.spec.name, "data.valid_fraction", s.corpus.valid) for s in self.sources
+                if s.corpus.valid is not None]
+        return held + [ValidStream(s.spec.name, s.spec.field, s.corpus.stream) for s in self.valid]
+
+    @property
+    def valid_sha256(self) -> str:
+        """What the ranks of a job compare about their validation sets (train/agreement.py)."""
+        text = "\n".join(f"{s.spec.name}:{s.corpus.manifest.get('valid', {}).get('sha256', '')}" for s in self.sources) \
+            + "\n" + "\n".join(f"{s.spec.name}:{s.corpus.sha256}" for s in self.valid)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +127,9 @@ def source_specs(cfg: DataConfig) -> list[SourceSpec]:
         raise ConfigError("data.bad_records", f"{cfg.bad_records!r} is not a policy", 'use "error" or "skip"')
     if not cfg.shard_mb > 0:
         raise ConfigError("data.shard_mb", f"must be > 0, got {cfg.shard_mb}", "use e.g. 32")
+    if not 0 <= cfg.valid_fraction < 0.5:
+        raise ConfigError("data.valid_fraction", f"must be >= 0 and < 0.5, got {cfg.valid_fraction}",
+                          "hold out a small share, e.g. 0.005 (0: none)")
     if not cfg.sources:
         return [SourceSpec(_default_name(cfg.path), "data.path", cfg.path, 1.0, 0.0, cfg.text_key)]
     if cfg.path:
@@ -125,6 +152,26 @@ def source_specs(cfg: DataConfig) -> list[SourceSpec]:
         if name in {x.name for x in specs}:
             raise ConfigError(f"{key}.name", f"two sources are named {name!r}", f"give {key} a name of its own")
         specs.append(SourceSpec(name, f"{key}.path", s.path, s.weight, s.max_epochs, s.text_key or cfg.text_key))
+    return specs
+
+
+def valid_specs(cfg: DataConfig, sources: list[SourceSpec]) -> list[SourceSpec]:
+    """The [[data.valid]] sets, checked: a path each, names unique among them and the sources (whose held-out
+    parts are evaluated under the sources' names)."""
+    specs: list[SourceSpec] = []
+    taken = {s.name for s in sources} if cfg.valid_fraction > 0 else set()
+    for i, v in enumerate(cfg.valid):
+        key = f"data.valid[{i}]"
+        if not v.path:
+            raise ConfigError(f"{key}.path", "is empty", "give each validation set the path of its files")
+        name = v.name or _default_name(v.path)
+        if not _NAME.fullmatch(name):
+            raise ConfigError(f"{key}.name", f"{name!r} has characters other than letters, digits, _ . -",
+                              "give it a name like web or code_v2")
+        if name in taken or name in {x.name for x in specs}:
+            what = "a source's held-out part (data.valid_fraction)" if name in taken else "another validation set"
+            raise ConfigError(f"{key}.name", f"{name!r} is already the name of {what}", f"give {key} a name of its own")
+        specs.append(SourceSpec(name, f"{key}.path", v.path, 1.0, 0.0, v.text_key or cfg.text_key))
     return specs
 
 
@@ -190,64 +237,74 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
     t0 = time.perf_counter()
     cache_dir = Path(os.path.expanduser(cfg.cache_dir))
     specs = source_specs(cfg)
+    every = specs + valid_specs(cfg, specs)  # the validation sets are prepared like sources, never trained on
     shard_bytes = int(cfg.shard_mb * 1e6)
     raw: list[tuple[SourceSpec, list[Path]]] = []
     fingerprints: dict[str, list[dict]] = {}
-    for spec in specs:
+    for spec in every:
         if megatron_prefix(spec.path) is None:
             # The cache may lie inside the corpus's directory: its shards are not corpus.
             inside = cache_dir.resolve()
             files = [f for f in corpus_files(spec.path, spec.field) if inside not in f.resolve().parents]
             raw.append((spec, files))
-            fingerprints[spec.name] = file_fingerprints(spec.path, files)
-    keys = {spec.name: corpus_key(_path_spec(spec.path), spec.text_key, cfg.tokenizer if cfg.tokenizer in ("bpe", "byte")
-                                  else os.path.abspath(os.path.expanduser(cfg.tokenizer)), vocab_size, shard_bytes,
-                                  cfg.bad_records) for spec, _ in raw}
+            fingerprints[spec.field] = file_fingerprints(spec.path, files)
+        elif cfg.valid_fraction > 0 and spec in specs:
+            raise ConfigError("data.valid_fraction", f"{spec.path} is a Megatron-LM dataset, tokenized already: its "
+                              "documents are not split here", "give the validation documents as a dataset of their own "
+                              "([[data.valid]] with its path), and data.valid_fraction=0")
+    tokenizer_kind = cfg.tokenizer if cfg.tokenizer in ("bpe", "byte") else os.path.abspath(os.path.expanduser(cfg.tokenizer))
+    keys = {spec.field: corpus_key(_path_spec(spec.path), spec.text_key, tokenizer_kind, vocab_size, shard_bytes,
+                                   cfg.bad_records, cfg.valid_fraction if spec in specs else 0.0) for spec, _ in raw}
     if refuse_changed:  # before a tokenizer is trained on files that were not meant to change
         for spec, _ in raw:
-            found = preparations(cache_dir, keys[spec.name])
-            same = any(m["source"]["files"] == fingerprints[spec.name] for _, m in found)
+            found = preparations(cache_dir, keys[spec.field])
+            same = any(m["source"]["files"] == fingerprints[spec.field] for _, m in found)
             if found and not same:
                 refuse_changed_inputs(spec.field, spec.path or "the stdlib corpus", found[0][0], found[0][1],
-                                      fingerprints[spec.name], _prepare_advice(spec, prepare_command))
-    if cfg.tokenizer == "bpe" and not raw:
+                                      fingerprints[spec.field], _prepare_advice(spec, prepare_command))
+    training = [(spec, files) for spec, files in raw if spec in specs]
+    if cfg.tokenizer == "bpe" and not training:
         raise ConfigError("data.tokenizer", "a BPE cannot be trained on Megatron-LM datasets (they are tokenized already)",
                           "set data.tokenizer to the tokenizer.json the dataset was preprocessed with")
-    bpe_key = json.dumps([[s.text_key, fingerprints[s.name]] for s, _ in raw], sort_keys=True)
+    # Trained on the training sources only: adding a validation set keeps the tokenizer (and the shards).
+    bpe_key = json.dumps([[s.text_key, fingerprints[s.field]] for s, _ in training], sort_keys=True)
     tok_path, _ = tokenizer_file(cfg.tokenizer, cache_dir, vocab_size, lambda: hashlib.sha256(bpe_key.encode()).hexdigest(),
-                                 lambda: _sample(raw, cfg.bad_records))
+                                 lambda: _sample(training, cfg.bad_records))
     tok = load_tokenizer(tok_path, vocab_size)
     vocab, eod, tok_sha = tokenizer_vocab(tok), eod_id(tok, tok_path), file_sha256(tok_path)
     workers = workers or cfg.prepare_workers or default_workers()
-    sources = []
-    for spec in specs:
+    prepared = []
+    for spec in every:
         prefix = megatron_prefix(spec.path)
         if prefix is not None:
             corpus = open_megatron(prefix, spec.field, spec.name, cache_dir, vocab, str(tok_path), log)
-            sources.append(Source(spec, corpus, 0, "Megatron dataset"))
+            prepared.append(Source(spec, corpus, 0, "Megatron dataset"))
             continue
         files = next(f for s, f in raw if s is spec)
-        directory = prepared_dir(cache_dir, keys[spec.name], fingerprints[spec.name], tok_sha)
+        directory = prepared_dir(cache_dir, keys[spec.field], fingerprints[spec.field], tok_sha)
         manifest = read_manifest(directory)
         if manifest is not None:
-            sources.append(Source(spec, open_prepared(directory, manifest), len(files), "cached"))
+            prepared.append(Source(spec, open_prepared(directory, manifest), len(files), "cached"))
             continue
-        _remove_unfinished(cache_dir, keys[spec.name], directory, log)
+        _remove_unfinished(cache_dir, keys[spec.field], directory, log)
         label = spec.name if spec.name == _default_name(spec.path) else f"{spec.name} ({spec.path})"
-        job = PrepareJob(directory, label, spec.field, _key_field(spec), spec.text_key, tuple(files), tuple(fingerprints[spec.name]),
-                         spec.path, keys[spec.name], tok_path, tok_sha, vocab, eod, shard_bytes, cfg.bad_records)
+        job = PrepareJob(directory, label, spec.field, _key_field(spec), spec.text_key, tuple(files),
+                         tuple(fingerprints[spec.field]), spec.path, keys[spec.field], tok_path, tok_sha, vocab, eod,
+                         shard_bytes, cfg.bad_records, cfg.valid_fraction if spec in specs else 0.0)
         corpus, here = prepare_corpus(job, workers, log)
-        sources.append(Source(spec, corpus, len(files), "prepared" if here else "prepared by another process"))
-    for s in sources:
+        prepared.append(Source(spec, corpus, len(files), "prepared" if here else "prepared by another process"))
+    for s in prepared:
         if s.corpus.tokens == 0:
             raise ConfigError(s.spec.field, f"{s.spec.path or 'the stdlib corpus'} holds no text (0 tokens"
                               f"{records_words(s.corpus.manifest.get('records', {}))})", "give it files with text in them")
-    data = PreparedData(sources, tok_path, vocab, eod)
+    sources, valid = prepared[:len(specs)], prepared[len(specs):]
+    data = PreparedData(sources, tok_path, vocab, eod, valid)
     dt = time.perf_counter() - t0
-    for s in sources:
+    for i, s in enumerate(prepared):
         where = "stdlib" if not s.spec.path else s.spec.path
-        name = "" if len(sources) == 1 else f"{s.spec.name} = "
+        name = f"validation set {s.spec.name} = " if i >= len(sources) else ("" if len(sources) == 1 else f"{s.spec.name} = ")
         files = f"{s.files} file{'' if s.files == 1 else 's'}, " if s.files else ""
         log(f"data: {name}{where}, {files}{s.corpus.documents} docs, {s.corpus.tokens / 1e6:.1f}M tokens, vocab {vocab} "
-            f"({s.how}, {dt:.1f}s)" + (records_words(s.corpus.manifest.get("records", {})) if s.how == "cached" else ""))
+            f"({s.how}, {dt:.1f}s)" + (held_out_words(s.corpus.manifest) + records_words(s.corpus.manifest.get("records", {}))
+                                       if s.how == "cached" else ""))
     return data

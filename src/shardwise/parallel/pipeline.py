@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -30,7 +31,7 @@ from torch.distributed.pipelining import (
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.precision import autocast
-from shardwise.spec.stages import SINGLE_STAGE
+from shardwise.spec.stages import SINGLE_STAGE, stage_rank
 
 # schedule name -> torch class
 SCHEDULES = {
@@ -145,6 +146,9 @@ class PipelineRun:
             self.stages.append(TimedStage(module, index, num_stages, device, input_args=(meta(inputs),),
                                           output_args=(meta(outputs),), group=group))
         self.schedule = build_schedule(self.stages, schedule, microbatches, loss_fn)
+        self.schedule_name, self.pp, self.group, self.device, self.io = schedule, dist.get_world_size(group), group, device, io
+        self.virtual_stages = num_stages // self.pp
+        self.micro_batch = io["tokens"][0][0]
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, record: bool) -> tuple[list[torch.Tensor], list[Action]]:
         """One optimizer step's forward and backward over all micro-batches; returns the per
@@ -158,3 +162,44 @@ class PipelineRun:
         for stage in self.stages:
             stage.actions = None
         return losses, actions
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn) -> list[torch.Tensor]:
+        """Every micro-batch forward only (run under torch.no_grad): loss_fn(logits, targets) of each on the
+        rank holding the last stage, else [].
+
+        Not the schedule's eval(): torch 2.13's multi-stage schedules still run their local backward
+        hand-over in eval mode ("can't steal_bwd_input if this stage doesn't have backward", V schedules),
+        and switching a schedule between eval and training sets its stages up again each time. Here each
+        rank runs its stages in ascending order, every micro-batch of one stage before the next stage
+        (looped breadth-first, as in Lamy-Poirier 2022, arXiv 2211.05953, forwards only). Activations flow
+        only to higher stages, so a blocking receive always waits on work that needs nothing from this rank
+        later: no deadlock, and the stages overlap as in GPipe's forward."""
+        num_stages = self.stages[0].num_stages
+        m = len(inputs) // self.micro_batch
+        me = dist.get_rank(self.group)
+        owner = [stage_rank(self.schedule_name, self.pp, self.virtual_stages, s) for s in range(num_stages)]
+        xs, ts = inputs.split(self.micro_batch), targets.split(self.micro_batch)
+        held: dict[tuple[int, int], torch.Tensor] = {}
+        sends, losses = [], []
+        shape, dtype = self.io["hidden"]
+        for stage in self.stages:
+            s = stage.stage_index
+            for mb in range(m):
+                if s == 0:
+                    x = xs[mb]
+                elif owner[s - 1] == me:
+                    x = held.pop((s - 1, mb))
+                else:
+                    x = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.recv(x, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group, tag=s * m + mb)
+                y = stage.submod(x)
+                if s == num_stages - 1:
+                    losses.append(loss_fn(y, ts[mb]))
+                elif owner[s + 1] == me:
+                    held[(s, mb)] = y
+                else:
+                    sends.append(dist.isend(y.to(dtype).contiguous(), dst=dist.get_global_rank(self.group, owner[s + 1]),
+                                            group=self.group, tag=(s + 1) * m + mb))
+        for work in sends:
+            work.wait()
+        return losses

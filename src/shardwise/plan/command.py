@@ -72,6 +72,7 @@ def plan_main(argv: list[str]) -> int:
     import json
 
     from shardwise.plan.cost import evaluate
+    from shardwise.plan.evaluation import eval_line, eval_price
     from shardwise.plan.layout import Problem, check_layout
     from shardwise.plan.report import evaluate_text, plot, search_json, search_text
     from shardwise.plan.search import search
@@ -133,15 +134,19 @@ def plan_main(argv: list[str]) -> int:
             raise violation.error()
         est = evaluate(problem, layout)
         refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
+        evaluation = eval_price(cfg, est.breakdown_s, est.detail, layout.pp, layout.chunks_per_rank)
         if args.json:
             from shardwise.plan.goodput import run_cost
 
             print(json.dumps({**est.to_json(), "cost": run_cost(problem, est).to_json(), "trainable": refusal is None,
+                              **({"evaluation": evaluation.to_json()} if evaluation else {}),
                               "trainer_refusal": refusal,
                               # every split is priced by its schedule's order now; kept for --json readers
                               "split_notes": []}, indent=2))
         else:
             print(evaluate_text(problem, est), end="")
+            if evaluation is not None:
+                print(eval_line(evaluation, est.days))
             refused = [f"this version's `shardwise train` refuses this layout ({refusal})"] if refusal else []
             print("".join(f"note: {n}\n" for n in refused), end="")
         if args.plot:

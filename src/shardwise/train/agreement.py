@@ -37,14 +37,16 @@ class SetupMismatch(ConfigError):
     each node prints it (a node's output is often read on its own: a SLURM log per node)."""
 
 
-def setup_facts(cfg, num_tokens: int, tokens_sha256: str, tokenizer_sha256: str) -> dict[str, Any]:
+def setup_facts(cfg, num_tokens: int, tokens_sha256: str, tokenizer_sha256: str, valid_sha256: str = "") -> dict[str, Any]:
     """What this rank will train, flattened to {"train.lr": 3e-4, ...}: the resolved config without the
     node-local paths, and the data it loaded (its token count and the digests of the token array and
     of the tokenizer, train/data.py PreparedData)."""
     facts = {key: value for key, value in dotted(cfg.to_dict()).items() if key not in NODE_LOCAL}
     # A mixture's sources without their paths (node-local like data.path); their data is in the digest.
-    facts["data.sources"] = [{k: v for k, v in source.items() if k != "path"} for source in facts.get("data.sources", [])]
-    facts.update({"data.tokens": num_tokens, "data.tokens_sha256": tokens_sha256, "data.tokenizer_sha256": tokenizer_sha256})
+    for key in ("data.sources", "data.valid"):
+        facts[key] = [{k: v for k, v in entry.items() if k != "path"} for entry in facts.get(key, [])]
+    facts.update({"data.tokens": num_tokens, "data.tokens_sha256": tokens_sha256, "data.tokenizer_sha256": tokenizer_sha256,
+                  "data.valid_sha256": valid_sha256})
     return facts
 
 

@@ -227,16 +227,18 @@ def _set_aside(path: Path) -> None:
 
 def read_metrics(metrics_jsonl: Path) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl, one per step (the last wins: a resumed run re-logs the steps
-    after its checkpoint), sorted by step. A torn last line from a crash is skipped."""
-    by_step: dict[int, dict[str, Any]] = {}
+    after its checkpoint), sorted by step; a validation round's record (valid_* keys) is merged into its
+    step's. A torn last line from a crash is skipped."""
+    by_step: dict[tuple[int, bool], dict[str, Any]] = {}
     for line in Path(metrics_jsonl).read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict) and "step" in record:
-            by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]
+            by_step[int(record["step"]), any(k.startswith("valid_loss_") for k in record)] = record
+    steps = sorted({step for step, _ in by_step})
+    return [{**by_step.get((s, False), {}), **by_step.get((s, True), {})} for s in steps]
 
 
 def plot_loss_curve(metrics_jsonl: Path, out_png: Path) -> None:
@@ -257,6 +259,11 @@ def plot_loss_curve(metrics_jsonl: Path, out_png: Path) -> None:
         ax.plot(*zip(*losses), color="tab:blue", label="loss")
     else:
         ax.text(0.5, 0.5, "no loss records", transform=ax.transAxes, ha="center", va="center")
+    for name in sorted({k for r in records for k in r if k.startswith("valid_loss_")}):  # validation rounds
+        points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float))]
+        ax.plot(*zip(*points), marker="o", markersize=3, label=f"valid {name[len('valid_loss_'):]}")
+    if any(k.startswith("valid_loss_") for r in records for k in r):
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="tab:blue")
     ax.grid(alpha=0.3)

@@ -24,6 +24,7 @@ from shardwise.parallel.precision import DynamicLossScaler
 from shardwise.spec.dims import ParallelDims, offload_tier
 from shardwise.spec.layout import compute_precision
 from shardwise.train import moe_stats
+from shardwise.train.evaluate import eval_words
 from shardwise.train.health import StepGuard
 from shardwise.train.metrics import MetricsLogger, mfu, tokens_per_s_per_device
 from shardwise.train.peak_flops import device_peak_flops
@@ -81,6 +82,7 @@ class StepLog:
         self.graphs_before = compiled_graphs() if self.compiled else 0
         self.inductor_before = inductor_graphs() if self.compiled else (0, 0)
         self.last_timeline: dict | None = None  # the newest recorded pipeline step, written at the end
+        self.last_eval: tuple[int, dict] | None = None  # the newest validation round (step, record)
         writer = rank == 0
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -130,6 +132,13 @@ class StepLog:
                                f"train.max_skipped_steps={t.max_skipped_steps})")
         if logging or r.skipped:  # every rank: the MoE statistics are a collective
             self.metrics.log(step, self._record(r, step, timeline, comm_bytes, memory))
+
+    def after_eval(self, step: int, record: dict) -> None:
+        """Report a validation round after step `step`: a line, and its own metrics.jsonl / TensorBoard record."""
+        self.last_eval = (step, record)
+        if not self.quiet:
+            self.metrics.print(f"step {step} validation: {eval_words(record)} ({record['eval_time_s']:.1f} s)")
+        self.metrics.log(step, record)
 
     def _record(self, r: StepResult, step: int, timeline: dict | None, comm_bytes: dict[str, dict[str, int]],
                 memory: dict[str, list[int]]) -> dict:
@@ -202,6 +211,8 @@ class StepLog:
             read = self.source_tokens(self.last_step)
             total = max(1, sum(read.values()))
             parts.append("tokens read by source: " + ", ".join(f"{name} {n:,} ({n / total:.1%})" for name, n in read.items()))
+        if self.last_eval is not None:
+            parts.append(f"validation at step {self.last_eval[0]}: {eval_words(self.last_eval[1])}")
         if self.energy.enabled and self.energy.total_tokens:
             parts.append(f"GPU energy {self.energy.total_joules / JOULES_PER_KWH:.3g} kWh, "
                          f"{self.energy.total_joules / self.energy.total_tokens:.3g} J/token (all GPUs)")

@@ -43,8 +43,16 @@ from shardwise.train import moe_stats
 from shardwise.train.agreement import check_same_setup, setup_facts
 from shardwise.train.checkpoint import CheckpointManager, read_rank_state
 from shardwise.train.control import Control
-from shardwise.train.data import PreparedData, TokenBatches, batch_sources, prepare_data, split_inputs_targets
+from shardwise.train.data import (
+    PreparedData,
+    TokenBatches,
+    batch_sources,
+    prepare_data,
+    split_inputs_targets,
+    split_micro_batches,
+)
 from shardwise.train.distributed import default_device
+from shardwise.train.evaluate import describe_sets, eval_sets, evaluate
 from shardwise.train.full_model import full_model_state, gather_pipeline_state, pipeline_owners
 from shardwise.train.health import StepGuard, Verdict
 from shardwise.train.loader import BatchPrefetcher
@@ -85,7 +93,8 @@ class Trainer:
         self.fingerprint = mf.fingerprint(cfg, self.data.num_tokens, tokenizer_sha256)
         self.control = Control(distributed, cfg.run.collective_timeout_s)
         if distributed:  # before any collective that depends on the layout (train/agreement.py)
-            check_same_setup(setup_facts(cfg, self.data.num_tokens, self.data.tokens_sha256, tokenizer_sha256),
+            check_same_setup(setup_facts(cfg, self.data.num_tokens, self.data.tokens_sha256, tokenizer_sha256,
+                                         self.data.valid_sha256),
                              self.control)
         self.dims = check(cfg, world_size)
         check_stage_transport(self.dims.pp, dist.get_backend() if distributed else "none", self.device.type)
@@ -106,6 +115,9 @@ class Trainer:
         self.batches = TokenBatches(batch_sources(self.data), t.seq_len, t.global_batch, t.seed)
         self.loader = BatchPrefetcher(self.batches, self.batch_rank, self.dims.dp, t.micro_batch, cfg.data.num_workers,
                                       t.steps, pin_memory=self.device.type == "cuda")
+        self.eval_sets = eval_sets(self.data.valid_sets(), cfg)  # validation (train/evaluate.py)
+        if self.eval_sets:
+            self.log(describe_sets(self.eval_sets, cfg))
 
         with torch.device("meta"):
             model = build_model(cfg.model)
@@ -202,9 +214,40 @@ class Trainer:
         """Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
         makes it the token mean over the global batch, identical to the reference. 2-D TP: this rank's
         logits block, the micro-batch's sum on every tp rank (parallel/tensor2d.py)."""
+        return self._token_sum(logits, targets) / self.tokens_per_rank_step
+
+    def _token_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.grid is not None:
-            return cross_entropy_sum(self.grid, logits, targets, self.vocab_offset) / self.tokens_per_rank_step
-        return token_cross_entropy_sum(logits, targets, self.dims.tp, kernels=self.loss_kernels) / self.tokens_per_rank_step
+            return cross_entropy_sum(self.grid, logits, targets, self.vocab_offset)
+        return token_cross_entropy_sum(logits, targets, self.dims.tp, kernels=self.loss_kernels)
+
+    # ---- validation (train/evaluate.py runs the rounds) ----
+    def eval_batch(self, rows: torch.Tensor) -> torch.Tensor:
+        """The sum of per-token losses over this rank's rows of a validation batch, forward only (float64)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        micro = split_micro_batches(rows, self.cfg.train.micro_batch)
+        with torch.no_grad(), self._loss_context():
+            if self.pipeline is not None:
+                pairs = [self._cp_split(*split_inputs_targets(batch)) for batch in micro]
+                losses = self.pipeline.evaluate(torch.cat([i for i, _ in pairs]).to(self.device),
+                                                torch.cat([t for _, t in pairs]).to(self.device), self._token_sum)
+                for loss in losses:
+                    total += local_shard(loss).double()
+                return total
+            for batch in micro:
+                inputs, targets = (x.to(self.device, non_blocking=True) for x in self._cp_split(*split_inputs_targets(batch)))
+                with autocast(self.cfg.train.precision, self.device.type):
+                    logits = self.model(inputs)
+                total += local_shard(self._token_sum(logits, targets)).double()
+        return total
+
+    def reduce_eval_sum(self, total: torch.Tensor) -> torch.Tensor:
+        """A validation sum over the ranks that hold other tokens (as the logged training loss is)."""
+        if self.pipeline is not None:  # only the last stage has the loss
+            dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        if self.loss_group is not None:
+            dist.all_reduce(total, group=self.loss_group)
+        return total
 
     def train_step(self, measure_memory: bool = False) -> StepResult:
         """One optimizer step; `measure_memory` records bytes by category while gradients exist.
@@ -348,6 +391,8 @@ class Trainer:
                     raise Diverged(self._divergence_message(r), report=self.rank == 0)
                 if r.stop_code:
                     self._stop(r.stop_code)
+                if self._eval_due():
+                    report.after_eval(self.step, evaluate(self, self.eval_sets))
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
                     self.save_checkpoint()
             report.write_pipeline_timeline()
@@ -364,6 +409,11 @@ class Trainer:
             if hasattr(self.optimizer, "close"):  # the NVMe tier's files (checkpoints hold the state)
                 self.optimizer.close()
         return losses
+
+    def _eval_due(self) -> bool:
+        e = self.cfg.eval
+        return bool(self.eval_sets) and ((e.every > 0 and self.step % e.every == 0)
+                                         or (e.at_end and self.step == self.cfg.train.steps))
 
     def _source_tokens(self, step: int) -> dict[str, int]:
         """A mixture's input tokens read from each source in steps 1..step (seq_len per sample)."""
