@@ -457,6 +457,8 @@ def _parse_cli_value(key: str, text: str, base: type) -> Any:
         if low in ("false", "0", "no", "off"):
             return False
         raise ConfigError(key, f"expected true/false, got {text!r}", f"use --{key}=true or --{key}=false")
+    if base is float and text.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        return float(text)  # NaN, Inf, -Infinity: read, so that the finite check names what is wrong
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

@@ -137,6 +137,24 @@ def test_after_a_divergence_the_advised_rerun_resumes_from_the_newest_good_check
     assert all(records[s]["skipped"] == 0 for s in range(start + 1, 17))
     assert records[start + 1]["lr"] <= 1e-3  # the new lr, not the checkpoint's 1e6
     assert sorted(ckpt.glob("step_*.diverged")) == diverged  # kept, never resumed
+    # One history (issue 57 item 2): the diverged run's records after the resumed step moved aside, not interleaved.
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)), steps
+    undone = [json.loads(line)["step"] for line in (run / "metrics.undone.1.jsonl").read_text().splitlines()]
+    assert undone and min(undone) > start and f"moved to metrics.undone.1.jsonl" in again.stdout
+
+
+def test_a_resume_on_another_layout_names_it_and_not_a_precision_the_device_chose(common, tmp_path):
+    """Issue 57 item 3: train.precision left unset read "(unset) -> fp32" on every resume; --nproc was not named."""
+    run = tmp_path / "run"
+    base = [c for c in common if not c.startswith("--train.precision")] + ["--checkpoint.every=2", "--checkpoint.resume=true"]
+    first = _train(base, run, "--train.steps=2", "--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3",
+                   "--train.micro_batch=4")
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = _train(base, run, "--train.steps=4")
+    assert again.returncode == 0, again.stderr[-2000:]
+    line = next(x for x in again.stdout.splitlines() if "changed since step_00000002" in x)
+    assert "train.precision" not in line and "(the checkpoint is resharded)" in line and "x2 -> " in line, line
 
 def test_a_resume_reports_and_applies_what_changed_and_refuses_another_model(common, tmp_path):
     run = tmp_path / "run"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -110,7 +111,15 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
         if start_step == 0 and path.is_file() and path.stat().st_size:
-            _set_aside(path)  # a run starting over keeps the earlier run's records, apart
+            moved = _set_aside(path)  # a run starting over keeps the earlier run's records, apart
+            self.print(f"metrics: this run starts over; the earlier run's records moved to {moved.name}")
+        elif start_step > 0 and path.is_file():
+            # One history: the records of steps a resume undoes (after a divergence, a crash or an elastic
+            # restart, the steps after the checkpoint are trained again) move aside, as their checkpoints do.
+            undone, moved = _undo_records(path, start_step)
+            if undone:
+                self.print(f"metrics: {undone} record{'s' if undone != 1 else ''} of steps after {start_step} (trained "
+                           f"again from the checkpoint) moved to {moved.name}")
         if path.is_file() and path.stat().st_size:
             with open(path, "rb") as f:
                 f.seek(-1, 2)
@@ -123,7 +132,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), flush_secs=10)
+            # purge_step: TensorBoard hides the events a resume undoes (those of steps after start_step).
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), flush_secs=10,
+                                     purge_step=start_step + 1 if start_step > 0 else None)
             self._hook = threading.excepthook
             threading.excepthook = self._quiet_tensorboard_io
         if self._show_progress and sys.stdout.isatty():
@@ -217,12 +228,38 @@ class MetricsLogger:
         self.close()
 
 
-def _set_aside(path: Path) -> None:
-    """metrics.jsonl -> metrics.1.jsonl (or the next free number)."""
+def _free_name(path: Path, tag: str = "") -> Path:
+    """metrics.jsonl -> metrics.<tag>1.jsonl, or the next free number."""
     n = 1
-    while (path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+    while (path.with_name(f"{path.stem}.{tag}{n}{path.suffix}")).exists():
         n += 1
-    path.rename(path.with_name(f"{path.stem}.{n}{path.suffix}"))
+    return path.with_name(f"{path.stem}.{tag}{n}{path.suffix}")
+
+
+def _set_aside(path: Path) -> Path:
+    """metrics.jsonl -> metrics.1.jsonl (or the next free number); returns the new path."""
+    target = _free_name(path)
+    path.rename(target)
+    return target
+
+
+def _undo_records(path: Path, start_step: int) -> tuple[int, Path]:
+    """Move the records of steps after `start_step` from metrics.jsonl to metrics.undone.N.jsonl (a torn last
+    line, from a killed process, is dropped); returns how many moved, and where."""
+    kept, undone = [], []
+    for line in path.read_bytes().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        (undone if isinstance(record, dict) and record.get("step", 0) > start_step else kept).append(line.rstrip(b"\n") + b"\n")
+    target = _free_name(path, "undone.")
+    if undone:
+        target.write_bytes(b"".join(undone))
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(b"".join(kept))
+        os.replace(tmp, path)
+    return len(undone), target
 
 
 def read_metrics(metrics_jsonl: Path) -> list[dict[str, Any]]:

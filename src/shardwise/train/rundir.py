@@ -218,11 +218,12 @@ def supersede_previous_run(cfg) -> str | None:
     while (directory / f"previous.{n}").exists():
         n += 1
     target = directory / f"previous.{n}"
+    # Which are complete is read before they move (read after, every path named one that no longer exists).
+    steps = sorted(mf.step_of(p) for p in found if mf.is_complete(p) and "." not in p.name)
     target.mkdir()
     for path in found:
         os.replace(path, target / path.name)
     mf.fsync_dir(directory)
-    steps = sorted(mf.step_of(p) for p in found if mf.is_complete(p) and "." not in p.name)
     what = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "no complete one"
     return (f"checkpoint.resume=false: starting over; the {len(found)} checkpoint entr{'y' if len(found) == 1 else 'ies'} "
             f"already in {directory} ({what}) moved to {target} (kept, never loaded)")

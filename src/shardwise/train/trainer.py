@@ -12,6 +12,7 @@ train/step_log.py; the timing of pipeline schedules is train/pipeline_chart.py T
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from pathlib import Path
 from typing import Callable
@@ -419,6 +420,15 @@ class Trainer:
         """A mixture's input tokens read from each source in steps 1..step (seq_len per sample)."""
         return {name: n * self.cfg.train.seq_len for name, n in self.batches.consumed(step).items()}
 
+    def given_config(self) -> Config:
+        """The config as the run was given it: train.precision unset again where the device decided it (a
+        resume compares it with the checkpoint's config.toml, which keeps it unset)."""
+        if not self.precision_defaulted:
+            return self.cfg
+        given = copy.deepcopy(self.cfg)
+        given.train.precision = None
+        return given
+
     def _newest_good_checkpoint(self) -> Path | None:
         good = [p for p in mf.complete_checkpoints(self.checkpoints.directory) if mf.is_good(p)]
         return good[-1] if good else None
@@ -526,7 +536,10 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         # The checkpoint's base lr, betas and weight decay came back with it: this run's config decides.
         apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.train)
-        changed = resume_changes(path / "config.toml", self.cfg)
+        changed = resume_changes(path / "config.toml", self.given_config())
+        if state.get("layout") not in (None, self.dims.describe()) or state.get("world_size", self.dims.world_size) != self.dims.world_size:
+            changed.append(f"layout {state.get('layout')} x{state.get('world_size')} -> {self.dims.describe()} "
+                           f"x{self.dims.world_size} (the checkpoint is resharded)")
         if changed:
             self.log(f"checkpoint: changed since {path.name} (this run's values apply): {'; '.join(changed)}")
         if mixture_note:

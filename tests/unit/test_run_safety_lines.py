@@ -1,0 +1,42 @@
+"""Issue 57's lines that said the wrong thing, one test each (the CLI-level ones are in tests/dist/test_recovery.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.config import build_config
+from shardwise.errors import ConfigError
+from shardwise.train import manifest as mf
+from shardwise.train.metrics import MetricsLogger
+from shardwise.train.rundir import supersede_previous_run
+
+
+@pytest.mark.parametrize("text", ["NaN", "nan", "inf", "-Infinity"])
+def test_a_non_finite_number_is_named_as_such_however_it_is_spelled(text):
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        build_config({}, [("train.lr", text)])
+
+
+def test_starting_over_names_the_complete_checkpoints_it_moves(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoints"
+    for step in (2, 4):
+        (ckpt / f"step_{step:08d}").mkdir(parents=True)
+        (ckpt / f"step_{step:08d}" / mf.MANIFEST).write_text("{}")
+    (ckpt / "step_00000006.tmp").mkdir()
+    cfg = build_config({}, [("run.dir", str(tmp_path / "run")), ("checkpoint.resume", "false")])
+    line = supersede_previous_run(cfg)
+    assert "the 3 checkpoint entries" in line and "(steps 2-4)" in line and "no complete one" not in line, line
+
+
+def test_a_resume_moves_the_records_of_the_steps_it_trains_again_aside(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)))
+    logger = MetricsLogger(tmp_path, 8, 4, True, False, False)  # resumed from step 4's checkpoint
+    logger.log(5, {"loss": 0.5})
+    logger.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.undone.1.jsonl").read_text().splitlines()] == [5, 6]
+    assert "2 records of steps after 4 (trained again from the checkpoint) moved to metrics.undone.1.jsonl" in capsys.readouterr().out
+    MetricsLogger(tmp_path, 8, 0, True, False, False).close()  # starting over: the whole file, and a line
+    assert "this run starts over; the earlier run's records moved to metrics.1.jsonl" in capsys.readouterr().out
