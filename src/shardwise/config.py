@@ -113,6 +113,11 @@ class TrainConfig:
                                         "fp8, not with FSDP's FP8 all-gather (tensorwise): each weight is gathered with "
                                         "its own scale. FP8 tensorwise then scales the joined weight as one tensor. Compiled "
                                         "FP8 is slower joined on an H200, 0.95x (docs/precision.md).")
+    document_mask: bool = opt(False, "Keep attention inside each document of a packed row (documents end at the "
+                                     "end-of-document token): FlexAttention's block mask on GPUs, a dense SDPA mask "
+                                     "elsewhere. Not with parallel.cp, parallel.pp or tp_mode=2d yet.")
+    document_positions: bool | None = opt(None, "Positions restart at 0 at each document of a packed row (RoPE, or "
+                                                "gpt's learned positions); unset: as train.document_mask.")
     seed: int = opt(0, "Seed for weight initialization and data order; identical for every layout.")
     log_every: int = opt(10, "Write metrics every this many steps (the progress bar updates every step).")
     tokens: int = opt(0, "Tokens to train on in total, for planning; 0 means steps x global_batch x seq_len.")

@@ -90,6 +90,15 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
                                              dims.wrapper(p.zero) == "fsdp"),
                 rules.fp8_head_rules(cfg.train.fp8_head, cfg.train.precision),
                 [rules.powersgd_warmup_rule(p.grad_compression, p.powersgd_warmup_steps)])
+    t = cfg.train
+    if t.document_mask or t.document_positions:
+        what = "train.document_mask" if t.document_mask else "train.document_positions"
+        for axis, size, why in (("cp", dims.cp, "ring and Ulysses attention are causal over the whole row"),
+                                ("pp", dims.pp, "the positions do not travel between pipeline stages yet"),
+                                ("tp_mode", 2 if dims.tp_mode == "2d" else 1, "the SUMMA attention takes no mask")):
+            if size > 1:
+                raise ConfigError(what, f"is not implemented with parallel.{axis}={getattr(p, axis)} ({why})",
+                                  f"set {what}=false, or train without parallel.{axis}")
     if dims.tp_mode == "2d" and cfg.train.compile:
         raise ConfigError("train.compile", 'tp_mode="2d" with compiled blocks is not implemented yet (the SUMMA '
                           "autograd Functions call c10d collectives, which dynamo does not trace)",

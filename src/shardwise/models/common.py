@@ -26,6 +26,60 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def document_positions(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """(b, s) positions that restart at 0 after every end-of-document token of a packed row (the token
+    after an EOD starts a document; Megatron's reset_position_ids)."""
+    b, s = tokens.shape
+    index = torch.arange(s, device=tokens.device).expand(b, s)
+    starts = torch.zeros_like(tokens)
+    starts[:, 1:] = torch.where(tokens[:, :-1] == eod, index[:, 1:], 0)
+    return index - starts.cummax(dim=1).values
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(b, 1, s, s) boolean mask: query q sees key k when k <= q and k is in q's document, which starts
+    at q - positions[q]."""
+    s = positions.shape[1]
+    q = torch.arange(s, device=positions.device)
+    k = q
+    start = (q[None, :] - positions)[:, :, None]  # (b, s, 1): where each query's document starts
+    return ((k[None, None, :] <= q[None, :, None]) & (k[None, None, :] >= start))[:, None]
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       kernel: str = "sdpa") -> torch.Tensor:
+    """Attention inside each document of a packed row (train.document_mask). "flex": FlexAttention with a
+    block mask (Dong et al. 2024, arXiv 2412.05496), which skips the blocks the mask empties — the GPU
+    kernel; "sdpa": SDPA with the dense mask, the kernel CPU SDPA takes. Both compute the same softmax."""
+    gqa = q.shape[1] != k.shape[1]
+    if kernel == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        attend = _compiled_flex() if q.is_cuda else flex_attention  # on CPU FlexAttention's reference path (tests)
+        start = torch.arange(positions.shape[1], device=positions.device)[None, :] - positions
+
+        def same_document(b, _h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (kv_idx >= start[b, q_idx])
+
+        block = create_block_mask(same_document, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+        return attend(q, k, v, block_mask=block, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions), enable_gqa=gqa)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    """FlexAttention compiled into its fused kernel: uncompiled it materializes every score (eager reference)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def document_kernel(device_type: str) -> str:
+    """Which kernel document masking uses on a device: FlexAttention on CUDA (block-sparse, compiled);
+    elsewhere SDPA with a dense mask (FlexAttention's CPU path is a reference implementation)."""
+    return "flex" if device_type == "cuda" else "sdpa"
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with grouped-query KV heads.
 
@@ -47,6 +101,9 @@ class Attention(nn.Module):
         self.register_buffer("wqkv", None, persistent=False)
         self.register_buffer("wqkv_bias", None, persistent=False)
         self.fused_projection = None  # training: q, k and v in one GEMM (feed_forward.py fuse_training_projections)
+        # train.document_mask: the kernel ("sdpa" / "flex", document_kernel) that keeps attention inside each
+        # document, given (b, s) positions; None: causal over the whole row.
+        self.document_kernel: str | None = None
 
     def fuse_projections(self) -> None:
         fuse_linears(self, "wqkv", self.wq, self.wk, self.wv)
@@ -74,7 +131,9 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = rope(q, positions), rope(k, positions)
-        if cache is None:
+        if cache is None and self.document_kernel is not None and positions is not None and positions.dim() == 2:
+            out = document_attention(q, k, v, positions, self.document_kernel)
+        elif cache is None:
             out = self.core(q, k, v)
         else:  # incremental decoding (models/kv_cache.py): attend over every cached key, masked
             k, v = cache.update(k, v)

@@ -24,7 +24,7 @@ class GPTBlock(nn.Module):
         self.mlp = MoE(cfg) if moe else GELUMLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cache=cache)
+        x = x + self.attention(self.attention_norm(x), positions=positions, cache=cache)
         return x + self.mlp(self.mlp_norm(x))
 
 

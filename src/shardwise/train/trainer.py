@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardwise.config import Config
 from shardwise.errors import Diverged, Interrupted, OutOfMemory, out_of_memory, rerun_to_resume
 from shardwise.models import build_model
+from shardwise.models.common import document_kernel, document_positions
 from shardwise.parallel.activation_checkpoint import SELECTIVE_SAVE_OPS
 from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names
 from shardwise.parallel.compile import compile_enabled
@@ -130,6 +131,12 @@ class Trainer:
         else:
             self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
         self.inner = unwrap(self.model)
+        # Packed rows of several documents (train.document_mask / document_positions, models/common.py).
+        self.document_positions = t.document_mask if t.document_positions is None else t.document_positions
+        if t.document_mask:
+            for module in self.inner.modules():
+                if hasattr(module, "document_kernel"):
+                    module.document_kernel = document_kernel(self.device.type)
         self.grid = Grid(self.mesh.tp_grid) if self.mesh is not None and self.mesh.tp_grid is not None else None
         self.vocab_offset = vocab_offset(self.inner) if self.grid is not None else 0
         self.compiled = compile_enabled(cfg, self.device.type)
@@ -207,9 +214,13 @@ class Trainer:
         return loss_parallel() if self.dims.tp > 1 and self.dims.tp_mode == "1d" else contextlib.nullcontext()
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._token_loss(self._forward(inputs), targets)
+
+    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The logits of a micro-batch; with document positions, the positions of each packed document."""
+        positions = document_positions(inputs, self.data.eod_id) if self.document_positions else None
         with autocast(self.cfg.train.precision, self.device.type):
-            logits = self.model(inputs)
-        return self._token_loss(logits, targets)
+            return self.model(inputs) if positions is None else self.model(inputs, positions=positions)
 
     def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
@@ -237,9 +248,7 @@ class Trainer:
                 return total
             for batch in micro:
                 inputs, targets = (x.to(self.device, non_blocking=True) for x in self._cp_split(*split_inputs_targets(batch)))
-                with autocast(self.cfg.train.precision, self.device.type):
-                    logits = self.model(inputs)
-                total += local_shard(self._token_sum(logits, targets)).double()
+                total += local_shard(self._token_sum(self._forward(inputs), targets)).double()
         return total
 
     def reduce_eval_sum(self, total: torch.Tensor) -> torch.Tensor:
