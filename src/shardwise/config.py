@@ -118,6 +118,12 @@ class TrainConfig:
                                      "elsewhere. Not with parallel.cp, parallel.pp or tp_mode=2d yet.")
     document_positions: bool | None = opt(None, "Positions restart at 0 at each document of a packed row (RoPE, or "
                                                 "gpt's learned positions); unset: as train.document_mask.")
+    spike_ratio: float = opt(1.5, "A finite loss above this multiple of the median of the train.spike_window healthy "
+                                   "steps before it is a spike: checkpoints written while it lasts are not good, and "
+                                   "a divergence that follows is dated from it (its checkpoints are set aside). A "
+                                   "spike that lasts a whole window is taken as the new level. 0 disables.")
+    spike_window: int = opt(10, "Healthy steps whose median loss a spike is judged against (train.spike_ratio): few "
+                                "enough that the median follows a falling loss.")
     seed: int = opt(0, "Seed for weight initialization and data order; identical for every layout.")
     log_every: int = opt(10, "Write metrics every this many steps (the progress bar updates every step).")
     tokens: int = opt(0, "Tokens to train on in total, for planning; 0 means steps x global_batch x seq_len.")

@@ -40,3 +40,24 @@ def test_a_resume_moves_the_records_of_the_steps_it_trains_again_aside(tmp_path,
     assert "2 records of steps after 4 (trained again from the checkpoint) moved to metrics.undone.1.jsonl" in capsys.readouterr().out
     MetricsLogger(tmp_path, 8, 0, True, False, False).close()  # starting over: the whole file, and a line
     assert "this run starts over; the earlier run's records moved to metrics.1.jsonl" in capsys.readouterr().out
+
+
+def test_a_spike_dates_the_divergence_and_marks_its_checkpoints_not_good():
+    from shardwise.train.health import StepGuard
+
+    guard = StepGuard(control=None, max_skipped_steps=2, stop=None, spike_ratio=2.0, spike_window=20)
+    for step, loss in enumerate([3.0, 2.9, 2.8, 2.7, 2.6, 2.5], start=1):
+        assert not guard.record(step, False, loss) and guard.healthy
+    assert not guard.record(7, False, 4.0) and guard.healthy  # 1.5x the median: no spike
+    assert not guard.record(8, False, 7.6) and not guard.healthy  # a spike: checkpoints from here are not good
+    assert not guard.record(9, False, 7.6)
+    assert not guard.record(10, True) and guard.record(11, True)  # the NaN streak ends the run...
+    assert (guard.streak_start, guard.nonfinite_start) == (8, 10)  # ...dated from the spike
+    assert "spiked at step 8 (7.6, 2.7x the median 2.8 of the 7 steps before" in guard.spike_words()
+    restored = StepGuard(None, 2, None, 2.0, 20)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.history == guard.history and restored.spike == guard.spike
+    recovered = StepGuard(None, 2, None, 2.0, 20)
+    for step, loss in enumerate([3.0, 2.9, 2.8, 2.7, 2.6, 7.0, 2.5], start=1):
+        recovered.record(step, False, loss)
+    assert recovered.healthy and recovered.spike is None  # a spike the run recovered from is forgotten

@@ -160,7 +160,7 @@ class Trainer:
         self.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
         self.world_group = dist.group.WORLD if distributed else None
         self.stop = stop
-        self.guard = StepGuard(self.control, t.max_skipped_steps, stop)
+        self.guard = StepGuard(self.control, t.max_skipped_steps, stop, t.spike_ratio, t.spike_window)
         self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len // self.dims.cp
         self.step = 0
         # Times the pipeline schedule on the steps the loop asks for (pipeline_chart.py).
@@ -392,7 +392,7 @@ class Trainer:
                     raise OutOfMemory(line, report=first_to_report(self.run_dir, self.run_id, line)) from None
                 timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
-                diverged = self.guard.record(self.step, r.skipped)
+                diverged = self.guard.record(self.step, r.skipped, r.loss)
                 report.after_step(r, self.step, logging_step, timeline, self.comm_bytes or {}, self.last_memory)
                 if snapshot := self.snapshot.after_step(self.step, last=self.step == t.steps):
                     self.log(f"memory snapshot: {snapshot} (open it at {VIEWER})")
@@ -452,9 +452,11 @@ class Trainer:
     def _divergence_message(self, r: StepResult) -> str:
         g, t = self.guard, self.cfg.train
         scale = f", fp16 loss scale {self.scaler.scale:g}" if self.scaler.enabled else ""
+        spike = g.spike_words()
         return (f"training diverged: {g.in_a_row} steps in a row had a non-finite loss or gradient norm (steps "
-                f"{g.streak_start}-{self.step}, last loss {r.loss:g}, grad norm {r.grad_norm:g}{scale}; "
-                f"train.max_skipped_steps={g.max_skipped_steps}); checkpoints from step {g.streak_start - 1} on set aside "
+                f"{g.nonfinite_start}-{self.step}, last loss {r.loss:g}, grad norm {r.grad_norm:g}{scale}; "
+                f"train.max_skipped_steps={g.max_skipped_steps}){'; it started when ' + spike if spike else ''}; "
+                f"checkpoints from step {g.streak_start - 1} on set aside "
                 f"as step_N.diverged (they replay the same steps); newest good checkpoint: "
                 f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr ({t.lr:g}) or raise train.warmup_steps, then "
                 f"{self._rerun_with_the_new_value()}")
@@ -517,7 +519,7 @@ class Trainer:
                            f"{self.cfg.train.lr:g}), so no checkpoint was written; newest good checkpoint: "
                            f"{self._newest_good_checkpoint() or 'none'}. Lower train.lr, then "
                            f"{self._rerun_with_the_new_value()}", report=self.rank == 0)
-        manifest = {"good": self.guard.in_a_row == 0, "run_id": self.run_id, "config": self.fingerprint,
+        manifest = {"good": self.guard.healthy, "run_id": self.run_id, "config": self.fingerprint,
                     "layout": self.dims.describe(), "world_size": self.dims.world_size}
         with saving_checkpoint(self.cfg, self.rank, self.device.type, self.step, self.checkpoints.latest, self.run_dir, self.run_id):
             path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
