@@ -207,7 +207,7 @@ def _train_in_process(cfg: Config, data) -> int:
             trainer.train()
         except OSError as e:
             # disk full / read-only -> StorageFailure (exit 4); anything else as it is
-            failure = storage_failure(e, resumes=cfg.checkpoint.resume)
+            failure = storage_failure(e, resumes=cfg.checkpoint.resume, directory=cfg.run.dir)
             if failure is None:
                 raise
             raise failure from e

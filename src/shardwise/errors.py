@@ -171,12 +171,13 @@ def rerun_to_resume(resumes: bool, where: str = "", what: str = "", changing: st
 
 
 def storage_failure(error: OSError, report: bool = True, then: str | None = None,
-                    resumes: bool = True) -> StorageFailure | None:
+                    resumes: bool = True, directory: object = None) -> StorageFailure | None:
     """A write the run needed (metrics, logs, checkpoints) failed for a reason of the disk's: the one
     line to show, or None for other OS errors. `then`: what to do once the disk is fixed (default: resume
-    the run, whose checkpoint.resume is `resumes`)."""
+    the run, whose checkpoint.resume is `resumes`). `directory`: where the run writes, named when the error
+    names no file (a write() to an open file that fills the disk carries no file name)."""
     if error.errno not in _STORAGE_ERRNOS:
         return None
-    where = f" ({error.filename})" if error.filename else ""
+    where = f" ({error.filename})" if error.filename else f" (under {directory})" if directory else ""
     then = then or f"then {rerun_to_resume(resumes, what=' from the newest checkpoint')}"
     return StorageFailure(f"cannot write{where}: {error.strerror}; free space or fix the permissions, {then}", report=report)

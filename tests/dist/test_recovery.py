@@ -189,6 +189,10 @@ def test_a_checkpoint_without_its_manifest_is_set_aside_and_the_run_goes_on(comm
     gen = _cli("generate", "--run-dir", str(run), "--step", "4", "--prompt-ids", "1,2", "--max-new-tokens", "1",
                cwd=tmp_path)
     assert gen.returncode == 2 and "pick another step with --step (step_00000002 is intact)" in gen.stderr, gen.stderr
+    # Issue 57: without --step it falls back to step 2, and says so (it said nothing).
+    gen = _cli("generate", "--run-dir", str(run), "--prompt-ids", "1,2", "--max-new-tokens", "1", cwd=tmp_path)
+    assert gen.returncode == 0 and "checkpoint: using step_00000002, the newest intact one: step_00000004 is DAMAGED" \
+        in gen.stdout, gen.stdout + gen.stderr
     for attempt in (1, 2):  # before: the save at step 4 failed with exit 4 ("Directory not empty"), every time
         again = _train(base, run, f"--train.steps={4 + 2 * attempt}")
         assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]

@@ -61,3 +61,29 @@ def test_a_spike_dates_the_divergence_and_marks_its_checkpoints_not_good():
     for step, loss in enumerate([3.0, 2.9, 2.8, 2.7, 2.6, 7.0, 2.5], start=1):
         recovered.record(step, False, loss)
     assert recovered.healthy and recovered.spike is None  # a spike the run recovered from is forgotten
+
+
+def test_a_full_disk_names_where_the_run_writes_when_the_error_names_no_file():
+    import errno
+
+    from shardwise.errors import storage_failure
+
+    unnamed = OSError(errno.ENOSPC, "No space left on device")  # what file.write() raises
+    assert storage_failure(unnamed, directory="runs/x").message.startswith("cannot write (under runs/x): No space left")
+    named = OSError(errno.ENOSPC, "No space left on device", "runs/x/metrics.jsonl")
+    assert storage_failure(named, directory="runs/x").message.startswith("cannot write (runs/x/metrics.jsonl)")
+
+
+class _NotData:
+    """A class a weights-only load refuses."""
+
+
+def test_a_rank_file_holding_objects_is_refused_without_torch_s_advice_to_load_it_unsafely(tmp_path):
+    import torch
+
+    from shardwise.train.checkpoint import RNG, rank_file_problem
+
+    (tmp_path / RNG).mkdir()
+    torch.save({"cpu": torch.zeros(3), "extra": _NotData()}, tmp_path / RNG / "rank_0.pt")
+    why = rank_file_problem(tmp_path, 0)
+    assert "refused, since loading them could run code" in why and "weights_only" not in why, why

@@ -143,7 +143,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
         # A full or read-only disk: exit 4. Any other OS error (a peer's or a loader worker's broken
         # pipe) is a crash like any exception below; re-raised from its own clause, it escaped as a
         # traceback in the terminal instead (a CI run's ConnectionResetError).
-        failure = storage_failure(e, resumes=cfg.checkpoint.resume) if isinstance(e, OSError) else None
+        failure = storage_failure(e, resumes=cfg.checkpoint.resume, directory=cfg.run.dir) if isinstance(e, OSError) else None
         if failure is not None:
             _say(failure.message)
             if rank == 0:

@@ -30,6 +30,7 @@ import errno
 import io
 import json
 import os
+import pickle
 import shutil
 import time
 import warnings
@@ -397,6 +398,10 @@ def rank_file_problem(path: Path, rank: int) -> str | None:
         if state is not None and not isinstance(state, dict):
             return f"{RANK_STATE}/rank_{rank}.pt: not a rank state"
     except Exception as e:  # any way of failing to load it is a reason not to resume from it
+        if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e):
+            # torch's own text goes on to advise re-running torch.load with weights_only=False: the unsafe thing.
+            return (f"rank {rank}'s files hold Python objects other than tensors and plain data: refused, since "
+                    "loading them could run code (a checkpoint shardwise writes never holds any)")
         return f"rank {rank}'s files: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return None
 

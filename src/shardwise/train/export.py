@@ -47,8 +47,9 @@ def run_config(path: Path) -> Config:
     return build_config(run_toml(path))
 
 
-def find_checkpoint(run_dir: Path, step: int | None) -> Path:
-    """The newest intact checkpoint of a run (or step N's), verified against its manifest."""
+def find_checkpoint(run_dir: Path, step: int | None, log=print) -> Path:
+    """The newest intact checkpoint of a run (or step N's), verified against its manifest; `log` says so when
+    newer ones are not intact (which, and why)."""
     if not run_dir.is_dir():
         raise ConfigError("--run-dir", f"{run_dir} is not a directory", "give the run.dir of a training run")
     root = run_dir
@@ -73,6 +74,11 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     if not usable:
         raise ConfigError("--run-dir", f"{root} holds no intact checkpoint",
                           "train with checkpoint.final=true (the default) or checkpoint.every, then export")
+    newer = [(p, status, problems) for p, status, problems in found if p.name > usable[-1][0].name]
+    if newer:
+        why = "; ".join(f"{p.name} is {status}" + (f" ({problems[0]})" if problems else "") for p, status, problems in newer)
+        log(f"checkpoint: using {usable[-1][0].name}, the newest intact one: {why} (`shardwise checkpoint verify "
+            f"{run_dir}` lists them)")
     return usable[-1][0]
 
 
