@@ -3,6 +3,7 @@ the windows a validation round reads (train/evaluate.py eval_sets). One process,
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +103,29 @@ def test_a_round_reads_the_same_windows_whatever_the_seed_and_refuses_a_set_too_
         eval_sets(data.valid_sets(), build_config({}, [("train.seq_len", "16"), ("train.global_batch", "100000")]))
     with pytest.raises(ConfigError, match="eval.every.*no validation set"):
         eval_sets([], build_config({}, [("eval.every", "10")]))
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "true"), ("false", "false")])
+def test_preparing_in_process_keeps_a_tokenizer_parallelism_switch_already_set(monkeypatch, given, seen):
+    """The tokenizers library sets TOKENIZERS_PARALLELISM=false in a process forked after its thread pool ran;
+    turning it back on there hung the first encode (a forked test rank, 600 s). Unset, one shard may use every
+    core."""
+    from shardwise.data import prepare
+
+    if given is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", given)
+    monkeypatch.setattr(prepare, "default_workers", lambda: 4)
+    recorded = []
+    monkeypatch.setattr(prepare, "prepare_unit", lambda job, unit: recorded.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+                        or {"input_bytes": 0, "tokens": 0})
+
+    class _Job:
+        shard_job = None
+
+    class _Unit:
+        index = 0
+
+    prepare._run_here(_Job(), [_Unit()], {}, type("P", (), {"update": lambda *a: None})())
+    assert recorded == [seen] and os.environ.get("TOKENIZERS_PARALLELISM") == given

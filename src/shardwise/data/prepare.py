@@ -448,9 +448,12 @@ def _run_pool(job: PrepareJob, todo: list[Unit], workers: int, done: dict[int, d
 
 def _run_here(job: PrepareJob, todo: list[Unit], done: dict[int, dict], progress: _Progress) -> None:
     """One worker: the units in this process. The tokenizer's thread pool may encode a lone shard on every
-    core (the library reads its switch at each call)."""
+    core (the library reads its switch at each call) — unless the switch is set already: by the user, or by
+    the library itself in a process forked after its pool was used, where the pool's threads are gone and
+    turning it back on hangs the first encode (a forked test rank hung 600 s so, in a full test run)."""
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if len(todo) < default_workers() else "false"
+    if saved is None:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if len(todo) < default_workers() else "false"
     try:
         for unit in todo:
             done[unit.index] = prepare_unit(job.shard_job, unit)
