@@ -19,22 +19,24 @@ CORPUS_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "f
 VALID_MODULES = ("textwrap.py", "string.py")
 
 
+def _stdlib_text(tmp_path_factory, name: str, modules: tuple[str, ...]) -> Path:
+    """<tmp>/<name>/<name>.txt: the given stdlib modules' source, joined."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp(name) / f"{name}.txt"
+    path.write_text("\n".join((stdlib / m).read_text() for m in modules))
+    return path
+
+
 @pytest.fixture(scope="session")
 def corpus_file(tmp_path_factory) -> Path:
     """~250 KB of real Python source (a few stdlib modules), the same on every run of a machine."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n".join((stdlib / m).read_text() for m in CORPUS_MODULES))
-    return path
+    return _stdlib_text(tmp_path_factory, "corpus", CORPUS_MODULES)
 
 
 @pytest.fixture(scope="session")
 def valid_file(tmp_path_factory) -> Path:
     """A validation set of ~60 KB of other stdlib modules than the corpus's (a [[data.valid]] set)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    path = tmp_path_factory.mktemp("valid") / "valid.txt"
-    path.write_text("\n".join((stdlib / m).read_text() for m in VALID_MODULES))
-    return path
+    return _stdlib_text(tmp_path_factory, "valid", VALID_MODULES)
 
 
 @pytest.fixture(scope="session")

@@ -72,9 +72,9 @@ def plan_main(argv: list[str]) -> int:
     import json
 
     from shardwise.plan.cost import evaluate
-    from shardwise.plan.evaluation import eval_line, eval_price
+    from shardwise.plan.evaluation import eval_price
     from shardwise.plan.layout import Problem, check_layout
-    from shardwise.plan.report import evaluate_text, plot, search_json, search_text
+    from shardwise.plan.report import eval_line, evaluate_text, plot, search_json, search_text
     from shardwise.plan.search import search
     from shardwise.spec.layout import Layout
     from shardwise.spec.rules import pipeline_split_rules

@@ -71,24 +71,3 @@ def eval_price(cfg, breakdown: dict[str, float], detail: dict[str, float], pp: i
     t = cfg.train
     batches = math.ceil(cfg.eval.tokens / (t.global_batch * t.seq_len)) if cfg.eval.tokens > 0 else 0
     return EvalPrice(sets, batches, forward_batch_seconds(breakdown, detail, pp, chunks_per_rank, cfg.parallel.zero), rounds)
-
-
-def eval_line(price: EvalPrice, train_days: float) -> str:
-    """The plan's line: a round's seconds and what the rounds add to the run's time."""
-    per = f"{price.batch_s:.3g} s per global batch forward"
-    if not price.batches_per_set:
-        return (f"evaluation: {price.rounds} round{'s' if price.rounds != 1 else ''} over whole sets (eval.tokens=0): "
-                f"{per} x each set's batches (set eval.tokens to price a round)")
-    total_days = train_days + price.total_s / 86400
-    return (f"evaluation: {price.rounds} round{'s' if price.rounds != 1 else ''} x {price.sets} set"
-            f"{'s' if price.sets != 1 else ''} x {price.batches_per_set} batch{'es' if price.batches_per_set != 1 else ''} "
-            f"({per}) = {price.round_s:.3g} s a round, {price.total_s:.3g} s in all: "
-            f"+{price.total_s / max(train_days * 86400, 1e-12):.2%} of the training time; "
-            f"{_duration(total_days * 86400)} with evaluation")
-
-
-def _duration(seconds: float) -> str:
-    for unit, size in (("days", 86400), ("hours", 3600), ("min", 60)):
-        if seconds >= 0.1 * size * (10 if unit == "min" else 1):
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.1f} s"

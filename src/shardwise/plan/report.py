@@ -8,6 +8,7 @@ from typing import Any
 
 from shardwise.plan.cost import Estimate
 from shardwise.plan.decode import DecodeEstimate
+from shardwise.plan.evaluation import EvalPrice
 from shardwise.plan.goodput import RunCost, run_cost
 from shardwise.plan.inventory import priced_layout
 from shardwise.plan.layout import Problem
@@ -180,6 +181,18 @@ def _duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.3g} s"
     return f"{seconds / 60:.3g} min" if seconds < 7200 else f"{seconds / 3600:.3g} h"
+
+
+def eval_line(price: EvalPrice, train_days: float) -> str:
+    """`plan evaluate`'s line for validation (plan/evaluation.py): a round's seconds and what the rounds add."""
+    per = f"{price.batch_s:.3g} s per global batch forward"
+    rounds = f"{price.rounds} round{'s' if price.rounds != 1 else ''}"
+    if not price.batches_per_set:
+        return f"evaluation: {rounds} over whole sets (eval.tokens=0): {per} x each set's batches (set eval.tokens to price a round)"
+    return (f"evaluation: {rounds} x {price.sets} set{'s' if price.sets != 1 else ''} x {price.batches_per_set} "
+            f"batch{'es' if price.batches_per_set != 1 else ''} ({per}) = {price.round_s:.3g} s a round, "
+            f"{price.total_s:.3g} s in all: +{price.total_s / max(train_days * 86400, 1e-12):.2%} of the training time; "
+            f"{_days(train_days + price.total_s / 86400)} with evaluation")
 
 
 def _amount(x: float) -> str:

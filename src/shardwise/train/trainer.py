@@ -240,9 +240,7 @@ class Trainer:
         micro = split_micro_batches(rows, self.cfg.train.micro_batch)
         with torch.no_grad(), self._loss_context():
             if self.pipeline is not None:
-                pairs = [self._cp_split(*split_inputs_targets(batch)) for batch in micro]
-                losses = self.pipeline.evaluate(torch.cat([i for i, _ in pairs]).to(self.device),
-                                                torch.cat([t for _, t in pairs]).to(self.device), self._token_sum)
+                losses = self.pipeline.evaluate(*self._pipeline_inputs(micro), self._token_sum)
                 for loss in losses:
                     total += local_shard(loss).double()
                 return total
@@ -328,12 +326,16 @@ class Trainer:
             loss_sum += local_shard(loss.detach())
         return loss_sum
 
+    def _pipeline_inputs(self, micro: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """All micro-batches' inputs and targets (this cp rank's tokens) as one batch on the device, as the
+        pipeline schedules take them."""
+        pairs = [self._cp_split(*split_inputs_targets(batch)) for batch in micro]
+        return torch.cat([i for i, _ in pairs]).to(self.device), torch.cat([t for _, t in pairs]).to(self.device)
+
     def _pipeline_forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """All micro-batches through the pipeline schedule; returns this rank's loss sum (non-zero
         only where the last stage runs). On recorded steps every stage's actions are timed."""
-        pairs = [self._cp_split(*split_inputs_targets(batch)) for batch in micro]
-        inputs = torch.cat([i for i, _ in pairs]).to(self.device)
-        targets = torch.cat([t for _, t in pairs]).to(self.device)
+        inputs, targets = self._pipeline_inputs(micro)
         start = self.timeline.start()
         # The first step meters activations (as the non-PP path does): the peak, over the whole
         # schedule, of the saved activations alive at once on this rank (see memory()).
