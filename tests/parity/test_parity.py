@@ -1,19 +1,21 @@
 """Every layout of the matrix (data parallel, tensor parallel, pipeline, up to 3-D) trains like one process
 (docs/architecture.md §3): losses and final weights.
 
-Tolerance, fp32: relative |dloss| <= 1e-5 per step over STEPS = 10 steps (5 of warm-up, 5 at the full lr). Layouts sum the same per-token
+Tolerance, fp32: relative |dloss| <= 1e-5 per step over STEPS = 6 steps (3 of warm-up, 3 at the full lr). Layouts sum the same per-token
 losses and gradients in another order (sharded reduce-scatter, bucketed all-reduce, accumulation),
 and TP splits GEMM reductions and the softmax over ranks (PP only runs the micro-batches of an
 accumulation through stages, in the same order), so they agree to fp32 rounding (~1e-7
 relative), not bitwise; 1e-5 leaves ~100x margin and still
 catches real bugs (a mis-scaled loss or a dropped shard changes the loss by >= 1e-3).
-Final weights: max |dparam| <= 1e-4 (same reasoning, through 10 AdamW updates of size ~lr=3e-3).
+Final weights: max |dparam| <= 1e-4 (same reasoning, through 6 AdamW updates of size ~lr=3e-3).
 Recomputation replays identical ops, so those layouts must match bitwise.
 
-Why 10 steps (20 until 2026-11-26): the matrix was a quarter of CI's 45 minutes, 70% of it in steps. A
-layout bug shows from the first step or the first update (the scale, a missing shard, ZeRO's sharded
-optimizer step), and rounding differences only grow with steps, so fewer steps lose no margin; the
-longest runs stay with `shardwise parity` (20 steps by default) and the 60-step elastic comparison.
+Why 6 steps (20 until 2026-11-26, 10 until 2026-11-29): a layout bug shows from the first step or the first
+update (the scale, a missing shard, ZeRO's sharded optimizer step), and rounding differences only grow with
+steps, so fewer steps lose no margin; 3 at the full lr still exercise the optimizer past warm-up. The longest
+runs stay with `shardwise parity` (20 steps by default) and the 60-step elastic comparison. Measured on 4 ranks
+(2 cores, quiet; zero3_dp4, tp2_ddp2, cp2_tp2): a layout costs 1-3 s of set-up and 0.1-0.25 s a step, and its
+validation round ~0.01 s; the matrix took 1,330 s of a 65-minute full test run at 10 steps.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from tests.harness import run_world
 from tests.parity.matrix import COMPILE_FAMILY, MATRIX, REFERENCES, Layout
 
 BITWISE = {"recompute_full_single", "recompute_op_single"}
-STEPS = 10
+STEPS = 6
+WARMUP = 3
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +46,12 @@ def runs(base_overrides, valid_overrides, tmp_path_factory) -> dict[str, Path]:
 
         def work(rank: int, layouts=layouts) -> None:
             for lay in layouts:
-                train_and_record(parity_config({}, [*base_overrides, *valid_overrides, ("train.steps", str(STEPS))], lay.override_list(),
+                train_and_record(parity_config({}, [*base_overrides, *valid_overrides, ("train.steps", str(STEPS)),
+                                                                   ("train.warmup_steps", str(WARMUP))], lay.override_list(),
                                                root / lay.name), single_process=False)
 
-        run_world(world, work)
+        # A hang guard, not a time limit: 60 s a layout (4 ranks on 2 cores: ~12 s each in a full test run).
+        run_world(world, work, timeout_s=max(600, 60 * len(layouts)))
     return {lay.name: root / lay.name for lay in MATRIX + refs}
 
 
@@ -75,9 +80,11 @@ def test_accumulation_on_one_rank_equals_four_way_dp(runs):
 def test_loss_falls(runs):
     losses = json.loads((runs["ref_llama"] / "losses.json").read_text())
     assert losses[-1] < losses[0] - 0.5, f"loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
-    # Text the model never saw (other modules): above the training loss, below a uniform guess (ln 512).
+    # Text the model never saw (other modules), evaluated after the last update: it learned what carries over
+    # (the first step's loss is a uniform guess, ~ln 512 = 6.24). Not "above the last training loss": after 6
+    # steps the model is still far from fitting its own batches (measured: valid 5.18, last training loss 5.34).
     valid = valid_losses(runs["ref_llama"])["heldout"]
-    assert losses[-1] < valid < 6.24, f"validation loss {valid:.3f} after training loss {losses[-1]:.3f}"
+    assert valid < losses[0] - 0.5, f"validation loss {valid:.3f}, first training loss {losses[0]:.3f}"
 
 
 def test_summary(runs):
@@ -108,11 +115,11 @@ def test_capacity_dropping_is_counted_and_logged(runs):
 @pytest.mark.parametrize("layout", COMPILE_FAMILY, ids=lambda lay: lay.name)
 def test_compiled_blocks_do_not_recompile(runs, layout: Layout):
     """train.compile: dynamo compiled graphs (compiled_graphs > 0; the counting first step runs eagerly,
-    train_step) and compiled none after the first steps: the count logged at steps 5 and 10 is the same.
+    train_step) and compiled none after the first steps: the count logged at steps 3 and 6 is the same.
     Parity itself is test_layout_matches_single_process (same 1e-5 bound: compiled kernels and
     AOTAutograd's decompositions reorder fp32 sums like any other layout)."""
     records = [json.loads(line) for line in (runs[layout.name] / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "loss" in r]  # the steps' records, not the validation round's
     graphs = [r["compiled_graphs"] for r in records]
-    assert [r["step"] for r in records] == [5, 10]
+    assert [r["step"] for r in records] == [3, 6]
     assert graphs[0] > 0 and len(set(graphs)) == 1, f"{layout.name}: compiled graphs per logged step {graphs}"
