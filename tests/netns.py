@@ -23,6 +23,7 @@ import subprocess
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -33,6 +34,7 @@ PREFIX = "swtest"  # namespace names: swtest-<pid>-<token>-<node index | hub>
 SUBNET = "198.18.0"  # node k is SUBNET.(k+1)/24
 NODE_IFNAME = "eth0"  # the node's interface, as on a real machine; each namespace has its own name space
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-")
+ETC = Path("/etc/netns")  # per-namespace files that `ip netns exec` mounts over /etc (ip-netns(8))
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -53,6 +55,24 @@ def _remove(namespace: str) -> None:
     pids = [int(p) for p in _ip("netns", "pids", namespace, check=False).stdout.split() if p.isdigit()]
     stop_processes(pids, signal.SIGKILL, 10)
     _ip("netns", "del", namespace, check=False)
+    shutil.rmtree(ETC / namespace, ignore_errors=True)
+
+
+def _name_the_nodes(net: "Network") -> None:
+    """Every node's address has a name in every node's /etc/hosts (`ip netns exec` mounts /etc/netns/NAME/hosts
+    over /etc/hosts), as on a cluster. Without one, the namespaces, which reach no DNS server, failed torch's
+    reverse lookup of each peer (getnameinfo: EAI_AGAIN) and every multi-node log carried torch's warning "The
+    hostname of the client socket cannot be retrieved. err=-3" (issue 57 item 5; docs/clusters.md)."""
+    try:
+        hosts = Path("/etc/hosts").read_text()
+    except OSError:
+        hosts = "127.0.0.1 localhost\n"
+    # Also as IPv4-mapped IPv6 addresses: torch's store listens on both families and sees its clients so.
+    names = "".join(f"{net.address(k)} {PREFIX}-node{k}\n::ffff:{net.address(k)} {PREFIX}-node{k}\n"
+                    for k in range(len(net.nodes)))
+    for ns in net.nodes:
+        (ETC / ns).mkdir(parents=True, exist_ok=True)
+        (ETC / ns / "hosts").write_text(hosts.rstrip("\n") + "\n" + names)
 
 
 def sweep_stale() -> list[str]:
@@ -131,6 +151,7 @@ def _build(n: int) -> Network:
             _ip("-n", net.hub, "link", "set", port, "up")
             _ip("-n", ns, "addr", "add", f"{net.address(k)}/24", "dev", NODE_IFNAME)
             _ip("-n", ns, "link", "set", NODE_IFNAME, "up")
+        _name_the_nodes(net)
     except BaseException:
         net.remove()
         raise

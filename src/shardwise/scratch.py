@@ -50,9 +50,22 @@ def remove_stale(kind: str, root: str | Path | None = None, host: str | None = N
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
+            for held in _held(path, root):
+                shutil.rmtree(held, ignore_errors=True)
+                removed.append(held)
             path.unlink(missing_ok=True)
         removed.append(path)
     return removed
+
+
+def _held(path: Path, root: Path) -> list[Path]:
+    """The directories an owned file names (owned_file's `holds`), only those directly under its root."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [Path(line) for line in lines if line and Path(line).parent == root and Path(line).is_dir()
+            and not Path(line).is_symlink()]
 
 
 def _prefix(kind: str, tag: str) -> str:
@@ -65,9 +78,12 @@ def owned_directory(kind: str, root: str | Path | None = None, tag: str = "") ->
     return Path(tempfile.mkdtemp(prefix=_prefix(kind, tag), dir=root))
 
 
-def owned_file(kind: str, suffix: str = "", root: str | Path | None = None) -> Path:
-    """A new empty file (mode 0600) under `root` owned by this process; stale ones of `kind` go first."""
+def owned_file(kind: str, suffix: str = "", root: str | Path | None = None, holds: list[str] = ()) -> Path:
+    """A new file (mode 0600) under `root` owned by this process; stale ones of `kind` go first. `holds`: directories
+    directly under the same root that someone else named and made (multiprocessing's pymp-*), written in the
+    file, removed with it once this process is gone."""
     remove_stale(kind, root)
     fd, name = tempfile.mkstemp(prefix=_prefix(kind, ""), suffix=suffix, dir=root)
+    os.write(fd, "".join(f"{h}\n" for h in holds).encode())
     os.close(fd)
     return Path(name)

@@ -5,7 +5,7 @@ the change; train.global_batch stays 8, accumulation doubles); the node then joi
 finishes on 4 processes. The loss of every step must equal an uninterrupted 4-process run's within the
 parity tolerance (parity.py LOSS_RTOL = 1e-5, relative): the samples, their order and the global batch
 are the same at any data-parallel size, so only the order of fp32 sums changes (~1e-7 relative per
-step here). A node drained with SIGTERM leaves without losing a step. And when fewer than MIN nodes remain, the job ends with exit code 6 and the checkpoint to
+step here). A node that joins late and a node drained with SIGTERM each get one line, and no step is lost. And when fewer than MIN nodes remain, the job ends with exit code 6 and the checkpoint to
 resume from.
 """
 from __future__ import annotations
@@ -123,23 +123,49 @@ def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened
     assert worst <= LOSS_RTOL
 
 
-def test_a_drained_node_leaves_without_losing_a_step(cli, tmp_path):
-    """SIGTERM to node 1's agent (a drain, a spot instance's notice): every rank finishes its step and
-    checkpoints it, node 1 ends with 143, and node 0 goes on alone from that checkpoint: no step is trained
-    twice (metrics.jsonl has each step once)."""
+def test_a_late_node_joins_and_a_drained_node_leaves_each_said_once_and_no_step_lost(cli, tmp_path):
+    """--nnodes 1:2, node 0 starts alone. Node 1 joins late: the group re-forms on 4 processes and node 0 says so
+    (torch's agent re-forms it without counting a restart: no line said it). Then node 1 is drained with SIGTERM
+    (a spot instance's notice): every rank finishes its step and checkpoints it, node 1 ends with 143 and a line
+    of its own, and node 0 goes on alone from that checkpoint. Node 0 never says "interrupted ... rerun": its job
+    did not stop (it did, twice, before the launcher took over that line). No step is trained twice."""
     run = tmp_path / "drain"
+    logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
     with netns.network(2) as net:
-        agents = [net.popen(k, [*cli, "--nproc", "2", "--nnodes", "1:2", "--node-rank", str(k), "--rdzv-endpoint",
-                                f"{net.address(0)}:{RDZV_PORT}", f"--run.dir={run}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=tmp_path) for k in (0, 1)]
-        _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8")
-        agents[1].send_signal(signal.SIGTERM)  # `ip netns exec` execs the agent: this is its pid
-        outputs = [a.communicate(timeout=300)[0] for a in agents]
-    assert [a.returncode for a in agents] == [0, 143], outputs[0][-3000:]
+        def agent(k: int) -> subprocess.Popen:
+            return net.popen(k, [*cli, "--nproc", "2", "--nnodes", "1:2", "--node-rank", str(k), "--rdzv-endpoint",
+                                 f"{net.address(0)}:{RDZV_PORT}", f"--run.dir={run}"], stdout=open(logs[k], "w"),
+                             stderr=subprocess.STDOUT, cwd=tmp_path)
+
+        node0 = agent(0)
+        _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8 on node 0 alone")
+        ranks = children(node0.pid)  # paused until node 0's agent has seen node 1 (see the test above)
+        assert len(ranks) == 2, f"node 0's agent should have 2 ranks, has children {ranks}"
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        node1 = agent(1)
+        try:
+            _wait(lambda: all(_sigterm_pending(pid) for pid in ranks), 300, "node 0's agent to re-form the group for node 1")
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        _wait(lambda: "now 4 processes" in logs[0].read_text(), 300, "the group on 4 processes")
+        joined = max(_losses(run), default=0)
+        _wait(lambda: max(_losses(run), default=0) > joined, 300, "a step on 4 processes")
+        node1.send_signal(signal.SIGTERM)  # `ip netns exec` execs the agent: this is its pid
+        codes = [node0.wait(timeout=300), node1.wait(timeout=60)]
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 143], outputs[0][-3000:]
     records = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records == list(range(1, STEPS + 1))  # none lost, none repeated
-    stopped = outputs[0].split("checkpoint ", 1)[1].split(" written", 1)[0] if " written" in outputs[0] else ""
-    assert stopped and f"resumed from {stopped}" in outputs[0] and "now 2 processes" in outputs[0], outputs[0][-3000:]
+    after_join = outputs[0].split("now 4 processes", 1)[1]
+    assert "now 2 processes" in after_join, outputs[0][-3000:]  # node 0 alone again after the drain
+    assert "interrupted" not in outputs[0] and "rerun" not in outputs[0], outputs[0][-3000:]
+    assert "stopped with the others after a step" in after_join and "exited with code 143" not in outputs[0]
+    left = [line for line in outputs[1].splitlines() if line.startswith("interrupted")]
+    assert len(left) == 1 and "node 1 left the job" in left[0] and "goes on with the other nodes" in left[0], outputs[1]
+    assert "newest checkpoint" in left[0] and "Traceback" not in outputs[1], outputs[1]
+    assert not [out for out in outputs if "hostname of the client socket" in out]  # named nodes (tests/netns.py)
 
 
 def test_fewer_than_min_nodes_end_the_job_with_exit_6_and_the_checkpoint_to_resume(cli, tmp_path):

@@ -224,9 +224,15 @@ def test_other_stop_signals(common, tmp_path, sig, code, target):
     assert not processes_mentioning(str(run)), "a rank or loader worker outlived the run"
 
 
-def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, tmp_path):
+def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, tmp_path, monkeypatch):
+    """Also the loader workers' temp files (issue 57 item 5): multiprocessing's pymp-* directories, which a killed
+    run left in the temp directory forever, are named in a file each worker owns: the next run removes both."""
     run = tmp_path / "run"
-    proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    loaders = ["--data.num_workers=2"]
+    proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1", *loaders)
     _wait_for_step(run, 3, proc)
     workers = children(proc.pid)
     assert len(workers) == 2
@@ -236,9 +242,12 @@ def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, t
     while any(alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(w) for w in workers), "workers outlived their launcher"
-    again = _train(common, run, "--train.steps=2")
+    left = list(scratch.glob("pymp-*"))  # one per loader worker (2 ranks x 2), each named by its owner's file
+    assert left and len(left) == len(list(scratch.glob("shardwise-loader-*"))), list(scratch.iterdir())
+    again = _train(common, run, "--train.steps=2", *loaders)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "took over the lock" in again.stdout + again.stderr
+    assert not list(scratch.glob("pymp-*")) and not list(scratch.glob("shardwise-loader-*")), list(scratch.iterdir())
 
 
 def test_a_second_job_on_the_same_run_directory_is_refused(common, tmp_path):

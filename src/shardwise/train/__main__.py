@@ -97,10 +97,14 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     rank = dist.get_rank() if distributed else 0
     if distributed:
         attempt = agreed_attempt(attempt)
-    if attempt and rank == 0:
+    # The group before this one stopped after a step and recorded where (record_interruption), and the agent
+    # started this one: a node left or joined (torch's agent re-forms the group without counting a restart).
+    reformed = rank == 0 and run_id and rundir.take_interruption(run_dir, run_id) is not None
+    if (attempt or reformed) and rank == 0:
         world = f", now {dist.get_world_size()} processes" if distributed else ""
-        print(f"restart {attempt} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: the worker group was restarted "
-              f"after a failure or a change of nodes{world}; resuming from the newest intact checkpoint", flush=True)
+        what = (f"restart {attempt} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: the worker group was restarted "
+                "after a failure or a change of nodes") if attempt else "the worker group was re-formed for a change of nodes"
+        print(f"{what}{world}; resuming from the newest intact checkpoint", flush=True)
     watchdog = StallWatchdog(run_dir, rank, dist.get_world_size(), f"{run_id}/{attempt}") \
         if distributed and "MASTER_ADDR" in os.environ else None
     lock = None
@@ -134,7 +138,10 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
             rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)
         return e.exit_code
     except RunFailure as e:
-        if e.report:
+        if e.report and isinstance(e, Interrupted) and lock is not None and not lock.own:
+            # Under shardwise's launcher: it prints this if the job ends; a re-formed group goes on (rundir.py).
+            rundir.record_interruption(run_dir, run_id, e.message, e.exit_code)
+        elif e.report:
             _say(e.message, "" if isinstance(e, Interrupted) else "error: ")
         if rank == 0 and e.exit_code in rundir.NOT_RESTARTABLE:
             rundir.record_unrestartable_failure(run_dir, run_id, e.exit_code)

@@ -15,6 +15,7 @@ path (TokenBatches.__getstate__), never as a copy of the corpus.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import signal
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from shardwise.scratch import owned_file
 from shardwise.train.data import TokenBatches, split_micro_batches
 from shardwise.train.signals import STOP_SIGNALS, exit_with_parent
 
@@ -60,6 +62,20 @@ def _worker_init(_worker_id: int) -> None:
         signal.signal(s, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED_WHILE_FORKING)
     exit_with_parent()
+    _own_the_pymp_directory()
+
+
+def _own_the_pymp_directory() -> None:
+    """A worker sends its batches through torch's file-descriptor sharing, for which multiprocessing makes a
+    `pymp-*` directory in the temp directory, removed when the worker exits cleanly. A killed run (SIGKILL, a
+    node's loss: the worker dies with its rank) left one per worker behind, forever. The worker makes it now
+    and names it in a file it owns (shardwise/scratch.py), which takes it along when the next run's workers on
+    this host find its owner gone. (Not a directory of ours around it: the socket paths inside would grow by
+    its name, and AF_UNIX paths end at 108 bytes — a test's long TMPDIR already failed so.)"""
+    pymp = multiprocessing.util.get_temp_dir()
+    marker = owned_file("loader", holds=[pymp])
+    # After multiprocessing's own finalizer for pymp-* (exit priority -100): lower runs later.
+    multiprocessing.util.Finalize(None, marker.unlink, kwargs={"missing_ok": True}, exitpriority=-200)
 
 
 class BatchPrefetcher:

@@ -198,6 +198,7 @@ def clear_failure_record(run_dir: Path) -> None:
     derives it from run.dir)."""
     try:
         _failure_file(run_dir).unlink(missing_ok=True)
+        _interruption_file(run_dir).unlink(missing_ok=True)  # a killed launcher's: not this job's restart reason
         for said in _failure_file(run_dir).parent.glob("failure.said.*"):
             said.unlink(missing_ok=True)
     except OSError:
@@ -309,6 +310,40 @@ def record_unrestartable_failure(run_dir: Path, run_id: str, exit_code: int) -> 
         path.write_text(json.dumps({"run_id": run_id, "exit_code": exit_code}))
     except OSError:
         pass  # then a restart fails the same way once more
+
+
+def _interruption_file(run_dir: Path) -> Path:
+    return run_dir / STATE_DIR / "interrupted.json"
+
+
+def record_interruption(run_dir: Path, run_id: str, message: str, exit_code: int) -> None:
+    """Rank 0 under shardwise's launcher: the "interrupted ... after step N" line goes to the launcher, not the
+    terminal. torch's elastic agent stops its workers with SIGTERM both when the job stops and when it only
+    re-forms the group (a node drained, a node joining): printed by the worker, the line said "rerun the same
+    command to resume" and the job then went on by itself. The launcher prints it if it ends (take_interruption);
+    a restarted group reads it as the reason it was restarted (restart_reason)."""
+    try:
+        path = _interruption_file(run_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"run_id": run_id, "message": message, "exit_code": exit_code}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # then the launcher ends with the exit code and its own line
+
+
+def take_interruption(run_dir: Path, run_id: str | None = None) -> dict | None:
+    """The recorded interruption ({"run_id", "message", "exit_code"}), removed; None if there is none (or it is
+    another job's, when `run_id` is given)."""
+    path = _interruption_file(run_dir)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if run_id is not None and record.get("run_id") != run_id:
+        return None
+    path.unlink(missing_ok=True)
+    return record
 
 
 def _said_file(run_dir: Path, attempt: int) -> Path:
