@@ -122,3 +122,27 @@ def test_the_launcher_hides_torchs_keep_alive_timer_joining_itself_and_nothing_e
     assert out.returncode == 0, out.stderr
     assert ("cannot join current thread" in out.stderr) == (mode == "plain"), out.stderr
     assert "another unraisable error" in out.stderr
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_a_drained_node_says_it_left_and_names_the_newest_checkpoint_once(tmp_path, capsys, elastic):
+    """The line of a node other than 0 that a stop signal ends (its ranks stopped with the others): elastic, the
+    job goes on without it; not elastic, it cannot, and the advice is the multi-node rerun. The checkpoint is
+    named once (resume_hint names it in the second case)."""
+    import signal
+
+    from shardwise.launch.local import say_interruption
+    from shardwise.launch.rendezvous import MultiNode
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step_00000011").mkdir(parents=True)
+    (ckpt / "step_00000011" / mf.MANIFEST).write_text("{}")
+    nodes = MultiNode(2, 1, "10.0.0.1:29400", "job", min_nodes=1 if elastic else None)
+    say_interruption(tmp_path, ckpt, signal.SIGTERM, nodes, resumes=True)
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("interrupted by SIGTERM: node 1 left the job after its ranks finished a step"), line
+    assert line.count("step_00000011") == 1, line
+    if elastic:
+        assert "the job goes on with the other nodes while at least 1 remain" in line, line
+    else:
+        assert "the job cannot go on without it" in line and "rerun the same command on every node" in line, line

@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 from shardwise.errors import (
@@ -229,13 +230,15 @@ def say_interruption(run_dir: Path | None, checkpoints: Path | None, sigval, nod
     rank 0 is elsewhere: this node says that it left, and what the others do without it."""
     name = sigval.name if sigval is not None else "a stop signal"
     if nodes is not None and nodes.node_rank != 0:
-        found = mf.complete_checkpoints(checkpoints) if checkpoints is not None else []
-        saved = f" (newest checkpoint {found[-1]})" if found else ""
-        goes_on = (f"the job goes on with the other nodes while at least {nodes.min_nodes} remain; rerun the same "
-                   "command here to join it again") if nodes.elastic else (
-                   f"the job cannot go on without it{resume_hint(checkpoints, every_node=True, resumes=resumes)}")
+        if nodes.elastic:
+            found = mf.complete_checkpoints(checkpoints) if checkpoints is not None else []
+            saved = f" (newest checkpoint {found[-1]})" if found else ""
+            goes_on = (f"{saved}; the job goes on with the other nodes while at least {nodes.min_nodes} remain; rerun "
+                       "the same command here to join it again")
+        else:  # resume_hint names the newest checkpoint itself
+            goes_on = f"; the job cannot go on without it{resume_hint(checkpoints, every_node=True, resumes=resumes)}"
         print(f"interrupted by {name}: node {nodes.node_rank} left the job after its ranks finished a step with the "
-              f"others{saved}; {goes_on}", file=sys.stderr, flush=True)
+              f"others{goes_on}", file=sys.stderr, flush=True)
         return
     record = take_interruption(run_dir) if run_dir is not None else None
     if record is not None:
@@ -268,11 +271,9 @@ def ignore_rendezvous_timer_self_join() -> None:
 def _is_timer_self_join(exc: BaseException | None, tb) -> bool:
     if not isinstance(exc, RuntimeError) or str(exc) != "cannot join current thread":
         return False
-    frames = []
-    while tb is not None:
-        frames.append((tb.tb_frame.f_code.co_name, Path(tb.tb_frame.f_code.co_filename).as_posix()))
-        tb = tb.tb_next
-    return any(name == "_stop_thread" and path.endswith("distributed/elastic/rendezvous/utils.py") for name, path in frames)
+    return any(frame.f_code.co_name == "_stop_thread"
+               and Path(frame.f_code.co_filename).as_posix().endswith("distributed/elastic/rendezvous/utils.py")
+               for frame, _ in traceback.walk_tb(tb))
 
 
 class _StopBeforeWorkers:

@@ -140,7 +140,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
     except RunFailure as e:
         if e.report and isinstance(e, Interrupted) and lock is not None and not lock.own:
             # Under shardwise's launcher: it prints this if the job ends; a re-formed group goes on (rundir.py).
-            rundir.record_interruption(run_dir, run_id, e.message, e.exit_code)
+            rundir.record_interruption(run_dir, run_id, e.message)
         elif e.report:
             _say(e.message, "" if isinstance(e, Interrupted) else "error: ")
         if rank == 0 and e.exit_code in rundir.NOT_RESTARTABLE:

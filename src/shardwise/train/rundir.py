@@ -316,24 +316,24 @@ def _interruption_file(run_dir: Path) -> Path:
     return run_dir / STATE_DIR / "interrupted.json"
 
 
-def record_interruption(run_dir: Path, run_id: str, message: str, exit_code: int) -> None:
+def record_interruption(run_dir: Path, run_id: str, message: str) -> None:
     """Rank 0 under shardwise's launcher: the "interrupted ... after step N" line goes to the launcher, not the
     terminal. torch's elastic agent stops its workers with SIGTERM both when the job stops and when it only
     re-forms the group (a node drained, a node joining): printed by the worker, the line said "rerun the same
     command to resume" and the job then went on by itself. The launcher prints it if it ends (take_interruption);
-    a restarted group reads it as the reason it was restarted (restart_reason)."""
+    the next group of the same job (same run id) takes it as the sign that it was re-formed (train/__main__.py)."""
     try:
         path = _interruption_file(run_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_id": run_id, "message": message, "exit_code": exit_code}))
+        tmp.write_text(json.dumps({"run_id": run_id, "message": message}))
         os.replace(tmp, path)
     except OSError:
         pass  # then the launcher ends with the exit code and its own line
 
 
 def take_interruption(run_dir: Path, run_id: str | None = None) -> dict | None:
-    """The recorded interruption ({"run_id", "message", "exit_code"}), removed; None if there is none (or it is
+    """The recorded interruption ({"run_id", "message"}), removed; None if there is none (or it is
     another job's, when `run_id` is given)."""
     path = _interruption_file(run_dir)
     try:
