@@ -146,7 +146,9 @@ def test_generate_cli_under_tp_and_pp(model_dir, reference):
                               "--ignore-eos", "--max-new-tokens", str(NEW), "--json"]
                              + [arg for p in PROMPTS for arg in ("--prompt-ids", ",".join(map(str, p)))],
                              capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
+        # rank 0's traceback of a peer's crash would fill the message: the other ranks' lines say why
+        assert out.returncode == 0, (layout, "\n".join(line for line in out.stderr.splitlines()
+                                                       if not line.startswith("[rank0]"))[-4000:])
         lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         assert [line["ids"] for line in lines] == reference[1], layout
 

@@ -3,6 +3,8 @@ variables (fixture environments as torchrun, Open MPI 4.1's mpirun, MPICH's Hydr
 and cuda_index: LOCAL_RANK % visible devices, two ranks on one GPU refused."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from shardwise.errors import ConfigError
@@ -102,3 +104,17 @@ def test_more_local_ranks_than_visible_devices_is_refused():
     assert "4 ranks on this node but 2 visible" in e.value.problem and "at most 2" in e.value.fix
     with pytest.raises(ConfigError):
         cuda_index(1, 2, 1, None)  # one GPU, no per-rank binding: both ranks would share it
+
+
+def test_a_process_that_dies_in_native_code_says_where_it_was():
+    """A rank killed by SIGABRT (std::terminate, a backend's check) or SIGSEGV printed nothing of its own: the
+    launcher could name only the signal. After init_distributed it prints each thread's Python stack."""
+    import subprocess
+    import sys
+
+    code = ("import os\nfrom shardwise.train.distributed import init_distributed\ninit_distributed()\n"
+            "def the_step():\n    os.abort()\nthe_step()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == -6, (p.returncode, p.stderr)
+    assert "Fatal Python error: Aborted" in p.stderr and "in the_step" in p.stderr, p.stderr

@@ -137,7 +137,7 @@ def test_a_drained_node_says_it_left_and_names_the_newest_checkpoint_once(tmp_pa
     ckpt = tmp_path / "checkpoints"
     (ckpt / "step_00000011").mkdir(parents=True)
     (ckpt / "step_00000011" / mf.MANIFEST).write_text("{}")
-    nodes = MultiNode(2, 1, "10.0.0.1:29400", "job", min_nodes=1 if elastic else None)
+    nodes = MultiNode(2, 1, "198.51.100.1:29400", "job", min_nodes=1 if elastic else None)
     say_interruption(tmp_path, ckpt, signal.SIGTERM, nodes, resumes=True)
     line = capsys.readouterr().err.strip()
     assert line.startswith("interrupted by SIGTERM: node 1 left the job after its ranks finished a step"), line

@@ -176,8 +176,9 @@ class RefusalWatch:
                     self._stop_main(mine)
                     return
                 if self.tell and store.check([KEY]):
-                    store.add(READ_BY, 1)  # a refused node 0 serves the line until every node has read it
-                    self._stop_main(store.get(KEY).decode(errors="replace"))
+                    line = store.get(KEY).decode(errors="replace")  # read before counted: a refused node 0
+                    store.add(READ_BY, 1)  # serves the line until every node has read it, then closes its store
+                    self._stop_main(line)
                     return
             except (RuntimeError, ValueError, OSError):  # not open yet, or closed: try again
                 store = None

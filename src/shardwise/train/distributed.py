@@ -12,6 +12,7 @@ downstream (env:// rendezvous, the stall watchdog's store client) runs unchanged
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import subprocess
@@ -213,6 +214,9 @@ def init_distributed(timeout_s: float = 600, backend: str = "auto") -> bool:
     import torch
     import torch.distributed as dist
 
+    # A process that dies in native code (SIGABRT from std::terminate or a backend's check, SIGSEGV) prints
+    # where each of its threads was; without this a launcher can only say which signal ended a rank.
+    faulthandler.enable(all_threads=True)
     where = rank_env(os.environ, scontrol_first_host)
     if where.world_size <= 1 or dist.is_initialized():
         return dist.is_initialized()
