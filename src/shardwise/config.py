@@ -223,6 +223,12 @@ class DataConfig:
                                     "text_key, each evaluated on its own ([eval], docs/data.md).")
     tokenizer: str = opt("bpe", '"bpe" (trained on the corpus and cached), "byte", or a path to a tokenizer.json.')
     text_key: str = opt("text", "Field holding the text in JSONL / Parquet records.")
+    format: str = opt("auto", '"text" (documents: data.text_key), "prompt_completion" (JSON records with prompt and '
+                              'completion), "chat" (records with messages, rendered with the chat template next to '
+                              'data.tokenizer); "auto": the first record of the first file decides. Fine-tuning '
+                              "records are packed whole into rows (best fit, docs/finetune.md).")
+    loss_on: str = opt("completion", 'Fine-tuning records: "completion" puts the loss on the completion (chat: the '
+                                     'assistant turns) only, "all" on every token. Text corpora train on all tokens.')
     cache_dir: str = opt("~/.cache/shardwise", "Where trained tokenizers and prepared corpora (token shards) are kept.")
     bad_records: str = opt("error", '"error": a malformed JSON line, a record without data.text_key or an unreadable '
                                     'Parquet row group stops the preparation (exit 2) naming file and line; "skip": '

@@ -218,7 +218,7 @@ def test_a_resume_on_4_ranks_reads_the_batches_2_ranks_would_have(base_overrides
     two = run_world(2, lambda rank: _batches_after_resume(rank, overrides, True, 3))
     four = run_world(4, lambda rank: _batches_after_resume(rank, overrides, False, 3))
     goes_on = run_world(2, lambda rank: _batches_after_resume(rank, overrides, False, 3))
-    reference = TokenBatches(batch_sources(data), 32, 8, seed=0)
+    reference = TokenBatches(batch_sources(data, 32), 32, 8, seed=0)
     assert two[0]["step"] == four[0]["step"] == goes_on[0]["step"] == 3  # trained to 3; resumed there
     for step in range(3, 6):
         rows4 = [row for r in four for row in r["rows"][step]]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardwise.data.finetune import FINETUNE_DTYPE, RecordEncoder, item_key
 from shardwise.data.holdout import file_key, held_out, text_key
 from shardwise.data.prepared import (
     FORMAT,
@@ -68,6 +69,11 @@ class ShardJob:
     eod: int
     policy: str
     valid_fraction: float = 0.0
+    fmt: str = "text"  # or a fine-tuning format (data/finetune.py)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return FINETUNE_DTYPE if self.fmt != "text" else token_dtype(self.vocab)
 
 
 @dataclass(frozen=True)
@@ -90,11 +96,16 @@ class PrepareJob:
     shard_bytes: int
     policy: str
     valid_fraction: float = 0.0
+    fmt: str = "text"
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.shard_job.dtype
 
     @property
     def shard_job(self) -> ShardJob:
         return ShardJob(self.directory, self.text_key, self.tokenizer_path, self.vocab, self.eod, self.policy,
-                        self.valid_fraction)
+                        self.valid_fraction, self.fmt)
 
 
 def default_workers() -> int:
@@ -162,10 +173,12 @@ class _Output:
 def prepare_unit(job: ShardJob, unit: Unit) -> dict:
     """Tokenize one unit into its shard (in a worker process); returns the shard's facts. With
     job.valid_fraction, the held-out documents (data/holdout.py) go to a shard of their own under valid/."""
+    if job.fmt != "text":
+        return _prepare_records(job, unit)
     tok = _tokenizer(str(job.tokenizer_path))
     stats = RecordStats(job.policy)
     name = f"{unit.index:05d}"
-    dtype = token_dtype(job.vocab)
+    dtype = job.dtype
     outputs = [_Output(ShardWriter(job.directory / SHARDS, name, dtype))]
     try:
         if job.valid_fraction > 0:
@@ -186,10 +199,44 @@ def prepare_unit(job: ShardJob, unit: Unit) -> dict:
         for out in outputs:
             out.writer.abort()
         raise
+    return _publish_facts(job, unit, facts, stats)
+
+
+def _publish_facts(job: ShardJob, unit: Unit, facts: dict, stats: RecordStats) -> dict:
+    name = f"{unit.index:05d}"
     facts = {"name": name, **facts, "input_bytes": unit.bytes, "records": stats.as_dict(),
              "pieces": [[p.path, p.kind, p.start, p.stop, p.ends_document] for p in unit.pieces]}
     publish_bytes(job.directory / SHARDS / f"{name}.json", json.dumps(facts, sort_keys=True).encode(), replace=True)
     return facts
+
+
+def _prepare_records(job: ShardJob, unit: Unit) -> dict:
+    """A fine-tuning unit: each record tokenized with its loss flags (data/finetune.py), one sequence of
+    its shard; `loss_tokens` counts the tokens that carry loss."""
+    encoder = RecordEncoder(job.fmt, job.tokenizer_path, job.eod)
+    stats = RecordStats(job.policy)
+    name = f"{unit.index:05d}"
+    writers = [ShardWriter(job.directory / SHARDS, name, job.dtype)]
+    loss = [0, 0]
+    try:
+        if job.valid_fraction > 0:
+            writers.append(ShardWriter(job.directory / VALID, name, job.dtype))
+        for piece in unit.pieces:
+            for (item, where), _ in piece_documents(piece, job.text_key, stats, job.fmt):
+                ids = encoder.encode(item, where, stats)
+                if ids is None:
+                    continue
+                side = int(held_out(text_key(item_key(item)), job.valid_fraction))
+                writers[side].add(ids, [(len(ids), True)])
+                loss[side] += int(np.count_nonzero(ids >= 0))
+        facts = writers[0].finish() | {"loss_tokens": loss[0]}
+        if len(writers) > 1:
+            facts["valid"] = writers[1].finish() | {"loss_tokens": loss[1]}
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    return _publish_facts(job, unit, facts, stats)
 
 
 # ---------------------------------------------------------------- parent side
@@ -283,13 +330,16 @@ def _manifest(job: PrepareJob, shards: list[dict]) -> dict:
     if job.valid_fraction > 0:
         parts = [{"name": s["name"], **{k: s["valid"][k] for k in ("tokens", "documents", "sha256", "open_end")}} for s in shards]
         valid = {"valid": {"fraction": job.valid_fraction, "tokens": sum(p["tokens"] for p in parts),
+                           **({"loss_tokens": sum(s["valid"]["loss_tokens"] for s in shards)} if job.fmt != "text" else {}),
                            "documents": sum(p["documents"] for p in parts),
                            "sha256": hashlib.sha256("\n".join(p["sha256"] for p in parts).encode()).hexdigest(),
                            "shards": parts}}
     return {**valid, "format": FORMAT, "corpus": job.corpus, "name": job.label,
             "source": {"path": job.source_path, "text_key": job.text_key, "files": list(job.fingerprints)},
             "tokenizer": {"sha256": job.tokenizer_sha256, "vocab": job.vocab, "eod_id": job.eod},
-            "dtype": token_dtype(job.vocab).name, "shard_bytes": job.shard_bytes, "bad_records": job.policy,
+            "dtype": job.dtype.name, "shard_bytes": job.shard_bytes, "bad_records": job.policy,
+            **({"finetune": {"format": job.fmt, "loss_tokens": sum(s["loss_tokens"] for s in shards)}}
+               if job.fmt != "text" else {}),
             "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
             "input_bytes": sum(s["input_bytes"] for s in shards),
             "sha256": hashlib.sha256("\n".join(s["sha256"] for s in shards).encode()).hexdigest(),
@@ -335,7 +385,7 @@ def _prepare_locked(job: PrepareJob, workers: int, log: Callable[[str], None]) -
     units = plan_units(list(job.files), job.shard_bytes)
     if not units:
         raise ConfigError(job.field, f"{job.label} holds no data", "give it files with text in them")
-    itemsize = token_dtype(job.vocab).itemsize
+    itemsize = job.dtype.itemsize
     done = {u.index: f for u in units if (f := _done_shard(job.directory, u, itemsize, job.valid_fraction > 0)) is not None}
     todo = [u for u in units if u.index not in done]
     total = sum(u.bytes for u in units)

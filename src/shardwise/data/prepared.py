@@ -45,9 +45,10 @@ WAIT_REPORT_S = 30.0
 
 
 def corpus_key(path_spec: str, text_key: str, tokenizer_kind: str, vocab_size: int, shard_bytes: int, policy: str,
-               valid_fraction: float = 0.0) -> str:
+               valid_fraction: float = 0.0, fmt: str = "text") -> str:
     held_out = (valid_fraction,) if valid_fraction > 0 else ()  # without one, the keys of before
-    return short_key(FORMAT, path_spec, text_key, tokenizer_kind, vocab_size, shard_bytes, policy, *held_out)
+    records = (fmt,) if fmt != "text" else ()  # fine-tuning records: another corpus from the same files
+    return short_key(FORMAT, path_spec, text_key, tokenizer_kind, vocab_size, shard_bytes, policy, *held_out, *records)
 
 
 def prepared_dir(cache_dir: Path, corpus: str, fingerprints: list[dict], tokenizer_sha256: str) -> Path:
@@ -106,6 +107,11 @@ class PreparedCorpus:
     @property
     def sha256(self) -> str:
         return self.manifest["sha256"]
+
+    @property
+    def finetune(self) -> bool:
+        """Fine-tuning records (data/finetune.py), read as packed rows (data/packing.py)."""
+        return "finetune" in self.manifest
 
 
 def open_prepared(directory: Path, manifest: dict) -> PreparedCorpus:

@@ -26,7 +26,8 @@ from shardwise.errors import ConfigError
 READ_BLOCK = 1 << 20
 WHOLE_TEXT = 4 << 20
 BAD_KINDS = {"not_json": "not valid JSON", "no_text": "no text field", "not_text": "text is not a string",
-             "unreadable": "unreadable Parquet rows", "not_object": "not an object"}
+             "unreadable": "unreadable Parquet rows", "not_object": "not an object",
+             "no_fields": "no prompt / completion or messages", "bad_chat": "chat that cannot be rendered"}
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,21 @@ def _record_text(record: object, text_key: str, where: str, stats: RecordStats) 
     return text
 
 
-def _jsonl_documents(piece: Piece, text_key: str, stats: RecordStats) -> Iterator[tuple[str, bool]]:
+def _text_of(text_key: str, stats: RecordStats, strings: bool = False):
+    """The default item of a JSON record: its text (data.text_key); a fine-tuning corpus's is its prompt /
+    completion or messages (data/finetune.py record_item). `where()` names the record, computed only for
+    a bad one (a line number costs a read of the file up to it)."""
+    def extract(record: object, where) -> str | None:
+        if strings and isinstance(record, str):  # an element of a JSON array of strings
+            return record or None
+        text = record.get(text_key) if isinstance(record, dict) else None
+        if not isinstance(text, str) or not text:  # the slow path names the record
+            text = _record_text(record, text_key, where(), stats)
+        return text or None
+    return extract
+
+
+def _jsonl_documents(piece: Piece, extract, stats: RecordStats) -> Iterator[tuple[object, bool]]:
     with open(piece.path, "rb") as f:
         f.seek(piece.start)
         offset = piece.start
@@ -184,14 +199,12 @@ def _jsonl_documents(piece: Piece, text_key: str, stats: RecordStats) -> Iterato
             except json.JSONDecodeError as e:
                 stats.bad_record(f"{piece.path}:{line_number(piece.path, at)}", f"is not valid JSON ({e.msg})", "not_json")
                 continue
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if not isinstance(text, str) or not text:  # the slow path names the line
-                text = _record_text(record, text_key, f"{piece.path}:{line_number(piece.path, at)}", stats)
-            if text:
-                yield text, True
+            item = extract(record, lambda at=at: f"{piece.path}:{line_number(piece.path, at)}")
+            if item is not None:
+                yield item, True
 
 
-def _json_array_documents(piece: Piece, text_key: str, stats: RecordStats) -> Iterator[tuple[str, bool]]:
+def _json_array_documents(piece: Piece, extract, stats: RecordStats) -> Iterator[tuple[object, bool]]:
     """A JSON array of strings or objects, element by element (json.JSONDecoder.raw_decode over a buffer
     refilled as it empties). A syntax error cannot be skipped: nothing after it can be found again."""
     decoder = json.JSONDecoder()
@@ -239,9 +252,9 @@ def _json_array_documents(piece: Piece, text_key: str, stats: RecordStats) -> It
                         syntax(f"is not valid JSON ({e.msg})")
                     eof = not fill(f)
             pos = end
-            text = record if isinstance(record, str) else _record_text(record, text_key, f"{piece.path} item {item}", stats)
-            if text:
-                yield text, True
+            found = extract(record, lambda item=item: f"{piece.path} item {item}")
+            if found is not None:
+                yield found, True
             item += 1
             sep = skip_space(f)
             if sep == "]":
@@ -283,11 +296,22 @@ def _parquet_documents(piece: Piece, text_key: str, stats: RecordStats) -> Itera
 READERS = {"text": _text_chunks, "jsonl": _jsonl_documents, "json": _json_array_documents, "parquet": _parquet_documents}
 
 
-def piece_documents(piece: Piece, text_key: str, stats: RecordStats) -> Iterator[tuple[str, bool]]:
-    """(text, ends_document) of every document (or, for a big text file, chunk of one) of a piece."""
+def piece_documents(piece: Piece, text_key: str, stats: RecordStats, fmt: str = "text") -> Iterator[tuple[object, bool]]:
+    """(text, ends_document) of every document (or, for a big text file, chunk of one) of a piece; for a
+    fine-tuning corpus (`fmt`: data/finetune.py), ((item, where), True) of every record, `where()` naming it."""
     if piece.kind == "text":
         return _text_chunks(piece, stats)
-    return READERS[piece.kind](piece, text_key, stats)
+    if piece.kind == "parquet":
+        return _parquet_documents(piece, text_key, stats)
+    if fmt in ("prompt_completion", "chat"):
+        from shardwise.data.finetune import record_item
+
+        def extract(record: object, where):  # the item and where it is: rendering a chat may fail later
+            item = record_item(record, fmt, where, stats)
+            return None if item is None else (item, where)
+
+        return READERS[piece.kind](piece, extract, stats)
+    return READERS[piece.kind](piece, _text_of(text_key, stats, strings=piece.kind == "json"), stats)
 
 
 def whole_file_pieces(path: Path) -> list[Piece]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shardwise.config import DataConfig
 from shardwise.data.corpus import corpus_files, corpus_root, file_fingerprints
+from shardwise.data.finetune import FORMATS, LOSS_ON, chat_template_check, check_format, detect_format
 from shardwise.data.megatron import megatron_prefix, open_megatron
 from shardwise.data.prepare import PrepareJob, default_workers, held_out_words, prepare_corpus, records_words
 from shardwise.data.prepared import (
@@ -67,6 +68,8 @@ class ValidStream:
     name: str
     field: str
     stream: TokenStream
+    finetune: bool = False  # fine-tuning records: read as packed rows (data/packing.py)
+    eod: int = 0  # their pads' token
 
 
 @dataclass
@@ -81,9 +84,15 @@ class PreparedData:
 
     def valid_sets(self) -> list[ValidStream]:
         """Every validation set: each source's held-out documents (data.valid_fraction), then [[data.valid]]."""
-        held = [ValidStream(s.spec.name, "data.valid_fraction", s.corpus.valid) for s in self.sources
-                if s.corpus.valid is not None]
-        return held + [ValidStream(s.spec.name, s.spec.field, s.corpus.stream) for s in self.valid]
+        held = [ValidStream(s.spec.name, "data.valid_fraction", s.corpus.valid, s.corpus.finetune, self.eod_id)
+                for s in self.sources if s.corpus.valid is not None]
+        return held + [ValidStream(s.spec.name, s.spec.field, s.corpus.stream, s.corpus.finetune, self.eod_id)
+                       for s in self.valid]
+
+    @property
+    def finetune(self) -> bool:
+        """Whether the sources are fine-tuning records (prepare_data refuses a mix with text)."""
+        return any(s.corpus.finetune for s in self.sources)
 
     @property
     def valid_sha256(self) -> str:
@@ -125,6 +134,10 @@ def source_specs(cfg: DataConfig) -> list[SourceSpec]:
     """The configured sources, checked: ConfigError on a missing path, a bad weight or a clash of names."""
     if cfg.bad_records not in BAD_RECORD_POLICIES:
         raise ConfigError("data.bad_records", f"{cfg.bad_records!r} is not a policy", 'use "error" or "skip"')
+    if cfg.format not in FORMATS:
+        raise ConfigError("data.format", f"{cfg.format!r} is not a format", f"use one of {', '.join(FORMATS)}")
+    if cfg.loss_on not in LOSS_ON:
+        raise ConfigError("data.loss_on", f"{cfg.loss_on!r} is not a choice", 'use "completion" or "all"')
     if not cfg.shard_mb > 0:
         raise ConfigError("data.shard_mb", f"must be > 0, got {cfg.shard_mb}", "use e.g. 32")
     if not 0 <= cfg.valid_fraction < 0.5:
@@ -253,8 +266,19 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
                               "documents are not split here", "give the validation documents as a dataset of their own "
                               "([[data.valid]] with its path), and data.valid_fraction=0")
     tokenizer_kind = cfg.tokenizer if cfg.tokenizer in ("bpe", "byte") else os.path.abspath(os.path.expanduser(cfg.tokenizer))
+    formats = {spec.field: cfg.format if cfg.format != "auto" else detect_format(files) for spec, files in raw}
+    for spec, files in raw:
+        check_format(formats[spec.field], files, spec.field)
+    if len({f != "text" for f in formats.values()}) > 1:
+        listed = ", ".join(f"{field} {f}" for field, f in formats.items())
+        raise ConfigError("data.format", f"the sources mix text and fine-tuning records ({listed})",
+                          "train on one kind at a time: fine-tuning records, or text (set data.format to say which)")
+    if cfg.tokenizer == "bpe" and "text" not in formats.values() and formats:
+        raise ConfigError("data.tokenizer", "a BPE is trained on text documents, and these are fine-tuning records",
+                          "set data.tokenizer to the tokenizer.json of the model you fine-tune (or \"byte\")")
     keys = {spec.field: corpus_key(_path_spec(spec.path), spec.text_key, tokenizer_kind, vocab_size, shard_bytes,
-                                   cfg.bad_records, cfg.valid_fraction if spec in specs else 0.0) for spec, _ in raw}
+                                   cfg.bad_records, cfg.valid_fraction if spec in specs else 0.0, formats[spec.field])
+            for spec, _ in raw}
     if refuse_changed:  # before a tokenizer is trained on files that were not meant to change
         for spec, _ in raw:
             found = preparations(cache_dir, keys[spec.field])
@@ -271,6 +295,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
     tok_path, _ = tokenizer_file(cfg.tokenizer, cache_dir, vocab_size, lambda: hashlib.sha256(bpe_key.encode()).hexdigest(),
                                  lambda: _sample(training, cfg.bad_records))
     tok = load_tokenizer(tok_path, vocab_size)
+    if "chat" in formats.values():
+        chat_template_check(tok_path)
     vocab, eod, tok_sha = tokenizer_vocab(tok), eod_id(tok, tok_path), file_sha256(tok_path)
     workers = workers or cfg.prepare_workers or default_workers()
     prepared = []
@@ -290,7 +316,7 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
         label = spec.name if spec.name == _default_name(spec.path) else f"{spec.name} ({spec.path})"
         job = PrepareJob(directory, label, spec.field, _key_field(spec), spec.text_key, tuple(files),
                          tuple(fingerprints[spec.field]), spec.path, keys[spec.field], tok_path, tok_sha, vocab, eod,
-                         shard_bytes, cfg.bad_records, cfg.valid_fraction if spec in specs else 0.0)
+                         shard_bytes, cfg.bad_records, cfg.valid_fraction if spec in specs else 0.0, formats[spec.field])
         corpus, here = prepare_corpus(job, workers, log)
         prepared.append(Source(spec, corpus, len(files), "prepared" if here else "prepared by another process"))
     for s in prepared:

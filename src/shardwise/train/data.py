@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardwise.data.finetune import IGNORE_INDEX
 from shardwise.data.mixture import Blend, check_epochs
+from shardwise.data.packing import source_rows
 from shardwise.data.shards import TokenStream
 from shardwise.data.sources import PreparedData, prepare_data
 from shardwise.data.tokenizer import EOD_TOKEN, byte_tokenizer, eod_id, tokenizer_vocab
@@ -27,8 +29,16 @@ __all__ = ["EOD_TOKEN", "BatchSource", "PreparedData", "TokenBatches", "byte_tok
 
 
 def split_inputs_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T+1) windows -> inputs (B, T) and next-token targets (B, T), contiguous so .view() works."""
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    """(B, T+1) windows -> inputs (B, T) and next-token targets (B, T), contiguous so .view() works. A
+    fine-tuning row's token without loss is stored as ~id (data/finetune.py): its id as an input, and
+    IGNORE_INDEX as a target. Text rows have no negative ids, so theirs pass unchanged."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    return torch.where(inputs < 0, ~inputs, inputs), torch.where(targets < 0, IGNORE_INDEX, targets)
+
+
+def loss_token_count(targets: torch.Tensor) -> torch.Tensor:
+    """The targets that carry loss (a fine-tuning step's loss is their mean: train/trainer.py)."""
+    return (targets != IGNORE_INDEX).sum()
 
 
 def split_micro_batches(rows: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
@@ -88,8 +98,10 @@ class BatchSource:
     field: str = "data.path"
 
 
-def batch_sources(data: PreparedData) -> list[BatchSource]:
-    return [BatchSource(s.spec.name, s.corpus.stream, s.spec.weight, s.spec.max_epochs, s.spec.field) for s in data.sources]
+def batch_sources(data: PreparedData, seq_len: int, loss_on: str = "completion") -> list[BatchSource]:
+    """Each source's rows: a text corpus's stream (windows), fine-tuning records packed (data/packing.py)."""
+    return [BatchSource(s.spec.name, source_rows(s.corpus.stream, s.corpus.finetune, seq_len, loss_on, data.eod_id),
+                        s.spec.weight, s.spec.max_epochs, s.spec.field) for s in data.sources]
 
 
 class TokenBatches:
@@ -255,7 +267,11 @@ def check_batches(data: PreparedData, cfg, trainer_state: dict | None = None, ep
     a resumed checkpoint was written for (`trainer_state`, its trainer_state.json) — and (`epochs`) no source
     of a mixture is read over more than its max_epochs by train.steps, from where the run resumes."""
     t = cfg.train
-    batches = TokenBatches(batch_sources(data), t.seq_len, t.global_batch, t.seed)
+    if data.finetune and cfg.parallel.tp_mode == "2d":
+        raise ConfigError("parallel.tp_mode", "fine-tuning records put the loss on some tokens only, and the 2-D "
+                          "tensor-parallel cross-entropy (parallel/tensor2d.py) counts every token",
+                          'use parallel.tp_mode = "1d" for fine-tuning')
+    batches = TokenBatches(batch_sources(data, t.seq_len, cfg.data.loss_on), t.seq_len, t.global_batch, t.seed)
     if trainer_state is not None and cfg.checkpoint.resume and "data" in trainer_state:
         batches.load_state(trainer_state["data"], trainer_state.get("step", 0))
     if epochs:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardwise.data.packing import source_rows
 from shardwise.errors import ConfigError
 
 # The windows' order in every round, run and layout (any constant would do).
@@ -44,10 +45,16 @@ class EvalSet:
     batches: int
     windows: int
     order: np.ndarray
+    loss_tokens: int = 0  # the round's targets that carry loss (fine-tuning rows); 0: all of them
 
     @property
     def round_tokens(self) -> int:
         return self.batches * self.global_batch * self.seq_len
+
+    @property
+    def round_loss_tokens(self) -> int:
+        """What a round's loss sum is divided by: its tokens, or a fine-tuning set's tokens with loss."""
+        return self.loss_tokens or self.round_tokens
 
     def local_rows(self, batch: int, batch_rank: int, batch_size: int) -> torch.Tensor:
         """This batch rank's contiguous share of the set's global batch `batch`, (global_batch / batch_size, seq_len + 1)."""
@@ -72,16 +79,24 @@ def eval_sets(valid_sets, cfg) -> list[EvalSet]:
         return []
     out = []
     for v in valid_sets:
-        windows = max(len(v.stream) - 1, 0) // t.seq_len
+        rows = source_rows(v.stream, v.finetune, t.seq_len, cfg.data.loss_on, v.eod)
+        windows = max(len(rows) - 1, 0) // t.seq_len
         if windows < t.global_batch:
-            raise ConfigError(v.field, f"validation set {v.name!r} has {len(v.stream):,} tokens: {windows} windows of "
-                              f"train.seq_len={t.seq_len}, fewer than one global batch (train.global_batch={t.global_batch})",
+            what = f"records that fill {windows} rows of train.seq_len + 1 = {t.seq_len + 1} tokens" if v.finetune \
+                else f"{len(v.stream):,} tokens: {windows} windows of train.seq_len={t.seq_len}"
+            raise ConfigError(v.field, f"validation set {v.name!r} has {what}, fewer than one global batch "
+                              f"(train.global_batch={t.global_batch})",
                               "give it more documents (a bigger set, or a larger data.valid_fraction), or lower "
                               "train.global_batch or train.seq_len")
         full = windows // t.global_batch
         batches = full if e.tokens == 0 else min(full, math.ceil(e.tokens / (t.global_batch * t.seq_len)))
         order = torch.randperm(windows, generator=torch.Generator().manual_seed(EVAL_SEED)).numpy()
-        out.append(EvalSet(v.name, v.field, v.stream, t.seq_len, t.global_batch, batches, windows, order))
+        loss_tokens = 0
+        if v.finetune:  # the round's rows are fixed: count their loss tokens once
+            for b in range(batches):
+                picked = order[b * t.global_batch:(b + 1) * t.global_batch]
+                loss_tokens += int(np.count_nonzero(rows.windows(picked * t.seq_len, t.seq_len + 1)[:, 1:] >= 0))
+        out.append(EvalSet(v.name, v.field, rows, t.seq_len, t.global_batch, batches, windows, order, loss_tokens))
     return out
 
 
@@ -103,7 +118,7 @@ def evaluate(trainer, sets: list[EvalSet]) -> dict[str, float]:
         for batch in range(s.batches):
             rows = s.local_rows(batch, trainer.batch_rank, trainer.dims.dp)
             total += trainer.eval_batch(rows)
-        loss = trainer.reduce_eval_sum(total).item() / s.round_tokens
+        loss = trainer.reduce_eval_sum(total).item() / s.round_loss_tokens
         out[f"valid_loss_{s.name}"] = loss
         out[f"valid_ppl_{s.name}"] = math.exp(loss) if loss < 700 else float("inf")
         out[f"valid_tokens_{s.name}"] = s.round_tokens

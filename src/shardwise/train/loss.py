@@ -25,10 +25,12 @@ from shardwise.spec.loss import LOSS_CHUNK_BYTES, loss_chunk_tokens, loss_is_chu
 
 
 def chunk_forward(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's (fp32 log-sum-exp per token, sum of -log softmax(x)[t]); x (n, V) in any float dtype."""
+    """One chunk's (fp32 log-sum-exp per token, sum of -log softmax(x)[t]); x (n, V) in any float dtype.
+    A negative target (IGNORE_INDEX: a fine-tuning token without loss) adds nothing, as in F.cross_entropy."""
     x = x.float()
     lse = torch.logsumexp(x, dim=-1)
-    return lse, (lse - x.gather(1, t[:, None]).squeeze(1)).sum()
+    keep = t >= 0
+    return lse, torch.where(keep, lse - x.gather(1, t.clamp(min=0)[:, None]).squeeze(1), 0.0).sum()
 
 
 def chunk_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad_total: torch.Tensor) -> torch.Tensor:
@@ -37,7 +39,8 @@ def chunk_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad_tot
     compiler fuses with the exp and the cast; the values are the same (p - 1 where t, p - 0 elsewhere)."""
     p = torch.exp(x.float() - lse[:, None])
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == t[:, None]
-    return ((p - onehot.to(p.dtype)) * grad_total).to(x.dtype)
+    grad = torch.where(t[:, None] >= 0, (p - onehot.to(p.dtype)) * grad_total, 0.0)  # an ignored target: none
+    return grad.to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from shardwise.train.data import (
     PreparedData,
     TokenBatches,
     batch_sources,
+    loss_token_count,
     prepare_data,
     split_inputs_targets,
     split_micro_batches,
@@ -114,7 +115,12 @@ class Trainer:
         if self.snapshot.note:
             self.log(self.snapshot.note)
         t = cfg.train
-        self.batches = TokenBatches(batch_sources(self.data), t.seq_len, t.global_batch, t.seed)
+        self.batches = TokenBatches(batch_sources(self.data, t.seq_len, cfg.data.loss_on), t.seq_len, t.global_batch, t.seed)
+        if self.data.finetune and self.rank == 0:  # fine-tuning records: how they fill the rows
+            for s in self.batches.sources:
+                self.log(f"data: {s.name}: {s.tokens.facts().line(cfg.data.loss_on)}"
+                         + ("" if t.document_mask else "; the records of a row see each other (train.document_mask = "
+                            "true keeps each to itself)"))
         self.loader = BatchPrefetcher(self.batches, self.batch_rank, self.dims.dp, t.micro_batch, cfg.data.num_workers,
                                       t.steps, pin_memory=self.device.type == "cuda")
         self.eval_sets = eval_sets(self.data.valid_sets(), cfg)  # validation (train/evaluate.py)
@@ -162,6 +168,9 @@ class Trainer:
         self.stop = stop
         self.guard = StepGuard(self.control, t.max_skipped_steps, stop, t.spike_ratio, t.spike_window)
         self.tokens_per_rank_step = t.micro_batch * self.accumulation * t.seq_len // self.dims.cp
+        # What a micro-batch's loss sum is divided by (_token_loss): this rank's share of the step's tokens,
+        # or of a fine-tuning step's tokens that carry loss (_count_loss_tokens, set each step).
+        self.loss_denominator: torch.Tensor | int = self.tokens_per_rank_step
         self.step = 0
         # Times the pipeline schedule on the steps the loop asks for (pipeline_chart.py).
         self.timeline = TimelineRecorder(cfg.parallel, self.dims, self.accumulation, self.rank, self.device)
@@ -226,7 +235,7 @@ class Trainer:
         """Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
         makes it the token mean over the global batch, identical to the reference. 2-D TP: this rank's
         logits block, the micro-batch's sum on every tp rank (parallel/tensor2d.py)."""
-        return self._token_sum(logits, targets) / self.tokens_per_rank_step
+        return self._token_sum(logits, targets) / self.loss_denominator
 
     def _token_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.grid is not None:
@@ -287,6 +296,8 @@ class Trainer:
     def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, Verdict]:
         t = self.cfg.train
         micro = self.loader.micro_batches(self.step)
+        if self.data.finetune:
+            self.loss_denominator = self._count_loss_tokens(micro)
         moe_stats.reset(self.moe_layers)
         moe_stats.set_aux_grad_scale(self.moe_layers, self.scaler.scale / self.accumulation)
         loss_sum = self._pipeline_forward_backward(micro) if self.pipeline is not None else self._accumulate(micro)
@@ -300,6 +311,17 @@ class Trainer:
         self.scaler.update(verdict.skip)
         self.scheduler.step()
         return loss_sum, grad_norm, lr, verdict
+
+    def _count_loss_tokens(self, micro: list[torch.Tensor]) -> torch.Tensor:
+        """A fine-tuning step's loss is the mean over the global batch's tokens that carry loss (as one
+        device computes it): this rank's share of their count, the count summed over the ranks that hold
+        other tokens (data and context parallel; one small all-reduce a step) over their number, which
+        the gradients' average over those ranks divides by again."""
+        count = sum(loss_token_count(self._cp_split(*split_inputs_targets(batch))[1]) for batch in micro)
+        count = count.to(self.device, torch.float32)
+        if self.loss_group is not None:
+            dist.all_reduce(count, group=self.loss_group)
+        return count.clamp(min=1) / (self.dims.dp * self.dims.cp)
 
     def _cached_by_checkpoint(self) -> dict:
         """What selective "op" recomputation keeps outside autograd's saved tensors: the outputs of the
