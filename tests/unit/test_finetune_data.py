@@ -197,3 +197,26 @@ def test_chat_records_without_a_template_and_a_mix_with_text_are_refused(tmp_pat
     p = _cli("data", "prepare", f"--data.path={tmp_path}/*", "--data.tokenizer=byte", "--data.format=prompt_completion",
              f"--data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
     assert p.returncode == 2 and "reads JSON-lines or JSON files" in p.stderr, p.stderr
+
+
+def test_the_validation_loss_is_the_mean_over_held_out_answer_tokens(tmp_path):
+    """The evaluator's number for fine-tuning records, recomputed without it: the set's packed rows in the
+    evaluator's order, F.cross_entropy's mean over the targets that carry loss (fp32 sums in another
+    order, then in fp64: 1e-6 relative)."""
+    from shardwise.train.evaluate import evaluate
+    from shardwise.train.trainer import Trainer
+
+    path = _pairs(tmp_path / "pairs.jsonl", 400)
+    keys = [("data.path", str(path)), ("data.tokenizer", "byte"), ("data.cache_dir", str(tmp_path / "cache")),
+            ("data.valid_fraction", "0.2"), ("model.preset", "tiny"), ("model.vocab_size", "512"), ("train.seq_len", "64"),
+            ("train.global_batch", "8"), ("train.micro_batch", "4"), ("train.steps", "1"), ("train.precision", "fp32"),
+            ("run.progress", "false"), ("run.tensorboard", "false"), ("run.loss_curve", "false"),
+            ("checkpoint.final", "false"), ("checkpoint.resume", "false"), ("run.dir", str(tmp_path / "run"))]
+    trainer = Trainer(build_config(None, keys), log=None)
+    (s,) = trainer.eval_sets
+    got = evaluate(trainer, trainer.eval_sets)["valid_loss_pairs"]
+    inputs, targets = split_inputs_targets(torch.cat([s.local_rows(b, 0, 1) for b in range(s.batches)]))
+    assert s.round_loss_tokens == int((targets != IGNORE_INDEX).sum()) < 0.8 * s.round_tokens
+    with torch.no_grad():
+        expected = F.cross_entropy(trainer.model(inputs).flatten(0, 1), targets.flatten()).item()
+    assert got == pytest.approx(expected, rel=1e-6)

@@ -211,3 +211,10 @@ def encode_chat(tok, template: ChatTemplate, messages) -> tuple[list[int], list[
     starts = [lo for lo, _ in spans]
     mask = [(k := bisect.bisect_right(starts, start) - 1) >= 0 and start < spans[k][1] for start, _ in encoding.offsets]
     return list(encoding.ids), mask
+
+
+def chat_files(tokenizer_path) -> dict[str, Path]:
+    """The files of a tokenizer's directory that hold its chat template and special tokens: a checkpoint
+    keeps them beside its tokenizer.json, so that an export serves chats as the model was tuned on them."""
+    directory = Path(tokenizer_path).parent
+    return {name: directory / name for name in ("tokenizer_config.json", "chat_template.jinja") if (directory / name).is_file()}

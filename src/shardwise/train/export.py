@@ -105,9 +105,40 @@ def _write_tokenizer(step_dir: Path, out: Path, config: dict) -> None:
     tok = Tokenizer.from_file(str(source))
     eos = config.get("eos_token_id")
     special = {"eos_token": tok.id_to_token(eos)} if eos is not None else {}
+    chat = _chat_config(step_dir, out)
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config["max_position_embeddings"],
-         "clean_up_tokenization_spaces": False} | special, indent=2) + "\n")
+         "clean_up_tokenization_spaces": False} | special | chat, indent=2) + "\n")
+
+
+def _chat_config(step_dir: Path, out: Path) -> dict:
+    """A chat-tuned run's template (its tokenizer directory's, kept by the checkpoint: data/chat.py
+    chat_files) and the special tokens the template names, for the export's tokenizer_config.json."""
+    kept = step_dir / "tokenizer_config.json"
+    try:
+        theirs = json.loads(kept.read_text()) if kept.is_file() else {}
+    except ValueError:
+        theirs = {}
+    if (step_dir / "chat_template.jinja").is_file():
+        shutil.copyfile(step_dir / "chat_template.jinja", out / "chat_template.jinja")
+    keys = ("chat_template", "bos_token", "eos_token") if theirs.get("chat_template") or \
+        (out / "chat_template.jinja").is_file() else ()
+    return {k: theirs[k] for k in keys if theirs.get(k) is not None}
+
+
+def _stop_ids(out: Path, eos: int | None) -> list[int] | int | None:
+    """generation_config's eos_token_id: the end-of-document token, and a chat template's end-of-turn token
+    (what a chat-tuned model ends its answers with), so that generation stops at either."""
+    try:
+        name = json.loads((out / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError):
+        return eos
+    if isinstance(name, dict):
+        name = name.get("content")
+    from tokenizers import Tokenizer
+
+    turn = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(name) if isinstance(name, str) else None
+    return eos if turn is None or turn == eos else [i for i in (eos, turn) if i is not None]
 
 
 def _eos_id(step_dir: Path) -> int | None:
@@ -207,9 +238,10 @@ def _export_into(run_dir: Path, out: Path, step: int | None, dtype: str, max_sha
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": eos, "max_length": cfg.model.max_seq_len} if eos is not None else {}, indent=2) + "\n")
     _write_tokenizer(step_dir, out, config)
+    stop = _stop_ids(out, eos)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": stop, "max_length": cfg.model.max_seq_len} if stop is not None else {}, indent=2) + "\n")
     # safetensors writes its files owner-only (0600); give them the mode Python gave config.json (the
     # umask's), so whoever may read the model's config may read its weights, as with save_pretrained.
     mode = (out / "config.json").stat().st_mode & 0o777

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.config import Config
+from shardwise.data.chat import chat_files
 from shardwise.errors import Diverged, Interrupted, OutOfMemory, out_of_memory, rerun_to_resume
 from shardwise.models import build_model
 from shardwise.models.common import document_kernel, document_positions
@@ -547,7 +548,8 @@ class Trainer:
                     "layout": self.dims.describe(), "world_size": self.dims.world_size}
         with saving_checkpoint(self.cfg, self.rank, self.device.type, self.step, self.checkpoints.latest, self.run_dir, self.run_id):
             path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
-                                         {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml"},
+                                         {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml",
+                                          **chat_files(self.data.tokenizer_path)},
                                          manifest, checkpoint_state(self.grad_compression, self.cfg.parallel, self.dims.describe()))
         self.log(f"checkpoint: saved step {self.step} to {path}")
         return path
