@@ -115,7 +115,7 @@ class TrainConfig:
                                         "FP8 is slower joined on an H200, 0.95x (docs/precision.md).")
     document_mask: bool = opt(False, "Keep attention inside each document of a packed row (documents end at the "
                                      "end-of-document token): FlexAttention's block mask on GPUs, a dense SDPA mask "
-                                     "elsewhere. Not with parallel.cp, parallel.pp or tp_mode=2d yet.")
+                                     "elsewhere. Not with parallel.cp or tp_mode=2d yet.")
     document_positions: bool | None = opt(None, "Positions restart at 0 at each document of a packed row (RoPE, or "
                                                 "gpt's learned positions); unset: as train.document_mask.")
     spike_ratio: float = opt(1.5, "A finite loss above this multiple of the median of the train.spike_window healthy "

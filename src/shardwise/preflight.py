@@ -94,7 +94,6 @@ def check_parallel(cfg: Config, world_size: int) -> ParallelDims:
     if t.document_mask or t.document_positions:
         what = "train.document_mask" if t.document_mask else "train.document_positions"
         for axis, size, why in (("cp", dims.cp, "ring and Ulysses attention are causal over the whole row"),
-                                ("pp", dims.pp, "the positions do not travel between pipeline stages yet"),
                                 ("tp_mode", 2 if dims.tp_mode == "2d" else 1, "the SUMMA attention takes no mask")):
             if size > 1:
                 raise ConfigError(what, f"is not implemented with parallel.{axis}={getattr(p, axis)} ({why})",

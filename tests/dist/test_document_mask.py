@@ -16,6 +16,9 @@ STEPS = 6
 LAYOUTS = {
     "zero3_dp2": (2, [("parallel.dp_shard", "2"), ("parallel.zero", "3"), ("train.micro_batch", "4")]),
     "tp2_sp": (2, [("parallel.tp", "2")]),
+    # the positions reach every stage as a keyword of the schedule's step (parallel/pipeline.py), and the
+    # forward-only validation pass
+    "pp2_1f1b": (2, [("parallel.pp", "2"), ("train.micro_batch", "4")]),
     "ddp2_gpt": (2, [("parallel.dp_replicate", "2"), ("train.micro_batch", "4"), ("model.preset", "tiny-gpt")]),
     "compiled": (1, [("train.compile", "true"), ("train.compile_backend", "aot_eager")]),
 }

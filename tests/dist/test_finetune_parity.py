@@ -6,7 +6,7 @@ Why these layouts: data parallelism (replicated and ZeRO-3) splits the step's ro
 different numbers of loss tokens, so a per-rank mean would differ from one device's; tensor parallelism's
 loss_parallel must skip the ignored targets as F.cross_entropy does; context parallelism splits each row's
 targets; the pipeline computes the loss on its last stage only. Document masking (train.document_mask)
-keeps each record of a row to itself, with TP and FSDP. The tolerance is parity's own (loss rtol 1e-5,
+keeps each record of a row to itself, with TP, FSDP and the pipeline. The tolerance is parity's own (loss rtol 1e-5,
 parameters atol 1e-4): fp32 sums in another order.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def records(tmp_path_factory):
 
 @pytest.mark.parametrize("mask, layouts", [
     ("false", ["dp_replicate=2", "pp=2", "cp=2"]),
-    ("true", ["tp=2", "dp_shard=2,zero=3"]),
+    ("true", ["tp=2", "dp_shard=2,zero=3", "pp=2"]),
 ])
 def test_fine_tuning_losses_equal_one_process(records, tmp_path, mask, layouts):
     args = [sys.executable, "-m", "shardwise.cli", "parity", "--nproc", "2", "--steps", "3", "--out", str(tmp_path / "out"),

@@ -66,7 +66,7 @@ def test_flex_attention_computes_what_the_dense_mask_does():
     assert document_kernel("cuda") == "flex" and document_kernel("cpu") == "sdpa"
 
 
-@pytest.mark.parametrize(("axis", "keys"), [("cp", [("parallel.cp", "2")]), ("pp", [("parallel.pp", "2")])])
+@pytest.mark.parametrize(("axis", "keys"), [("cp", [("parallel.cp", "2")])])
 def test_layouts_without_it_are_refused_before_anything_starts(axis, keys):
     cfg = build_config({}, [("train.document_mask", "true"), ("train.global_batch", "8"), ("train.micro_batch", "4"), *keys])
     with pytest.raises(ConfigError, match=f"train.document_mask: is not implemented with parallel.{axis}"):

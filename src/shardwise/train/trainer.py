@@ -226,9 +226,13 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._token_loss(self._forward(inputs), targets)
 
+    def _positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """With document positions, each packed document's own (restarting after every end token)."""
+        return document_positions(inputs, self.data.eod_id) if self.document_positions else None
+
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The logits of a micro-batch; with document positions, the positions of each packed document."""
-        positions = document_positions(inputs, self.data.eod_id) if self.document_positions else None
+        positions = self._positions(inputs)
         with autocast(self.cfg.train.precision, self.device.type):
             return self.model(inputs) if positions is None else self.model(inputs, positions=positions)
 
@@ -250,7 +254,8 @@ class Trainer:
         micro = split_micro_batches(rows, self.cfg.train.micro_batch)
         with torch.no_grad(), self._loss_context():
             if self.pipeline is not None:
-                losses = self.pipeline.evaluate(*self._pipeline_inputs(micro), self._token_sum)
+                inputs, targets = self._pipeline_inputs(micro)
+                losses = self.pipeline.evaluate(inputs, targets, self._token_sum, self._positions(inputs))
                 for loss in losses:
                     total += local_shard(loss).double()
                 return total
@@ -366,7 +371,7 @@ class Trainer:
         meter = PeakActivationMeter(exclude=torch.nn.ModuleList(s.submod for s in self.pipeline.stages)) \
             if metering else contextlib.nullcontext()
         with self._loss_context(), meter:
-            losses, actions = self.pipeline.step(inputs, targets, self.timeline.recording)
+            losses, actions = self.pipeline.step(inputs, targets, self.timeline.recording, self._positions(inputs))
         if metering:
             self.activation_bytes = meter.peak
         self.timeline.stop(start, actions)
