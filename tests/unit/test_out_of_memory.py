@@ -202,3 +202,31 @@ def test_a_failed_dcp_save_is_out_of_memory_when_a_ranks_failure_was():
         wrapped = e
     assert allocation_failure(CheckpointException("save", {1: (wrapped, None)})) == HOST_WORDS
     assert allocation_failure(CheckpointException("save", {0: (OSError(28, "No space left on device"), None)})) is None
+
+
+def test_out_of_memory_in_a_validation_round_is_exit_7_with_its_own_line(base_overrides, valid_overrides, tmp_path,
+                                                                          monkeypatch):
+    """A round runs training's micro-batches forward only: the line names the round and offers what lowers a
+    forward's peak (not recomputation); the checkpoint of the step before is kept. (A round's peak is below
+    a training step's: the allocation that fails is made where the round's first batch would run.)"""
+    from shardwise.config import build_config
+    from shardwise.train.trainer import Trainer
+
+    cfg = build_config(None, [*base_overrides, *valid_overrides, ("train.steps", "4"), ("eval.every", "2"),
+                              ("checkpoint.every", "1"), ("train.micro_batch", "4"), ("run.dir", str(tmp_path / "run"))])
+    trainer = Trainer(cfg, log=lambda _: None)
+    rounds = []
+
+    def round_that_fails(rows):
+        rounds.append(trainer.step)
+        return torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the host allocator refuses it at once
+
+    monkeypatch.setattr(trainer, "eval_batch", round_that_fails)
+    with pytest.raises(OutOfMemory) as e:
+        trainer.train()
+    line = str(e.value)
+    assert rounds == [2] and line.startswith("rank 0 ran out of host memory in the validation round after step 2: "
+                                             "DefaultCPUAllocator: can't allocate memory"), line
+    assert "fix: lower train.micro_batch (now 4; train.global_batch stays, by accumulation), parallel.zero=3" in line
+    assert "recompute" not in line
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_00000001"]

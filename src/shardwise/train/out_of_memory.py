@@ -101,12 +101,13 @@ def allocator_place(what: str, device_type: str) -> str:
 
 
 def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: str, what: str,
-                       snapshot: Path | None, planned: PlannedMemory | None = None) -> str:
+                       snapshot: Path | None, planned: PlannedMemory | None = None, evaluating: bool = False) -> str:
     """The one line of a failed allocation (errors.OutOfMemory, exit 7) in `step` (None: before the first
     step, building the model or loading its checkpoint): where, the allocator's words (`what`), what the
     planner expected (`planned`, on a GPU of its table), what lowers the peak, each setting with its value
     (the planner prices every one), and the allocator's history up to it (`snapshot`) or, on a GPU, how to
-    record it."""
+    record it. `evaluating`: in the validation round after `step` (forward only: recomputation saves nothing
+    there, and the checkpoint of that step is not written yet)."""
     t, p = cfg.train, cfg.parallel
     place = allocator_place(what, device_type)
     states = f"parallel.zero=3 (now {p.zero}) over more ranks, parallel.offload=cpu (now {p.offload}) or parallel.tp (now {p.tp})"
@@ -116,6 +117,8 @@ def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: st
         batch = f"train.micro_batch (now {t.micro_batch}; train.global_batch stays, by accumulation), " \
             if t.micro_batch > 1 else ""
         when, fix = f"in step {step}", f"{'lower ' + batch if batch else ''}set train.recompute=full (now {t.recompute}), {states}"
+        if evaluating:  # a round's micro-batches are training's, run forward only
+            when, fix = f"in the validation round after step {step}", f"{'lower ' + batch if batch else ''}{states}"
     history = f"; what held the memory: {snapshot} ({VIEWER})" if snapshot else \
         "; rerun with --run.memory_snapshot=true to record what held it" if device_type == "cuda" else ""
     expected = "" if planned is None else f"; the planner expected {planned.words()}" + (

@@ -318,6 +318,18 @@ class Trainer:
         self.scheduler.step()
         return loss_sum, grad_norm, lr, verdict
 
+    def _evaluate(self, report: StepLog) -> dict[str, float]:
+        """A validation round (train/evaluate.py); out of memory in it is exit 7 with its own line, as in a step."""
+        try:
+            return evaluate(self, self.eval_sets)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            what = out_of_memory(e)
+            if what is None:
+                raise
+            line = out_of_memory_line(self.cfg, self.rank, self.step, self.device.type, what, self.snapshot.out_of_memory(),
+                                      report.planned, evaluating=True)
+            raise OutOfMemory(line, report=first_to_report(self.run_dir, self.run_id, line)) from None
+
     def _count_loss_tokens(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """A fine-tuning step's loss is the mean over the global batch's tokens that carry loss (as one
         device computes it): this rank's share of their count, the count summed over the ranks that hold
@@ -432,7 +444,7 @@ class Trainer:
                 if r.stop_code:
                     self._stop(r.stop_code)
                 if self._eval_due():
-                    report.after_eval(self.step, evaluate(self, self.eval_sets))
+                    report.after_eval(self.step, self._evaluate(report))
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
                     self.save_checkpoint()
             report.write_pipeline_timeline()
