@@ -196,7 +196,7 @@ def test_chat_records_without_a_template_and_a_mix_with_text_are_refused(tmp_pat
     (tmp_path / "text.txt").write_text("some text " * 50)
     p = _cli("data", "prepare", f"--data.path={tmp_path}/*", "--data.tokenizer=byte", "--data.format=prompt_completion",
              f"--data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
-    assert p.returncode == 2 and "reads JSON-lines or JSON files" in p.stderr, p.stderr
+    assert p.returncode == 2 and "reads JSON-lines, JSON or Parquet files" in p.stderr, p.stderr
 
 
 def test_the_validation_loss_is_the_mean_over_held_out_answer_tokens(tmp_path):
@@ -220,3 +220,25 @@ def test_the_validation_loss_is_the_mean_over_held_out_answer_tokens(tmp_path):
     with torch.no_grad():
         expected = F.cross_entropy(trainer.model(inputs).flatten(0, 1), targets.flatten()).item()
     assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_parquet_records_give_the_tokens_of_the_same_json_lines(tmp_path):
+    """Hugging Face datasets keep chats as a Parquet column of lists of structs: read row by row, they give
+    the ids and loss flags the same records give as JSON lines (chat and prompt / completion)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = _chat_tokenizer(tmp_path / "tok")
+    chats = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+             for i in range(30)]
+    pairs = [{"prompt": f"Q{i}=", "completion": f" {i}"} for i in range(30)]
+    for name, records in (("chat", chats), ("pairs", pairs)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        pq.write_table(pa.Table.from_pylist(records), tmp_path / f"{name}.parquet", row_group_size=7)
+        streams = []
+        for suffix in ("jsonl", "parquet"):
+            _, data = _data(tmp_path, tmp_path / f"{name}.{suffix}", **{"data.tokenizer": str(tok)})
+            assert data.sources[0].corpus.manifest["finetune"]["format"] == ("chat" if name == "chat" else "prompt_completion")
+            stream = data.sources[0].corpus.stream
+            streams.append(stream.read(0, len(stream)).tolist())
+        assert streams[0] == streams[1], name

@@ -33,8 +33,8 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, which torch's los
 
 
 def detect_format(files: list[Path]) -> str:
-    """data.format = "auto": "chat" when the first record of the first file has `messages`,
-    "prompt_completion" when it has `prompt` and `completion`, else "text" (always for text and Parquet)."""
+    """data.format = "auto": "chat" when the first record of the first file (a Parquet file's columns) has
+    `messages`, "prompt_completion" when it has `prompt` and `completion`, else "text" (always for text files)."""
     if not files:
         return "text"
     kind = file_kind(files[0])
@@ -46,6 +46,10 @@ def detect_format(files: list[Path]) -> str:
                         return _kind(json.loads(line))
                     except (json.JSONDecodeError, UnicodeDecodeError):
                         return "text"  # the preparation names the bad line
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return _kind(dict.fromkeys(pq.ParquetFile(files[0]).schema_arrow.names, ""))
     if kind == "json":
         with open(files[0], encoding="utf-8", errors="replace") as f:
             head = f.read(1 << 20).lstrip()
@@ -67,12 +71,12 @@ def _kind(record: object) -> str:
 
 
 def check_format(fmt: str, files: list[Path], field: str) -> None:
-    """Fine-tuning records are read from JSON lines or JSON arrays (Parquet and text files hold text)."""
+    """Fine-tuning records are read from JSON lines, JSON arrays and Parquet files (text files hold text)."""
     if fmt in ("prompt_completion", "chat"):
-        other = [f for f in files if file_kind(f) not in ("jsonl", "json")]
+        other = [f for f in files if file_kind(f) not in ("jsonl", "json", "parquet")]
         if other:
-            raise ConfigError(field, f"data.format={fmt} reads JSON-lines or JSON files, but {other[0]} is not one",
-                              "convert the records to JSON lines (one object a line), or set data.format=text")
+            raise ConfigError(field, f"data.format={fmt} reads JSON-lines, JSON or Parquet files, but {other[0]} is "
+                              "a text file", "convert the records to JSON lines (one object a line), or set data.format=text")
 
 
 def record_item(record: object, fmt: str, where, stats):

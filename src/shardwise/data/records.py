@@ -11,6 +11,7 @@ no document (an end-of-document token alone would only add a separator) and is c
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -293,6 +294,29 @@ def _parquet_documents(piece: Piece, text_key: str, stats: RecordStats) -> Itera
             stats.first_bad = stats.first_bad or f"{where}: cannot be read ({e})"
 
 
+def _parquet_records(piece: Piece, fmt: str, stats: RecordStats) -> Iterator[tuple[object, bool]]:
+    """Fine-tuning records of a Parquet piece: its prompt / completion columns, or its messages column (a
+    list of structs, as Hugging Face datasets write chats), row by row."""
+    import pyarrow.parquet as pq
+
+    from shardwise.data.finetune import record_item
+
+    pf = pq.ParquetFile(piece.path)
+    columns = ["messages"] if fmt == "chat" else ["prompt", "completion"]
+    missing = [c for c in columns if c not in pf.schema_arrow.names]
+    if missing:  # the whole file's, never skipped: it holds other records
+        raise BadRecord(piece.path, f"has no column {missing[0]!r} (found: {', '.join(pf.schema_arrow.names)})", "no_fields")
+    for group in range(piece.start, piece.stop):
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, row_groups=[group], columns=columns):
+            for record in batch.to_pylist():
+                where = functools.partial("{} row group {} row {}".format, piece.path, group, row)
+                row += 1
+                item = record_item(record, fmt, where, stats)
+                if item is not None:
+                    yield (item, where), True
+
+
 READERS = {"text": _text_chunks, "jsonl": _jsonl_documents, "json": _json_array_documents, "parquet": _parquet_documents}
 
 
@@ -301,6 +325,8 @@ def piece_documents(piece: Piece, text_key: str, stats: RecordStats, fmt: str = 
     fine-tuning corpus (`fmt`: data/finetune.py), ((item, where), True) of every record, `where()` naming it."""
     if piece.kind == "text":
         return _text_chunks(piece, stats)
+    if fmt in ("prompt_completion", "chat") and piece.kind == "parquet":
+        return _parquet_records(piece, fmt, stats)
     if piece.kind == "parquet":
         return _parquet_documents(piece, text_key, stats)
     if fmt in ("prompt_completion", "chat"):
