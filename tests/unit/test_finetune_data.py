@@ -188,6 +188,22 @@ def test_bad_records_stop_before_any_process_naming_file_and_line(tmp_path, reco
     assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+def test_a_template_that_fails_on_a_record_or_does_not_parse_is_refused_naming_it(tmp_path):
+    tok = _chat_tokenizer(tmp_path / "tok")
+    failing = "{% if messages|length > 2 %}{{ raise_exception('too long') }}{% endif %}" + CHATML
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": failing}))
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": chat * 2}) + "\n")
+    args = ["data", "prepare", f"--data.path={tmp_path / 'chat.jsonl'}", f"--data.tokenizer={tok}",
+            f"--data.cache_dir={tmp_path / 'cache'}"]
+    p = _cli(*args, cwd=tmp_path)
+    assert p.returncode == 2 and "chat.jsonl:2 the chat template failed: too long" in p.stderr, p.stderr
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"}))
+    p = _cli(*args, cwd=tmp_path)
+    assert p.returncode == 2 and "error: data.tokenizer: the chat template of" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
 def test_chat_records_without_a_template_and_a_mix_with_text_are_refused(tmp_path):
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n")
     p = _cli("data", "prepare", f"--data.path={tmp_path / 'chat.jsonl'}", "--data.tokenizer=byte",

@@ -146,9 +146,14 @@ class RecordEncoder:
 
 def chat_template_check(tokenizer_path: Path, field: str = "data.tokenizer") -> None:
     """Before preparing chat records: the tokenizer's directory has a chat template."""
-    from shardwise.data.chat import ChatTemplate
+    from shardwise.data.chat import ChatError, ChatTemplate
 
-    if ChatTemplate.from_dir(Path(tokenizer_path).parent) is None:
+    try:
+        template = ChatTemplate.from_dir(Path(tokenizer_path).parent)
+    except ChatError as e:  # compiled when read: a syntax error, or no "default" among named templates
+        raise ConfigError(field, f"the chat template of {Path(tokenizer_path).parent}: {e}",
+                          "repair the template (chat_template.jinja or tokenizer_config.json's chat_template)") from None
+    if template is None:
         raise ConfigError(field, f"chat records need a chat template, and {Path(tokenizer_path).parent} has none "
                           "(no chat_template in tokenizer_config.json, no chat_template.jinja)",
                           "set data.tokenizer to the tokenizer.json of a Hugging Face model directory that has one "
