@@ -258,3 +258,30 @@ def test_parquet_records_give_the_tokens_of_the_same_json_lines(tmp_path):
             stream = data.sources[0].corpus.stream
             streams.append(stream.read(0, len(stream)).tolist())
         assert streams[0] == streams[1], name
+
+
+def test_a_mixture_of_chat_and_prompt_completion_sources_trains_on_packed_rows(tmp_path):
+    """[[data.sources]] of fine-tuning records (each source's own format, packed on its own): a step draws
+    rows of both, and the logged loss is the mean over the rows' tokens with loss."""
+    from shardwise.train.trainer import Trainer
+
+    tok = _chat_tokenizer(tmp_path / "tok")
+    chats = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+             for i in range(200)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    pairs = _pairs(tmp_path / "pairs.jsonl", 200)
+    sources = f'[{{path = "{tmp_path / "chat.jsonl"}", weight = 1.0}}, {{path = "{pairs}", weight = 1.0}}]'
+    keys = [("data.sources", sources), ("data.tokenizer", str(tok)), ("data.cache_dir", str(tmp_path / "cache")),
+            ("model.preset", "tiny"), ("model.vocab_size", "512"), ("train.seq_len", "64"), ("train.global_batch", "8"),
+            ("train.micro_batch", "4"), ("train.steps", "1"), ("train.precision", "fp32"), ("run.progress", "false"),
+            ("run.tensorboard", "false"), ("run.loss_curve", "false"), ("checkpoint.final", "false"),
+            ("checkpoint.resume", "false"), ("run.dir", str(tmp_path / "run"))]
+    lines = []
+    trainer = Trainer(build_config(None, keys), log=lines.append)
+    assert sum("records packed into" in line for line in lines) == 2, lines
+    source, _ = trainer.batches.samples(0, slice(None))
+    assert set(source.tolist()) == {0, 1}  # rows of both sources in the step
+    inputs, targets = split_inputs_targets(trainer.batches.global_batch_at(0))
+    with torch.no_grad():
+        expected = F.cross_entropy(trainer.model(inputs).flatten(0, 1), targets.flatten()).item()
+    assert trainer.train_step().loss == pytest.approx(expected, rel=1e-5)
