@@ -77,7 +77,7 @@ imported = time.perf_counter()
 cfg = load_config(None, sys.argv[1:])
 data = prepare_data(cfg.data, cfg.model.vocab_size, log=lambda _: None)
 found = time.perf_counter()
-batches = TokenBatches(batch_sources(data), cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
+batches = TokenBatches(batch_sources(data, cfg.train.seq_len, cfg.data.loss_on), cfg.train.seq_len, cfg.train.global_batch, cfg.train.seed)
 for step in range(4):
     batches.global_batch_at(step)
 ready = time.perf_counter()

@@ -270,7 +270,7 @@ def _tokens(cfg: Config):
     """The run's prepared corpus as TokenBatches' sources (the trainer's own data, so both sides read one stream)."""
     from shardwise.train.data import batch_sources, prepare_data
 
-    return batch_sources(prepare_data(cfg.data, cfg.model.vocab_size))
+    return batch_sources(prepare_data(cfg.data, cfg.model.vocab_size), cfg.train.seq_len, cfg.data.loss_on)
 
 
 def main(argv: list[str] | None = None) -> int:
