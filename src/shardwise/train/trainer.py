@@ -318,16 +318,18 @@ class Trainer:
         self.scheduler.step()
         return loss_sum, grad_norm, lr, verdict
 
-    def _evaluate(self, report: StepLog) -> dict[str, float]:
-        """A validation round (train/evaluate.py); out of memory in it is exit 7 with its own line, as in a step."""
+    @contextlib.contextmanager
+    def _memory_failure(self, report: StepLog, step: int, evaluating: bool = False):
+        """A failed allocation in `step` (or in the validation round after it) becomes OutOfMemory (exit 7)
+        with its one line (train/out_of_memory.py); any other error passes."""
         try:
-            return evaluate(self, self.eval_sets)
+            yield
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             what = out_of_memory(e)
             if what is None:
                 raise
-            line = out_of_memory_line(self.cfg, self.rank, self.step, self.device.type, what, self.snapshot.out_of_memory(),
-                                      report.planned, evaluating=True)
+            line = out_of_memory_line(self.cfg, self.rank, step, self.device.type, what, self.snapshot.out_of_memory(),
+                                      report.planned, evaluating=evaluating)
             raise OutOfMemory(line, report=first_to_report(self.run_dir, self.run_id, line)) from None
 
     def _count_loss_tokens(self, micro: list[torch.Tensor]) -> torch.Tensor:
@@ -423,15 +425,8 @@ class Trainer:
             while self.step < t.steps:
                 logging_step = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
                 self.timeline.recording = self.pipeline is not None and logging_step
-                try:
+                with self._memory_failure(report, self.step + 1):
                     r = self.train_step(measure_memory=logging_step)
-                except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-                    what = out_of_memory(e)
-                    if what is None:
-                        raise
-                    line = out_of_memory_line(self.cfg, self.rank, self.step + 1, self.device.type, what,
-                                              self.snapshot.out_of_memory(), report.planned)
-                    raise OutOfMemory(line, report=first_to_report(self.run_dir, self.run_id, line)) from None
                 timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
                 diverged = self.guard.record(self.step, r.skipped, r.loss)
@@ -444,7 +439,9 @@ class Trainer:
                 if r.stop_code:
                     self._stop(r.stop_code)
                 if self._eval_due():
-                    report.after_eval(self.step, self._evaluate(report))
+                    with self._memory_failure(report, self.step, evaluating=True):
+                        validation = evaluate(self, self.eval_sets)
+                    report.after_eval(self.step, validation)
                 if ckpt_every and self.step % ckpt_every == 0 and self.step < t.steps:
                     self.save_checkpoint()
             report.write_pipeline_timeline()
