@@ -81,7 +81,7 @@ def _compile(source: str) -> jinja2.Template:
         raise ChatError(f"the chat template does not parse: {e}") from e
 
 
-def _token_text(value) -> str:
+def token_text(value) -> str:
     """A special token from tokenizer_config.json: a string, an AddedToken dict ({"content": ...}) or null."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -127,7 +127,7 @@ class ChatTemplate:
             return None
         if not isinstance(source, str):
             raise ChatError(f"{config_path}: chat_template is not a string")
-        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        return cls(source, token_text(config.get("bos_token")), token_text(config.get("eos_token")))
 
     def render(self, messages, add_generation_prompt=False) -> str:
         return self._render(_checked(messages, allow_empty=True), add_generation_prompt)

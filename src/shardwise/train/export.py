@@ -95,20 +95,27 @@ def _shards(names: list[str], shapes: dict[str, torch.Size], itemsize: int, max_
     return groups
 
 
-def _write_tokenizer(step_dir: Path, out: Path, config: dict) -> None:
+def _write_tokenizer(step_dir: Path, out: Path, config: dict) -> list[int] | int | None:
+    """The run's tokenizer and its tokenizer_config.json; returns generation_config's eos_token_id: the
+    end-of-document token, and a chat template's end-of-turn token (what a chat-tuned model ends its
+    answers with), so that generation stops at either."""
+    eos = config.get("eos_token_id")
     source = step_dir / "tokenizer.json"
     if not source.is_file():
-        return
+        return eos
     shutil.copyfile(source, out / "tokenizer.json")
     from tokenizers import Tokenizer
 
+    from shardwise.data.chat import token_text
+
     tok = Tokenizer.from_file(str(source))
-    eos = config.get("eos_token_id")
     special = {"eos_token": tok.id_to_token(eos)} if eos is not None else {}
     chat = _chat_config(step_dir, out)
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config["max_position_embeddings"],
          "clean_up_tokenization_spaces": False} | special | chat, indent=2) + "\n")
+    turn = tok.token_to_id(token_text(chat["eos_token"])) if "eos_token" in chat else None
+    return eos if turn is None or turn == eos else [i for i in (eos, turn) if i is not None]
 
 
 def _chat_config(step_dir: Path, out: Path) -> dict:
@@ -124,21 +131,6 @@ def _chat_config(step_dir: Path, out: Path) -> dict:
     keys = ("chat_template", "bos_token", "eos_token") if theirs.get("chat_template") or \
         (out / "chat_template.jinja").is_file() else ()
     return {k: theirs[k] for k in keys if theirs.get(k) is not None}
-
-
-def _stop_ids(out: Path, eos: int | None) -> list[int] | int | None:
-    """generation_config's eos_token_id: the end-of-document token, and a chat template's end-of-turn token
-    (what a chat-tuned model ends its answers with), so that generation stops at either."""
-    try:
-        name = json.loads((out / "tokenizer_config.json").read_text()).get("eos_token")
-    except (OSError, ValueError):
-        return eos
-    if isinstance(name, dict):
-        name = name.get("content")
-    from tokenizers import Tokenizer
-
-    turn = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(name) if isinstance(name, str) else None
-    return eos if turn is None or turn == eos else [i for i in (eos, turn) if i is not None]
 
 
 def _eos_id(step_dir: Path) -> int | None:
@@ -238,8 +230,7 @@ def _export_into(run_dir: Path, out: Path, step: int | None, dtype: str, max_sha
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_tokenizer(step_dir, out, config)
-    stop = _stop_ids(out, eos)
+    stop = _write_tokenizer(step_dir, out, config)
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": stop, "max_length": cfg.model.max_seq_len} if stop is not None else {}, indent=2) + "\n")
     # safetensors writes its files owner-only (0600); give them the mode Python gave config.json (the
