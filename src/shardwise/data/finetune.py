@@ -27,6 +27,7 @@ from shardwise.data.corpus import file_kind
 from shardwise.errors import ConfigError
 
 FORMATS = ("auto", "text", "prompt_completion", "chat")
+FINETUNE_FORMATS = ("prompt_completion", "chat")
 LOSS_ON = ("all", "completion")
 FINETUNE_DTYPE = np.dtype(np.int32)  # signed: the loss flag is the sign
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index, which torch's loss_parallel honours too
@@ -72,7 +73,7 @@ def _kind(record: object) -> str:
 
 def check_format(fmt: str, files: list[Path], field: str) -> None:
     """Fine-tuning records are read from JSON lines, JSON arrays and Parquet files (text files hold text)."""
-    if fmt in ("prompt_completion", "chat"):
+    if fmt in FINETUNE_FORMATS:
         other = [f for f in files if file_kind(f) not in ("jsonl", "json", "parquet")]
         if other:
             raise ConfigError(field, f"data.format={fmt} reads JSON-lines, JSON or Parquet files, but {other[0]} is "
@@ -82,19 +83,18 @@ def check_format(fmt: str, files: list[Path], field: str) -> None:
 def record_item(record: object, fmt: str, where, stats):
     """The record's fine-tuning item, checked: (prompt, completion) or the messages list; None (counted
     or raised by `stats`, data/records.py) when it is not one. `where()` names file and line."""
+    found = (", ".join(map(str, record)) or "none") if isinstance(record, dict) else f"a JSON {type(record).__name__}"
     if fmt == "prompt_completion":
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
                 or not isinstance(record.get("completion"), str):
-            keys = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-            stats.bad_record(where(), f"has no string 'prompt' and 'completion' (found: {keys or 'none'})", "no_fields")
+            stats.bad_record(where(), f"has no string 'prompt' and 'completion' (found: {found})", "no_fields")
             return None
         if not record["completion"]:
             stats.empty += 1
             return None
         return record["prompt"], record["completion"]
     if not isinstance(record, dict) or "messages" not in record:
-        keys = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-        stats.bad_record(where(), f"has no 'messages' list (found: {keys or 'none'})", "no_fields")
+        stats.bad_record(where(), f"has no 'messages' list (found: {found})", "no_fields")
         return None
     return record["messages"]
 
@@ -105,21 +105,15 @@ def item_key(item) -> str:
 
 
 class RecordEncoder:
-    """Tokenizes fine-tuning items into signed ids (the sign is the loss flag) in a preparation worker."""
+    """Tokenizes fine-tuning items into signed ids (the sign is the loss flag) in a preparation worker, with
+    the worker's tokenizer (data/prepare.py's, which reads special-token text in a prompt as text; a chat's
+    markers are parsed as special tokens by encode_chat, which puts the setting back)."""
 
-    def __init__(self, fmt: str, tokenizer_path: Path, eod: int):
-        from tokenizers import Tokenizer
+    def __init__(self, fmt: str, tok, tokenizer_dir: Path, eod: int):
+        from shardwise.data.chat import ChatTemplate
 
-        self.fmt, self.eod = fmt, eod
-        self.tok = Tokenizer.from_file(str(tokenizer_path))
-        self.template = None
-        if fmt == "prompt_completion":
-            self.tok.encode_special_tokens = True  # a prompt that spells <|endoftext|> is text
-        else:
-            from shardwise.data.chat import ChatTemplate
-
-            self.tok.encode_special_tokens = False  # the template's markers are special tokens
-            self.template = ChatTemplate.from_dir(Path(tokenizer_path).parent)
+        self.fmt, self.tok, self.eod = fmt, tok, eod
+        self.template = ChatTemplate.from_dir(tokenizer_dir) if fmt == "chat" else None
 
     def encode(self, item, where, stats) -> np.ndarray | None:
         """The record's ids, ending with the end-of-document token; None for a bad record (`stats`)."""

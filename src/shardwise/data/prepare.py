@@ -213,7 +213,7 @@ def _publish_facts(job: ShardJob, unit: Unit, facts: dict, stats: RecordStats) -
 def _prepare_records(job: ShardJob, unit: Unit) -> dict:
     """A fine-tuning unit: each record tokenized with its loss flags (data/finetune.py), one sequence of
     its shard; `loss_tokens` counts the tokens that carry loss."""
-    encoder = RecordEncoder(job.fmt, job.tokenizer_path, job.eod)
+    encoder = RecordEncoder(job.fmt, _tokenizer(str(job.tokenizer_path)), job.tokenizer_path.parent, job.eod)
     stats = RecordStats(job.policy)
     name = f"{unit.index:05d}"
     writers = [ShardWriter(job.directory / SHARDS, name, job.dtype)]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardwise.data.corpus import file_kind
+from shardwise.data.finetune import FINETUNE_FORMATS, record_item
 from shardwise.errors import ConfigError
 
 # A big text file (one document) is read and tokenized in chunks of about this many bytes, cut after a
@@ -299,8 +300,6 @@ def _parquet_records(piece: Piece, fmt: str, stats: RecordStats) -> Iterator[tup
     list of structs, as Hugging Face datasets write chats), row by row."""
     import pyarrow.parquet as pq
 
-    from shardwise.data.finetune import record_item
-
     pf = pq.ParquetFile(piece.path)
     columns = ["messages"] if fmt == "chat" else ["prompt", "completion"]
     missing = [c for c in columns if c not in pf.schema_arrow.names]
@@ -317,7 +316,7 @@ def _parquet_records(piece: Piece, fmt: str, stats: RecordStats) -> Iterator[tup
                     yield (item, where), True
 
 
-READERS = {"text": _text_chunks, "jsonl": _jsonl_documents, "json": _json_array_documents, "parquet": _parquet_documents}
+JSON_READERS = {"jsonl": _jsonl_documents, "json": _json_array_documents}
 
 
 def piece_documents(piece: Piece, text_key: str, stats: RecordStats, fmt: str = "text") -> Iterator[tuple[object, bool]]:
@@ -325,19 +324,18 @@ def piece_documents(piece: Piece, text_key: str, stats: RecordStats, fmt: str = 
     fine-tuning corpus (`fmt`: data/finetune.py), ((item, where), True) of every record, `where()` naming it."""
     if piece.kind == "text":
         return _text_chunks(piece, stats)
-    if fmt in ("prompt_completion", "chat") and piece.kind == "parquet":
-        return _parquet_records(piece, fmt, stats)
-    if piece.kind == "parquet":
-        return _parquet_documents(piece, text_key, stats)
-    if fmt in ("prompt_completion", "chat"):
-        from shardwise.data.finetune import record_item
+    if fmt in FINETUNE_FORMATS:
+        if piece.kind == "parquet":
+            return _parquet_records(piece, fmt, stats)
 
         def extract(record: object, where):  # the item and where it is: rendering a chat may fail later
             item = record_item(record, fmt, where, stats)
             return None if item is None else (item, where)
 
-        return READERS[piece.kind](piece, extract, stats)
-    return READERS[piece.kind](piece, _text_of(text_key, stats, strings=piece.kind == "json"), stats)
+        return JSON_READERS[piece.kind](piece, extract, stats)
+    if piece.kind == "parquet":
+        return _parquet_documents(piece, text_key, stats)
+    return JSON_READERS[piece.kind](piece, _text_of(text_key, stats, strings=piece.kind == "json"), stats)
 
 
 def whole_file_pieces(path: Path) -> list[Piece]:
