@@ -41,6 +41,12 @@ class PackingFacts:
                 f"tokens (data.loss_on={loss_on}), padding {100 * self.pad_tokens / total:.1f}%{cut}")
 
 
+def loss_targets(rows: np.ndarray) -> int:
+    """The targets that carry loss in (n, seq_len + 1) rows, flags in the sign (data/finetune.py): a row's
+    first token is no token's target."""
+    return int(np.count_nonzero(rows[..., 1:] >= 0))
+
+
 def best_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Rows of record indices: best-fit decreasing, ties by index (deterministic)."""
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
@@ -103,7 +109,7 @@ class PackedRows:
 
     def facts(self) -> PackingFacts:
         """The start-up line's figures; reads every row once."""
-        loss = sum(int(np.count_nonzero(self.row(r)[1:] >= 0)) for r in range(self.rows))
+        loss = sum(loss_targets(self.row(r)) for r in range(self.rows))
         return PackingFacts(len(self.lengths), self.rows, self.seq_len + 1, self.cut, loss,
                             self.rows * (self.seq_len + 1) - int(self.lengths.sum()))
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardwise.data.packing import source_rows
+from shardwise.data.packing import loss_targets, source_rows
 from shardwise.errors import ConfigError
 
 # The windows' order in every round, run and layout (any constant would do).
@@ -95,7 +95,7 @@ def eval_sets(valid_sets, cfg) -> list[EvalSet]:
         if v.finetune:  # the round's rows are fixed: count their loss tokens once
             for b in range(batches):
                 picked = order[b * t.global_batch:(b + 1) * t.global_batch]
-                loss_tokens += int(np.count_nonzero(rows.windows(picked * t.seq_len, t.seq_len + 1)[:, 1:] >= 0))
+                loss_tokens += loss_targets(rows.windows(picked * t.seq_len, t.seq_len + 1))
         out.append(EvalSet(v.name, v.field, rows, t.seq_len, t.global_batch, batches, windows, order, loss_tokens))
     return out
 
