@@ -44,6 +44,9 @@ commands:
   bench-comm --nproc N [--config FILE.toml] [--sizes 1K:16M] [--json] [--out b.json] [--plot b.png]  busbw per mesh axis
   launch   mpirun --config FILE.toml --hosts a:8,b:8 [--export NAME=VALUE] [--section.key=value ...]  print the mpirun command
   launch   slurm --config FILE.toml --nodes N --gpus-per-node G [--partition P --time T --account A] [--out F.sbatch] [--submit]
+  dryrun   --config FILE.toml --nnodes N --nproc P [--ranks 0,last,...] [--json FILE] [--section.key=value ...]
+           build chosen ranks of the N x P job on the meta device (torch's fake process group): their parameter,
+           gradient and optimizer bytes beside the planner's, with each rank's build time and peak memory
   doctor   [--json] [--nproc N] [--disk DIR]   check this machine (devices, /dev/shm, ulimit -l, InfiniBand,
            NCCL_*) and run a test all-reduce; --disk DIR: its read/write GB/s (offload="nvme")
 
@@ -361,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     commands["doctor"] = lambda rest: _launch_command("doctor", rest)
     commands["bench-comm"] = lambda rest: _launch_command("bench_comm", rest)
     commands["launch"] = lambda rest: _launch_command("schedulers", rest)
+    commands["dryrun"] = lambda rest: _launch_command("dryrun", rest)
     commands["generate"] = _generate
     commands["data"] = _data
     if command not in commands:

@@ -158,11 +158,16 @@ def _finish(model: nn.Module, dims: ParallelDims, cfg: Config) -> None:
 
 
 def build_parallel_model(model: Transformer, dims: ParallelDims, mesh, cfg: Config,
-                         device: torch.device) -> nn.Module:
-    """parallelize -> materialize -> DDP wrap; returns the module the trainer calls."""
+                         device: torch.device, on_meta: bool = False) -> nn.Module:
+    """parallelize -> materialize -> DDP wrap; returns the module the trainer calls. `on_meta=True` stops
+    after parallelize: the rank's modules with their (DTensor) shapes on the meta device, nothing
+    allocated — `shardwise dryrun` (launch/dryrun.py) builds a rank of a large job that way; DDP wraps
+    only materialized parameters, and its buckets hold the same gradient bytes, so it is left out."""
     # train.precision unset: decided for the device (the Trainer has done so already; other callers may not).
     cfg = resolve_precision(cfg, device)
     parallelize(model, dims, mesh, cfg, device.type)
+    if on_meta:
+        return model
     params_on, buffers_on = state_devices(dims, device)
     materialize(model, params_on, weight_source(model, cfg.model.init_from, cfg.train.seed), buffers_on)
     _finish(model, dims, cfg)
@@ -181,7 +186,10 @@ class PipelineParts:
     layers: list[list[int]]  # blocks of every stage, stage order
 
 
-def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, pp_rank: int) -> PipelineParts:
+def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, pp_rank: int,
+                   on_meta: bool = False) -> PipelineParts:
+    """This pipeline rank's stages, each split, parallelized and materialized; `on_meta=True` leaves them on the
+    meta device unmaterialized (`shardwise dryrun`: see build_parallel_model)."""
     from shardwise.models import ARCHS, build_model
 
     p = cfg.parallel
@@ -194,9 +202,10 @@ def build_pipeline(dims: ParallelDims, mesh, cfg: Config, device: torch.device, 
             part = build_model(cfg.model)
         part.keep_only(layers[stage], embedding=stage == 0, head=stage == last)
         parallelize(part, dims, mesh, cfg, device.type)
-        params_on, buffers_on = state_devices(dims, device)
-        materialize(part, params_on, weight_source(part, cfg.model.init_from, cfg.train.seed), buffers_on)
-        _finish(part, dims, cfg)
+        if not on_meta:
+            params_on, buffers_on = state_devices(dims, device)
+            materialize(part, params_on, weight_source(part, cfg.model.init_from, cfg.train.seed), buffers_on)
+            _finish(part, dims, cfg)
         stages[stage] = part
     model = stages[min(stages)] if len(stages) == 1 else _union(stages, cfg)
     return PipelineParts(stages, model, layers)

@@ -1,0 +1,293 @@
+"""`shardwise dryrun --config run.toml --nnodes N --nproc P [--ranks 0,last,...] [--json FILE]`: rehearse a
+cluster job on one CPU (issue 58).
+
+Every pre-flight rule runs first (preflight.py `check`, `check_batch`, at the job's world size N x P): bad
+input ends there with the ConfigError line (field, problem, fix) and exit 2, as `shardwise train` would.
+Then each chosen global rank is built in a fresh Python process of its own, one after the other:
+
+  torch's fake process group (torch.testing._internal.distributed.fake_pg: `init_process_group("fake")` at the
+  job's world size and that rank; every collective is a no-op), the DeviceMesh of parallel/mesh.py, and the
+  model on the meta device through the trainer's own functions in the trainer's order (train/trainer.py):
+  build_pipeline (pp > 1) or build_parallel_model, both running parallel/parallelize.py `parallelize` (FP8,
+  TP/SP, CP, EP, tiles, checkpointing, compile, FSDP2 / replicate), with `on_meta=True`, the one seam: nothing
+  is materialized; then the optimizer of train/optim.py build_optimizer (ZeRO-1's partition included).
+
+What the rank holds, counted from the built modules (train/memory_meter.py, the trainer's own accounting):
+  params     the storages of the local shards: FSDP2's padded shard of each parameter, TP's local tensor;
+  grads      what the trainer's gradients take after a step: each parameter's local storage in its dtype
+             (FSDP2's reduce-scatter output holds the padded shards; DDP / replicate the local tensors);
+  optimizer  AdamW's state after one step, made by AdamW itself: a step of the (ZeRO-1: this rank's own)
+             optimizer on zero gradients, on meta (foreach: a fused step refuses meta tensors; its state has
+             the same bytes, a fp32 `step` of 4 bytes either way).
+Beside it the planner's prediction for that rank's pipeline position (plan/memory.py rank_memory on
+plan/inventory.py pipeline_rank), which is the most loaded rank of that position: a rank with a smaller
+FSDP shard (the last ones, of an uneven dim 0) or a lighter ZeRO-1 partition shows a negative difference
+for that reason alone.
+
+The parent measures each child's wall time and its peak RSS (os.wait4's rusage of that child).
+Not covered yet (issue 58): the communication bytes per step, EP-aware default ranks, offload's host bytes
+(offload "nvme" is built without its file), the device-side transients.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shardwise.config import Config, load_config
+from shardwise.errors import EXIT_FAILED, EXIT_OK, ConfigError
+
+CATEGORIES = ("params", "grads", "optimizer")
+CHILD = "--child"
+
+
+# ---------------------------------------------------------------------------------------------------
+# which ranks, and the job's config
+# ---------------------------------------------------------------------------------------------------
+def job_config(cfg: Config, nnodes: int, nproc: int) -> Config:
+    """`cfg` as the job runs it: the cluster is N nodes of P processes, and train.precision unset is what the
+    planned device picks (plan/layout.py Problem: bf16 on a GPU that computes it), so the trainer's path
+    and the planner price the same precision."""
+    from shardwise.plan.layout import Problem
+
+    world = nnodes * nproc
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_gpus=world, gpus_per_node=nproc))
+    if cfg.train.precision is None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=Problem.from_config(cfg).precision))
+    return cfg
+
+
+def stage_ranks(dims, stage: int) -> tuple[int, int]:
+    """(first, last) global rank of pipeline stage `stage`: pp is the outermost mesh axis (spec/dims.py AXES)."""
+    per = dims.world_size // dims.pp
+    return stage * per, (stage + 1) * per - 1
+
+
+def default_ranks(dims) -> list[int]:
+    """The first and the last rank of every pipeline stage (the job's first and last among them)."""
+    return sorted({r for s in range(dims.pp) for r in stage_ranks(dims, s)})
+
+
+def parse_ranks(text: str | None, dims) -> list[int]:
+    """--ranks: comma-separated global ranks, `first` / `last` for 0 / world-1; unset: default_ranks."""
+    if not text:
+        return default_ranks(dims)
+    world, out = dims.world_size, []
+    for word in text.split(","):
+        word = word.strip().lower()
+        named = {"first": 0, "last": world - 1}
+        if word in named:
+            out.append(named[word])
+            continue
+        try:
+            rank = int(word)
+        except ValueError:
+            raise ConfigError("--ranks", f"{word!r} is not a rank", "give global ranks such as 0,last,17") from None
+        if not 0 <= rank < world:
+            raise ConfigError("--ranks", f"rank {rank} is outside the job's {world} ranks",
+                              f"use ranks 0..{world - 1} (or `last`)")
+        out.append(rank)
+    return sorted(set(out))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the planner's side
+# ---------------------------------------------------------------------------------------------------
+def planned_bytes(cfg: Config, world: int, rank: int) -> dict[str, float]:
+    """The planner's params / grads / optimizer bytes for `rank`'s pipeline position (module doc)."""
+    from shardwise.plan.inventory import pipeline_rank, priced_layout
+    from shardwise.plan.layout import Problem
+    from shardwise.plan.memory import rank_memory
+    from shardwise.spec.dims import ParallelDims
+    from shardwise.spec.layout import Layout
+
+    problem = Problem.from_config(cfg)
+    lay = priced_layout(problem.shape, Layout.from_config(cfg, world))
+    pp_rank = ParallelDims.from_config(cfg.parallel, world).coordinates(rank)["pp"]
+    held = pipeline_rank(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule, pp_rank, lay.stage_layers)
+    label = "only" if lay.pp == 1 else {0: "first", lay.pp - 1: "last"}.get(pp_rank, f"rank {pp_rank}")
+    mem = rank_memory(problem, lay, held, label, pp_rank == 0, pp_rank)
+    return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "cpu_bytes": mem.cpu_bytes}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the built rank (in the child process)
+# ---------------------------------------------------------------------------------------------------
+def build_rank(cfg: Config, world: int, rank: int) -> dict:
+    """Build `rank` of a `world`-rank job on the meta device under the fake process group (module doc);
+    returns its bytes by category and what it holds. Call it in a process of its own: it initialises the
+    default process group."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardwise.models import build_model
+    from shardwise.parallel.data_parallel import unwrap, zero1_group
+    from shardwise.parallel.mesh import build_meshes
+    from shardwise.parallel.parallelize import build_parallel_model, build_pipeline
+    from shardwise.plan.layout import Problem
+    from shardwise.preflight import check, check_batch
+    from shardwise.train.memory_meter import memory_by_category, tensor_bytes
+    from shardwise.train.optim import build_optimizer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        dims = check(cfg, world)
+        check_batch(cfg, dims)
+        # The device the job's decisions are made for (compile, fused optimizer, fp8): the planned one. The
+        # mesh is a CPU one: the fake group is device-agnostic and this torch may have no CUDA. FP8 on a CPU
+        # build: torchao's emulated Float8Linears, the same parameters (parallel/float8.py).
+        kind = Problem.from_config(cfg).device_type
+        if cfg.train.precision == "fp8" and not torch.cuda.is_available():
+            kind = "cpu"
+        device = torch.device(kind)
+        mesh = build_meshes(dims, "cpu")
+        pp_rank = dims.coordinates(rank)["pp"]
+        if dims.pp > 1:
+            model = build_pipeline(dims, mesh, cfg, device, pp_rank, on_meta=True).model
+        else:
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+            model = build_parallel_model(model, dims, mesh, cfg, device, on_meta=True)
+        inner = unwrap(model)
+        zero1 = zero1_group(mesh, dims) if cfg.parallel.zero == 1 else None
+        optimizer = build_optimizer(inner, cfg.train, zero1, fused=False)  # fused refuses meta (module doc)
+        params = [p for p in inner.parameters() if p.requires_grad]
+        grads = tensor_bytes(p for p in params)  # the gradients' storages are the parameters' (module doc)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        getattr(optimizer, "optim", optimizer).step()  # ZeRO-1: its own AdamW, without the broadcast
+        mem = memory_by_category(inner, optimizer)
+        local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in params)
+        return {"rank": rank, "coordinates": dims.coordinates(rank), "params": mem["params"], "grads": grads,
+                "optimizer": mem["optimizer"], "buffers": mem["buffers"], "tensors": len(params), "local_numel": local,
+                "blocks": sorted(int(n) for n, _ in inner.named_blocks()) if hasattr(inner, "named_blocks") else []}
+    finally:
+        dist.destroy_process_group()
+
+
+def _child(argv: list[str]) -> int:
+    """python -m shardwise.launch.dryrun --child CONFIG WORLD RANK OUT: build_rank, its result (or its
+    ConfigError) as JSON in OUT."""
+    config, world, rank, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
+    try:
+        result = build_rank(load_config(config), world, rank)
+    except ConfigError as e:
+        out.write_text(json.dumps({"config_error": [e.field, e.problem, e.fix]}))
+        return 2
+    out.write_text(json.dumps(result))
+    return 0
+
+
+def run_rank(config_path: Path, world: int, rank: int, scratch: Path) -> dict:
+    """build_rank in a fresh process; its result with the child's wall time and peak RSS."""
+    out, err = scratch / f"rank{rank}.json", scratch / f"rank{rank}.err"
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])  # the child imports this shardwise (a source checkout too)
+    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
+    start = time.perf_counter()
+    with open(err, "wb") as stderr:
+        child = subprocess.Popen([sys.executable, "-m", "shardwise.launch.dryrun", CHILD, str(config_path), str(world),
+                                  str(rank), str(out)], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    wall = time.perf_counter() - start
+    result = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}
+    if "config_error" in result:
+        raise ConfigError(*result["config_error"])
+    if child.returncode != 0 or not result:
+        lines = err.read_text(errors="replace").strip().splitlines()
+        result = {"rank": rank, "error": lines[-1] if lines else f"exit code {child.returncode}"}
+    # ru_maxrss is in KiB on Linux
+    result.update(wall_s=round(wall, 3), peak_rss_bytes=usage.ru_maxrss * 1024)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------------
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f}"
+
+
+def table(rows: list[dict]) -> str:
+    """One line per rank and category: built, planned, difference (bytes and GiB), then time and memory."""
+    head = (f"{'rank':>6} {'pp':>3} {'category':<10} {'built B':>16} {'planned B':>16} {'diff B':>14} "
+            f"{'built GiB':>10} {'planned':>8} {'wall s':>7} {'peak RSS MiB':>12}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        pp = r.get("coordinates", {}).get("pp", "")
+        if "error" in r:
+            lines.append(f"{r['rank']:>6} {pp:>3} failed: {r['error']}")
+            continue
+        for i, c in enumerate(CATEGORIES):
+            built, planned = r[c], r["planned"][c]
+            tail = f" {r['wall_s']:>7.1f} {r['peak_rss_bytes'] / 2**20:>12.0f}" if i == 0 else ""
+            lines.append(f"{r['rank'] if i == 0 else '':>6} {pp if i == 0 else '':>3} {c:<10} {built:>16,} "
+                         f"{planned:>16,.0f} {built - planned:>+14,.0f} {_gib(built):>10} {_gib(planned):>8}{tail}")
+    return "\n".join(lines)
+
+
+def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print) -> list[dict]:
+    """Pre-flight at N x P ranks, then every chosen rank built and priced (module doc)."""
+    from shardwise.preflight import check, check_batch
+
+    cfg = job_config(cfg, nnodes, nproc)
+    world = nnodes * nproc
+    dims = check(cfg, world)
+    check_batch(cfg, dims)
+    chosen = parse_ranks(ranks, dims)
+    log(f"dryrun: {world} ranks ({nnodes} nodes x {nproc}), layout {dims.describe()}; building rank"
+        f"{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))} on the meta device, one process each")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="shardwise-dryrun-") as scratch:
+        config_path = Path(scratch) / "config.toml"
+        cfg.save(config_path)
+        for rank in chosen:
+            row = run_rank(config_path, world, rank, Path(scratch))
+            row["planned"] = planned_bytes(cfg, world, rank)
+            row.setdefault("coordinates", dims.coordinates(rank))
+            rows.append(row)
+            if "error" not in row:
+                log(f"  rank {rank}: built in {row['wall_s']:.1f} s, peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB")
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="shardwise dryrun", usage="shardwise dryrun --config FILE.toml --nnodes N --nproc P [--ranks 0,last,...] "
+                                       "[--json FILE] [--section.key=value ...]",
+        description="Build chosen ranks of an N x P job on the meta device under torch's fake process group, "
+                    "and hold their parameter, gradient and optimizer bytes against the planner's.")
+    parser.add_argument("--config", default=None, help="TOML config file (default: built-in defaults)")
+    parser.add_argument("--nnodes", type=int, required=True, help="nodes of the job")
+    parser.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per node")
+    parser.add_argument("--ranks", default=None, help="global ranks to build, comma-separated (`last` for the last); "
+                        "default: the first and last rank of every pipeline stage")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    args, overrides = parser.parse_known_args(argv)
+    for name in ("nnodes", "nproc"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name}", f"must be >= 1, got {getattr(args, name)}", "e.g. --nnodes 128 --nproc 8")
+    if args.json:
+        from shardwise.paths import writable_file
+
+        writable_file(Path(args.json), "--json")
+    rows = run(load_config(args.config, overrides), args.nnodes, args.nproc, args.ranks)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"nnodes": args.nnodes, "nproc": args.nproc, "ranks": rows}, indent=1))
+        print(f"wrote {args.json}")
+    return EXIT_FAILED if any("error" in r for r in rows) else EXIT_OK
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == CHILD:
+        sys.exit(_child(sys.argv[2:]))
+    sys.exit(main(sys.argv[1:]))
