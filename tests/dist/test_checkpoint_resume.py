@@ -1,7 +1,7 @@
 """Checkpoints: resume on the same layout continues bitwise; DCP reshards to another layout.
 
-Each world size is spawned once; every case trains 8 steps straight through, and separately 4 steps
-+ checkpoint + a fresh Trainer that resumes and runs steps 5-8.
+Each world size is spawned once; every case trains 8 steps straight through, saving a checkpoint after
+step 4, and a fresh Trainer resumes from that checkpoint and runs steps 5-8.
 """
 from __future__ import annotations
 
@@ -56,14 +56,19 @@ def _cfg(base, overrides: dict, ckpt_dir: Path, resume: bool):
 
 
 def _straight_and_resumed(base, overrides: dict, root: Path) -> tuple[list[float], list[float]]:
+    """The losses of an uninterrupted run of STEPS steps that saves a checkpoint after step CUT and goes on,
+    and of a fresh Trainer resumed from that checkpoint (steps CUT+1 .. STEPS). The checkpoint comes from
+    the straight run itself (until 2026-11-29 a third Trainer trained steps 1-CUT again to write it: the
+    same steps on the same layout, a third of each case's set-up and a fifth of its steps). That saving
+    leaves the run it is taken from unchanged is test_data_workers.py's check (bitwise, a run with
+    checkpoint.every against one without); here a save that changed the live state, or saved another
+    state than the live one, makes the two runs' steps after CUT differ."""
     from shardwise.train.trainer import Trainer
 
-    straight = Trainer(_cfg(base, overrides, root / "straight", resume=False), log=None).train()
-    first = Trainer(_cfg(base, overrides, root / "ckpt", resume=False), log=None)
-    for _ in range(CUT):
-        first.train_step()
-    first.save_checkpoint()
-    del first
+    cfg = _cfg(base, overrides, root / "ckpt", resume=False)
+    cfg.checkpoint.every = CUT  # saved after step CUT only: none after the last step (checkpoint.final false)
+    cfg.run.dir = str(root / "straight_run")  # the resumed run's metrics start in a directory of their own
+    straight = Trainer(cfg, log=None).train()
     second = Trainer(_cfg(base, overrides, root / "ckpt", resume=True), log=None)
     assert second.step == CUT
     return straight, second.train()
