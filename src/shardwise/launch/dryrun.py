@@ -3,7 +3,8 @@ cluster job on one CPU (issue 58).
 
 Every pre-flight rule runs first (preflight.py `check`, `check_batch`, at the job's world size N x P): bad
 input ends there with the ConfigError line (field, problem, fix) and exit 2, as `shardwise train` would.
-Then each chosen global rank is built in a fresh Python process of its own, one after the other:
+Then each chosen global rank is built in a process of its own, one after the other (forked from the command's
+process, which imports torch once; `--spawn`: a fresh interpreter each, which imports it again):
 
   torch's fake process group (torch.testing._internal.distributed.fake_pg: `init_process_group("fake")` at the
   job's world size and that rank; every collective is a no-op), the DeviceMesh of parallel/mesh.py, and the
@@ -24,7 +25,8 @@ plan/inventory.py pipeline_rank), which is the most loaded rank of that position
 FSDP shard (the last ones, of an uneven dim 0) or a lighter ZeRO-1 partition shows a negative difference
 for that reason alone.
 
-The parent measures each child's wall time and its peak RSS (os.wait4's rusage of that child).
+The parent measures each child's wall time, CPU time and peak RSS (os.wait4's rusage of that child; a forked child's
+RSS includes the pages it shares with the parent, torch's among them).
 Not covered yet (issue 58): the communication bytes per step, EP-aware default ranks, offload's host bytes
 (offload "nvme" is built without its file), the device-side transients.
 """
@@ -185,27 +187,79 @@ def _child(argv: list[str]) -> int:
     return 0
 
 
-def run_rank(config_path: Path, world: int, rank: int, scratch: Path) -> dict:
-    """build_rank in a fresh process; its result with the child's wall time and peak RSS."""
-    out, err = scratch / f"rank{rank}.json", scratch / f"rank{rank}.err"
+def warm_imports(compiled: bool) -> float:
+    """Import, once in this process, what build_rank imports (torch, the model, parallelize, the fake group;
+    `compiled`: dynamo and inductor, which torch.compile's wrapper imports on first use, 3-5 s of CPU): each
+    forked child inherits them, so its time is its rank's build. Returns the seconds it took."""
+    start = time.perf_counter()
+    if compiled:
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+    import torch
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+
+    # The first op on the meta device imports its kernels (torch._meta_registrations, refs, decompositions:
+    # ~1.7 s); a meta op starts no thread pool, so forking after it is safe.
+    torch.empty(1, device="meta").normal_()
+
+    import shardwise.models  # noqa: F401
+    import shardwise.parallel.parallelize  # noqa: F401
+    import shardwise.train.memory_meter  # noqa: F401
+    import shardwise.train.optim  # noqa: F401
+    return time.perf_counter() - start
+
+
+def _forked(config_path: Path, world: int, rank: int, out: Path, err: Path) -> int:
+    """The child's pid, forked from this process (warm_imports ran: module doc): it runs _child and
+    ends with os._exit, so nothing of the parent's (atexit, pytest, buffered files) runs twice."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 2)  # the child's stderr (a traceback) to `err`; its stdout is silenced
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        code = _child([str(config_path), str(world), str(rank), str(out)])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _spawned(config_path: Path, world: int, rank: int, out: Path, err: Path) -> int:
+    """The child's pid, a fresh interpreter (`python -m shardwise.launch.dryrun --child ...`)."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])  # the child imports this shardwise (a source checkout too)
     env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
-    start = time.perf_counter()
     with open(err, "wb") as stderr:
         child = subprocess.Popen([sys.executable, "-m", "shardwise.launch.dryrun", CHILD, str(config_path), str(world),
                                   str(rank), str(out)], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
-        _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    child.returncode = 0  # reaped by run_rank's os.wait4: Popen must not wait for it again
+    return child.pid
+
+
+def run_rank(config_path: Path, world: int, rank: int, scratch: Path, spawn: bool = False) -> dict:
+    """build_rank in a process of its own: forked from this one (torch imported once, here), or with `spawn` a
+    fresh interpreter; its result with the child's wall time and peak RSS (os.wait4: that child's rusage)."""
+    out, err = scratch / f"rank{rank}.json", scratch / f"rank{rank}.err"
+    start = time.perf_counter()
+    pid = (_spawned if spawn or not hasattr(os, "fork") else _forked)(config_path, world, rank, out, err)
+    _, status, usage = os.wait4(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
     result = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}
     if "config_error" in result:
         raise ConfigError(*result["config_error"])
-    if child.returncode != 0 or not result:
-        lines = err.read_text(errors="replace").strip().splitlines()
-        result = {"rank": rank, "error": lines[-1] if lines else f"exit code {child.returncode}"}
-    # ru_maxrss is in KiB on Linux
-    result.update(wall_s=round(wall, 3), peak_rss_bytes=usage.ru_maxrss * 1024)
+    if code != 0 or not result:
+        lines = err.read_text(errors="replace").strip().splitlines() if err.exists() else []
+        result = {"rank": rank, "error": lines[-1] if lines else f"exit code {code}"}
+    # ru_maxrss is in KiB on Linux; CPU seconds (user + system) do not grow with other load on the machine
+    result.update(wall_s=round(wall, 3), cpu_s=round(usage.ru_utime + usage.ru_stime, 3),
+                  peak_rss_bytes=usage.ru_maxrss * 1024)
     return result
 
 
@@ -219,7 +273,7 @@ def _gib(n: float) -> str:
 def table(rows: list[dict]) -> str:
     """One line per rank and category: built, planned, difference (bytes and GiB), then time and memory."""
     head = (f"{'rank':>6} {'pp':>3} {'category':<10} {'built B':>16} {'planned B':>16} {'diff B':>14} "
-            f"{'built GiB':>10} {'planned':>8} {'wall s':>7} {'peak RSS MiB':>12}")
+            f"{'built GiB':>10} {'planned':>8} {'wall s':>7} {'CPU s':>6} {'peak RSS MiB':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         pp = r.get("coordinates", {}).get("pp", "")
@@ -228,13 +282,13 @@ def table(rows: list[dict]) -> str:
             continue
         for i, c in enumerate(CATEGORIES):
             built, planned = r[c], r["planned"][c]
-            tail = f" {r['wall_s']:>7.1f} {r['peak_rss_bytes'] / 2**20:>12.0f}" if i == 0 else ""
+            tail = f" {r['wall_s']:>7.1f} {r['cpu_s']:>6.1f} {r['peak_rss_bytes'] / 2**20:>12.0f}" if i == 0 else ""
             lines.append(f"{r['rank'] if i == 0 else '':>6} {pp if i == 0 else '':>3} {c:<10} {built:>16,} "
                          f"{planned:>16,.0f} {built - planned:>+14,.0f} {_gib(built):>10} {_gib(planned):>8}{tail}")
     return "\n".join(lines)
 
 
-def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print) -> list[dict]:
+def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print, spawn: bool = False) -> list[dict]:
     """Pre-flight at N x P ranks, then every chosen rank built and priced (module doc)."""
     from shardwise.preflight import check, check_batch
 
@@ -245,17 +299,24 @@ def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print) -> l
     chosen = parse_ranks(ranks, dims)
     log(f"dryrun: {world} ranks ({nnodes} nodes x {nproc}), layout {dims.describe()}; building rank"
         f"{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))} on the meta device, one process each")
+    if not spawn and hasattr(os, "fork"):
+        from shardwise.parallel.compile import compile_enabled
+        from shardwise.plan.layout import Problem
+
+        took = warm_imports(compile_enabled(cfg, Problem.from_config(cfg).device_type))
+        log(f"  imports, once, for every rank: {took:.1f} s (not in a rank's time)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="shardwise-dryrun-") as scratch:
         config_path = Path(scratch) / "config.toml"
         cfg.save(config_path)
         for rank in chosen:
-            row = run_rank(config_path, world, rank, Path(scratch))
+            row = run_rank(config_path, world, rank, Path(scratch), spawn)
             row["planned"] = planned_bytes(cfg, world, rank)
             row.setdefault("coordinates", dims.coordinates(rank))
             rows.append(row)
             if "error" not in row:
-                log(f"  rank {rank}: built in {row['wall_s']:.1f} s, peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB")
+                log(f"  rank {rank}: built in {row['wall_s']:.1f} s ({row['cpu_s']:.1f} s of CPU), "
+                    f"peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB")
     return rows
 
 
@@ -271,6 +332,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ranks", default=None, help="global ranks to build, comma-separated (`last` for the last); "
                         "default: the first and last rank of every pipeline stage")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--spawn", action="store_true", help="build each rank in a fresh interpreter (its time then "
+                        "includes importing torch) instead of a process forked from this one")
     args, overrides = parser.parse_known_args(argv)
     for name in ("nnodes", "nproc"):
         if getattr(args, name) < 1:
@@ -279,7 +342,7 @@ def main(argv: list[str]) -> int:
         from shardwise.paths import writable_file
 
         writable_file(Path(args.json), "--json")
-    rows = run(load_config(args.config, overrides), args.nnodes, args.nproc, args.ranks)
+    rows = run(load_config(args.config, overrides), args.nnodes, args.nproc, args.ranks, spawn=args.spawn)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"nnodes": args.nnodes, "nproc": args.nproc, "ranks": rows}, indent=1))

@@ -1,0 +1,73 @@
+"""`shardwise dryrun` (launch/dryrun.py, issue 58): a tiny llama rehearsed at 1,024 ranks on the meta device
+under torch's fake process group, its built bytes held to the planner's, and bad input refused (exit 2)
+before any rank is built.
+
+The planner prices the most loaded rank of each pipeline position: the first rank of a stage (dp and tp
+coordinate 0) holds FSDP2's full ceil(d0 / n) rows of every parameter and, under ZeRO-1, the largest tensors
+(spec/sharding.py zero1_owners gives ties to the lowest rank), so its bytes must equal the planner's; any other
+rank holds as much or less (the last ranks of an uneven dim 0 keep fewer unpadded rows: their AdamW moments
+are smaller, while FSDP2 pads their parameter and gradient storages to the full shard)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.launch.dryrun import CATEGORIES, default_ranks, stage_ranks
+
+TINY_1024 = ["--nnodes", "128", "--nproc", "8", "--model.preset=tiny", "--model.n_layers=4", "--parallel.pp=2",
+             "--parallel.tp=2", "--parallel.dp_shard=-1", "--train.global_batch=512", "--train.micro_batch=1",
+             "--train.seq_len=64", "--train.compile=false"]  # compile: only its imports
+
+
+def _rows(tmp_path, extra: list[str], ranks: str) -> list[dict]:
+    out = tmp_path / "dryrun.json"
+    assert main(["dryrun", *TINY_1024, *extra, "--ranks", ranks, "--json", str(out)]) == 0
+    return json.loads(out.read_text())["ranks"]
+
+
+@pytest.mark.parametrize("zero, ranks", [(3, "0,511,512,last"), (1, "0,512,last")])
+def test_tiny_llama_at_1024_ranks_matches_the_planner(tmp_path, capsys, zero, ranks):
+    """pp2 x dp_shard256 x tp2: the first rank of each stage equals the planner byte for byte; the last
+    ranks of the stages hold no more than it (ZeRO-1 over 256 ranks: fewer tensors than ranks, the last
+    owns none)."""
+    rows = _rows(tmp_path, [f"--parallel.zero={zero}"], ranks)
+    assert [r["rank"] for r in rows] == [int(r) for r in ranks.replace("last", "1023").split(",")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["peak_rss_bytes"] > 0
+        for c in CATEGORIES:
+            assert r[c] > 0 or (c == "optimizer" and r["rank"] == 1023), (r["rank"], c)
+            if r["rank"] in (0, 512):
+                assert r[c] == r["planned"][c], (zero, r["rank"], c, r[c], r["planned"][c])
+            else:
+                assert r[c] <= r["planned"][c], (zero, r["rank"], c, r[c], r["planned"][c])
+    assert rows[0]["coordinates"]["pp"] == 0 and rows[-1]["coordinates"]["pp"] == 1
+    assert rows[0]["blocks"] == [0, 1] and rows[-1]["blocks"] == [2, 3]
+    text = capsys.readouterr().out
+    assert "planned B" in text and "optimizer" in text
+
+
+def test_default_ranks_are_each_stages_first_and_last():
+    from shardwise.spec.dims import ParallelDims
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=16, cp=1, tp=8, pp=8, ep=1, world_size=1024)
+    assert stage_ranks(dims, 1) == (128, 255)
+    assert default_ranks(dims) == [r for s in range(8) for r in (128 * s, 128 * s + 127)]
+
+
+def test_bad_input_exits_2_with_the_field_before_building(tmp_path, capsys):
+    """A tp that does not divide the heads at this size: pre-flight's line (field, problem, fix), no rank built."""
+    assert main(["dryrun", *TINY_1024, "--parallel.zero=3", "--parallel.tp=8", "--ranks", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "parallel.tp" in err and "fix:" in err
+    assert "Traceback" not in err
+    # the world: 1,000 ranks do not hold pp2 x tp2 x dp_shard 256
+    assert main(["dryrun", *TINY_1024[4:], "--nnodes", "125", "--nproc", "8", "--parallel.zero=3",
+                 "--parallel.dp_shard=256"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "fix:" in err
+    # a rank outside the job
+    assert main(["dryrun", *TINY_1024, "--parallel.zero=3", "--ranks", "1024"]) == 2
+    assert "--ranks" in capsys.readouterr().err
