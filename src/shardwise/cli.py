@@ -140,6 +140,10 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
     # Offloaded states against this node's memory, at the fewest nodes the job may run on (the largest shards).
     check_offload_fits_host(cfg, args.nproc * ((nodes.min_nodes or nodes.nnodes) if nodes is not None else 1), args.nproc)
     rundir.check_cache_dir(cfg)
+    if nodes is None or nodes.node_rank == 0:  # rank 0's node: run.metrics_port free now, or exit 2 before spawning
+        from shardwise.train.live_metrics import check_port_free
+
+        check_port_free(cfg.run)
     import shlex
 
     from shardwise.train.data import check_batches, prepare_data

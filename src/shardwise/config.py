@@ -290,6 +290,13 @@ class RunConfig:
     collective_timeout_s: float = opt(300.0, "A collective that waits longer than this fails the run (exit code 5) after "
                                              "every rank's Python stack and last collective are written to "
                                              "<run.dir>/stall/ and the ranks that did not arrive are named.")
+    metrics_port: int = opt(0, "Rank 0 serves the newest logged step's metrics (every numeric key of its metrics.jsonl "
+                               "record: step, loss, tokens/s, MFU, memory by category, validation loss, ...) in "
+                               "Prometheus text format at http://<run.metrics_address>:PORT/metrics for the whole run "
+                               "(train/live_metrics.py); 0 = off.")
+    metrics_address: str = opt("127.0.0.1", "Address the run.metrics_port endpoint listens on: loopback by default (this "
+                                            "machine only); a non-loopback address (e.g. 0.0.0.0, every interface) only "
+                                            "when given.")
 
 
 @dataclass

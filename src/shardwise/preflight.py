@@ -154,6 +154,11 @@ def check_run(cfg: Config) -> None:
     if not cfg.run.collective_timeout_s > 0:
         raise ConfigError("run.collective_timeout_s", f"must be > 0, got {cfg.run.collective_timeout_s}",
                           "use e.g. 300 (seconds); raise it if a checkpoint save or first step takes longer")
+    if not 0 <= cfg.run.metrics_port <= 65535:  # whether it is free: `shardwise train` binds it (train/live_metrics.py)
+        raise ConfigError("run.metrics_port", f"must be a port from 1 to 65535, or 0 for no endpoint; got {cfg.run.metrics_port}",
+                          "e.g. --run.metrics_port=9400, then read http://127.0.0.1:9400/metrics")
+    if cfg.run.metrics_port and not cfg.run.metrics_address.strip():
+        raise ConfigError("run.metrics_address", "is empty", "use 127.0.0.1 (the default: loopback) or an address of this machine")
 
 
 def check(cfg: Config, world_size: int) -> ParallelDims:

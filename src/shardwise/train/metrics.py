@@ -91,7 +91,10 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, is_writer: bool, progress: bool,
-                 tensorboard: bool, loss_curve: bool = True):
+                 tensorboard: bool, loss_curve: bool = True, live: Any = None):
+        """`live`: rank 0's Prometheus endpoint (train/live_metrics.py LiveMetrics): every record logged is
+        served there too, and close() stops it."""
+        self._live = live
         self.run_dir = Path(run_dir)
         self._loss_curve = loss_curve
         self.total_steps = total_steps
@@ -156,6 +159,8 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(strict_record({"step": step, **metrics}), allow_nan=False) + "\n")
         self._file.flush()
+        if self._live is not None:
+            self._live.update(step, metrics)
         if self._tb is not None:
             for name, value in metrics.items():
                 value = _json_default(value) if hasattr(value, "item") else value
@@ -203,6 +208,8 @@ class MetricsLogger:
         if self._closed:
             return
         self._closed = True
+        if self._live is not None:
+            self._live.close()
         if self._bar is not None:
             self._bar.stop()
         if self._tb is not None:

@@ -26,6 +26,7 @@ from shardwise.spec.layout import compute_precision
 from shardwise.train import moe_stats
 from shardwise.train.evaluate import eval_words
 from shardwise.train.health import StepGuard
+from shardwise.train.live_metrics import serve
 from shardwise.train.metrics import MetricsLogger, mfu, tokens_per_s_per_device
 from shardwise.train.peak_flops import device_peak_flops
 from shardwise.train.pipeline_chart import CHART_FILE, describe, write_timeline
@@ -87,7 +88,8 @@ class StepLog:
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLogger(run_dir, t.steps, start_step, is_writer=writer, progress=cfg.run.progress,
-                                     tensorboard=cfg.run.tensorboard, loss_curve=cfg.run.loss_curve)
+                                     tensorboard=cfg.run.tensorboard, loss_curve=cfg.run.loss_curve,
+                                     live=serve(cfg.run) if writer else None)  # run.metrics_port: served from here
         cuda_name = torch.cuda.get_device_name() if device.type == "cuda" else None
         self.peak, peak_label = device_peak_flops(device.type, compute_precision(t.precision), cuda_name)
         # The planner's peak for this run on this GPU, beside the measured one (train/planned_memory.py).
