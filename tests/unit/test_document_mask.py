@@ -30,15 +30,14 @@ def test_positions_restart_after_each_end_of_document():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])
 def test_a_packed_row_gives_each_document_the_loss_it_has_alone(preset):
     model = _model(preset)
-    for module in model.modules():
-        if hasattr(module, "document_kernel"):
-            module.document_kernel = "sdpa"
+    model.document_kernel = "sdpa"
     gen = torch.Generator().manual_seed(0)
     docs = [torch.cat([torch.randint(0, 256, (n,), generator=gen), torch.tensor([EOD])]) for n in (9, 14, 6)]
     row = torch.cat(docs)[None]
     inputs, targets = row[:, :-1], row[:, 1:]
     with torch.no_grad():
-        packed = F.cross_entropy(model(inputs, positions=document_positions(inputs, EOD))[0], targets[0], reduction="none")
+        within = document_positions(inputs, EOD)
+        packed = F.cross_entropy(model(inputs, positions=within, documents=within)[0], targets[0], reduction="none")
         start = 0
         for doc in docs:
             alone_in, alone_t = doc[None, :-1], doc[None, 1:]
@@ -50,6 +49,58 @@ def test_a_packed_row_gives_each_document_the_loss_it_has_alone(preset):
             start += len(doc)
         plain = F.cross_entropy(model(inputs)[0], targets[0], reduction="none")
     assert not torch.allclose(packed, plain)  # without the mask the later documents see the earlier ones
+
+
+def _packed_row(lengths):
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.cat([torch.randint(0, 256, (n,), generator=gen), torch.tensor([EOD])]) for n in lengths]
+    return docs, torch.cat(docs)[None]
+
+
+def test_the_mask_without_restarting_positions_still_keeps_documents_apart():
+    """train.document_mask=true with train.document_positions=false (Megatron-LM's reset_attention_mask without
+    reset_position_ids): positions run over the row, attention stays in each document. RoPE scores depend only on
+    the distance between positions, so a llama document's loss in the row equals its loss alone, up to the
+    rounding of the rotations' other angles (fp32 sin/cos: 1e-4 relative is ~100x that); before the mask had a
+    channel of its own, these keys silently trained without it."""
+    model = _model("tiny")
+    model.document_kernel = "sdpa"
+    docs, row = _packed_row((9, 14, 6))
+    inputs, targets = row[:, :-1], row[:, 1:]
+    with torch.no_grad():
+        packed = F.cross_entropy(model(inputs, documents=document_positions(inputs, EOD))[0], targets[0], reduction="none")
+        plain = F.cross_entropy(model(inputs)[0], targets[0], reduction="none")
+        start = 0
+        for doc in docs:
+            n = len(doc) - 1
+            alone = F.cross_entropy(model(doc[None, :-1])[0], doc[1:], reduction="none")
+            torch.testing.assert_close(packed[start:start + n], alone, rtol=1e-4, atol=1e-5)
+            start += len(doc)
+    assert not torch.allclose(packed, plain)
+
+
+def test_one_mask_a_forward_shared_by_every_layer(monkeypatch):
+    """Building FlexAttention's block mask evaluates the mask over the whole s x s grid: once per forward (per
+    pipeline stage), not once per layer. Counted on CPU's dense mask, built by the same call."""
+    from shardwise.models import common
+
+    model = _model("tiny")
+    assert model.cfg.n_layers > 1
+    model.document_kernel = "sdpa"
+    built = []
+    real = common.document_mask
+    monkeypatch.setattr(common, "document_mask", lambda documents: built.append(1) or real(documents))
+    _, row = _packed_row((9, 14))
+    with torch.no_grad():
+        model(row, documents=document_positions(row, EOD))
+    assert len(built) == 1
+
+
+def test_documents_without_a_kernel_are_an_error_not_a_silent_causal_run():
+    model = _model("tiny")
+    _, row = _packed_row((5, 6))
+    with pytest.raises(RuntimeError, match="document_kernel"):
+        model(row, documents=document_positions(row, EOD))
 
 
 def test_flex_attention_computes_what_the_dense_mask_does():

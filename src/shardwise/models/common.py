@@ -46,24 +46,42 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     return ((k[None, None, :] <= q[None, :, None]) & (k[None, None, :] >= start))[:, None]
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                       kernel: str = "sdpa") -> torch.Tensor:
-    """Attention inside each document of a packed row (train.document_mask). "flex": FlexAttention with a
-    block mask (Dong et al. 2024, arXiv 2412.05496), which skips the blocks the mask empties — the GPU
-    kernel; "sdpa": SDPA with the dense mask, the kernel CPU SDPA takes. Both compute the same softmax."""
-    gqa = q.shape[1] != k.shape[1]
+def document_attention_mask(documents: torch.Tensor, kernel: str):
+    """The mask that keeps each query inside its document, built once per forward and shared by every layer
+    (a (b, s) `documents`: each token's position in its document, document_positions). "flex": FlexAttention's
+    block mask (Dong et al. 2024, arXiv 2412.05496: 128 x 128 blocks, the ones the mask empties are skipped) —
+    building it evaluates the mask over every block, so once per forward, not per layer, as torchtitan does;
+    "sdpa": the dense (b, 1, s, s) boolean mask CPU SDPA takes (one tensor that every layer's backward keeps,
+    not one per layer)."""
     if kernel == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
-        attend = _compiled_flex() if q.is_cuda else flex_attention  # on CPU FlexAttention's reference path (tests)
-        start = torch.arange(positions.shape[1], device=positions.device)[None, :] - positions
+        start = torch.arange(documents.shape[1], device=documents.device)[None, :] - documents
 
         def same_document(b, _h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (kv_idx >= start[b, q_idx])
 
-        block = create_block_mask(same_document, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-        return attend(q, k, v, block_mask=block, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions), enable_gqa=gqa)
+        s = documents.shape[1]
+        return create_block_mask(same_document, documents.shape[0], None, s, s, device=documents.device)
+    return document_mask(documents)
+
+
+def attend_within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """Attention under a document_attention_mask: FlexAttention for a block mask, SDPA for a dense one; both
+    compute the same softmax."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = _compiled_flex() if q.is_cuda else flex_attention  # on CPU FlexAttention's reference path (tests)
+    return attend(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor,
+                       kernel: str = "sdpa") -> torch.Tensor:
+    """Attention inside each document of a packed row, mask and all (one layer's worth: tests, one-off calls)."""
+    return attend_within_documents(q, k, v, document_attention_mask(documents, kernel))
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,9 +119,6 @@ class Attention(nn.Module):
         self.register_buffer("wqkv", None, persistent=False)
         self.register_buffer("wqkv_bias", None, persistent=False)
         self.fused_projection = None  # training: q, k and v in one GEMM (feed_forward.py fuse_training_projections)
-        # train.document_mask: the kernel ("sdpa" / "flex", document_kernel) that keeps attention inside each
-        # document, given (b, s) positions; None: causal over the whole row.
-        self.document_kernel: str | None = None
 
     def fuse_projections(self) -> None:
         fuse_linears(self, "wqkv", self.wq, self.wk, self.wv)
@@ -112,7 +127,8 @@ class Attention(nn.Module):
         return self.wq, self.wk, self.wv
 
     def forward(self, x: torch.Tensor, rope: "RotaryEmbedding | None" = None,
-                positions: torch.Tensor | None = None, cache: "LayerCache | None" = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, cache: "LayerCache | None" = None, mask=None) -> torch.Tensor:
+        """`mask`: a document_attention_mask (train.document_mask), or None for causal attention over the row."""
         b, s, _ = x.shape
         # -1 instead of the head count keeps the module correct when TP shards the heads.
         if self.wqkv is not None:
@@ -131,8 +147,8 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = rope(q, positions), rope(k, positions)
-        if cache is None and self.document_kernel is not None and positions is not None and positions.dim() == 2:
-            out = document_attention(q, k, v, positions, self.document_kernel)
+        if cache is None and mask is not None:
+            out = attend_within_documents(q, k, v, mask)
         elif cache is None:
             out = self.core(q, k, v)
         else:  # incremental decoding (models/kv_cache.py): attend over every cached key, masked
@@ -181,6 +197,9 @@ class Transformer(nn.Module):
 
     cfg: ModelConfig
     layers: nn.ModuleList
+    # train.document_mask: the kernel ("flex" / "sdpa", document_kernel) of the mask that keeps attention inside
+    # each document of a packed row; None: the model was not set up for documents (causal over the row).
+    document_kernel: str | None = None
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -189,13 +208,22 @@ class Transformer(nn.Module):
         return {}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: "KVCache | None" = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, documents: torch.Tensor | None = None) -> torch.Tensor:
         """`x` is token ids, or hidden states when this module is a pipeline stage that does not own
         the embedding; a stage without the output head returns hidden states (see `keep_only`).
         With `cache` (decoding, models/kv_cache.py) each block attends over its cached keys too;
-        `last_only` computes the logits of the last position only (what generation samples from)."""
+        `last_only` computes the logits of the last position only (what generation samples from).
+        `positions`: RoPE's / the learned positions' indices (None: 0..s-1). `documents` (train.document_mask):
+        each token's position in its document of a packed row; attention then stays inside documents, through
+        one mask that every block shares. Positions and documents are separate: a run may mask documents and
+        keep positions running over the row (train.document_positions=false), as Megatron-LM's
+        reset_attention_mask without reset_position_ids."""
         h = self.embed(x, positions) if self.tok_embeddings is not None else x
         extra = self.block_kwargs()
+        if documents is not None:
+            if self.document_kernel is None:
+                raise RuntimeError("documents given to a model without a document_kernel (train.document_mask sets it)")
+            extra["mask"] = document_attention_mask(documents, self.document_kernel)
         for name, layer in self.named_blocks():
             if cache is not None:
                 extra["cache"] = cache.layer(name)

@@ -23,8 +23,9 @@ class GPTBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MoE(cfg) if moe else GELUMLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), positions=positions, cache=cache)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: LayerCache | None = None,
+                mask=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), positions=positions, cache=cache, mask=mask)
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -33,8 +33,8 @@ class LlamaBlock(nn.Module):
         self.feed_forward = MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor | None = None,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, positions, cache)
+                cache: LayerCache | None = None, mask=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, positions, cache, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 

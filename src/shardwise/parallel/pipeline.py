@@ -151,27 +151,26 @@ class PipelineRun:
         self.micro_batch = io["tokens"][0][0]
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, record: bool,
-             positions: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[Action]]:
+             extra: dict[str, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[Action]]:
         """One optimizer step's forward and backward over all micro-batches; returns the per
         micro-batch losses (on the rank holding the last stage, else []) and, when `record`, the
-        timed actions of this rank's stages. `positions` (train.document_positions: each packed
-        document's own) reach every stage's forward as a keyword: torch's schedules split a step's
+        timed actions of this rank's stages. `extra` (packed documents' `positions` and `documents`,
+        trainer._document_kwargs) reach every stage's forward as keywords: torch's schedules split a step's
         keyword tensors into micro-batches like its inputs and hand them to every stage, not only the
-        first, so the positions need not travel with the activations."""
+        first, so they need not travel with the activations; each stage builds its document mask once."""
         actions: list[Action] = []
         for stage in self.stages:
             stage.actions = actions if record else None
         losses: list[torch.Tensor] = []
-        extra = {"positions": positions} if positions is not None else {}
-        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False, **extra)
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False, **(extra or {}))
         for stage in self.stages:
             stage.actions = None
         return losses, actions
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn,
-                 positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 extra: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Every micro-batch forward only (run under torch.no_grad): loss_fn(logits, targets) of each on the
-        rank holding the last stage, else []; `positions` as in step().
+        rank holding the last stage, else []; `extra` as in step().
 
         Not the schedule's eval(): torch 2.13's multi-stage schedules still run their local backward
         hand-over in eval mode ("can't steal_bwd_input if this stage doesn't have backward", V schedules),
@@ -185,7 +184,8 @@ class PipelineRun:
         me = dist.get_rank(self.group)
         owner = [stage_rank(self.schedule_name, self.pp, self.virtual_stages, s) for s in range(num_stages)]
         xs, ts = inputs.split(self.micro_batch), targets.split(self.micro_batch)
-        ps = positions.split(self.micro_batch) if positions is not None else [None] * len(xs)
+        split = {key: value.split(self.micro_batch) for key, value in (extra or {}).items()}
+        extras = [{key: parts[mb] for key, parts in split.items()} for mb in range(len(xs))]
         held: dict[tuple[int, int], torch.Tensor] = {}
         sends, losses = [], []
         shape, dtype = self.io["hidden"]
@@ -199,7 +199,7 @@ class PipelineRun:
                 else:
                     x = torch.empty(shape, dtype=dtype, device=self.device)
                     dist.recv(x, src=dist.get_global_rank(self.group, owner[s - 1]), group=self.group, tag=s * m + mb)
-                y = stage.submod(x) if ps[mb] is None else stage.submod(x, positions=ps[mb])
+                y = stage.submod(x, **extras[mb])
                 if s == num_stages - 1:
                     losses.append(loss_fn(y, ts[mb]))
                 elif owner[s + 1] == me:

@@ -25,7 +25,7 @@ from shardwise.config import Config
 from shardwise.data.chat import chat_files
 from shardwise.errors import Diverged, Interrupted, OutOfMemory, out_of_memory, rerun_to_resume
 from shardwise.models import build_model
-from shardwise.models.common import document_kernel, document_positions
+from shardwise.models.common import Transformer, document_kernel, document_positions
 from shardwise.parallel.activation_checkpoint import SELECTIVE_SAVE_OPS
 from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names
 from shardwise.parallel.compile import compile_enabled
@@ -138,11 +138,13 @@ class Trainer:
         else:
             self.model = build_parallel_model(model, self.dims, self.mesh, cfg, self.device)
         self.inner = unwrap(self.model)
-        # Packed rows of several documents (train.document_mask / document_positions, models/common.py).
+        # Packed rows of several documents (train.document_mask / document_positions, models/common.py): the
+        # mask and the positions are separate keys (a run may mask documents with positions over the row).
         self.document_positions = t.document_mask if t.document_positions is None else t.document_positions
+        self.document_mask = t.document_mask
         if t.document_mask:
             for module in self.inner.modules():
-                if hasattr(module, "document_kernel"):
+                if isinstance(module, Transformer):  # the model, or each pipeline stage's part of it
                     module.document_kernel = document_kernel(self.device.type)
         self.grid = Grid(self.mesh.tp_grid) if self.mesh is not None and self.mesh.tp_grid is not None else None
         self.vocab_offset = vocab_offset(self.inner) if self.grid is not None else 0
@@ -226,15 +228,19 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._token_loss(self._forward(inputs), targets)
 
-    def _positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """With document positions, each packed document's own (restarting after every end token)."""
-        return document_positions(inputs, self.data.eod_id) if self.document_positions else None
+    def _document_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's keywords for packed documents: `positions` (train.document_positions: each document's
+        own, restarting after every end token) and `documents` (train.document_mask: the same, for the mask)."""
+        if not (self.document_positions or self.document_mask):
+            return {}
+        within = document_positions(inputs, self.data.eod_id)
+        return {**({"positions": within} if self.document_positions else {}),
+                **({"documents": within} if self.document_mask else {})}
 
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The logits of a micro-batch; with document positions, the positions of each packed document."""
-        positions = self._positions(inputs)
+        """The logits of a micro-batch; with packed documents, their positions and mask (_document_kwargs)."""
         with autocast(self.cfg.train.precision, self.device.type):
-            return self.model(inputs) if positions is None else self.model(inputs, positions=positions)
+            return self.model(inputs, **self._document_kwargs(inputs))
 
     def _token_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum over tokens / tokens this rank sees per step; the data-parallel gradient average then
@@ -255,7 +261,7 @@ class Trainer:
         with torch.no_grad(), self._loss_context():
             if self.pipeline is not None:
                 inputs, targets = self._pipeline_inputs(micro)
-                losses = self.pipeline.evaluate(inputs, targets, self._token_sum, self._positions(inputs))
+                losses = self.pipeline.evaluate(inputs, targets, self._token_sum, self._document_kwargs(inputs))
                 for loss in losses:
                     total += local_shard(loss).double()
                 return total
@@ -385,7 +391,7 @@ class Trainer:
         meter = PeakActivationMeter(exclude=torch.nn.ModuleList(s.submod for s in self.pipeline.stages)) \
             if metering else contextlib.nullcontext()
         with self._loss_context(), meter:
-            losses, actions = self.pipeline.step(inputs, targets, self.timeline.recording, self._positions(inputs))
+            losses, actions = self.pipeline.step(inputs, targets, self.timeline.recording, self._document_kwargs(inputs))
         if metering:
             self.activation_bytes = meter.peak
         self.timeline.stop(start, actions)
