@@ -243,6 +243,10 @@ def sdpa_section(a, device, timer, peak_of, attention_fraction: float | None) ->
                 row["probs_copies_saved"] = row["saved_extra_bytes"] / (batch * h * s * s * q.element_size())
                 row["fwd_bwd_fraction_of_peak"] = row["fwd_bwd_flops"] / peak if peak else None
                 rows.append(row)
+            if device.type == "cuda" and gqa:  # train.document_mask's kernel (plan/constants.py "flex": assumed)
+                rows.append(_flex_row(q, k, v, timer, fwd_flops, peak, {
+                    "dtype": dtype_name, "enable_gqa": gqa, "requested": "FLEX (causal block mask)", "batch": batch,
+                    "heads": h, "kv_heads": kv, "seq": s, "head_dim": d}))
     print(f"\nSDPA, causal, batch {batch} x {h} heads ({kv} KV heads with GQA) x seq {s} x head_dim {d}; "
           f"backend = aten op dispatched; FLOP/s count the causal half, fwd+bwd counts 3 x fwd")
     print(f"{'dtype':5s} {'gqa':>5s} {'requested':19s} {'backend ran':19s} {'fwd ms':>8s} {'f+b ms':>8s} "
@@ -260,6 +264,27 @@ def sdpa_section(a, device, timer, peak_of, attention_fraction: float | None) ->
     return {"detection": "aten op dispatched under a TorchDispatchMode (flash / efficient / cudnn attention op, "
                          "else MATH); fused_sdp_choice = torch._fused_sdp_choice for the same call",
             "default_backend": default, "attention_fraction_planner": attention_fraction, "rows": rows}
+
+
+def _flex_row(q, k, v, timer, fwd_flops: float, peak: float | None, row: dict) -> dict:
+    """Compiled FlexAttention with a causal block mask: the same tiles as causal SDPA, so its FLOP/s beside the
+    SDPA rows is the per-tile speed the planner assumes for document masking (ATTENTION_KERNEL_SPEED["flex"])."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    try:
+        mask = create_block_mask(lambda _b, _h, qi, ki: ki <= qi, None, None, q.shape[2], k.shape[2], device=q.device)
+        flex = torch.compile(flex_attention, dynamic=False)
+        fwd = functools.partial(flex, q, k, v, block_mask=mask, enable_gqa=True)
+        fwd_bwd = functools.partial(_backward, fwd, (q, k, v), torch.randn_like(q))
+        fwd_bwd()  # compiles forward and backward outside the timing
+        f, fb = timer(fwd), timer(fwd_bwd)
+    except Exception as e:  # noqa: BLE001 - inductor / triton failures vary; the row says why
+        return {**row, "backend": None, "unsupported": reason(e)}
+    row.update({"backend": "FLEX", "fwd_s": f["median_s"], "fwd_bwd_s": fb["median_s"], "fwd_best_s": f["best_s"],
+                "fwd_bwd_best_s": fb["best_s"], "fwd_flops": fwd_flops / f["median_s"],
+                "fwd_bwd_flops": 3 * fwd_flops / fb["median_s"], "probs_copies_saved": 0.0, "fwd_peak_bytes": None})
+    row["fwd_bwd_fraction_of_peak"] = row["fwd_bwd_flops"] / peak if peak else None
+    return row
 
 
 def _backward(fwd, inputs: tuple, grad_out: torch.Tensor):

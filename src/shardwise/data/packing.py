@@ -117,3 +117,17 @@ class PackedRows:
 def source_rows(stream: TokenStream, finetune: bool, seq_len: int, loss_on: str, eod: int):
     """What a source's batches read: its stream, or a fine-tuning corpus's packed rows."""
     return PackedRows(stream, seq_len, loss_on, eod) if finetune else stream
+
+
+def sampled_document_starts(rows, seq_len: int, eod: int, count: int = 256) -> list[list[int]]:
+    """Where the documents of up to `count` rows start, rows spread evenly over a source (`rows`: what
+    source_rows returns): what the document mask's price (spec/documents.py) is measured on. The rows are the
+    training rows' inputs (their first seq_len tokens), signs decoded as the trainer decodes them, so a fine-tuning
+    row's pads count as the one-token documents the trainer's mask makes of them."""
+    windows = (len(rows) - 1) // seq_len
+    if windows < 1:
+        return []
+    picks = np.unique(np.linspace(0, windows - 1, num=min(count, windows)).astype(np.int64))
+    tokens = rows.windows(picks * seq_len, seq_len + 1)[:, :seq_len]
+    tokens = np.where(tokens < 0, ~tokens, tokens)
+    return [[0, *(np.flatnonzero(row[:-1] == eod) + 1).tolist()] for row in tokens]

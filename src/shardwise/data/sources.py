@@ -242,11 +242,13 @@ def _remove_unfinished(cache_dir: Path, corpus: str, but: Path, log: Callable[[s
 
 
 def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = print, *, workers: int = 0,
-                 refuse_changed: bool = True, prepare_command: str | None = None) -> PreparedData:
+                 refuse_changed: bool = True, prepare_command: str | None = None,
+                 cached_only: bool = False) -> PreparedData | None:
     """Every source prepared (or found prepared) with the run's tokenizer. `refuse_changed`: a source whose
     files changed since a preparation of it is named (ConfigError) instead of prepared again, with
     `prepare_command` (the caller's own options as `shardwise data prepare`) as the fix; `shardwise
-    data prepare` passes False. `workers`: 0 = data.prepare_workers, then one per core."""
+    data prepare` passes False. `workers`: 0 = data.prepare_workers, then one per core. `cached_only`: None
+    instead of training a tokenizer or preparing a source (the planner reads data only if it is there)."""
     t0 = time.perf_counter()
     cache_dir = Path(os.path.expanduser(cfg.cache_dir))
     specs = source_specs(cfg)
@@ -293,7 +295,9 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
     # Trained on the training sources only: adding a validation set keeps the tokenizer (and the shards).
     bpe_key = json.dumps([[s.text_key, fingerprints[s.field]] for s, _ in training], sort_keys=True)
     tok_path, _ = tokenizer_file(cfg.tokenizer, cache_dir, vocab_size, lambda: hashlib.sha256(bpe_key.encode()).hexdigest(),
-                                 lambda: _sample(training, cfg.bad_records))
+                                 lambda: _sample(training, cfg.bad_records), create=not cached_only)
+    if cached_only and not tok_path.is_file():
+        return None
     tok = load_tokenizer(tok_path, vocab_size)
     if "chat" in formats.values():
         chat_template_check(tok_path)
@@ -309,6 +313,8 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
         files = next(f for s, f in raw if s is spec)
         directory = prepared_dir(cache_dir, keys[spec.field], fingerprints[spec.field], tok_sha)
         manifest = read_manifest(directory)
+        if manifest is None and cached_only:
+            return None
         if manifest is not None:
             prepared.append(Source(spec, open_prepared(directory, manifest), len(files), "cached"))
             continue

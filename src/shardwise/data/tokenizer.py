@@ -71,10 +71,10 @@ def tokenizer_vocab(tok: Tokenizer) -> int:
 
 
 def tokenizer_file(kind: str, cache_dir: Path, vocab_size: int, fingerprint: Callable[[], str],
-                   documents: Callable[[], Iterable[str]]) -> tuple[Path, bool]:
-    """Path of the tokenizer.json to use, creating it if needed; also whether it was already there.
-    `fingerprint()` names the corpus a BPE is trained on and `documents()` yields its text (both called
-    only for "bpe")."""
+                   documents: Callable[[], Iterable[str]], create: bool = True) -> tuple[Path, bool]:
+    """Path of the tokenizer.json to use, creating it if needed (unless `create` is false); also whether it was
+    already there. `fingerprint()` names the corpus a BPE is trained on and `documents()` yields its text (both
+    called only for "bpe")."""
     if kind in ("byte", "bpe"):
         if vocab_size < 257:
             raise ConfigError("model.vocab_size", f"{vocab_size} is too small for the {kind} tokenizer "
@@ -83,7 +83,7 @@ def tokenizer_file(kind: str, cache_dir: Path, vocab_size: int, fingerprint: Cal
         key = short_key("byte", text) if kind == "byte" else short_key(fingerprint(), vocab_size, "bpe")
         path = cache_dir / "tokenizers" / f"{key}.json"
         existed = path.is_file()
-        if not existed:
+        if not existed and create:
             publish_bytes(path, (text or _train_bpe(documents(), vocab_size).to_str()).encode())
         return path, existed
     path = Path(os.path.expanduser(kind))

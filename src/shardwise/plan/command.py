@@ -67,6 +67,38 @@ def _with_layout(cfg: Config, problem, estimate) -> Config:
     return out
 
 
+def measure_document_share(cfg: Config):
+    """train.document_mask's share of causal attention tiles (spec/documents.py) on the run's prepared data, and
+    a line saying what was measured or why the mask is priced as causal attention (share 1.0). Reads the data
+    only if it is prepared already: planning prepares nothing (data/sources.py prepare_data cached_only)."""
+    from shardwise.data.packing import sampled_document_starts, source_rows
+    from shardwise.data.sources import prepare_data
+    from shardwise.spec.documents import DocumentShare, document_share
+
+    t = cfg.train
+    causal = "priced as causal attention over the whole row (an upper bound)"
+    try:
+        data = prepare_data(cfg.data, cfg.model.vocab_size, lambda _line: None, refuse_changed=False, cached_only=True)
+    except ConfigError as e:  # e.g. data the planning machine does not have
+        return None, f"document mask: {causal}: the data cannot be read here ({e.field}: {e.problem})"
+    if data is None:
+        return None, (f"document mask: {causal}: the data is not prepared here (`shardwise data prepare` with this "
+                      "config measures its documents)")
+    shares, weights = [], []
+    for s in data.sources:
+        rows = source_rows(s.corpus.stream, s.corpus.finetune, t.seq_len, cfg.data.loss_on, data.eod_id)
+        starts = sampled_document_starts(rows, t.seq_len, data.eod_id)
+        if starts:
+            shares.append(document_share(starts, t.seq_len))
+            weights.append(s.spec.weight)
+    if not shares:
+        return None, f"document mask: {causal}: no row of train.seq_len={t.seq_len} tokens in the data"
+    total = sum(weights)  # a mixture: each source's share by its weight (data/mixture.py draws rows so)
+    share = DocumentShare(sum(w * sh.share for w, sh in zip(weights, shares)) / total, sum(sh.rows for sh in shares),
+                          sum(sh.documents for sh in shares), t.seq_len)
+    return share, share.line()
+
+
 def plan_main(argv: list[str]) -> int:
     """`shardwise plan evaluate | search`: pure Python, no process group, no torch import."""
     import json
@@ -120,6 +152,15 @@ def plan_main(argv: list[str]) -> int:
         print(json.dumps(decode.to_json(), indent=2) if args.json else decode_text(decode), end="\n" if args.json else "")
         return 0
     problem = Problem.from_config(cfg)
+    documents = None
+    if problem.document_share is not None:  # train.document_mask: priced on the data's own documents
+        import dataclasses
+
+        documents, documents_line = measure_document_share(cfg)
+        if documents is not None:
+            problem = dataclasses.replace(problem, document_share=documents.share)
+        if not args.json:
+            print(documents_line)
     if args.plot == "":
         args.plot = str(Path(cfg.run.dir) / "plan" / f"{action}.png")
     if getattr(args, "emit", None) == "":
@@ -140,6 +181,8 @@ def plan_main(argv: list[str]) -> int:
 
             print(json.dumps({**est.to_json(), "cost": run_cost(problem, est).to_json(), "trainable": refusal is None,
                               **({"evaluation": evaluation.to_json()} if evaluation else {}),
+                              **({"document_mask": documents.to_json() if documents else {"share": 1.0, "measured": False}}
+                                 if problem.document_share is not None else {}),
                               "trainer_refusal": refusal,
                               # every split is priced by its schedule's order now; kept for --json readers
                               "split_notes": []}, indent=2))

@@ -182,9 +182,13 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     stack = problem.stack_for(lay)
     attn_frac = measured.attention_fraction if measured else _device_constant(C.ATTENTION_FRACTION, dev.name,
                                                                               C.ATTENTION_FRACTION_DEFAULT)
-    if stack.attention in C.ATTENTION_KERNEL_SPEED:  # a kernel other than the default fused one, relative to it
-        attn_frac *= _device_constant(C.ATTENTION_KERNEL_SPEED[stack.attention], dev.name.removeprefix("measured-"),
-                                      C.ATTENTION_KERNEL_SPEED_DEFAULT[stack.attention])
+    # train.document_mask: FlexAttention's block mask on a GPU (models/common.py document_kernel), whatever the
+    # stack's SDPA kernel; CPU SDPA with the dense mask.
+    documents = problem.document_share is not None
+    attention_kernel = "flex" if documents and problem.device_type == "cuda" else stack.attention
+    if attention_kernel in C.ATTENTION_KERNEL_SPEED:  # a kernel other than the default fused one, relative to it
+        attn_frac *= _device_constant(C.ATTENTION_KERNEL_SPEED[attention_kernel], dev.name.removeprefix("measured-"),
+                                      C.ATTENTION_KERNEL_SPEED_DEFAULT[attention_kernel])
     # The GPU-side gap per kernel; a CPU's measured per-op cost (its host is the device) replaces it. A GPU
     # file's eager per-op figure is the host's dispatch cost (constants.EAGER_HOST_OP_S), not this gap.
     launch_s = measured.eager_op_s if measured and measured.device_type == "cpu" else C.EAGER_KERNEL_LAUNCH_S
@@ -215,7 +219,11 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         attn = 4.0 * tokens * problem.seq_len * s.dim / lay.tp * C.CAUSAL_EXECUTED_FRACTION / (peak * attn_frac)
         if dev.name != "measured-cpu":  # a GPU kernel's head-dim tiles (a CPU's SDPA has none)
             attn *= math.ceil(s.head_dim / C.ATTENTION_HEAD_DIM_TILE) * C.ATTENTION_HEAD_DIM_TILE / s.head_dim
-        if stack.attention == "math" and lay.cp == 1:
+        if documents:
+            # FlexAttention computes the tiles the documents leave of causal's (spec/documents.py, measured on
+            # the data); SDPA given a dense mask skips nothing: every tile, twice the causal half.
+            attn *= problem.document_share if attention_kernel == "flex" else 1.0 / C.CAUSAL_EXECUTED_FRACTION
+        if stack.attention == "math" and lay.cp == 1 and not documents:
             # The math backend (spec/layout.py attention_backend): two batched GEMMs over the whole s x s
             # (the mask is applied after, nothing skipped) at GEMM speed, and the probabilities stream
             # through memory C.MATH_ATTENTION_PASSES times (scores written, mask added in place, softmax

@@ -56,9 +56,14 @@ ATTENTION_FRACTION_DEFAULT = 0.35
 # FlashAttention-2 0.197 (0.182), memory-efficient 0.105 -> flash 0.56, efficient 0.31 of cuDNN; the
 # measured cuDNN fraction is the 0.35 above. Off Hopper the default fused kernel is FlashAttention-2
 # (flash = 1.0) and the memory-efficient kernel is ASSUMED half as fast.
+# FlexAttention (train.document_mask on a GPU, models/common.py) per computed tile: ASSUMED 0.87 of
+# FlashAttention-2, from PyTorch's FlexAttention announcement (pytorch.org blog, 2024-08: ~90% of FA2's speed
+# forward, ~85% backward, A100; 3 / (1 / 0.90 + 2 / 0.85) = 0.87 with backward twice forward's work), so
+# 0.56 x 0.87 = 0.49 of cuDNN on Hopper. Not measured here yet: benchmarks/kernels.py times it on a lent GPU.
 ATTENTION_KERNEL_SPEED: dict[str, dict[str, float]] = {
-    "cudnn": {}, "flash": {"h100": 0.56, "h200": 0.56}, "efficient": {"h100": 0.31, "h200": 0.31}}
-ATTENTION_KERNEL_SPEED_DEFAULT: dict[str, float] = {"cudnn": 1.0, "flash": 1.0, "efficient": 0.5}
+    "cudnn": {}, "flash": {"h100": 0.56, "h200": 0.56}, "efficient": {"h100": 0.31, "h200": 0.31},
+    "flex": {"h100": 0.49, "h200": 0.49}}
+ATTENTION_KERNEL_SPEED_DEFAULT: dict[str, float] = {"cudnn": 1.0, "flash": 1.0, "efficient": 0.5, "flex": 0.87}
 # Fused attention kernels tile the head dim: a head dim that is not a multiple of the tile computes the
 # padded width (cuDNN's and FlashAttention-3's Hopper kernels are built for d = 64, 128, 256; the profile of
 # the d = 128 model shows cuDNN's 64x64x128 / 64x128x128 tiles). ASSUMED 64: the 2.4B H100 rows (d = 80,

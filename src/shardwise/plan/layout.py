@@ -178,6 +178,9 @@ class Problem:
     device_type: str = "cuda"
     fp8_head: bool = False  # train.fp8_head: the output head's GEMMs in FP8 too (precision "fp8" only)
     fuse_projections: bool = False  # train.fuse_projections: q|k|v and w1|w3 as one GEMM each (fused_for)
+    # train.document_mask: the share of causal attention's tiles the mask computes (spec/documents.py), measured
+    # on the run's prepared data by `shardwise plan` (plan/command.py), 1.0 until measured; None: no mask.
+    document_share: float | None = None
 
     def eager_for(self, lay: Layout) -> bool:
         """Whether `lay` runs eagerly under this problem's train.compile (see compile_unset)."""
@@ -229,6 +232,8 @@ class Problem:
         attention = attention_backend(kind, precision, shape.n_kv_heads != shape.n_heads)
         if "attention_kernel" in choices:  # memory: only the math kernel keeps the s x s scores
             attention = "math" if choices["attention_kernel"] == "math" else "flash"
+        if t.document_mask and kind == "cuda":  # FlexAttention keeps no s x s scores either (models/common.py)
+            attention = "flash"
         return cls(shape, cluster, t.seq_len, t.global_batch, tokens, precision, states,
                    cfg.cluster.assume_mfu, t.fp8_recipe, attention,
                    # the trainer's default (train.compile unset): compiled on a GPU, eager on a CPU
@@ -236,7 +241,8 @@ class Problem:
                           or t.compile_backend == "aot_eager"),  # aot_eager: eager kernels, a debugging backend
                    compile_unset=t.compile is None,
                    tf32=t.tf32 and kind == "cuda", stack_choices=tuple(choices.items()), device_type=kind,
-                   fp8_head=t.fp8_head, fuse_projections=t.fuse_projections)
+                   fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
+                   document_share=1.0 if t.document_mask else None)
 
     def fused_for(self, lay: Layout) -> bool:
         """train.fuse_projections in effect on `lay` (models/feed_forward.py fused_linear): the trainer joins
