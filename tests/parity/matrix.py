@@ -28,6 +28,10 @@ REFERENCES = {"llama": {}, "gpt": {"model.preset": "tiny-gpt", "model.vocab_size
               # (tp2 x ZeRO-2, no PP) drifts to 6e-6 by step 8 and the 1e-5 bound would measure the
               # spike, not the layout; at 1e-3 TP and PP x TP stay at 2e-7 over 20 steps.
               "llama_l8": {"model.n_layers": 8, "train.lr": "1e-3"},
+              # 4 blocks at the same lr: pp2 needs no more (1F1B and its kin: 2 blocks a stage; V and
+              # interleaved schedules with 2 virtual stages: 4 stages of 1 block), and every step of a pipeline
+              # layout costs per block and micro-batch (pp2 x tp2: 17.3 s at 8 blocks, 8.9 s at 4)
+              "llama_l4": {"model.n_layers": 4, "train.lr": "1e-3"},
               # MoE: tiny-moe (8 experts, top-2, dropless, aux loss 0.01), micro-batch 2 = the layouts' own
               # micro-batch: the load-balancing loss is a product of per-micro-batch statistics, so
               # parity needs the same micro-batch boundaries (each rank's micro-batches are contiguous
@@ -110,14 +114,15 @@ TP_FAMILY = [
 ]
 
 
-def _pp(name: str, world: int, micro: int, schedule: str, v: int = 1, **more) -> Layout:
-    overrides = {"model.n_layers": 8, "train.lr": "1e-3", "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": v,
-                 "train.micro_batch": micro, **more}
-    return Layout(name, world, overrides, reference="llama_l8")
+def _pp(name: str, world: int, micro: int, schedule: str, v: int = 1, layers: int = 4, **more) -> Layout:
+    overrides = {"model.n_layers": layers, "train.lr": "1e-3", "parallel.pp_schedule": schedule,
+                 "parallel.pp_virtual_stages": v, "train.micro_batch": micro, **more}
+    return Layout(name, world, overrides, reference=f"llama_l{layers}")
 
 
-# Every schedule at pp2 and pp4 (8 blocks; micro-batch 2 -> 4 micro-batches at pp2, 1 -> 8 at pp4),
-# uneven explicit and cost-balanced splits, and PP composed with TP / ZeRO / DDP up to 3-D on 8 ranks.
+# Every schedule at pp2 (4 blocks) and pp4 (8 blocks: 4 stages x 2 virtual); micro-batch 2 -> 4 micro-batches
+# at pp2, 1 -> 8 at pp4; uneven explicit and cost-balanced splits (8 blocks), and PP composed with TP / ZeRO /
+# DDP up to 3-D on 8 ranks. (Every PP layout had 8 blocks until 2026-11-29.)
 PP_FAMILY = [
     # world size 2
     _pp("pp2_gpipe", 2, 2, "gpipe", **{"parallel.pp": 2}),
@@ -127,19 +132,19 @@ PP_FAMILY = [
     _pp("pp2_zero_bubble_v2", 2, 2, "zero_bubble", 2, **{"parallel.pp": 2}),
     _pp("pp2_zbv", 2, 2, "zbv", 2, **{"parallel.pp": 2}),
     _pp("pp2_dualpipev", 2, 2, "dualpipev", 2, **{"parallel.pp": 2}),
-    _pp("pp2_explicit_1_7", 2, 2, "1f1b", **{"parallel.pp": 2, "parallel.pp_layers_per_stage": [1, 7]}),
-    _pp("pp2_balanced_speeds_1_3", 2, 2, "1f1b", **{"parallel.pp": 2, "parallel.pp_split": "balanced",
+    _pp("pp2_explicit_1_7", 2, 2, "1f1b", layers=8, **{"parallel.pp": 2, "parallel.pp_layers_per_stage": [1, 7]}),
+    _pp("pp2_balanced_speeds_1_3", 2, 2, "1f1b", layers=8, **{"parallel.pp": 2, "parallel.pp_split": "balanced",
                                                    "parallel.pp_stage_speeds": [1.0, 3.0]}),
     # A V schedule's own split (plan search offers balanced V variants): rank 0 holds stages 0 and 3
-    _pp("pp2_dualpipev_split_1_3_3_1", 2, 2, "dualpipev", 2, **{"parallel.pp": 2, "parallel.pp_layers_per_stage": [1, 3, 3, 1]}),
+    _pp("pp2_dualpipev_split_1_3_3_1", 2, 2, "dualpipev", 2, layers=8, **{"parallel.pp": 2, "parallel.pp_layers_per_stage": [1, 3, 3, 1]}),
     # world size 4
-    _pp("pp4_gpipe", 4, 1, "gpipe", **{"parallel.pp": 4}),
-    _pp("pp4_1f1b", 4, 1, "1f1b", **{"parallel.pp": 4}),
-    _pp("pp4_interleaved_v2", 4, 1, "interleaved_1f1b", 2, **{"parallel.pp": 4}),
-    _pp("pp4_zero_bubble_v2", 4, 1, "zero_bubble", 2, **{"parallel.pp": 4}),
-    _pp("pp4_zbv", 4, 1, "zbv", 2, **{"parallel.pp": 4}),
-    _pp("pp4_dualpipev", 4, 1, "dualpipev", 2, **{"parallel.pp": 4}),
-    _pp("pp4_balanced_v2", 4, 1, "interleaved_1f1b", 2, **{"parallel.pp": 4, "parallel.pp_split": "balanced"}),
+    _pp("pp4_gpipe", 4, 1, "gpipe", layers=8, **{"parallel.pp": 4}),
+    _pp("pp4_1f1b", 4, 1, "1f1b", layers=8, **{"parallel.pp": 4}),
+    _pp("pp4_interleaved_v2", 4, 1, "interleaved_1f1b", 2, layers=8, **{"parallel.pp": 4}),
+    _pp("pp4_zero_bubble_v2", 4, 1, "zero_bubble", 2, layers=8, **{"parallel.pp": 4}),
+    _pp("pp4_zbv", 4, 1, "zbv", 2, layers=8, **{"parallel.pp": 4}),
+    _pp("pp4_dualpipev", 4, 1, "dualpipev", 2, layers=8, **{"parallel.pp": 4}),
+    _pp("pp4_balanced_v2", 4, 1, "interleaved_1f1b", 2, layers=8, **{"parallel.pp": 4, "parallel.pp_split": "balanced"}),
     _pp("pp2_tp2", 4, 2, "1f1b", **{"parallel.pp": 2, "parallel.tp": 2}),
     _pp("pp2_tp2_nosp_interleaved", 4, 2, "interleaved_1f1b", 2,
         **{"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": False}),
