@@ -297,6 +297,15 @@ class RunConfig:
     metrics_address: str = opt("127.0.0.1", "Address the run.metrics_port endpoint listens on: loopback by default (this "
                                             "machine only); a non-loopback address (e.g. 0.0.0.0, every interface) only "
                                             "when given.")
+    straggler_every: int = opt(50, "Every this many steps each rank's timing (its blocks' compute, its wait for data) "
+                                   "goes to rank 0, which names a rank slower than the median (train/straggler.py); "
+                                   "one all-gather of three numbers a window. 0 = off.")
+    straggler_margin: float = opt(0.2, "A rank is slow when its compute exceeds the median rank's by this share, or its "
+                                       "data wait the median's by this share of the step. 0.2: well above the jitter of "
+                                       "identical work on identical devices, and such a rank costs every rank a fifth.")
+    straggler_steps: int = opt(100, "A rank slow for at least this many steps in a row (whole windows of "
+                                    "run.straggler_every) is named: one line, and one when it recovers. 100: two "
+                                    "windows, so a one-off pause (a checkpoint, a collection) names nobody.")
 
 
 @dataclass

@@ -151,6 +151,11 @@ def check_run(cfg: Config) -> None:
                           f"({cfg.run.rendezvous_timeout_s:g}), got {cfg.run.rendezvous_last_call_s:g}",
                           "the wait for more nodes must end before the rendezvous itself times out: e.g. "
                           f"{min(30.0, cfg.run.rendezvous_timeout_s / 2):g}")
+    _positive("run.straggler_every", cfg.run.straggler_every, 0)
+    _positive("run.straggler_steps", cfg.run.straggler_steps)
+    if not 0 < cfg.run.straggler_margin < 10:
+        raise ConfigError("run.straggler_margin", f"must be within (0, 10), got {cfg.run.straggler_margin}",
+                          "e.g. 0.2: a rank 20% slower than the median rank")
     if not cfg.run.collective_timeout_s > 0:
         raise ConfigError("run.collective_timeout_s", f"must be > 0, got {cfg.run.collective_timeout_s}",
                           "use e.g. 300 (seconds); raise it if a checkpoint save or first step takes longer")

@@ -84,6 +84,8 @@ class StepLog:
         self.inductor_before = inductor_graphs() if self.compiled else (0, 0)
         self.last_timeline: dict | None = None  # the newest recorded pipeline step, written at the end
         self.last_eval: tuple[int, dict] | None = None  # the newest validation round (step, record)
+        self.stragglers_named = 0  # straggler lines that named a rank this run (train/straggler.py)
+        self.straggler_record: dict = {}  # the newest straggler window's keys, added to the next logged step's record
         writer = rank == 0
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +144,14 @@ class StepLog:
             self.metrics.print(f"step {step} validation: {eval_words(record)} ({record['eval_time_s']:.1f} s)")
         self.metrics.log(step, record)
 
+    def after_straggler_window(self, step: int, record: dict, lines: list[str]) -> None:
+        """Rank 0, at the end of a straggler window (train/straggler.py): its lines now; its keys go into the next
+        logged step's record (no record of their own: a step's record keeps its loss, as readers expect)."""
+        for line in lines:
+            self.metrics.print(line)
+        self.stragglers_named += sum(line.startswith("straggler: ") and "no longer slow" not in line for line in lines)
+        self.straggler_record = {**record, "straggler/window_end_step": step}
+
     def _record(self, r: StepResult, step: int, timeline: dict | None, comm_bytes: dict[str, dict[str, int]],
                 memory: dict[str, list[int]]) -> dict:
         """The metrics.jsonl record of a step (collective under MoE)."""
@@ -154,6 +164,7 @@ class StepLog:
                   "skipped_steps": self.guard.skipped_total, "loss_scale": self.scaler.scale,
                   "time": time.time()}  # wall clock, Unix seconds: when the step ended (and was logged)
         record.update({f"mem_{k}_bytes": v[self.rank] for k, v in memory.items()})
+        record.update(self.straggler_record)
         record.update({f"comm_{axis}_bytes": sum(kinds.values()) for axis, kinds in comm_bytes.items()})
         record["comm_bytes_per_step"] = comm_bytes
         if self.comm_counted_step is not None:
@@ -215,6 +226,8 @@ class StepLog:
             parts.append("tokens read by source: " + ", ".join(f"{name} {n:,} ({n / total:.1%})" for name, n in read.items()))
         if self.last_eval is not None:
             parts.append(f"validation at step {self.last_eval[0]}: {eval_words(self.last_eval[1])}")
+        if self.stragglers_named:
+            parts.append(f"{self.stragglers_named} straggler{'s' if self.stragglers_named != 1 else ''} named (lines above)")
         if self.energy.enabled and self.energy.total_tokens:
             parts.append(f"GPU energy {self.energy.total_joules / JOULES_PER_KWH:.3g} kWh, "
                          f"{self.energy.total_joules / self.energy.total_tokens:.3g} J/token (all GPUs)")

@@ -68,6 +68,7 @@ from shardwise.train.out_of_memory import VIEWER, MemorySnapshot, first_to_repor
 from shardwise.train.pipeline_chart import TimelineRecorder
 from shardwise.train.rundir import resume_changes
 from shardwise.train.signals import StopRequest
+from shardwise.train.straggler import StragglerWatch
 from shardwise.train.step_log import StepLog, StepResult
 
 
@@ -193,6 +194,11 @@ class Trainer:
         if cfg.checkpoint.resume or restarted:
             self._maybe_resume()
         self.batches.check_epochs(t.steps)  # a mixture's max_epochs, over the steps left (cli.py asked already)
+        # Per-rank timing and the slow rank's name (run.straggler_every, train/straggler.py).
+        self.data_wait_s = 0.0
+        self.straggler = StragglerWatch.start(
+            cfg.run, [b for m in self.inner.modules() if isinstance(m, Transformer) for b in m.blocks()], self.rank,
+            self.world_group, self.device)
 
     def _build_pipeline(self) -> torch.nn.Module:
         cfg, dims, t = self.cfg, self.dims, self.cfg.train
@@ -307,7 +313,9 @@ class Trainer:
 
     def _forward_backward_update(self) -> tuple[torch.Tensor, torch.Tensor, float, Verdict]:
         t = self.cfg.train
+        waited = time.perf_counter()
         micro = self.loader.micro_batches(self.step)
+        self.data_wait_s = time.perf_counter() - waited
         if self.data.finetune:
             self.loss_denominator = self._count_loss_tokens(micro)
         moe_stats.reset(self.moe_layers)
@@ -436,6 +444,8 @@ class Trainer:
                 timeline = self.timeline.collect(self.step) if self.timeline.recording else None
                 losses.append(r.loss)
                 diverged = self.guard.record(self.step, r.skipped, r.loss)
+                if self.straggler is not None and (found := self.straggler.after_step(self.step, r.seconds, self.data_wait_s)):
+                    report.after_straggler_window(self.step, *found)  # before the step's record, which carries it
                 report.after_step(r, self.step, logging_step, timeline, self.comm_bytes or {}, self.last_memory)
                 if snapshot := self.snapshot.after_step(self.step, last=self.step == t.steps):
                     self.log(f"memory snapshot: {snapshot} (open it at {VIEWER})")
@@ -460,6 +470,8 @@ class Trainer:
             finished = True
         finally:
             self.loader.close()
+            if self.straggler is not None:
+                self.straggler.close()
             report.close(finished)
             if hasattr(self.optimizer, "close"):  # the NVMe tier's files (checkpoints hold the state)
                 self.optimizer.close()
