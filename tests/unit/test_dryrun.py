@@ -84,3 +84,17 @@ def test_experts_sharded_over_more_ranks_than_local_experts_match_the_planner(tm
     rows = _rows(tmp_path, ["--model.preset=tiny-moe", "--model.n_layers=2", "--parallel.pp=1", "--parallel.tp=1",
                             "--parallel.zero=3", "--parallel.ep=8", "--train.global_batch=1024"], "0")
     assert all(rows[0][c] == rows[0]["planned"][c] for c in CATEGORIES), rows[0]
+
+
+@pytest.mark.parametrize("argv, code", [(["dryrun", "--help"], 0),
+                                        (["dryrun", "--nnodes", "128", "--nproc", "8", "--parallel.zero=7"], 2)])
+def test_help_and_bad_input_answer_without_importing_torch(argv, code):
+    """Pre-flight refuses before torch is imported (it takes seconds), as `shardwise train` does."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from shardwise.cli import main\n"
+             "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+             "print(code, 'torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+    assert done.stderr.strip().endswith(f"{code} no torch"), done.stderr[-2000:]
