@@ -1,0 +1,109 @@
+"""The public validation set (issue 60, part 2): published step times of large runs, 8 to 11,616 GPUs.
+
+tests/fixtures/published_runs.json holds each run with its source, hardware, model, layout and software stack
+as the source states them, the published figure as a step time, and the planner overrides that describe it
+(the fixture's "note" says how). benchmarks/plan_published.py prices every row and prints its error.
+
+This test holds the table's shape: every row complete and sourced, none fitted, every layout accepted and
+priced by the planner, an error reported for each row and per GPU-count band. It does not hold the errors
+to issue 60's target (every row within 12%, mean within 5%): the planner does not meet it yet. Measured on
+2026-11-29 (predicted / published - 1): mean |error| 23.0% over 33 rows; 8-256 GPUs 16.3%, 512-3,360 15.5%,
+4,096+ 49.2%; from -43.1% (torchtitan's 8B on 500 W H100s) to +79.8% (MLPerf v4.0 GPT-3 on 11,616 H100s).
+docs/planner.md, "Published runs", has the table.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import plan_published as pp  # noqa: E402
+
+FIXTURE = ROOT / "tests" / "fixtures" / "published_runs.json"
+# Kept aside as issue 60's independent check: none of these may be a row's source.
+KEPT_ASIDE = ("2104.04473", "2205.05198", "2402.15627", "2407.21783", "MegaScale", "Narayanan", "Korthikanti",
+              "Llama 3 Herd", "herd of models")
+
+
+@pytest.fixture(scope="module")
+def table() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(table) -> list[dict]:
+    return [pp.price(row) for row in table["rows"]]
+
+
+def test_every_row_is_complete_and_sourced(table):
+    assert "how" in table["note"] or "described" in table["note"]
+    ids = [r["id"] for r in table["rows"]]
+    assert len(ids) == len(set(ids))
+    for row in table["rows"]:
+        for key in ("title", "url", "where", "retrieved"):
+            assert row["source"][key], (row["id"], key)
+        for key in ("gpu", "gpus_per_node", "interconnect", "planner"):
+            assert row["hardware"][key], (row["id"], key)
+        assert row["model"]["as_stated"] and row["model"]["planner"], row["id"]
+        assert row["layout"] and row["stack"]["as_stated"] and row["stack"]["described_as"], row["id"]
+        published = row["published"]
+        assert published["metric"] in ("step_time_s", "tokens_per_s_per_gpu") and published["value"] > 0, row["id"]
+        assert published["as_stated"] and row["conversion"], row["id"]
+        assert row["step_time_s"] > 0 and isinstance(row["assumptions"], list), row["id"]
+        assert row["fitting_data"] is False, f"{row['id']}: nothing is fitted to the validation set"
+        assert f"--cluster.num_gpus={row['gpus']}" in row["overrides"], row["id"]
+        assert any(o.startswith("--cluster.gpu=") for o in row["overrides"]), row["id"]
+        text = json.dumps(row["source"])
+        assert not any(k.lower() in text.lower() for k in KEPT_ASIDE), f"{row['id']}: a kept-aside source"
+
+
+def test_published_throughputs_convert_to_the_step_time_recorded(table):
+    """tokens/s/GPU rows: step = global batch x seq / (tokens/s/GPU x GPUs); step rows: as published."""
+    for row in table["rows"]:
+        published = row["published"]
+        if published["metric"] == "step_time_s":
+            assert row["step_time_s"] == pytest.approx(published["value"], rel=1e-3), row["id"]
+            continue
+        ov = dict(o.lstrip("-").split("=", 1) for o in row["overrides"])
+        tokens = int(ov["train.global_batch"]) * int(ov["train.seq_len"])
+        assert row["step_time_s"] == pytest.approx(tokens / (published["value"] * row["gpus"]), rel=1e-3), row["id"]
+
+
+def test_the_set_spans_8_to_thousands_of_gpus(table):
+    gpus = [r["gpus"] for r in table["rows"]]
+    assert len(gpus) >= 10 and min(gpus) <= 8 and max(gpus) >= 10_000
+    assert sum(g > 1000 for g in gpus) >= 5
+    for name, _ in pp.BANDS:
+        assert sum(pp.band(g) == name for g in gpus) >= 3, name
+
+
+def test_every_published_layout_is_accepted_and_priced(results):
+    """A layout the planner refuses is a finding to report, not a row to drop: none is refused today."""
+    refused = {r["id"]: r["refused"] for r in results if r["refused"]}
+    assert not refused, refused
+    for r in results:
+        assert r["predicted_s"] > 0 and math.isfinite(r["error"]), r["id"]
+        assert 0 < r["mfu"] < 1 and r["breakdown_s"], r["id"]
+
+
+def test_the_benchmark_reports_each_rows_error_and_the_bands(results, tmp_path, capsys):
+    summ = pp.summary(results)
+    assert summ["all"]["rows"] == len(results) and not summ["refused"]
+    assert {name for name, _ in pp.BANDS} == set(summ["bands"])
+    for s in summ["bands"].values():
+        assert s["rows"] >= 3 and s["mean_abs_error"] >= 0 and s["worst_id"]
+    text = pp.table_text(results, summ)
+    for r in results:
+        line = next(line for line in text.splitlines() if line.startswith(r["id"] + " "))
+        assert f"{100 * r['error']:+.1f}%" in line, line
+    assert "mean |error|" in text and "worst" in text
+    out = tmp_path / "published.json"
+    assert pp.main(["--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == len(results) and data["summary"]["all"]["rows"] == len(results)
+    assert "mean |error|" in capsys.readouterr().out
