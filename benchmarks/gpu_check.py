@@ -7,6 +7,7 @@ Each row is a process of its own (a crash, an OOM or a hang fails its row, not t
 start in an interpreter that imported torch and the trainer while the row before ran: gpu_warm.py) and is one of:
   train/{eager,compiled}/{fp32,bf16,fp16,fp8}/{none,selective,full}   one-process training of the check model
   offload/{cpu,nvme}, tiles/4                                       model states off the GPU; tiled MLPs
+  train/compiled/bf16/documents                                     document mask + validation rounds, priced
   offload-big/{cpu,nvme}                                            states larger than the GPU (only when named)
   fixture/{886m-bf16-mb8,886m-fp16-mb8,2.4b-bf16-mb2}               issue 29's H100 rows trained again (only when named)
   resume/bitwise                                                    8 steps = 4 steps, checkpoint, 4 resumed
@@ -124,7 +125,12 @@ def predict(ctx: Ctx, run: Path) -> dict[str, float]:
     if p.returncode != 0:
         return {"error": one_line(p)}  # type: ignore[dict-item]
     plan = json.loads(p.stdout)
-    return {"step_s": plan["step_time_s"], "peak_gib": plan["memory_gib"]["total"], "stack": plan.get("stack", "")}
+    out = {"step_s": plan["step_time_s"], "peak_gib": plan["memory_gib"]["total"], "stack": plan.get("stack", "")}
+    if "evaluation" in plan:  # a validation round's price (plan/evaluation.py)
+        out["eval_round_s"] = plan["evaluation"]["round_s"]
+    if "document_mask" in plan:  # the share of causal attention's tiles the documents leave (spec/documents.py)
+        out["document_share"] = plan["document_mask"]["share"]
+    return out
 
 
 def train_args(ctx: Ctx, run: Path, overrides: list[str], steps: int | None = None) -> list[str]:
@@ -143,7 +149,7 @@ def train_row(ctx: Ctx, name: str, overrides: list[str], steps: int | None = Non
         return Row(name, "fail", one_line(p))
     row = Row(name, "pass", measured={**metrics(run), **peak_split(run), **process_times(run, started, ended)},
               predicted=predict(ctx, run))
-    for key in ("step_s", "peak_gib"):
+    for key in ("step_s", "peak_gib", "eval_round_s"):
         got, want = row.measured.get(key), row.predicted.get(key)
         if isinstance(got, float) and isinstance(want, float) and got > 0:
             row.predicted[f"{key}_error"] = (want - got) / got
@@ -254,6 +260,11 @@ def training_rows(ctx: Ctx) -> dict[str, list[str]]:
     rows["offload/cpu"] = ["--parallel.offload=cpu", "--parallel.zero=3"]
     rows["offload/nvme"] = ["--parallel.offload=nvme", "--parallel.zero=3", f"--parallel.offload_dir={ctx.out / 'nvme'}"]
     rows["tiles/4"] = ["--parallel.linear_tiles=4"]
+    # Issue 56 on a GPU: document masking (FlexAttention, priced on the prepared rows' tiles, plan/command.py) and
+    # validation rounds (priced by plan/evaluation.py), each against the planner: step time and a round's seconds.
+    rows["train/compiled/bf16/documents"] = [f"--data.path={documents_corpus(ctx.corpus)}", "--train.compile=true",
+                                              "--train.precision=bf16", "--train.document_mask=true",
+                                              "--data.valid_fraction=0.05", "--eval.every=4", "--eval.tokens=16384"]
     return rows
 
 
@@ -499,6 +510,14 @@ def _write_corpus(path: Path) -> None:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     modules = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "json/decoder.py")
     path.write_text("\n".join((stdlib / m).read_text() for m in modules))
+    # The same text as many documents (train/compiled/bf16/documents): each blank-line-separated block one JSON
+    # record, so that rows pack several documents and the validation share holds whole ones.
+    blocks = [b for b in path.read_text().split("\n\n") if b.strip()]
+    documents_corpus(path).write_text("".join(json.dumps({"text": b}) + "\n" for b in blocks))
+
+
+def documents_corpus(corpus: Path) -> Path:
+    return corpus.with_name("corpus_documents.jsonl")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,10 @@ def _offload_big(rows: list[Row]) -> float | None:
 # ---- a training row's run directory: what it measured ----
 def metrics(run: Path, skip: int = 2) -> dict[str, float]:
     """Medians over the logged steps after the first `skip` (compilation, the communication count)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    every = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [r for r in every if "loss" in r]  # the steps' records (a validation round has one of its own)
     steady = records[skip:] or records
+    rounds = [r["eval_time_s"] for r in every if isinstance(r.get("eval_time_s"), (int, float))]
 
     def median(key: str) -> float | None:
         values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
@@ -87,7 +89,9 @@ def metrics(run: Path, skip: int = 2) -> dict[str, float]:
            # compiled runs: graphs inductor generated code for, and of those loaded from torch's compile cache
            # (gpu_check.py prewarm)
            "inductor_graphs": records[-1].get("inductor_graphs"),
-           "inductor_graphs_from_cache": records[-1].get("inductor_graphs_from_cache")}
+           "inductor_graphs_from_cache": records[-1].get("inductor_graphs_from_cache"),
+           # validation: a round's seconds, the first left out where there are more (it compiles the forward)
+           "eval_round_s": statistics.median(rounds[1:] or rounds) if rounds else None}
     return {k: v for k, v in out.items() if v is not None}
 
 

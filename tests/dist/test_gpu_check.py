@@ -67,13 +67,13 @@ def test_compiled_rows_run_ahead_side_by_side_to_fill_the_compile_cache():
     training = gpu_check.training_rows(gpu)
     cacheable = {n for n, o in training.items() if gpu_check.compiles_with_cache(gpu, o)}
     assert cacheable == {n for n in training if not n.startswith("train/eager/")}
-    assert len(cacheable) == 12 + 3
+    assert len(cacheable) == 12 + 3 + 1  # the compiled matrix, offload / tiles, the documents row
     assert not any(gpu_check.compiles_with_cache(cpu, o) for o in gpu_check.training_rows(cpu).values())
     assert gpu_check.compiles_with_cache(cpu, ["--train.compile=true", "--train.compile_backend=inductor"])
     names = gpu_check.select(list(gpu_check.all_rows(gpu)), None)
     first, chains, rest = gpu_check.schedule(names, cacheable, jobs=4)
     ahead = [c[0][len(gpu_check.PREWARM):] for c in chains if c[0].startswith(gpu_check.PREWARM)]
-    assert ahead == [n for n in rest if n in cacheable] and len(ahead) == 13  # bf16/none, fp8/none are FIRST
+    assert ahead == [n for n in rest if n in cacheable] and len(ahead) == 14  # bf16/none, fp8/none are FIRST
     assert all(len(c) == 1 for c in chains if c[0].startswith(gpu_check.PREWARM))
     assert chains.index([gpu_check.PREWARM + ahead[-1]]) < chains.index(["doctor"])  # the longest start first
     assert gpu_check.schedule(names, cacheable, jobs=1)[1] == gpu_check.schedule(names)[1]  # one at a time: no gain
@@ -337,3 +337,15 @@ def test_kernel_configurations_timed_beside_the_pool_are_not_kept_for_the_timed_
     assert gpu_check.drop_autotune_choices(tmp_path / "compile-cache") == 2
     assert sorted(p.name for p in kernel.iterdir()) == ["fxgraph.entry", "k1.py"]
     assert gpu_check.drop_autotune_choices(tmp_path / "nowhere") == 0
+
+
+def test_a_row_with_validation_rounds_reads_its_steps_and_rounds_apart(tmp_path):
+    """train/compiled/bf16/documents: a validation round's record has no loss; the row's final loss is the last step's, and a
+    round's seconds are the median of the rounds after the first (which compiles the forward)."""
+    records = [{"step": s, "loss": 5.0 - s / 10, "step_time_s": 0.1} for s in range(1, 9)]
+    records[3:3] = [{"step": 4, "valid_loss_c": 5.5, "eval_time_s": 9.0}]
+    records += [{"step": 8, "valid_loss_c": 5.1, "eval_time_s": 1.0}, {"step": 8, "eval_time_s": 1.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    measured = gpu_check.metrics(tmp_path)
+    assert measured["final_loss"] == 4.2 and measured["eval_round_s"] == 1.2 and measured["step_s"] == 0.1
+    assert "train/compiled/bf16/documents" in gpu_check.training_rows(gpu_check.Ctx(tmp_path, "cpu", 8, 300, None, tmp_path / "c.txt", {}))
