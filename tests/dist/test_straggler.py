@@ -8,7 +8,6 @@ import contextlib
 import io
 import json
 import time
-from pathlib import Path
 
 import pytest
 

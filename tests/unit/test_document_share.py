@@ -91,7 +91,7 @@ def test_the_share_is_measured_on_the_prepared_rows_and_never_prepares(tmp_path,
     corpus = tmp_path / "corpus.jsonl"
     gen = torch.Generator().manual_seed(0)
     lines = []
-    for i in range(200):
+    for _ in range(200):
         n = int(torch.randint(5, 120, (1,), generator=gen))
         body = "".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=gen))
         lines.append({"text": body} if fmt == "text" else {"prompt": body[: n // 2], "completion": body[n // 2:]})

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @dataclass
 class RankTimes:
     """One rank's window medians: a block forward's seconds, the data wait and the step's wall time."""

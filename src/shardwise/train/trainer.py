@@ -68,8 +68,8 @@ from shardwise.train.out_of_memory import VIEWER, MemorySnapshot, first_to_repor
 from shardwise.train.pipeline_chart import TimelineRecorder
 from shardwise.train.rundir import resume_changes
 from shardwise.train.signals import StopRequest
-from shardwise.train.straggler import StragglerWatch
 from shardwise.train.step_log import StepLog, StepResult
+from shardwise.train.straggler import StragglerWatch
 
 
 class Trainer:
