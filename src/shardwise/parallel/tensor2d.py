@@ -261,9 +261,12 @@ def _embedding(grid: Grid, emb: nn.Embedding, tokens: torch.Tensor) -> torch.Ten
     return F.embedding(tokens[grid.rows(tokens.shape[0])], weight)
 
 
-def _attention(grid: Grid, attn: nn.Module, x: torch.Tensor, rope=None, positions=None, cache=None) -> torch.Tensor:
-    if cache is not None or positions is not None:
-        raise NotImplementedError("2-D tensor parallelism trains only (no KV cache, no explicit positions)")
+def _attention(grid: Grid, attn: nn.Module, x: torch.Tensor, rope=None, positions=None, cache=None,
+               mask=None) -> torch.Tensor:
+    """Attention.forward's signature (models/common.py), computed by SUMMA."""
+    if cache is not None or positions is not None or mask is not None:
+        raise NotImplementedError("2-D tensor parallelism trains only (no KV cache, no explicit positions, no "
+                                  "document mask: pre-flight refuses them)")
     b, s, _ = x.shape
     q, k, v = (t.view(b, s, -1, attn.head_dim).transpose(1, 2) for t in summa(grid, x, attn.wq, attn.wk, attn.wv))
     if rope is not None:
