@@ -39,7 +39,11 @@ REFERENCES = {"llama": {}, "gpt": {"model.preset": "tiny-gpt", "model.vocab_size
               "moe": {"model.preset": "tiny-moe", "model.vocab_size": 512, "train.micro_batch": 2},
               # capacity factor 1: tokens are dropped (per micro-batch on one rank: the same set everywhere)
               "moe_cap": {"model.preset": "tiny-moe", "model.vocab_size": 512, "train.micro_batch": 2,
-                          "model.moe.capacity_factor": 1.0}}
+                          "model.moe.capacity_factor": 1.0},
+              # 2 experts, top-1: with ep 2 one expert a rank, fewer than efsdp shards, which FSDP2 then cuts on
+              # dim 1 (parallel/expert.py expert_placement), not into whole padded experts
+              "moe_e2": {"model.preset": "tiny-moe", "model.vocab_size": 512, "train.micro_batch": 2,
+                         "model.moe.num_experts": 2, "model.moe.top_k": 1}}
 
 DP_FAMILY = [
     # world size 1: gradient accumulation alone
@@ -208,6 +212,8 @@ MOE_FAMILY = [
     Layout("moe_ep4_zero3_dp4", 4, {**_MOE, "parallel.dp_shard": 4, "parallel.ep": 4, "parallel.zero": 3}, reference="moe"),
     Layout("moe_ep2_efsdp2_zero3", 4, {**_MOE, "parallel.dp_shard": 4, "parallel.ep": 2, "parallel.zero": 3},
            reference="moe"),
+    Layout("moe_e2_ep2_efsdp2_zero3_dim1", 4, {**REFERENCES["moe_e2"], "parallel.dp_shard": 4, "parallel.ep": 2,
+                                                "parallel.zero": 3}, reference="moe_e2"),
     Layout("moe_ep2_pp2_zero3", 4, {**_MOE, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.ep": 2,
                                     "parallel.zero": 3}, reference="moe"),
     # CP x EP: ep folded into the cp ranks (dp_shard 1), and into dp_shard x cp; the router statistics

@@ -73,17 +73,15 @@ def test_bad_input_exits_2_with_the_field_before_building(tmp_path, capsys):
     assert "--ranks" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the dry run (issue 58): with fewer local experts than efsdp ranks (here 1 expert a rank, efsdp 128) "
-    "parallel/expert.py shard_experts shards the stacked experts on dim 0 (FSDP2's default), so each rank keeps a "
-    "padded row of ceil(1 / 128) = 1 whole expert, while plan/memory.py model_state_bytes prices dim-1 shards "
-    "(inventory.fsdp_shard_numel(expert=True), torchtitan's Shard(1)); plan/inventory.py fsdp_units (the "
-    "planner's gathers) assumes dim 0 like the trainer. Mixtral 8x7B, tp8 x dp_shard128 x ep8 on 1,024 ranks: "
-    "2.631 GiB of parameters built against 0.170 GiB planned on rank 0"))
 def test_experts_sharded_over_more_ranks_than_local_experts_match_the_planner(tmp_path):
-    rows = _rows(tmp_path, ["--model.preset=tiny-moe", "--model.n_layers=2", "--parallel.pp=1", "--parallel.tp=1",
-                            "--parallel.zero=3", "--parallel.ep=8", "--train.global_batch=1024"], "0")
-    assert all(rows[0][c] == rows[0]["planned"][c] for c in CATEGORIES), rows[0]
+    """Found by the dry run: with fewer local experts than efsdp ranks (here 1 expert a rank, efsdp 128) the
+    trainer sharded the stacked experts on dim 0, each rank keeping a padded whole expert, while the planner
+    priced dim-1 shards; the trainer now cuts dim 1 there (parallel/expert.py expert_placement)."""
+    for nodes, cut in ((16, "dim 1: 64 rows / 16 ranks"), (128, "dim 0, padded: 64 rows do not divide over 128")):
+        rows = _rows(tmp_path, ["--model.preset=tiny-moe", "--model.n_layers=2", "--parallel.pp=1", "--parallel.tp=1",
+                                "--parallel.zero=3", "--parallel.ep=8", f"--train.global_batch={nodes * 8}",
+                                "--nnodes", str(nodes)], "0")
+        assert all(rows[0][c] == rows[0]["planned"][c] for c in CATEGORIES), (cut, rows[0])
 
 
 @pytest.mark.parametrize("argv, code", [(["dryrun", "--help"], 0),

@@ -167,9 +167,9 @@ def numel(s: tuple[int, ...]) -> int:
 
 def fsdp_shard_numel(s: tuple[int, ...], n: int, expert: bool) -> int:
     """Elements of one rank's FSDP2 shard of a (local) tensor of shape `s` over n ranks: FSDP2 pads
-    dim 0 to a multiple of n (torchtitan shards stacked experts on dim 1 instead when there are fewer
-    local experts than shards, `expert`)."""
-    if expert and len(s) == 3 and s[0] < n:
+    dim 0 to a multiple of n; stacked experts (`expert`) with fewer local experts than shards are cut on
+    dim 1 instead where it divides (parallel/expert.py expert_placement, torchtitan's rule)."""
+    if expert and len(s) == 3 and s[0] < n and s[1] % n == 0:
         return s[0] * math.ceil(s[1] / n) * s[2]
     return math.ceil(s[0] / n) * numel(s[1:]) if s else 1
 
@@ -202,15 +202,16 @@ def fsdp_units(shape: ModelShape, tp: int, ep: int, n: int, rank: RankModel, tp_
     parallel/expert.py takes them out of the dense units: with efsdp = n / ep == 1 FSDP ignores them
     (each ep rank owns its E/ep experts, nothing to gather or reduce-scatter), with efsdp > 1 each MoE
     block's experts module is an FSDP2 unit of its own over the expert mesh's efsdp axis
-    (shard_experts). FSDP2 shards dim 0 in both cases (no shard_placement_fn): padded to
-    ceil(d0 / group) x group rows."""
+    (shard_experts). FSDP2 shards dim 0, padded to ceil(d0 / group) x group rows, except stacked
+    experts with fewer local experts than efsdp ranks, which it shards on dim 1 (parallel/expert.py
+    expert_placement)."""
     efsdp = max(1, n // ep)
     blk = blk_pad = root = root_pad = exp = exp_pad = 0.0
     for spec, repeat, in_block in rank_params(shape, rank):
         ls = local_shape(spec, shape, tp, ep, tp_mode)
         expert_unit = spec.tp == "expert" and ep > 1
         group = efsdp if expert_unit else n
-        full, pad = numel(ls) * repeat, fsdp_shard_numel(ls, group, False) * group * repeat
+        full, pad = numel(ls) * repeat, fsdp_shard_numel(ls, group, expert_unit) * group * repeat
         if expert_unit:
             exp, exp_pad = exp + full, exp_pad + (pad if efsdp > 1 else 0.0)
         elif in_block:
