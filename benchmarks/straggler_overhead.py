@@ -3,13 +3,15 @@ tiny llama, ZeRO-3 over 2 processes) trained with it off, with the default windo
 1 step (the all-gather and the verdict every step: the worst case), in interleaved repetitions so that the
 machine's drift falls on all of them alike.
 
-    python benchmarks/straggler_overhead.py [--steps 80] [--reps 3] [--out F.json]
+    python benchmarks/straggler_overhead.py [--steps 80] [--reps 3] [--out F.json] [--smoke]
 
 Per setting: the median over repetitions of each run's median step time (metrics.jsonl step_time_s, steps after
 the first 10: compilation and warm-up), and its ratio to "off", with the repetitions' spread of that ratio. The
 block hooks run every step in both "on" settings; they differ in how often the window's all-gather runs. Then the
 hooks' own cost per block forward, timed on a module that does nothing: on a loaded machine the runs' ratios
 move by more than the 1% asked (2026-11-29, 2 shared cores: 0.65-1.41), the hooks' cost does not.
+--smoke (tests/dist/test_benchmarks_smoke.py): the tiny preset on the byte tokenizer, off and every step, 6 steps
+once; its numbers are not a measurement.
 """
 from __future__ import annotations
 
@@ -27,18 +29,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 10
 SETTINGS = {"off": 0, "every 50 (default)": 50, "every step": 1}
+SMOKE = ["--model.preset=tiny", "--model.vocab_size=512", "--data.tokenizer=byte", "--train.seq_len=32",
+         "--train.global_batch=4", "--train.micro_batch=2", "--train.warmup_steps=1"]
 COMMON = ["--run.progress=false", "--run.tensorboard=false", "--run.loss_curve=false", "--checkpoint.every=0",
           "--checkpoint.final=false", "--checkpoint.resume=false", "--train.log_every=1", "--nproc", "2"]
 
 
-def run_once(steps: int, every: int, run_dir: Path) -> float:
+def run_once(steps: int, every: int, run_dir: Path, extra: list[str], warmup: int) -> float:
     cmd = [sys.executable, "-m", "shardwise.cli", "train", "--config", str(ROOT / "configs/demo.toml"),
-           f"--train.steps={steps}", f"--run.straggler_every={every}", f"--run.dir={run_dir}", *COMMON]
+           f"--train.steps={steps}", f"--run.straggler_every={every}", f"--run.dir={run_dir}", *COMMON, *extra]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > WARMUP]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > warmup]
     return statistics.median(times)
 
 
@@ -72,12 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="does the script still run? (not a measurement)")
     a = parser.parse_args(argv)
-    results: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    settings, extra, warmup = SETTINGS, [], WARMUP
+    if a.smoke:
+        settings = {k: v for k, v in SETTINGS.items() if v != 50}
+        a.steps, a.reps, extra, warmup = 6, 1, SMOKE, 2
+    results: dict[str, list[float]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(a.reps):
-            for name, every in SETTINGS.items():
-                results[name].append(run_once(a.steps, every, Path(tmp) / f"{rep}-{every}"))
+            for name, every in settings.items():
+                results[name].append(run_once(a.steps, every, Path(tmp) / f"{rep}-{every}", extra, warmup))
     off = statistics.median(results["off"])
     print(f"straggler timing overhead: demo config, 2 processes, {a.steps} steps x {a.reps} repetitions "
           f"({platform.node()}, {platform.processor() or platform.machine()})")
@@ -97,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     table["hook_cost_s_per_block_call"] = cost
     if a.out:
         Path(a.out).write_text(json.dumps({"benchmark": "straggler_overhead", "date": dt.date.today().isoformat(),
-                                           "steps": a.steps, "reps": a.reps, "results": table}, indent=2))
+                                           "smoke": a.smoke, "steps": a.steps, "reps": a.reps, "results": table},
+                                          indent=2))
     return 0
 
 

@@ -297,7 +297,7 @@ class RunConfig:
     metrics_address: str = opt("127.0.0.1", "Address the run.metrics_port endpoint listens on: loopback by default (this "
                                             "machine only); a non-loopback address (e.g. 0.0.0.0, every interface) only "
                                             "when given.")
-    straggler_every: int = opt(50, "Every this many steps each rank's timing (its blocks' compute, its wait for data) "
+    straggler_every: int = opt(50, "Every this many steps each rank's timing (the compute of its blocks, its wait for data) "
                                    "goes to rank 0, which names a rank slower than the median (train/straggler.py); "
                                    "one all-gather of three numbers a window. 0 = off.")
     straggler_margin: float = opt(0.2, "A rank is slow when its compute exceeds the median rank's by this share, or its "

@@ -118,7 +118,8 @@ def test_every_benchmark_has_a_smoke_test():
     --smoke runs in tests/dist/test_gpu_check.py, kill_soak.py's two trials in tests/dist/test_clean_exit.py)."""
     smoked = {"gpu_check.py", "cross_entropy.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py", "run_safety_probes.py",
               "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py",
-              "store_polling.py", "peak_memory.py", "data_prepare.py"}
+              "store_polling.py", "peak_memory.py", "data_prepare.py", "straggler_overhead.py", "plan_published.py"}
+    # plan_published.py: pure Python, run whole by tests/unit/test_plan_published.py
     # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py); kernel_breakdown.py, run by the
     # --profile of gpu_throughput.py and decode.py (on in their smokes), and memory_peak.py, which reads a
     # GPU's allocator history: both tested in tests/unit on traces and histories in torch's formats;
@@ -129,6 +130,13 @@ def test_every_benchmark_has_a_smoke_test():
     helpers = {"gpu_report.py", "gpu_hf_rows.py", "gpu_schedule.py", "gpu_warm.py", "kernel_breakdown.py", "memory_peak.py",
                "kernel_timing.py", "kernel_overhead.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
+
+
+def test_straggler_overhead_smoke(tmp_path):
+    """Per-rank timing on and off: both runs train, and the hooks' own cost per block forward is measured."""
+    data = _smoke("straggler_overhead.py", tmp_path / "straggler.json")
+    assert data["smoke"] is True and set(data["results"]) == {"off", "every step", "hook_cost_s_per_block_call"}
+    assert data["results"]["every step"]["step_s"] > 0 and 0 < data["results"]["hook_cost_s_per_block_call"] < 1e-3
 
 
 def test_decode_smoke(tmp_path):
