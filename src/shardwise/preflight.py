@@ -117,8 +117,26 @@ def check_batch(cfg: Config, dims: ParallelDims) -> int:
     return t.global_batch // per_step
 
 
-def check_data(cfg: Config) -> None:
+# A loader worker hands its batches over through a socket at <temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX
+# (multiprocessing's resource sharer, torch's file-descriptor sharing); AF_UNIX paths end at 107 bytes.
+_WORKER_SOCKET_SUFFIX = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+_AF_UNIX_PATH_MAX = 107
+
+
+def check_data(cfg: Config, temp_dir: str | None = None) -> None:
+    """data.num_workers, and a temp directory short enough for the workers' sockets: past it, a worker's
+    batch failed to pickle in a background thread that only printed the error, and the rank waited for it
+    (found in a test run whose TMPDIR was 76 bytes long)."""
+    import tempfile
+
     _positive("data.num_workers", cfg.data.num_workers, 0)
+    temp = temp_dir if temp_dir is not None else tempfile.gettempdir()
+    if cfg.data.num_workers > 0 and len(temp) + _WORKER_SOCKET_SUFFIX > _AF_UNIX_PATH_MAX:
+        raise ConfigError("data.num_workers", f"loader workers hand batches over through sockets under the temp "
+                          f"directory {temp} ({len(temp)} bytes), whose paths would pass the {_AF_UNIX_PATH_MAX} "
+                          "bytes a Unix socket path may have",
+                          f"set TMPDIR to a directory of at most {_AF_UNIX_PATH_MAX - _WORKER_SOCKET_SUFFIX} bytes "
+                          "(e.g. /tmp), or data.num_workers=0")
 
 
 def check_offload_dir(path: str) -> None:

@@ -8,9 +8,11 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -224,12 +226,14 @@ def test_other_stop_signals(common, tmp_path, sig, code, target):
     assert not processes_mentioning(str(run)), "a rank or loader worker outlived the run"
 
 
-def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, tmp_path, monkeypatch):
+def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, tmp_path, monkeypatch, request):
     """Also the loader workers' temp files (issue 57 item 5): multiprocessing's pymp-* directories, which a killed
     run left in the temp directory forever, are named in a file each worker owns: the next run removes both."""
     run = tmp_path / "run"
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # A short temp directory: the workers' sockets live under it, and a Unix socket path ends at 107 bytes
+    # (pytest's tmp_path under xdist on a machine with many runs is 76 bytes: pre-flight refuses it).
+    scratch = Path(tempfile.mkdtemp(prefix="sw-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     monkeypatch.setenv("TMPDIR", str(scratch))
     loaders = ["--data.num_workers=2"]
     proc = _start(common, run, *ZERO3, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1", *loaders)

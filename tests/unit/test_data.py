@@ -7,6 +7,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +280,38 @@ def test_too_small_corpus_and_resume_checks():
         assert e.value.field == field
 
 
+def test_a_stalled_batch_starts_the_workers_again_and_a_second_stall_is_an_error(tmp_path, monkeypatch, capsys):
+    """A worker that never answers (made for real: it sleeps forever on its first batch) is waited for
+    stalled_batch_s, then the workers start again at that step and the batch is the right one; workers that
+    stall again end the rank with a line that says what to do."""
+    from shardwise.train import loader
+
+    np.save(tmp_path / "tokens.npy", (np.arange(20_000) % 300).astype(np.uint16))
+    tb = TokenBatches(np.load(tmp_path / "tokens.npy", mmap_mode="r"), 16, 8, seed=3)
+    hang = tmp_path / "hang-once"
+    getitem = loader._RankBatches.__getitem__
+
+    def first_one_hangs(self, step):  # runs in the forked worker
+        if hang.exists():
+            hang.unlink()
+            time.sleep(3600)
+        return getitem(self, step)
+    monkeypatch.setattr(loader._RankBatches, "__getitem__", first_one_hangs)
+    prefetcher = BatchPrefetcher(tb, batch_rank=0, batch_size=2, micro_batch=2, num_workers=1, total_steps=12)
+    prefetcher.stalled_batch_s = 1.0
+    try:
+        hang.touch()
+        got = prefetcher.micro_batches(3)
+        assert all(torch.equal(a, b) for a, b in zip(got, tb.local_micro_batches(3, 0, 2, 2)))
+        assert "no batch for step 4 in 1 s, its workers alive; starting them again" in capsys.readouterr().out
+        assert all(torch.equal(a, b) for a, b in zip(prefetcher.micro_batches(4), tb.local_micro_batches(4, 0, 2, 2)))
+        monkeypatch.setattr(loader._RankBatches, "__getitem__", lambda self, step: time.sleep(3600))
+        with pytest.raises(RuntimeError, match="no batch for step 2 in 1 s, twice.*data.num_workers=0"):
+            prefetcher.micro_batches(1)
+    finally:
+        prefetcher.close()
+
+
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 def test_prefetched_batches_equal_direct_ones_for_any_worker_count(tmp_path, num_workers):
     """train/loader.py: workers prepare steps ahead, in order; asking for another step restarts them there."""
@@ -398,3 +431,18 @@ def test_a_pipe_broken_by_a_dying_loader_worker_names_the_worker(tmp_path, worke
     else:
         assert "raised: ConnectionResetError: [Errno 104] Connection reset by peer" in done.stdout, done.stdout
     assert done.stderr == "", done.stderr[-3000:]
+
+
+def test_a_temp_directory_too_long_for_the_loader_workers_sockets_is_refused_before_anything_starts():
+    """A loader worker's batch travels through a socket under the temp directory: past 107 bytes it failed to
+    pickle in a thread that only printed the error, and the rank waited for the batch (an xdist test run's
+    76-byte TMPDIR). Pre-flight refuses it while workers are asked for, with the fix."""
+    from shardwise.config import build_config
+    from shardwise.errors import ConfigError
+    from shardwise.preflight import check_data
+
+    cfg = build_config({}, [("data.num_workers", "2")])
+    check_data(cfg, "/tmp/" + "x" * 70)  # 75 bytes: the sockets' 107 are not passed
+    with pytest.raises(ConfigError, match="(?s)data.num_workers: loader workers hand batches over.*set TMPDIR"):
+        check_data(cfg, "/tmp/" + "x" * 71)
+    check_data(build_config({}, [("data.num_workers", "0")]), "/tmp/" + "x" * 200)  # no workers, no sockets

@@ -37,6 +37,16 @@ _BLOCKED_WHILE_FORKING = (*STOP_SIGNALS, signal.SIGCHLD)
 # BatchPrefetcher._worker_death): the kernel closes a dying process's sockets before its parent can
 # reap it, a window of microseconds to milliseconds; a second is ample and delays only a failing rank.
 WORKER_EXIT_GRACE_S = 1.0
+# A batch that has not come this long after it was asked for, its workers alive, is waited for no longer: the
+# workers start again at that step (a batch is a function of the step: nothing is lost or repeated), once; a
+# second stall fails the rank with its own line. Seen in a full test run on a loaded 2-core machine
+# (2026-11-29, tests/dist/test_run_safety_cli.py): every rank waiting for its first batch and every worker for
+# work, for half an hour, with no collective pending that could time out; not reproduced alone (the cause is
+# not found). A healthy batch takes milliseconds; a first one, its workers' start: seconds.
+STALLED_BATCH_S = 60.0
+# How long one wait for a batch lasts before the rank looks again (DataLoader's timeout): torch's own interval
+# for noticing a dead worker (MP_STATUS_CHECK_INTERVAL), which a longer DataLoader timeout would stretch.
+BATCH_WAIT_SLICE_S = 5.0
 
 
 class _RankBatches(Dataset):
@@ -90,6 +100,7 @@ class BatchPrefetcher:
         self._iterator: Iterator[torch.Tensor] | None = None
         self._workers: list[multiprocessing.Process] = []
         self._next_step = -1
+        self.stalled_batch_s = STALLED_BATCH_S
 
     def micro_batches(self, step: int) -> list[torch.Tensor]:
         if self.num_workers == 0 or step >= self.total_steps:
@@ -97,7 +108,7 @@ class BatchPrefetcher:
         if self._iterator is None or step != self._next_step:
             self._start(step)
         try:
-            rows = next(self._iterator)
+            rows = self._next_rows(step)
         except (ConnectionError, EOFError) as e:
             death = self._worker_death(WORKER_EXIT_GRACE_S)
             if death is None:
@@ -106,13 +117,55 @@ class BatchPrefetcher:
         self._next_step += 1
         return split_micro_batches(rows, self.micro_batch)
 
+    def _wait_for_rows(self) -> torch.Tensor | None:
+        """The next batch, waited for in slices up to stalled_batch_s (None then); a dead worker still raises
+        within a slice. After a slice's timeout the iterator is as it was (its next() asks again)."""
+        waited = 0.0
+        while waited < self.stalled_batch_s:
+            try:
+                return next(self._iterator)
+            except RuntimeError as e:
+                if "DataLoader timed out" not in str(e):
+                    raise
+            waited += self._loader.timeout
+        return None
+
+    def _next_rows(self, step: int) -> torch.Tensor:
+        """The next batch; a stalled one (STALLED_BATCH_S) once more from workers started again."""
+        rows = self._wait_for_rows()
+        if rows is not None:
+            return rows
+        print(f"warning: data loader: no batch for step {step + 1} in {self.stalled_batch_s:.0f} s, its workers "
+              "alive; starting them again at that step", flush=True)
+        self._kill_workers()  # a stalled worker may never look at the iterator's shutdown request
+        self._start(step)
+        rows = self._wait_for_rows()
+        if rows is not None:
+            return rows
+        self._kill_workers()
+        raise RuntimeError(f"data loader: no batch for step {step + 1} in {self.stalled_batch_s:.0f} s, twice, from "
+                           f"workers started again (data.num_workers={self.num_workers}); data.num_workers=0 reads "
+                           "batches in the rank itself") from None
+
+    def _kill_workers(self) -> None:
+        """Kill stalled workers and close their iterator, SIGCHLD blocked meanwhile: torch's handler raises in
+        the rank for a worker that dies while its iterator still watches it."""
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        try:
+            for worker in self._workers:
+                worker.kill()
+                worker.join()
+            self.close()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
     def _start(self, step: int) -> None:
         self.close()
         # batch_size=None: each item is already a step's batch; the sampler is the steps left, in order.
         self._loader = DataLoader(_RankBatches(self.batches, self.batch_rank, self.batch_size), batch_size=None,
                                   sampler=range(step, self.total_steps), num_workers=self.num_workers,
                                   prefetch_factor=PREFETCH_PER_WORKER, pin_memory=self.pin_memory,
-                                  worker_init_fn=_worker_init)
+                                  worker_init_fn=_worker_init, timeout=min(BATCH_WAIT_SLICE_S, self.stalled_batch_s))
         # The workers are forked here: with the stop signals blocked, so that they are born blocked (and
         # ignore them once _worker_init runs); the rank receives any that arrive meanwhile on unblocking.
         # SIGCHLD too: torch's handler raises when a worker dies, and raised inside the iterator's
