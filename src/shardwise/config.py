@@ -298,11 +298,12 @@ class RunConfig:
                                             "machine only); a non-loopback address (e.g. 0.0.0.0, every interface) only "
                                             "when given.")
     straggler_every: int = opt(50, "Every this many steps each rank's timing (the compute of its blocks, its wait for data) "
-                                   "goes to rank 0, which names a rank slower than the median (train/straggler.py); "
+                                   "goes to rank 0, which names a rank slower than the median of the others (train/straggler.py); "
                                    "one all-gather of three numbers a window. 0 = off.")
-    straggler_margin: float = opt(0.2, "A rank is slow when its compute exceeds the median rank's by this share, or its "
-                                       "data wait the median's by this share of the step. 0.2: well above the jitter of "
-                                       "identical work on identical devices, and such a rank costs every rank a fifth.")
+    straggler_margin: float = opt(0.2, "A rank is slow when its compute exceeds the median of the others by this share, or "
+                                       "its data wait, as a share of the rest of its step, exceeds theirs by this much. "
+                                       "0.2: well above the jitter of identical work on identical devices, and such a "
+                                       "rank costs every rank a fifth.")
     straggler_steps: int = opt(100, "A rank slow for at least this many steps in a row (whole windows of "
                                     "run.straggler_every) is named: one line, and one when it recovers. 100: two "
                                     "windows, so a one-off pause (a checkpoint, a collection) names nobody.")

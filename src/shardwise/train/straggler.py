@@ -105,18 +105,8 @@ class BlockTimer:
 
 
 @dataclass
-class Straggler:
-    """A rank rank 0 has named, and since which step."""
-
-    rank: int
-    component: str
-    since: int
-    ratio: float
-
-
-@dataclass
 class StragglerWatch:
-    """Each rank's timing of each step; every `every` steps the windows' means to rank 0 and its verdict."""
+    """Each rank's timing of each step; every `every` steps the window's medians to rank 0 and its verdict."""
 
     every: int
     margin: float
@@ -128,7 +118,7 @@ class StragglerWatch:
     host: str = field(default_factory=socket.gethostname)
     _window: list[tuple[float, float, float]] = field(default_factory=list)  # per step: block forward, data, step
     _slow_windows: dict[int, int] = field(default_factory=dict)  # rank -> consecutive slow windows
-    named: dict[int, Straggler] = field(default_factory=dict)  # rank -> since when it is named
+    named: dict[int, int] = field(default_factory=dict)  # rank -> the step it was named at
     _hosts: list[str] = field(default_factory=list)
 
     @classmethod
@@ -182,14 +172,12 @@ class StragglerWatch:
         others_compute = medians_without_each([r.compute_s for r in ranks])
         waits = [r.data_s / max(1e-9, r.step_s - r.data_s) for r in ranks]
         others_wait = medians_without_each(waits)
-        slow: dict[int, tuple[str, float]] = {}
-        for r, ref, wait, ref_wait in zip(ranks, others_compute, waits, others_wait):
-            if len(ranks) < 2:
-                break
+        slow: dict[int, tuple[str, float, float]] = {}  # rank -> (component, its figure, the others' median)
+        for r, ref, wait, ref_wait in zip(ranks, others_compute, waits, others_wait) if len(ranks) > 1 else ():
             over_compute = r.compute_s / ref - 1 if ref > 0 else 0.0
             over_data = wait - ref_wait
             if max(over_compute, over_data) > self.margin:
-                slow[r.rank] = ("compute", ref) if over_compute >= over_data else ("data", ref_wait)
+                slow[r.rank] = ("compute", r.compute_s, ref) if over_compute >= over_data else ("data", wait, ref_wait)
         lines = []
         needed = -(-self.steps // self.every)  # windows: at least `steps` steps slow in a row
         for r in ranks:
@@ -198,12 +186,10 @@ class StragglerWatch:
             else:
                 self._slow_windows.pop(r.rank, None)
                 if r.rank in self.named:
-                    gone = self.named.pop(r.rank)
-                    lines.append(f"straggler: rank {r.rank} on host {r.host} is no longer slow (named at step {gone.since})")
+                    since = self.named.pop(r.rank)
+                    lines.append(f"straggler: rank {r.rank} on host {r.host} is no longer slow (named at step {since})")
         fresh = [rank for rank in slow if self._slow_windows[rank] >= needed and rank not in self.named]
-        for rank in fresh:
-            component, value = slow[rank]
-            self.named[rank] = Straggler(rank, component, step, value)
+        self.named.update((rank, step) for rank in fresh)
         lines += self._lines(fresh, ranks, slow, needed * self.every)
         worst = max(ranks, key=lambda r: r.compute_s)
         record = {"straggler/slowest_rank": worst.rank,
@@ -223,7 +209,7 @@ class StragglerWatch:
             if rank in done:
                 continue
             r = ranks[rank]
-            component, ref = slow[rank]
+            component, own, ref = slow[rank]
             peers = by_host[r.host]
             whole = len(ranks) > len(peers) and all(p.rank in self.named for p in peers)
             if whole:
@@ -232,11 +218,11 @@ class StragglerWatch:
             else:
                 who = f"rank {rank} on host {r.host} ({self.device.type})"
             if component == "compute":
-                what = (f"compute {r.compute_s / ref:.2f}x the other ranks' median for {steps} steps (a block forward "
+                what = (f"compute {own / ref:.2f}x the other ranks' median for {steps} steps (a block forward "
                         f"{1e3 * r.compute_s:.2f} ms against {1e3 * ref:.2f} ms) — a throttled GPU or a busy host? "
                         f"`shardwise doctor` on {r.host} names clocks, temperatures and link speed")
             else:
-                what = (f"waits for data {r.data_s:.3f} s a step, {r.data_s / max(1e-9, r.step_s - r.data_s):.2f}x the "
+                what = (f"waits for data {r.data_s:.3f} s a step, {own:.2f}x the "
                         f"rest of its step (the other ranks' median {ref:.2f}x), for {steps} steps — a slow disk or too few "
                         f"loader workers? raise data.num_workers, check the disk of {r.host}")
             lines.append(f"straggler: {who}: {what}")
