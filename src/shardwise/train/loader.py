@@ -17,8 +17,11 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.util
 import signal
+import sys
 import time
+import traceback
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -86,6 +89,33 @@ def _own_the_pymp_directory() -> None:
     marker = owned_file("loader", holds=[pymp])
     # After multiprocessing's own finalizer for pymp-* (exit priority -100): lower runs later.
     multiprocessing.util.Finalize(None, marker.unlink, kwargs={"missing_ok": True}, exitpriority=-200)
+
+
+def hide_worker_deaths_raised_in_finalizers() -> None:
+    """torch's SIGCHLD handler raises "DataLoader worker ... killed" in whatever frame the rank is in when a
+    worker dies. In a finalizer (a temporary file's __del__ during a save, in CI) Python cannot raise it: it
+    prints "Exception ignored in ... Traceback" (7 lines) and goes on, above the run's one line. Nothing is lost
+    by hiding that one message: the loader raises the same death at the rank's next batch (torch checks its
+    workers within each BATCH_WAIT_SLICE_S wait), and that error is the run's line and its traceback file. Every
+    other unraisable exception still reaches the previous hook. Installed once per process."""
+    previous = sys.unraisablehook
+    if getattr(previous, "shardwise_worker_death_filter", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _is_worker_death_signal(unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+
+    hook.shardwise_worker_death_filter = True
+    sys.unraisablehook = hook
+
+
+def _is_worker_death_signal(exc: BaseException | None, tb) -> bool:
+    if not isinstance(exc, RuntimeError) or not str(exc).startswith("DataLoader worker"):
+        return False
+    return any(frame.f_code.co_name == "handler"
+               and Path(frame.f_code.co_filename).as_posix().endswith("utils/data/_utils/signal_handling.py")
+               for frame, _ in traceback.walk_tb(tb))
 
 
 class BatchPrefetcher:
@@ -161,6 +191,7 @@ class BatchPrefetcher:
 
     def _start(self, step: int) -> None:
         self.close()
+        hide_worker_deaths_raised_in_finalizers()
         # batch_size=None: each item is already a step's batch; the sampler is the steps left, in order.
         self._loader = DataLoader(_RankBatches(self.batches, self.batch_rank, self.batch_size), batch_size=None,
                                   sampler=range(step, self.total_steps), num_workers=self.num_workers,
