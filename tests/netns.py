@@ -108,6 +108,10 @@ class Network:
         return subprocess.run(["ip", "netns", "exec", self.nodes[k], *argv], capture_output=True, text=True,
                               timeout=timeout)
 
+    def pids(self, k: int) -> list[int]:
+        """Every process on node k now."""
+        return [int(p) for p in _ip("netns", "pids", self.nodes[k], check=False).stdout.split() if p.isdigit()]
+
     def kill_node(self, k: int) -> None:
         """SIGKILL everything on node k, as a machine dying would: its agent and its workers (not waited for)."""
         for pid in _ip("netns", "pids", self.nodes[k], check=False).stdout.split():

@@ -137,6 +137,20 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
         check_elastic(cfg, args.nproc, nodes.min_nodes, nodes.nnodes)
     else:
         check(cfg, args.nproc * (nodes.nnodes if nodes is not None else 1))
+        if cfg.run.evict_stragglers:
+            raise ConfigError("run.evict_stragglers", "is on, but this job is not elastic: it cannot go on without a node",
+                              "launch an elastic job (--nnodes MIN:MAX with --node-rank and --rdzv-endpoint, e.g. "
+                              "--nnodes 1:2), or set run.evict_stragglers=false to have stragglers only named")
+    seat = []  # the worker's node in an elastic job that evicts stragglers (train/eviction.py)
+    if cfg.run.evict_stragglers:
+        from shardwise.errors import EXIT_EVICTED
+        from shardwise.train import eviction
+
+        refused = eviction.refusal(Path(cfg.run.dir), nodes.node_rank)
+        if refused:
+            print(f"error: {refused}", file=sys.stderr)
+            return EXIT_EVICTED
+        seat = ["--node-rank", str(nodes.node_rank), "--min-nodes", str(nodes.min_nodes)]
     # Offloaded states against this node's memory, at the fewest nodes the job may run on (the largest shards).
     check_offload_fits_host(cfg, args.nproc * ((nodes.min_nodes or nodes.nnodes) if nodes is not None else 1), args.nproc)
     rundir.check_cache_dir(cfg)
@@ -191,7 +205,7 @@ def _train_on_this_node(args, overrides: list[str], nodes) -> int:
             config_path = worker_config
         if nodes is None and args.nproc == 1 and cfg.run.max_restarts == 0:
             return _train_in_process(cfg, data)
-        return torchrun(args.nproc, "shardwise.train", ["--config", str(config_path)],
+        return torchrun(args.nproc, "shardwise.train", ["--config", str(config_path), *seat],
                         max_restarts=cfg.run.max_restarts, run_dir=run_dir, checkpoints=rundir.checkpoint_dir(cfg),
                         nodes=nodes, resumes=cfg.checkpoint.resume)
     finally:

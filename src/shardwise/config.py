@@ -307,6 +307,14 @@ class RunConfig:
     straggler_steps: int = opt(100, "A rank slow for at least this many steps in a row (whole windows of "
                                     "run.straggler_every) is named: one line, and one when it recovers. 100: two "
                                     "windows, so a one-off pause (a checkpoint, a collection) names nobody.")
+    evict_stragglers: bool = opt(False, "An elastic job (--nnodes MIN:MAX) drains the node of a named straggler as a "
+                                        "SIGTERM drains it: every rank checkpoints the step, that node leaves (exit 8) "
+                                        "and the others go on from the checkpoint with the same global batch, while at "
+                                        "least MIN nodes remain; node 0, which serves the rendezvous, is never evicted "
+                                        "(train/eviction.py).")
+    evict_cooldown_s: float = opt(3600.0, "An evicted node (its host and --node-rank) is refused by this run for this "
+                                          "long (exit 8, saying until when); then it may join again. One hour: longer "
+                                          "than a thermal or noisy-neighbour episode usually lasts.")
 
 
 @dataclass

@@ -24,6 +24,7 @@ EXIT_IO = 4
 EXIT_STALLED = 5
 EXIT_TOO_FEW_NODES = 6  # fewer nodes than --nnodes N (elastic MIN:MAX: than MIN) for run.rendezvous_timeout_s
 EXIT_OUT_OF_MEMORY = 7
+EXIT_EVICTED = 8  # this node left an elastic job as a straggler (run.evict_stragglers), or is refused in its cool-down
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 # A restart (run.max_restarts) cannot help these: the same input, settings or disk fail the same way.

@@ -174,6 +174,15 @@ def check_run(cfg: Config) -> None:
     if not 0 < cfg.run.straggler_margin < 10:
         raise ConfigError("run.straggler_margin", f"must be within (0, 10), got {cfg.run.straggler_margin}",
                           "e.g. 0.2: a rank 20% slower than the median rank")
+    if cfg.run.evict_stragglers and cfg.run.straggler_every == 0:
+        raise ConfigError("run.evict_stragglers", "is on, but run.straggler_every is 0: nothing names a straggler",
+                          "set run.straggler_every (e.g. 50), or run.evict_stragglers=false")
+    if cfg.run.evict_stragglers and not (cfg.checkpoint.every > 0 or cfg.checkpoint.final):
+        raise ConfigError("run.evict_stragglers", "is on, but checkpoints are off: the nodes left would start over",
+                          "set checkpoint.every (the evicted node's last step is checkpointed either way)")
+    if not cfg.run.evict_cooldown_s >= 0:
+        raise ConfigError("run.evict_cooldown_s", f"must be >= 0, got {cfg.run.evict_cooldown_s:g}",
+                          "e.g. 3600 (seconds an evicted node is refused); 0 lets it join again at once")
     if not cfg.run.collective_timeout_s > 0:
         raise ConfigError("run.collective_timeout_s", f"must be > 0, got {cfg.run.collective_timeout_s}",
                           "use e.g. 300 (seconds); raise it if a checkpoint save or first step takes longer")
@@ -206,6 +215,10 @@ def check_elastic(cfg: Config, nproc: int, min_nodes: int, max_nodes: int) -> Pa
         except ConfigError as e:
             bad.append((n, e))
     if not bad:
+        if cfg.run.evict_stragglers and min_nodes == max_nodes:
+            raise ConfigError("run.evict_stragglers", f"is on, but the job must keep all {max_nodes} nodes "
+                              f"(--nnodes {min_nodes}:{max_nodes}): no node can be evicted",
+                              f"give the job room to lose one, e.g. --nnodes {max(1, max_nodes - 1)}:{max_nodes}")
         if cfg.run.max_restarts < 1:
             raise ConfigError("run.max_restarts", "is 0, but an elastic job (--nnodes MIN:MAX) goes on after losing a node by "
                               "restarting its worker group on the nodes left, which uses one restart",

@@ -21,6 +21,7 @@ from pathlib import Path
 from shardwise.errors import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
+    EXIT_EVICTED,
     EXIT_FAILED,
     EXIT_IO,
     EXIT_OUT_OF_MEMORY,
@@ -35,6 +36,7 @@ from shardwise.errors import (
 from shardwise.launch.peer_failure import RefusalWatch, workers_started
 from shardwise.launch.rendezvous import MultiNode, wait_for_rendezvous
 from shardwise.scratch import owned_directory
+from shardwise.train import eviction
 from shardwise.train import manifest as mf
 from shardwise.train.rundir import resume_hint, take_interruption, traceback_file
 
@@ -81,7 +83,7 @@ class _RestartCause(logging.Handler):
         what = f"was killed by {_signal_name(-int(code))}" if int(code) < 0 else f"exited with code {code}"
         if int(code) in (EXIT_SIGTERM, EXIT_SIGINT):  # every rank stopped after a step, as a drained node's asked
             what = (f"stopped with the others after a step and a checkpoint (exit {code}: a stop signal reached the "
-                    "job, e.g. a node drained)")
+                    "job, e.g. a node drained, or a straggler's node evicted)")
         print(f"restart {self.seen} of {self.max_restarts}: local rank {local_rank} (pid {pid}) {what}; the worker "
               "group restarts from the newest intact checkpoint", flush=True)
 
@@ -166,6 +168,11 @@ def torchrun(nproc: int, module: str, module_args: list[str], log_dir: Path | No
         if watch is not None and watch.refusal and before_workers.raised(e):
             print(f"error: {watch.refusal}", file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
+        evicted = eviction.left_line(run_dir, nodes.node_rank) \
+            if run_dir is not None and nodes is not None and nodes.elastic and not before_workers.raised(e) else None
+        if evicted is not None:  # the SIGTERM came from this node's own rank: it is the straggler (train/eviction.py)
+            print(evicted, file=sys.stderr, flush=True)
+            return EXIT_EVICTED
         if before_workers.raised(e):  # no worker ran to say it stopped
             where = f" while waiting at the rendezvous {nodes.endpoint}" if nodes is not None else ""
             print(f"interrupted ({e.sigval.name}){where}, before any worker started", file=sys.stderr, flush=True)

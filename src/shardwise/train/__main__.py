@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest().install()  # from here on a signal waits for the end of a step
     parser = argparse.ArgumentParser(prog="python -m shardwise.train")
     parser.add_argument("--config", default=None, help="TOML config file")
+    # Given by `shardwise train --nnodes MIN:MAX` when run.evict_stragglers is on (train/eviction.py).
+    parser.add_argument("--node-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--min-nodes", type=int, default=None, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     from shardwise.config import load_config
     from shardwise.errors import ConfigError
@@ -77,13 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # the launcher's variables or the visible GPUs (train/distributed.py), before any rendezvous
         _say(e.render())
         return 2
-    code = _run(cfg, run_dir, stop, run_id, attempt, distributed)
+    from shardwise.train.eviction import NodeSeat
+
+    seat = NodeSeat(args.node_rank, args.min_nodes, cfg.run.evict_cooldown_s) if args.node_rank is not None else None
+    code = _run(cfg, run_dir, stop, run_id, attempt, distributed, seat)
     if code or distributed:
         leave(code)
     return code
 
 
-def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distributed: bool) -> int:
+def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distributed: bool, seat=None) -> int:
     import torch.distributed as dist
 
     from shardwise.errors import EXIT_STALLED, ConfigError, Interrupted, RunFailure, lost_peer, storage_failure
@@ -127,7 +133,7 @@ def _run(cfg, run_dir: Path, stop: StopRequest, run_id: str, attempt: int, distr
         elif distributed:
             dist.barrier()
         with building_the_trainer(cfg, rank, dist.get_world_size() if distributed else 1, run_dir, run_id):
-            trainer = Trainer(cfg, data=data, stop=stop, run_id=run_id, restarted=attempt > 0)
+            trainer = Trainer(cfg, data=data, stop=stop, run_id=run_id, restarted=attempt > 0, seat=seat)
         if watchdog is not None:
             watchdog.step, watchdog.axes = (lambda: trainer.step), (lambda: trainer.group_axes)
         trainer.train()

@@ -23,7 +23,7 @@ from shardwise.parallel.compile import compile_enabled, compiled_graphs, inducto
 from shardwise.parallel.precision import DynamicLossScaler
 from shardwise.spec.dims import ParallelDims, offload_tier
 from shardwise.spec.layout import compute_precision
-from shardwise.train import moe_stats
+from shardwise.train import eviction, moe_stats
 from shardwise.train.evaluate import eval_words
 from shardwise.train.health import StepGuard
 from shardwise.train.live_metrics import serve
@@ -228,6 +228,9 @@ class StepLog:
             parts.append(f"validation at step {self.last_eval[0]}: {eval_words(self.last_eval[1])}")
         if self.stragglers_named:
             parts.append(f"{self.stragglers_named} straggler{'s' if self.stragglers_named != 1 else ''} named (lines above)")
+        evicted = eviction.count(self.run_dir) if self.cfg.run.evict_stragglers else 0
+        if evicted:  # recorded by the evicted nodes (train/eviction.py): the group that finishes named none of them
+            parts.append(f"{evicted} node{'s' * (evicted != 1)} evicted as stragglers ({self.run_dir / 'evicted'})")
         if self.energy.enabled and self.energy.total_tokens:
             parts.append(f"GPU energy {self.energy.total_joules / JOULES_PER_KWH:.3g} kWh, "
                          f"{self.energy.total_joules / self.energy.total_tokens:.3g} J/token (all GPUs)")

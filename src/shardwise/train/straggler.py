@@ -19,7 +19,9 @@ compares each with the median of the other ranks (MegaScale, Jiang et al., NSDI 
 against its peers, not against an absolute bar; Megatron-LM's straggler detector reports the min / max
 ranks the same way). A rank whose compute is `margin` above the others' median, or whose data wait is
 `margin` of the rest of its own step more than theirs, in consecutive windows covering at least `steps`
-steps, is a straggler: rank 0 prints one line for it, and one when it recovers.
+steps, is a straggler: rank 0 prints one line for it, and one when it recovers. Every rank runs the same verdict on
+the same gathered numbers (rank 0 alone prints), so that with run.evict_stragglers every rank also reaches the
+same eviction at the same step without another collective (train/eviction.py).
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from shardwise.train import eviction
+from shardwise.train.eviction import Eviction, NodeSeat
 
 
 @dataclass
@@ -120,13 +125,18 @@ class StragglerWatch:
     _slow_windows: dict[int, int] = field(default_factory=dict)  # rank -> consecutive slow windows
     named: dict[int, int] = field(default_factory=dict)  # rank -> the step it was named at
     _hosts: list[str] = field(default_factory=list)
+    seat: NodeSeat | None = None  # this rank's node in an elastic job that evicts stragglers, else None
+    _nodes: list[int] = field(default_factory=list)  # rank -> its node (seat.node_rank), with seat
+    eviction: Eviction | None = None  # decided at the end of a window: every rank stops after this step
+    last_step: int = 0  # the run's last step, after which nothing is evicted (the job is done); 0: no limit
 
     @classmethod
-    def start(cls, run_cfg, blocks: list[torch.nn.Module], rank: int, group, device: torch.device) -> "StragglerWatch | None":
+    def start(cls, run_cfg, blocks: list[torch.nn.Module], rank: int, group, device: torch.device,
+              seat: NodeSeat | None = None, last_step: int = 0) -> "StragglerWatch | None":
         if run_cfg.straggler_every <= 0:
             return None
         return cls(run_cfg.straggler_every, run_cfg.straggler_margin, run_cfg.straggler_steps, rank, group, device,
-                   BlockTimer(blocks, device))
+                   BlockTimer(blocks, device), seat=seat, last_step=last_step)
 
     def after_step(self, step: int, step_s: float, data_s: float) -> tuple[dict, list[str]] | None:
         """Record step `step`; at the end of a window (every rank calls this: it is a collective) rank 0
@@ -141,19 +151,20 @@ class StragglerWatch:
         window = len(self._window)
         self._window.clear()
         ranks = self._gather(mine)
-        if self.rank != 0:
-            return None
-        return self.judge(ranks, step, window)
+        verdict = self.judge(ranks, step, window)  # on every rank: the same numbers give the same eviction
+        return verdict if self.rank == 0 else None
 
     def _gather(self, mine: list[float]) -> list[RankTimes]:
         """Every rank's window medians (one all-gather of three floats a window); hosts once, on the first."""
         if not self._hosts:
+            node = self.seat.node_rank if self.seat is not None else -1
             if self.group is None:
-                self._hosts = [self.host]
+                seats = [(self.host, node)]
             else:
-                hosts: list[str | None] = [None] * dist.get_world_size(self.group)
-                dist.all_gather_object(hosts, self.host, group=self.group)
-                self._hosts = [str(h) for h in hosts]
+                seats = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(seats, (self.host, node), group=self.group)
+            self._hosts = [str(h) for h, _ in seats]
+            self._nodes = [int(n) for _, n in seats]
         local = torch.tensor(mine, dtype=torch.float64, device=self.device)
         if self.group is None:
             rows = [local]
@@ -190,7 +201,15 @@ class StragglerWatch:
                     lines.append(f"straggler: rank {r.rank} on host {r.host} is no longer slow (named at step {since})")
         fresh = [rank for rank in slow if self._slow_windows[rank] >= needed and rank not in self.named]
         self.named.update((rank, step) for rank in fresh)
-        lines += self._lines(fresh, ranks, slow, needed * self.every)
+        named_lines = self._lines(fresh, ranks, slow, needed * self.every)  # rank -> the line naming it
+        lines += list(dict.fromkeys(named_lines.values()))  # a whole host's line once
+        if self.seat is not None and fresh and self.eviction is None and not 0 < self.last_step <= step:
+            self.eviction, why_not = eviction.choose(fresh, self._nodes, self._hosts, self.seat.min_nodes, step,
+                                                     named_lines)
+            if self.eviction is not None:
+                lines.append(eviction.announce(self.eviction, len(set(self._nodes)), self.seat.cooldown_s))
+            elif why_not:
+                lines.append(why_not)
         worst = max(ranks, key=lambda r: r.compute_s)
         record = {"straggler/slowest_rank": worst.rank,
                   "straggler/compute_spread": worst.compute_s / compute if compute > 0 else 1.0,
@@ -199,22 +218,22 @@ class StragglerWatch:
                   "straggler/window_steps": window}
         return record, lines
 
-    def _lines(self, fresh: list[int], ranks: list[RankTimes], slow: dict, steps: int) -> list[str]:
-        """One line per newly named straggler; a host whose every rank is named gets one line for all."""
+    def _lines(self, fresh: list[int], ranks: list[RankTimes], slow: dict, steps: int) -> dict[int, str]:
+        """The line naming each newly named straggler; a host whose every rank is named gets one line for all."""
         by_host: dict[str, list[RankTimes]] = {}
         for r in ranks:
             by_host.setdefault(r.host, []).append(r)
-        lines, done = [], set()
+        lines: dict[int, str] = {}
         for rank in fresh:
-            if rank in done:
+            if rank in lines:
                 continue
             r = ranks[rank]
             component, own, ref = slow[rank]
             peers = by_host[r.host]
             whole = len(ranks) > len(peers) and all(p.rank in self.named for p in peers)
+            covered = [p.rank for p in peers] if whole else [rank]
             if whole:
                 who = f"every rank of host {r.host} ({', '.join(str(p.rank) for p in peers)})"
-                done.update(p.rank for p in peers)
             else:
                 who = f"rank {rank} on host {r.host} ({self.device.type})"
             if component == "compute":
@@ -225,7 +244,7 @@ class StragglerWatch:
                 what = (f"waits for data {r.data_s:.3f} s a step, {own:.2f}x the "
                         f"rest of its step (the other ranks' median {ref:.2f}x), for {steps} steps — a slow disk or too few "
                         f"loader workers? raise data.num_workers, check the disk of {r.host}")
-            lines.append(f"straggler: {who}: {what}")
+            lines.update((covered_rank, f"straggler: {who}: {what}") for covered_rank in covered)
         return lines
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardwise.config import Config
 from shardwise.data.chat import chat_files
-from shardwise.errors import Diverged, Interrupted, OutOfMemory, out_of_memory, rerun_to_resume
+from shardwise.errors import EXIT_SIGTERM, Diverged, Interrupted, OutOfMemory, out_of_memory, rerun_to_resume
 from shardwise.models import build_model
 from shardwise.models.common import Transformer, document_kernel, document_positions
 from shardwise.parallel.activation_checkpoint import SELECTIVE_SAVE_OPS
@@ -41,8 +42,8 @@ from shardwise.preflight import check, check_batch
 from shardwise.spec.dims import lowp_params, offload_tier
 from shardwise.spec.layout import fp8_gemm_fits
 from shardwise.tensors import local_shard
+from shardwise.train import eviction, moe_stats
 from shardwise.train import manifest as mf
-from shardwise.train import moe_stats
 from shardwise.train.agreement import check_same_setup, setup_facts
 from shardwise.train.checkpoint import CheckpointManager, read_rank_state
 from shardwise.train.control import Control
@@ -57,6 +58,7 @@ from shardwise.train.data import (
 )
 from shardwise.train.distributed import default_device
 from shardwise.train.evaluate import describe_sets, eval_sets, evaluate
+from shardwise.train.eviction import Eviction, NodeSeat
 from shardwise.train.full_model import full_model_state, gather_pipeline_state, pipeline_owners
 from shardwise.train.health import StepGuard, Verdict
 from shardwise.train.loader import BatchPrefetcher
@@ -75,13 +77,14 @@ from shardwise.train.straggler import StragglerWatch
 class Trainer:
     def __init__(self, cfg: Config, log: Callable[[str], None] | None = print, single_process: bool = False,
                  data: PreparedData | None = None, stop: StopRequest | None = None, run_id: str = "",
-                 restarted: bool = False):
+                 restarted: bool = False, seat: NodeSeat | None = None):
         """`log=None` silences the trainer's messages (parity, tests); `single_process=True` ignores an
         initialized process group (the in-process reference); `data` is the corpus a caller already
         prepared for this config (else it is prepared, or loaded from the cache, here). `stop` is a
         stop request the caller installed (else train() installs one); `run_id` names the job in the
         checkpoints it writes, and `restarted` (an automatic restart of that job) resumes from them
-        even with checkpoint.resume=false."""
+        even with checkpoint.resume=false. `seat`: this rank's node in an elastic job that evicts stragglers
+        (train/eviction.py)."""
         distributed = dist.is_initialized() and not single_process
         self.rank = dist.get_rank() if distributed else 0
         world_size = dist.get_world_size() if distributed else 1
@@ -198,7 +201,7 @@ class Trainer:
         self.data_wait_s = 0.0
         self.straggler = StragglerWatch.start(
             cfg.run, [b for m in self.inner.modules() if isinstance(m, Transformer) for b in m.blocks()], self.rank,
-            self.world_group, self.device)
+            self.world_group, self.device, seat if cfg.run.evict_stragglers else None, last_step=t.steps)
 
     def _build_pipeline(self) -> torch.nn.Module:
         cfg, dims, t = self.cfg, self.dims, self.cfg.train
@@ -454,6 +457,8 @@ class Trainer:
                     raise Diverged(self._divergence_message(r), report=self.rank == 0)
                 if r.stop_code:
                     self._stop(r.stop_code)
+                if self.straggler is not None and self.straggler.eviction is not None:
+                    self._evict(self.straggler.eviction)
                 if self._eval_due():
                     with self._memory_failure(report, self.step, evaluating=True):
                         validation = evaluate(self, self.eval_sets)
@@ -531,6 +536,18 @@ class Trainer:
         raise Interrupted(f"interrupted by {name} after step {self.step}: {saved}; "
                           f"{rerun_to_resume(self.cfg.checkpoint.resume)}",
                           code, report=self.rank == 0)
+
+    def _evict(self, decided: Eviction) -> None:
+        """Every rank reached the same eviction (train/eviction.py): the evicted node's local rank 0 records it and
+        stops its agent first (which then waits for its workers instead of restarting them), then every rank
+        checkpoints this step and stops as a drained job's ranks do (exit 143: the other agents restart theirs)."""
+        seat = self.straggler.seat
+        if seat.node_rank == decided.node and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            eviction.record(self.run_dir, decided, seat.cooldown_s)
+            eviction.stop_my_agent()
+        path = self.save_checkpoint()
+        raise Interrupted(f"node {decided.node} evicted as a straggler after step {self.step}: checkpoint {path} written; "
+                          "the job goes on with the other nodes", EXIT_SIGTERM, report=self.rank == 0)
 
     def memory(self) -> dict[str, int]:
         """This rank's bytes by category: local shards of params, grads, optimizer state; buffers;
