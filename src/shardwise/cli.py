@@ -44,6 +44,8 @@ commands:
   bench-comm --nproc N [--config FILE.toml] [--sizes 1K:16M] [--json] [--out b.json] [--plot b.png]  busbw per mesh axis
   launch   mpirun --config FILE.toml --hosts a:8,b:8 [--export NAME=VALUE] [--section.key=value ...]  print the mpirun command
   launch   slurm --config FILE.toml --nodes N --gpus-per-node G [--partition P --time T --account A] [--out F.sbatch] [--submit]
+  launch   k8s --config FILE.toml --nodes N --gpus-per-node G --image IMAGE [--kind trainjob|jobset|pytorchjob] [--pvc CLAIM]
+           [--queue Q] [--out job.yaml]   a Kubernetes manifest (MIN:MAX nodes: an elastic PyTorchJob); --validate FILE
   dryrun   --config FILE.toml --nnodes N --nproc P [--ranks 0,last,...] [--json FILE] [--section.key=value ...]
            build chosen ranks of the N x P job on the meta device (torch's fake process group): their parameter,
            gradient and optimizer bytes beside the planner's, with each rank's build time and peak memory

@@ -4,9 +4,10 @@ parallel.offload = "nvme" (and the `--cluster.disk_gbps` to plan with)?
 
 It reports versions, devices, each GPU's health (launch/gpu_health.py: power limit, what holds its
 clocks, memory errors, MIG, PCIe width), cores, /dev/shm, locked memory, InfiniBand ports and the NCCL_* /
-UCX_* variables in effect, then runs a short all-reduce in fresh processes: NCCL on GPUs (with NCCL_DEBUG=INFO
-for those children only; the log is read by nccl_log.py into a verdict per path), gloo on CPU. Exit 0
-when nothing is wrong, 1 when a check failed (each failed check is named), 2 for bad input.
+UCX_* variables in effect (in a Kubernetes pod also the pod and its rendezvous name: launch/k8s_doctor.py),
+then runs a short all-reduce in fresh processes: NCCL on GPUs (with NCCL_DEBUG=INFO for those children only;
+the log is read by nccl_log.py into a verdict per path), gloo on CPU. Exit 0 when nothing is wrong, 1 when
+a check failed (each failed check is named), 2 for bad input.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from shardwise.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from shardwise.launch import nccl_log
 from shardwise.launch.gpu_health import health_checks, nvml_gpus, skipped
+from shardwise.launch.k8s_doctor import pod_checks
 from shardwise.launch.local import check_nproc
 from shardwise.launch.nccl_log import FAIL, OK, SKIP, WARN
 from shardwise.plan.calibration import bandwidths
@@ -330,6 +332,7 @@ def diagnose(nproc: int | None) -> dict:
     ib_ports = infiniband()
     env, nccl_env = env_check(dict(os.environ))
     checks += [cpu_check(nproc, cpu_cores()), shm_check(), memlock_check(rdma=bool(ib_ports)), infiniband_check(ib_ports), env]
+    checks += [Check(*c) for c in pod_checks(os.environ, len(gpus), SHM_MIN_BYTES)]  # in a Kubernetes pod only
     not_checked = []
     if gpus:
         more, run = gpu_paths(nproc, ib_ports)

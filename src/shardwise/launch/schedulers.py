@@ -1,4 +1,4 @@
-"""`shardwise launch mpirun | slurm`: the command or batch script that starts a multi-node run.
+"""`shardwise launch mpirun | slurm | k8s`: the command, batch script or manifest that starts a multi-node run.
 
 Nothing here starts a worker (except `slurm --submit`, which hands the script to sbatch): it writes
 what a user runs on a cluster, checked like `shardwise train` checks its input (a ConfigError, exit 2,
@@ -11,6 +11,8 @@ per node, the launcher a user runs by hand, with its checks, one-line failures a
     shardwise launch slurm  --config run.toml --nodes N (--gpus-per-node G | --procs-per-node P)
                             [--partition P --time T --account A] [--job-name NAME] [--python PATH]
                             [--out job.sbatch] [--submit [--wait]] [--section.key=value ...]
+    shardwise launch k8s    --config run.toml --nodes N (or MIN:MAX) --gpus-per-node G --image IMAGE
+                            [--kind trainjob|jobset|pytorchjob] [--pvc CLAIM] [--queue Q] [--name NAME] [--out job.yaml]
 """
 from __future__ import annotations
 
@@ -259,12 +261,14 @@ def _slurm(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`shardwise launch mpirun | slurm ...` (cli.py dispatches here); returns the exit code."""
-    commands = {"mpirun": _mpirun, "slurm": _slurm}
+    """`shardwise launch mpirun | slurm | k8s ...` (cli.py dispatches here); returns the exit code."""
+    from shardwise.launch import k8s  # launch/k8s.py: its own module (manifests, their checks)
+
+    commands = {"mpirun": _mpirun, "slurm": _slurm, "k8s": k8s.main}
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     if argv[0] not in commands:
-        raise ConfigError("launch", f"expected 'mpirun' or 'slurm', got {argv[0]!r}",
+        raise ConfigError("launch", f"expected 'mpirun', 'slurm' or 'k8s', got {argv[0]!r}",
                           "run `shardwise launch mpirun --config run.toml --hosts a:8,b:8` or `shardwise launch slurm ...`")
     return commands[argv[0]](argv[1:])
