@@ -252,8 +252,8 @@ MOE_FAMILY = [
 # train.compile: every block compiled (parallel/compile.py), layouts of every family. aot_eager traces and
 # partitions like inductor (dynamo, AOTAutograd, the checkpoint and DTensor ops) without generating
 # code, so 9 layouts compile in seconds on 2 cores; one single-process case runs inductor itself.
-# log_every 3: metrics.jsonl's compiled_graphs at steps 3 and 6 must be equal (no recompilation).
-_COMPILE = {"train.compile": True, "train.compile_backend": "aot_eager", "train.log_every": 3}
+# log_every 2: metrics.jsonl's compiled_graphs at steps 2 and 4 must be equal (no recompilation).
+_COMPILE = {"train.compile": True, "train.compile_backend": "aot_eager", "train.log_every": 2}
 COMPILE_FAMILY = [
     Layout("compile_single", 1, _COMPILE),
     Layout("compile_inductor_single", 1, {**_COMPILE, "train.compile_backend": "inductor"}),
