@@ -14,7 +14,7 @@ import json
 import pytest
 
 from shardwise.cli import main
-from shardwise.launch.dryrun import CATEGORIES, default_ranks, stage_ranks
+from shardwise.launch.dryrun import CATEGORIES, default_ranks, expert_ranks, stage_ranks
 
 TINY_1024 = ["--nnodes", "128", "--nproc", "8", "--model.preset=tiny", "--model.n_layers=4", "--parallel.pp=2",
              "--parallel.tp=2", "--parallel.dp_shard=-1", "--train.global_batch=512", "--train.micro_batch=1",
@@ -55,6 +55,60 @@ def test_default_ranks_are_each_stages_first_and_last():
     dims = ParallelDims(dp_replicate=1, dp_shard=16, cp=1, tp=8, pp=8, ep=1, world_size=1024)
     assert stage_ranks(dims, 1) == (128, 255)
     assert default_ranks(dims) == [r for s in range(8) for r in (128 * s, 128 * s + 127)]
+
+
+def test_default_ranks_add_the_expert_corners_of_each_stage():
+    """With EP a stage's dp_shard x cp ranks are (efsdp, ep) row-major: besides the stage's first (0, 0) and
+    last (efsdp-1, ep-1) rank, the last ep rank of efsdp 0 and the first of the last efsdp shard; none
+    without EP, none more where efsdp is 1 (they would be the first and last's corners again)."""
+    from shardwise.spec.dims import ParallelDims
+
+    # pp2 x dp_shard8 x tp2, ep4: efsdp 2; (0, 3) is shard index 3 -> rank 3 x tp, (1, 0) index 4 -> 8
+    dims = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=2, pp=2, ep=4, world_size=32)
+    assert expert_ranks(dims, 0) == [6, 8] and expert_ranks(dims, 1) == [22, 24]
+    assert default_ranks(dims) == [0, 6, 8, 15, 16, 22, 24, 31]
+    # ep folds over dp_shard x cp: index 3 is dp_shard 1, cp 1 (rank 3); index 12 is dp_shard 6, cp 0
+    dims = ParallelDims(dp_replicate=2, dp_shard=8, cp=2, tp=1, pp=1, ep=4, world_size=32)
+    assert default_ranks(dims) == [0, 3, 12, 31]
+    assert default_ranks(ParallelDims(1, 4, 1, 2, 1, 4, 8)) == [0, 7]  # efsdp 1: each ep rank's experts whole
+    assert default_ranks(ParallelDims(1, 8, 1, 2, 1, 1, 16)) == [0, 15]  # no EP
+
+
+def test_default_ranks_reach_every_expert_corner_of_the_built_mesh(tmp_path):
+    """The ranks built by default, read back from the trainer's own expert mesh (parallel/mesh.py), are the
+    four (efsdp, ep) corners; each holds at most the planner's bytes, the first exactly them. tiny-moe with
+    cp2 (ep folds over dp_shard x cp) at 16 ranks: efsdp 4, ep 4."""
+    out = tmp_path / "dryrun.json"
+    assert main(["dryrun", "--nnodes", "2", "--nproc", "8", "--model.preset=tiny-moe", "--parallel.dp_shard=8",
+                 "--parallel.cp=2", "--parallel.ep=4", "--parallel.zero=3", "--train.global_batch=8",
+                 "--train.micro_batch=1", "--train.seq_len=64", "--train.compile=false", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["ranks"]
+    assert [r["rank"] for r in rows] == [0, 3, 12, 15]
+    assert [(r["expert_coordinates"]["efsdp"], r["expert_coordinates"]["ep"]) for r in rows] == \
+        [(0, 0), (0, 3), (3, 0), (3, 3)]
+    for r in rows:
+        assert all(r[c] <= r["planned"][c] for c in CATEGORIES), r
+    assert all(rows[0][c] == rows[0]["planned"][c] for c in CATEGORIES), rows[0]
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_offloaded_states_are_host_bytes_as_planned(tmp_path, tier):
+    """parallel.offload: what the trainer keeps on the host (FSDP2's CPU shards, gradients and AdamW state;
+    "nvme": the moments in a file, two I/O buffers and the step counters in memory) equals the planner's
+    host and disk bytes, and nothing of the model states is left on the device. Llama 3 8B on 8 ranks, ZeRO-3:
+    the state of a rank (8 B x 1.0 G elements) is cut into many of NvmeAdamW's 64 MiB chunks, the largest
+    one the embedding's shard."""
+    out = tmp_path / "dryrun.json"
+    nvme = [f"--parallel.offload_dir={tmp_path}"] if tier == "nvme" else []
+    assert main(["dryrun", "--nnodes", "1", "--nproc", "8", "--model.preset=llama3-8b", "--parallel.dp_shard=8",
+                 "--parallel.zero=3", f"--parallel.offload={tier}", *nvme, "--cluster.gpu=h100-sxm-80gb",
+                 "--train.global_batch=8", "--train.micro_batch=1", "--train.seq_len=1024", "--train.compile=false",
+                 "--ranks", "0", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["ranks"][0]
+    assert all(row[c] == 0 for c in CATEGORIES), row
+    assert row["host"] > 0 and row["host"] == row["planned"]["host"], row
+    assert row["disk"] == row["planned"]["disk"] and (row["disk"] > 0) == (tier == "nvme"), row
+    assert list(tmp_path.glob("**/adamw_state.bin")) == []  # the dry run writes no state file
 
 
 def test_bad_input_exits_2_with_the_field_before_building(tmp_path, capsys):

@@ -20,15 +20,21 @@ What the rank holds, counted from the built modules (train/memory_meter.py, the 
   optimizer  AdamW's state as its first step makes it, made by AdamW itself (init_optimizer_state) for the
              (ZeRO-1: this rank's own) optimizer on zero gradients, on meta (foreach: a fused optimizer refuses
              meta tensors; its state has the same bytes, a fp32 `step` of 4 bytes either way).
+  host, disk with parallel.offload (`offloaded`): the three above as FSDP2's CPUOffloadPolicy keeps them in host
+             memory; "nvme": AdamW's moments in its file (not written here) and NvmeAdamW's buffers in memory.
 Beside it the planner's prediction for that rank's pipeline position (plan/memory.py rank_memory on
 plan/inventory.py pipeline_rank), which is the most loaded rank of that position: a rank with a smaller
 FSDP shard (the last ones, of an uneven dim 0) or a lighter ZeRO-1 partition shows a negative difference
-for that reason alone.
+for that reason alone (tests/unit/test_dryrun_scale.py holds such ranks to the closed form of their own shard).
+Default ranks: each pipeline stage's first and last and, with EP, the two other corners of its (efsdp, ep) grid
+(`expert_ranks`). launch/verify.py runs the same builds for `plan search --verify K`.
 
 The parent measures each child's wall time, CPU time and peak RSS (os.wait4's rusage of that child; a forked child's
 RSS includes the pages it shares with the parent, torch's among them).
-Not covered yet (issue 58): the communication bytes per step, EP-aware default ranks, offload's host bytes
-(offload "nvme" is built without its file), the device-side transients, `plan search --verify K`.
+Not covered yet (issue 58): the communication bytes per step, the device-side transients (FSDP2's gathered
+copies, activations), and the planner's NVMe buffers are its upper bound (2 x max(64 MiB, the largest shard's
+state)) where NvmeAdamW's greedy chunks all fall short of 64 MiB (-2.2 MiB on a Llama 3 8B with ffn 14000 at
+dp_shard 64: the host line's difference).
 
 Measured (2-core CPU shared with other work): Llama 3 70B, pp8 x dp_shard16 x tp8 ZeRO-1 on 1,024 ranks: each
 rank 0.6-1.0 s of CPU, ~300 MiB peak RSS, the planner's bytes exactly on every stage's first rank. Llama 3 405B,
@@ -51,7 +57,8 @@ from pathlib import Path
 from shardwise.config import Config, load_config
 from shardwise.errors import EXIT_FAILED, EXIT_OK, ConfigError
 
-CATEGORIES = ("params", "grads", "optimizer")
+CATEGORIES = ("params", "grads", "optimizer")  # the model states, on the device
+PLACES = ("host", "disk")  # where offload keeps them instead (offloaded)
 CHILD = "--child"
 
 
@@ -59,13 +66,17 @@ CHILD = "--child"
 # which ranks, and the job's config
 # ---------------------------------------------------------------------------------------------------
 def job_config(cfg: Config, nnodes: int, nproc: int) -> Config:
-    """`cfg` as the job runs it: the cluster is N nodes of P processes, and train.precision unset is what the
-    planned device picks (plan/layout.py Problem: bf16 on a GPU that computes it), so the trainer's path
-    and the planner price the same precision."""
+    """`cfg` as the job runs it: the cluster is N nodes of P processes (planned_precision)."""
+    world = nnodes * nproc
+    return planned_precision(dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_gpus=world,
+                                                                                  gpus_per_node=nproc)))
+
+
+def planned_precision(cfg: Config) -> Config:
+    """train.precision unset is what the planned device picks (plan/layout.py Problem: bf16 on a GPU that
+    computes it), so the trainer's path and the planner price the same precision."""
     from shardwise.plan.layout import Problem
 
-    world = nnodes * nproc
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_gpus=world, gpus_per_node=nproc))
     if cfg.train.precision is None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=Problem.from_config(cfg).precision))
     return cfg
@@ -77,12 +88,31 @@ def stage_ranks(dims, stage: int) -> tuple[int, int]:
     return stage * per, (stage + 1) * per - 1
 
 
+def expert_ranks(dims, stage: int) -> list[int]:
+    """Ranks of pipeline stage `stage` whose experts differ from what its first and last rank hold.
+
+    parallel/mesh.py reshapes a stage's dp_shard x cp ranks row-major into (efsdp, ep), ep innermost: shard
+    index s = efsdp * ep + ep_rank = dp_shard * cp + cp_rank. The ep rank picks which E/ep experts a rank
+    holds (the same shapes, other tensors), the efsdp rank which FSDP2 shard of them (the last efsdp shard is
+    the short one when the expert rows do not divide: FSDP2 pads its storage, not its AdamW moments). The
+    stage's first rank is (efsdp 0, ep 0), its last (efsdp last, ep last): the other two corners are the last
+    ep rank of the first efsdp shard and the first ep rank of the last one, each with dp_replicate, tp 0.
+    None without EP; one corner fewer where efsdp is 1 (both corners are then the first and last's)."""
+    if dims.ep == 1:
+        return []
+    efsdp, per = dims.shard_group // dims.ep, dims.world_size // dims.pp
+    corners = {(0, dims.ep - 1), (efsdp - 1, 0)} - {(0, 0), (efsdp - 1, dims.ep - 1)}
+    # with dp_replicate and tp at 0 a stage's rank is s x tp (spec/dims.py coordinates, row-major over AXES)
+    return sorted(stage * per + (e * dims.ep + p) * dims.tp for e, p in corners)
+
+
 def default_ranks(dims) -> list[int]:
-    """The first and the last rank of every pipeline stage (the job's first and last among them)."""
-    return sorted({r for s in range(dims.pp) for r in stage_ranks(dims, s)})
+    """The first and the last rank of every pipeline stage (the job's first and last among them) and, with
+    EP, the ranks of each stage that hold other experts or another shard of them (expert_ranks)."""
+    return sorted({r for s in range(dims.pp) for r in (*stage_ranks(dims, s), *expert_ranks(dims, s))})
 
 
-def parse_ranks(text: str | None, dims) -> list[int]:
+def parse_ranks(text: str | None, dims, field: str = "--ranks") -> list[int]:
     """--ranks: comma-separated global ranks, `first` / `last` for 0 / world-1; unset: default_ranks."""
     if not text:
         return default_ranks(dims)
@@ -96,9 +126,9 @@ def parse_ranks(text: str | None, dims) -> list[int]:
         try:
             rank = int(word)
         except ValueError:
-            raise ConfigError("--ranks", f"{word!r} is not a rank", "give global ranks such as 0,last,17") from None
+            raise ConfigError(field, f"{word!r} is not a rank", "give global ranks such as 0,last,17") from None
         if not 0 <= rank < world:
-            raise ConfigError("--ranks", f"rank {rank} is outside the job's {world} ranks",
+            raise ConfigError(field, f"rank {rank} is outside the job's {world} ranks",
                               f"use ranks 0..{world - 1} (or `last`)")
         out.append(rank)
     return sorted(set(out))
@@ -121,7 +151,8 @@ def planned_bytes(cfg: Config, world: int, rank: int) -> dict[str, float]:
     held = pipeline_rank(problem.shape, lay.pp, lay.chunks_per_rank, lay.schedule, pp_rank, lay.stage_layers)
     label = "only" if lay.pp == 1 else {0: "first", lay.pp - 1: "last"}.get(pp_rank, f"rank {pp_rank}")
     mem = rank_memory(problem, lay, held, label, pp_rank == 0, pp_rank)
-    return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "cpu_bytes": mem.cpu_bytes}
+    return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "host": mem.cpu_bytes,
+            "disk": mem.disk_bytes}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,12 +203,43 @@ def build_rank(cfg: Config, world: int, rank: int) -> dict:
             p.grad = torch.zeros_like(p)
         init_optimizer_state(getattr(optimizer, "optim", optimizer))  # ZeRO-1: its own AdamW (the rank's share)
         mem = memory_by_category(inner, optimizer)
+        held = offloaded(cfg, {"params": mem["params"], "grads": grads, "optimizer": mem["optimizer"]}, optimizer)
         local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in params)
-        return {"rank": rank, "coordinates": dims.coordinates(rank), "params": mem["params"], "grads": grads,
-                "optimizer": mem["optimizer"], "buffers": mem["buffers"], "tensors": len(params), "local_numel": local,
+        expert = getattr(mesh, "expert", None)
+        return {"rank": rank, "coordinates": dims.coordinates(rank), **held, "buffers": mem["buffers"],
+                "tensors": len(params), "local_numel": local,
+                "expert_coordinates": dict(zip(expert.mesh_dim_names, expert.get_coordinate())) if expert else {},
                 "blocks": sorted(int(n) for n, _ in inner.named_blocks()) if hasattr(inner, "named_blocks") else []}
     finally:
         dist.destroy_process_group()
+
+
+def offloaded(cfg: Config, held: dict[str, int], optimizer) -> dict[str, int]:
+    """`held` (params / grads / optimizer bytes of the built rank) where the trainer keeps them, with "host"
+    and "disk" added. parallel.offload "cpu" / "nvme" (FSDP2's CPUOffloadPolicy): the sharded parameters, their
+    gradients and AdamW's state, created on the parameters' device, all live in host memory: the device
+    categories are then 0. "nvme" (parallel/offload.py NvmeAdamW, as the trainer builds it): the two moments
+    are in a file of 8 bytes per local element ("disk"), and memory keeps the step counters and two I/O
+    buffers of the largest chunk's state, cut from the same parameter order by NvmeAdamW's own `_cut` (the
+    file itself is not written). Where the planned device is the CPU itself, nothing moves to "host" (it is
+    the device's memory), as the planner counts it (plan/memory.py)."""
+    from shardwise.parallel.offload import DEFAULT_CHUNK_BYTES, STATE_BYTES_PER_ELEMENT, NvmeAdamW, _local
+    from shardwise.plan.layout import Problem
+    from shardwise.spec.dims import offload_tier
+
+    tier = offload_tier(cfg.parallel)
+    held = {**held, "host": 0, "disk": 0}
+    if tier == "nvme":
+        ordered = [p for g in getattr(optimizer, "optim", optimizer).param_groups for p in g["params"]]
+        chunks = NvmeAdamW._cut(ordered, DEFAULT_CHUNK_BYTES)
+        largest = max((sum(_local(p).numel() for p in chunk) for chunk in chunks), default=0)
+        # NvmeAdamW.resident_bytes: two fp32 buffers of 2 x the largest chunk's elements, a 4-byte step each
+        held["optimizer"] = 2 * (2 * largest * 4) + 4 * len(ordered)
+        held["disk"] = sum(_local(p).numel() for p in ordered) * STATE_BYTES_PER_ELEMENT
+    if tier != "none" and not Problem.from_config(cfg).cluster.device_is_host:
+        held["host"] = held["params"] + held["grads"] + held["optimizer"]
+        held.update(params=0, grads=0, optimizer=0)
+    return held
 
 
 def init_optimizer_state(optimizer) -> None:
@@ -240,6 +302,9 @@ def _forked(config_path: Path, world: int, rank: int, out: Path, err: Path) -> i
         fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(fd, 2)  # the child's stderr (a traceback) to `err`; its stdout is silenced
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        # sys.stderr too: the parent's may be no file at all (pytest's capture, any embedding), and a failed
+        # build's last line, which run_rank reports, would go there instead of to `err`
+        sys.stderr = open(2, "w", closefd=False)
         code = _child([str(config_path), str(world), str(rank), str(out)])
     except BaseException:
         import traceback
@@ -291,7 +356,8 @@ def _gib(n: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """One line per rank and category: built, planned, difference (bytes and GiB), then time and memory."""
+    """One line per rank and category: built, planned, difference (bytes and GiB), then time and memory.
+    With offload the "host" (and "nvme"'s "disk") lines too, where either side holds bytes there."""
     head = (f"{'rank':>6} {'pp':>3} {'category':<10} {'built B':>16} {'planned B':>16} {'diff B':>14} "
             f"{'built GiB':>10} {'planned':>8} {'wall s':>7} {'CPU s':>6} {'peak RSS MiB':>12}")
     lines = [head, "-" * len(head)]
@@ -300,32 +366,39 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['rank']:>6} {pp:>3} failed: {r['error']}")
             continue
-        for i, c in enumerate(CATEGORIES):
-            built, planned = r[c], r["planned"][c]
+        shown = [*CATEGORIES, *(c for c in PLACES if r.get(c) or r["planned"].get(c))]
+        for i, c in enumerate(shown):
+            built, planned = r.get(c, 0), r["planned"].get(c, 0)
             tail = f" {r['wall_s']:>7.1f} {r['cpu_s']:>6.1f} {r['peak_rss_bytes'] / 2**20:>12.0f}" if i == 0 else ""
             lines.append(f"{r['rank'] if i == 0 else '':>6} {pp if i == 0 else '':>3} {c:<10} {built:>16,} "
                          f"{planned:>16,.0f} {built - planned:>+14,.0f} {_gib(built):>10} {_gib(planned):>8}{tail}")
     return "\n".join(lines)
 
 
-def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print, spawn: bool = False) -> list[dict]:
-    """Pre-flight at N x P ranks, then every chosen rank built and priced (module doc)."""
+def preflight(cfg: Config, world: int):
+    """Every pre-flight rule at `world` ranks (preflight.py check, check_batch): the job's ParallelDims, or the
+    ConfigError `shardwise train` would end with."""
     from shardwise.preflight import check, check_batch
 
-    cfg = job_config(cfg, nnodes, nproc)
-    world = nnodes * nproc
     dims = check(cfg, world)
     check_batch(cfg, dims)
-    chosen = parse_ranks(ranks, dims)
-    log(f"dryrun: {world} ranks ({nnodes} nodes x {nproc}), layout {dims.describe()}; building rank"
-        f"{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))} on the meta device, one process each")
-    if not spawn and hasattr(os, "fork"):
-        from shardwise.parallel.compile import compile_enabled
-        from shardwise.plan.layout import Problem
+    return dims
 
-        took = warm_imports(compile_enabled(cfg, Problem.from_config(cfg).device_type))
-        log(f"  imports, once, for every rank: {took:.1f} s (not in a rank's time)")
-    rows = []
+
+def warm(cfg: Config, spawn: bool) -> float | None:
+    """warm_imports for `cfg`'s ranks when they are forked (seconds), None when each is spawned."""
+    if spawn or not hasattr(os, "fork"):
+        return None
+    from shardwise.parallel.compile import compile_enabled
+    from shardwise.plan.layout import Problem
+
+    return warm_imports(compile_enabled(cfg, Problem.from_config(cfg).device_type))
+
+
+def build_ranks(cfg: Config, dims, chosen: list[int], log=print, spawn: bool = False) -> list[dict]:
+    """Each of `chosen` built (run_rank) and priced (planned_bytes), one after the other; `cfg` passed
+    pre-flight at dims.world_size ranks."""
+    rows, world = [], dims.world_size
     with tempfile.TemporaryDirectory(prefix="shardwise-dryrun-") as scratch:
         config_path = Path(scratch) / "config.toml"
         cfg.save(config_path)
@@ -340,6 +413,20 @@ def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print, spaw
     return rows
 
 
+def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print, spawn: bool = False) -> list[dict]:
+    """Pre-flight at N x P ranks, then every chosen rank built and priced (module doc)."""
+    cfg = job_config(cfg, nnodes, nproc)
+    world = nnodes * nproc
+    dims = preflight(cfg, world)
+    chosen = parse_ranks(ranks, dims)
+    log(f"dryrun: {world} ranks ({nnodes} nodes x {nproc}), layout {dims.describe()}; building rank"
+        f"{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))} on the meta device, one process each")
+    took = warm(cfg, spawn)
+    if took is not None:
+        log(f"  imports, once, for every rank: {took:.1f} s (not in a rank's time)")
+    return build_ranks(cfg, dims, chosen, log, spawn)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="shardwise dryrun", usage="shardwise dryrun --config FILE.toml --nnodes N --nproc P [--ranks 0,last,...] "
@@ -350,7 +437,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--nnodes", type=int, required=True, help="nodes of the job")
     parser.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per node")
     parser.add_argument("--ranks", default=None, help="global ranks to build, comma-separated (`last` for the last); "
-                        "default: the first and last rank of every pipeline stage")
+                        "default: the first and last rank of every pipeline stage, and with EP the ranks holding other "
+                        "experts or another shard of them")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--spawn", action="store_true", help="build each rank in a fresh interpreter (its time then "
                         "includes importing torch) instead of a process forked from this one")

@@ -130,10 +130,15 @@ def expert_placement(param: nn.Parameter, shards: int):
     experts) when each rank gets at least one, else on dim 1 where it divides evenly (FSDP2 pads dim 0 only;
     torchtitan's rule). Dim 0 with fewer experts than shards pads every rank to a whole expert: Mixtral 8x7B
     at tp8 x dp_shard128 x ep8 kept 2.63 GiB of expert parameters a rank instead of 0.17 (found by
-    `shardwise dryrun`, issue 58). plan/inventory.py fsdp_shard_numel prices the same rule."""
-    from torch.distributed.tensor import Shard
+    `shardwise dryrun`, issue 58). plan/inventory.py fsdp_shard_numel prices the same rule.
+    The rule reads the rank's own tensor: under EP the weight is a DTensor over ep (and tp) whose `shape` is
+    the global one, all experts, and FSDP2 cuts its local tensor; the global count padded tiny-moe's 2 local
+    experts a rank over efsdp 4 into whole experts (8 experts, ep 4, dp_shard 8 x cp 2: 49,152 bytes of
+    parameters a rank above the plan, found by the dry run's expert-group ranks)."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    return Shard(1) if param.ndim == 3 and param.shape[0] < shards and param.shape[1] % shards == 0 else Shard(0)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return Shard(1) if local.ndim == 3 and local.shape[0] < shards and local.shape[1] % shards == 0 else Shard(0)
 
 
 def shard_experts(model: nn.Module, expert_mesh, dims: ParallelDims, reshard: bool, fsdp_kwargs: dict) -> set[nn.Parameter]:

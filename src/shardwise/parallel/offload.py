@@ -128,7 +128,8 @@ class NvmeAdamW(torch.optim.AdamW):
         self.buffers = [torch.empty(2 * largest, dtype=torch.float32) for _ in range(2)]
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-nvme")
 
-    def _cut(self, params: list[nn.Parameter], chunk_bytes: int) -> list[list[nn.Parameter]]:
+    @staticmethod  # also launch/dryrun.py's, which sizes this tier's buffers without making its file
+    def _cut(params: list[nn.Parameter], chunk_bytes: int) -> list[list[nn.Parameter]]:
         chunks: list[list[nn.Parameter]] = [[]]
         size = 0
         for p in params:
