@@ -28,6 +28,8 @@ commands:
   plan     evaluate --config FILE.toml [--json] [--assume-mfu X] [--plot out.png] [--section.key=value ...]
            search   --config FILE.toml [--top 10] [--json] [--emit best.toml] [--plot out.png]
                     [--allow-cross-node-tp] [--allow-uneven-pp] [--assume-mfu X] [--section.key=value ...]
+                    [--verify K [--verify-ranks 0,last]]   build the K best on the meta device (as dryrun), drop
+                    what cannot be built at this size
            predict memory, step time, MFU and days of a layout on [cluster] (no GPU needed), or search for the best
            evaluate --mode=decode [--batch B --prompt-len P --max-new-tokens N]   serving one tp x pp replica
            calibrate RUN_DIR... [--runs FILE.json] [--out calib.json]   fit the time model to measured runs
@@ -323,7 +325,15 @@ def _config(argv: list[str]) -> int:
 def _plan(argv: list[str]) -> int:
     from shardwise.plan.command import plan_main
 
-    return plan_main(argv)
+    return plan_main(argv, verifier=_layout_verifier)
+
+
+def _layout_verifier():
+    """`plan search --verify`'s rehearsal (launch/verify.py), handed to plan/ from here: plan/ never imports
+    launch/ (docs/architecture.md §2); imported only when --verify is given."""
+    from shardwise.launch import verify
+
+    return verify
 
 
 def _pipeline_chart(argv: list[str]) -> int:

@@ -1,5 +1,7 @@
 """`shardwise plan evaluate | search | calibrate` (cli.py dispatches here): pure Python, no process group, no
-torch import. `search --emit` writes the fastest layout this version's trainer runs as a config."""
+torch import. `search --emit` writes the fastest layout this version's trainer runs as a config. `search
+--verify K` rehearses the K best through launch/verify.py, which cli.py hands in (`verifier`): plan/ never
+imports launch/ (docs/architecture.md §2), and without --verify nothing of it is imported."""
 from __future__ import annotations
 
 import argparse
@@ -25,18 +27,24 @@ def _trainer_refusal(cfg: Config, world: int) -> str | None:
     return None
 
 
-def _emit(cfg: Config, problem, result, path: str, quiet: bool) -> None:
+def _emit(cfg: Config, problem, result, path: str, quiet: bool, verified: list | None = None) -> None:
     """Write the fastest layout this version's trainer runs (usually #1) as a config `shardwise
     train` runs unchanged; say so when #1 needs an axis that is not trained yet. If none of the
-    ranked layouts is trainable, #1 is written with the reason."""
+    ranked layouts is trainable, #1 is written with the reason. `verified` (--verify): the fastest of
+    those the rehearsal built (one exists: plan_main refuses the search otherwise)."""
     configs = [_with_layout(cfg, problem, e) for e in result.ranked]
     refusals = [_trainer_refusal(c, problem.cluster.num_gpus) for c in configs]
     rank = next((i for i, why in enumerate(refusals) if why is None), 0)
+    if verified is not None:  # pre-flight dropped what the trainer refuses, with the same reason
+        rank = next(v.index - 1 for v in verified if v.dropped is None)
+        refusals[0] = verified[0].dropped
     configs[rank].save(path)  # its directory made and checked writable before the search (paths.writable_file)
     load_config(path)  # what we wrote must load
     if not quiet:
         print(f"wrote {path}: #{rank + 1} {result.ranked[rank].layout.describe()}")
-        if rank > 0:
+        if rank > 0 and verified is not None:
+            print(f"note: #1 cannot be built at this size ({refusals[0]}); wrote the fastest layout --verify built")
+        elif rank > 0:
             print(f"note: #1 is not trained by this version ({refusals[0]}); wrote the fastest layout it trains")
         elif refusals[0]:
             print(f"note: this version's `shardwise train` refuses this layout ({refusals[0]})")
@@ -99,8 +107,9 @@ def measure_document_share(cfg: Config):
     return share, share.line()
 
 
-def plan_main(argv: list[str]) -> int:
-    """`shardwise plan evaluate | search`: pure Python, no process group, no torch import."""
+def plan_main(argv: list[str], verifier=None) -> int:
+    """`shardwise plan evaluate | search`: pure Python, no process group, no torch import. `verifier`: a
+    callable returning launch/verify.py (cli.py's), called only for --verify (module doc)."""
     import json
 
     from shardwise.plan.cost import evaluate
@@ -133,11 +142,19 @@ def plan_main(argv: list[str]) -> int:
                             help="write the best layout as a TOML `shardwise train` runs (no value: <run.dir>/plan/best.toml)")
         parser.add_argument("--allow-cross-node-tp", action="store_true", help="let tp span nodes")
         parser.add_argument("--allow-uneven-pp", action="store_true", help="allow n_layers not divisible by pp x virtual stages")
+        parser.add_argument("--verify", type=int, default=None, metavar="K",
+                            help="build ranks of the K best layouts on the meta device (shardwise dryrun's way) and drop "
+                                 "any that cannot be built at this size; --emit then writes the best one left")
+        parser.add_argument("--verify-ranks", default=None, metavar="RANKS",
+                            help="--verify's ranks of each layout, comma-separated (`last` for the last; `default`: "
+                                 "dryrun's, every stage's first and last and the expert groups'); default 0,last")
     if action == "evaluate":  # --mode=decode: serving one tp x pp replica (plan/decode.py)
         parser.add_argument("--mode", choices=("train", "decode"), default="train", help="plan a training step or serving")
         parser.add_argument("--batch", type=int, default=1, help="--mode=decode: sequences decoded together")
         parser.add_argument("--prompt-len", type=int, default=None, help="--mode=decode: prompt tokens (default train.seq_len)")
         parser.add_argument("--max-new-tokens", type=int, default=128, help="--mode=decode: tokens generated per sequence")
+        parser.add_argument("--straggler", type=float, default=None, metavar="S",
+                            help="price one rank S times slower (e.g. 1.3), and evicting its node (plan/straggler.py)")
     args, overrides = parser.parse_known_args(argv[1:])
     if args.assume_mfu is not None:
         overrides.append(f"--cluster.assume_mfu={args.assume_mfu}")
@@ -176,11 +193,17 @@ def plan_main(argv: list[str]) -> int:
         est = evaluate(problem, layout)
         refusal = _trainer_refusal(cfg, problem.cluster.num_gpus)
         evaluation = eval_price(cfg, est.breakdown_s, est.detail, layout.pp, layout.chunks_per_rank)
+        straggler = None
+        if args.straggler is not None:
+            from shardwise.plan.straggler import straggler_price
+
+            straggler = straggler_price(cfg, problem, est, args.straggler)
         if args.json:
             from shardwise.plan.goodput import run_cost
 
             print(json.dumps({**est.to_json(), "cost": run_cost(problem, est).to_json(), "trainable": refusal is None,
                               **({"evaluation": evaluation.to_json()} if evaluation else {}),
+                              **({"straggler": straggler.to_json()} if straggler else {}),
                               **({"document_mask": documents.to_json() if documents else {"share": 1.0, "measured": False}}
                                  if problem.document_share is not None else {}),
                               "trainer_refusal": refusal,
@@ -190,6 +213,8 @@ def plan_main(argv: list[str]) -> int:
             print(evaluate_text(problem, est), end="")
             if evaluation is not None:
                 print(eval_line(evaluation, est.days))
+            if straggler is not None:
+                print(straggler.line())
             refused = [f"this version's `shardwise train` refuses this layout ({refusal})"] if refusal else []
             print("".join(f"note: {n}\n" for n in refused), end="")
         if args.plot:
@@ -197,15 +222,48 @@ def plan_main(argv: list[str]) -> int:
         return 0
     if args.top < 1:
         raise ConfigError("--top", f"must be >= 1, got {args.top}", "e.g. --top 10")
+    rehearse = _verifier(args, verifier, problem.cluster.num_gpus)
     result = search(problem, top=args.top, allow_cross_node_tp=args.allow_cross_node_tp, allow_uneven_pp=args.allow_uneven_pp)
     if result.best is None:
         print(json.dumps(search_json(problem, result, args.top), indent=2) if args.json else search_text(problem, result, args.top))
         raise ConfigError("cluster", f"no layout of {cfg.model.preset} fits {problem.cluster.num_gpus} x {problem.cluster.device.name}",
                           "add GPUs, use a device with more memory, or shorten train.seq_len / train.global_batch")
-    print(json.dumps(search_json(problem, result, args.top), indent=2) if args.json else search_text(problem, result, args.top),
-          end="\n" if args.json else "")
+    if not args.json:
+        print(search_text(problem, result, args.top), end="")
+    verified = None
+    if rehearse is not None:
+        import sys
+
+        # each layout's line as it is built; on stderr under --json, whose stdout is one JSON object
+        log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+        verified = rehearse.verify_layouts([(e.layout.describe(), _with_layout(cfg, problem, e))
+                                            for e in result.ranked[:args.verify]],
+                                           problem.cluster.num_gpus, args.verify_ranks, log)
+    if args.json:
+        print(json.dumps({**search_json(problem, result, args.top),
+                          **({"verify": [v.to_json() for v in verified]} if verified is not None else {})}, indent=2))
+    if verified is not None and all(v.dropped for v in verified):
+        raise ConfigError("--verify", f"none of the {len(verified)} best layouts can be built at "
+                          f"{problem.cluster.num_gpus} ranks (the lines above say why)",
+                          f"verify more of them (--verify {len(verified) * 2}), or change what the lines name")
     if args.emit:
-        _emit(cfg, problem, result, args.emit, quiet=args.json)
+        _emit(cfg, problem, result, args.emit, quiet=args.json, verified=verified)
     if args.plot:
         plot(args.plot, problem, result.ranked[:args.top], result.points)
     return 0
+
+
+def _verifier(args, verifier, world: int):
+    """launch/verify.py for --verify K (its --verify-ranks read against the cluster first), or None."""
+    if args.verify is None:
+        if args.verify_ranks is not None:
+            raise ConfigError("--verify-ranks", "is given without --verify", "add --verify K (e.g. --verify 3)")
+        return None
+    if args.verify < 1:
+        raise ConfigError("--verify", f"must be >= 1, got {args.verify}", "e.g. --verify 3 (the 3 best layouts)")
+    if verifier is None:
+        raise ConfigError("--verify", "this entry point cannot build layouts (plan_main without a verifier)",
+                          "run `shardwise plan search --verify K`")
+    rehearse = verifier()
+    rehearse.check_ranks(args.verify_ranks, world)
+    return rehearse
