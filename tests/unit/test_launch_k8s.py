@@ -100,6 +100,13 @@ def test_every_pod_runs_the_torchrun_paths_command_with_node_0s_name(kind, run_d
     assert k8s_pods.config_maps(documents) == {"llama-config": {"run.toml": RUN_TOML}}
 
 
+def test_overrides_reach_the_pod_as_written(run_dir):
+    """The kubelet expands $(VAR) in args and turns $$ into $: an override with either must come through unchanged."""
+    tricky = "--run.dir=runs/$(whoami) $$ $HOME"
+    [pod] = k8s_pods.pods(_generate("trainjob", tricky, nodes="1"))
+    assert pod.argv[-1] == tricky
+
+
 def test_an_elastic_pytorchjob_and_a_one_node_job(run_dir):
     documents = _generate("pytorchjob", "--run.max_restarts=3", nodes="1:2")
     job = documents[-1]
@@ -194,8 +201,11 @@ def test_what_only_a_webhook_or_cel_rule_would_refuse_is_refused(kind, path, val
     (["--gpus-per-node", "0"], "--gpus-per-node", "must be >= 1"),
     (["--gpus-per-node", "8", "--kind", "mpijob"], "--kind", "not one of"),
     (["--gpus-per-node", "8", "--config", "missing.toml"], "--config", "does not exist"),
+    (["--gpus-per-node", "8", "--config", "latin1.toml"], "--config", "not UTF-8"),
+    (["--gpu-per-node", "8"], "--gpus-per-node", "not given"),  # a typo of the option
 ])
 def test_bad_input_is_exit_2_with_a_fix_before_anything_is_written(args, field, words, run_dir, capsys):
+    (run_dir / "latin1.toml").write_bytes("# für\n".encode("latin-1"))
     argv = ["launch", "k8s", "--config", "run.toml", "--nodes", "2", "--image", "img", "--out", "job.yaml", *args]
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from pathlib import Path, PurePosixPath
 
 from shardwise.config import load_config
@@ -44,15 +45,14 @@ USAGE = __doc__.split("\n\n")[1].rstrip()
 
 
 def check_name(kind: str, name: str, nodes: int) -> None:
+    """The job's name and the names its pods get from it (which the DNS must carry) are DNS-1035 labels."""
     problem = dns1035_problem(name)
-    if problem is None:
-        longest = longest_pod_name(kind, name, nodes)
-        if len(longest) > 63:
-            spare = 63 - (len(longest) - len(name))
-            problem = f"the pods' names would be up to {len(longest)} characters ({longest}), more than the 63 of a DNS label"
-            raise ConfigError("--name", problem, f"use a name of at most {spare} characters")
     if problem is not None:
         raise ConfigError("--name", problem, "use lower-case letters, digits and '-', a letter first, e.g. --name llama-8b-run1")
+    longest = longest_pod_name(kind, name, nodes)
+    if len(longest) > 63:
+        raise ConfigError("--name", f"the pods' names would be up to {len(longest)} characters ({longest}), more than the 63 "
+                          "of a DNS label", f"use a name of at most {63 - (len(longest) - len(name))} characters")
 
 
 def _nodes(text: str | None) -> tuple[int, int]:
@@ -111,7 +111,8 @@ def build_job(args, overrides: list[str]) -> Job:
         raise ConfigError("--image", "no container image given" if not args.image else f"{args.image!r} is not an image name",
                           "pass the image every pod runs, with shardwise installed, e.g. --image registry.example/shardwise:0.1")
     if args.gpus_per_node is None or args.gpus_per_node < 1:
-        raise ConfigError("--gpus-per-node", f"must be >= 1, got {args.gpus_per_node}", "e.g. --gpus-per-node 8 (one rank per GPU)")
+        problem = "not given" if args.gpus_per_node is None else f"must be >= 1, got {args.gpus_per_node}"
+        raise ConfigError("--gpus-per-node", problem, "e.g. --gpus-per-node 8 (one rank per GPU)")
     min_nodes, nodes = _nodes(args.nodes)
     if min_nodes < nodes and args.kind != "pytorchjob":
         what = "a TrainJob" if args.kind == "trainjob" else "a JobSet"
@@ -131,9 +132,14 @@ def build_job(args, overrides: list[str]) -> Job:
     path = Path(args.config)
     if not path.is_file():
         raise ConfigError("--config", f"{args.config} does not exist", "give the path of the run's TOML file")
-    text = path.read_text()
-    if len(text.encode()) > CONFIG_MAP_MAX_BYTES - 4096:
-        raise ConfigError("--config", f"{args.config} is {len(text.encode())} bytes; a ConfigMap holds at most 1 MiB",
+    raw = path.read_bytes()
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise ConfigError("--config", f"{args.config} is not UTF-8 text ({e.reason} at byte {e.start})",
+                          "save the config as UTF-8 (TOML files are)") from None
+    if len(raw) > CONFIG_MAP_MAX_BYTES - 4096:  # the ConfigMap's other fields need a little room
+        raise ConfigError("--config", f"{args.config} is {len(raw)} bytes; a ConfigMap holds at most 1 MiB",
                           "move long lists (e.g. [[data.sources]]) to files on the shared volume")
     cfg = load_config(args.config, overrides)
     dp = _check_layout(cfg, min_nodes, nodes, args.gpus_per_node)
@@ -154,7 +160,7 @@ def render(job: Job) -> tuple[str, dict]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise launch k8s", usage=USAGE)
+    parser = argparse.ArgumentParser(prog="shardwise launch k8s", usage=textwrap.dedent(USAGE).strip())
     parser.add_argument("--config", default=None, help="the run's TOML file (copied into the manifest as a ConfigMap)")
     parser.add_argument("--nodes", default=None, help="pods, one per node: N, or MIN:MAX for an elastic PyTorchJob")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs each pod requests (nvidia.com/gpu): one rank per GPU")

@@ -72,7 +72,9 @@ class Job:
             spec = f"{self.min_nodes}:{self.nodes}" if self.elastic else str(self.nodes)
             command += ["--nnodes", spec, "--node-rank", "$(PET_NODE_RANK)", "--rdzv-endpoint",
                         "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"]
-        return command + list(self.overrides)
+        # The user's overrides reach the command as written: the kubelet turns each `$$` into `$`, so a `$(...)` of
+        # theirs is no reference to the pod's environment.
+        return command + [o.replace("$", "$$") for o in self.overrides]
 
     def entrypoint(self) -> list[str]:
         """The container's command; its args are train_command(). A shell only to wait for node 0's name:

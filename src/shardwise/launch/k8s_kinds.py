@@ -40,7 +40,9 @@ def _comments(job: Job, container: tuple, pod: tuple) -> dict[tuple, str]:
     order of Job.volumes(): config, workspace, dshm)."""
     work = "a PersistentVolumeClaim" if job.pvc else "an emptyDir (no --pvc): gone with the pod"
     return {
-        (*container, "command"): "A shell only to wait for node 0's DNS name (see the script), then exactly the command below.",
+        (*container, "command"): (f"A shell only to start in {WORKDIR} and wait for node 0's DNS name, then to run exactly the "
+                                  "command below." if job.multinode else f"A shell only to start in {WORKDIR}, then to run "
+                                  "exactly the command below."),
         (*container, "args"): "The `shardwise train` one node of the torchrun path runs (launch/k8s_job.py Job.train_command); "
                               "$(VAR) is a variable of the pod, expanded by the kubelet.",
         (*container, "resources"): "One rank per GPU: --nproc in the args is this count.",
