@@ -116,3 +116,17 @@ def test_bad_input_exits_2_before_the_search_without_torch(extra, field):
     assert done.stderr.startswith(f"error: {field}: ") and "fix:" in done.stderr, done.stderr
     assert done.stderr.strip().endswith("2 no torch") and "Traceback" not in done.stderr, done.stderr
     assert "top " not in done.stdout  # no search table: refused first
+
+
+def test_default_verify_ranks_are_dryruns(capsys):
+    """--verify-ranks default: dryrun's own default ranks, with EP the corners of the (efsdp, ep) grid
+    (tiny-moe, dp_shard4 x ep2 on 4 ranks: every rank is one)."""
+    from shardwise.launch.verify import verify_layouts
+
+    cfg = load_config(None, ["--model.preset=tiny-moe", "--cluster.gpu=h100-sxm-80gb", "--cluster.num_gpus=4",
+                             "--parallel.dp_shard=4", "--parallel.ep=2", "--parallel.zero=3", "--train.global_batch=8",
+                             "--train.micro_batch=1", "--train.seq_len=64", "--train.compile=false"])
+    done = verify_layouts([("ep2", cfg)], 4, "default", lambda _line: None)[0]
+    assert done.dropped is None and done.exact, done.line()
+    assert [(r["expert_coordinates"]["efsdp"], r["expert_coordinates"]["ep"]) for r in done.rows] == \
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
