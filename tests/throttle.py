@@ -1,7 +1,7 @@
 """A throttled host, made for real: processes held to a share of one CPU by a CFS bandwidth quota (a cgroup of the
 `cpu` controller, v1 or v2), in 1 ms slices (the kernel's smallest quota) so that their work is slowed about alike
-throughout (the default 100 ms period would let a short forward run at full speed and stall whole steps instead). Root only; a test that needs it
-skips, saying why, where no cpu cgroup can be made."""
+throughout (the default 100 ms period would let a short forward run at full speed and stall whole steps
+instead). Root only; a test that needs it skips, saying why, where no cpu cgroup can be made."""
 from __future__ import annotations
 
 import os

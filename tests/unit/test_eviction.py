@@ -102,8 +102,8 @@ def test_an_elastic_job_that_must_keep_every_node_cannot_evict():
     from shardwise.errors import ConfigError
     from shardwise.preflight import check_elastic
 
-    cfg = build_config({}, [("run.evict_stragglers", "true"), ("run.max_restarts", "3"), ("parallel.dp_shard", "-1"), ("parallel.zero", "3"),
-                            ("checkpoint.every", "10")])
+    cfg = build_config({}, [("run.evict_stragglers", "true"), ("run.max_restarts", "3"), ("parallel.dp_shard", "-1"),
+                            ("parallel.zero", "3"), ("checkpoint.every", "10")])
     with pytest.raises(ConfigError, match="no node can be evicted"):
         check_elastic(cfg, 2, 2, 2)
     check_elastic(cfg, 2, 1, 2)
