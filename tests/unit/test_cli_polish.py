@@ -186,7 +186,7 @@ def test_plan_search_explains_tiny_losers_in_milliseconds(capsys):
     not "+0.000 s" and "2.1e-06"."""
     assert main(["plan", "search", "--model.preset=tiny", "--cluster.num_gpus=4", "--cluster.gpus_per_node=4"]) == 0
     out = capsys.readouterr().out
-    assert "mostly" in out and "(+0.000 s)" not in out and " ms)" in out
+    assert "step +" in out and "(+0.000 s)" not in out and " ms)" in out and "+0.000 s" not in out
     assert "e-0" not in out
 
 

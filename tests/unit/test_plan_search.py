@@ -44,6 +44,33 @@ def test_small_search_ranks_feasible_layouts_by_step_time():
     assert "pruned" in text and "feasible" in text
 
 
+def test_why_lost_says_what_each_prune_reason_means_and_what_grew_against_what():
+    """Issue 62: the prune reasons ("split backward", "bounded", "dominated") were printed unexplained, and a
+    runner-up's line read "+0.8% mostly compute (+0.278 s)", a term's growth bigger than the whole step's. Each
+    reason now says what it means, and each runner-up its step's difference = the term that grows most, the one
+    that shrinks most and the rest (which add up)."""
+    import re
+
+    from shardwise.plan.search import prune_meaning
+
+    p = problem("--model.preset=llama3-8b", "--train.precision=bf16", "--cluster.num_gpus=16", "--train.seq_len=4096",
+                "--train.global_batch=32")
+    r = search(p, top=2)
+    lines = why_lost(r, 2)
+    for reason in r.pruned:
+        line = next(ln for ln in lines if ln.endswith(f"  {reason}: {prune_meaning(reason)}"))
+        assert line.startswith("  pruned")
+    for reason in ("split backward", "bounded: compute alone slower than the top", "dominated: fits with less recompute",
+                   "memory > capacity (model states)", "tp > gpus_per_node (2-D TP)"):
+        assert "spec/rules.py" not in prune_meaning(reason), reason
+    runners = [ln for ln in lines if " step +" in ln]
+    assert runners and not any("mostly" in ln for ln in lines)
+    for ln in runners:
+        total = float(re.search(r"step \+[\d.]+% \(([+-][\d.]+) (m?s)\)", ln).group(1))
+        terms = [float(x) for x in re.findall(r" ([+-][\d.]+) m?s", ln.split(" = ", 1)[1])]
+        assert sum(terms) == pytest.approx(total, abs=2e-3)
+
+
 def test_nothing_faster_is_lost_by_the_pruning_and_dominance_rules():
     """Exhaustive check on a small case: evaluating every candidate of the same option space (no
     structure pruning, no dominance skipping) finds nothing faster than the search's winner."""

@@ -346,23 +346,75 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
     return any_fit
 
 
+def prune_meaning(reason: str) -> str:
+    """What a prune reason of `SearchResult.pruned` means, in a few words (why_lost prints it beside the
+    count): the rule's key as spec/rules.py names it, or one of the search's own cuts above."""
+    base = reason.removesuffix(" (2-D TP)")
+    meanings = {
+        "memory > capacity (model states)": "parameters + gradients + optimizer state alone overflow the GPU",
+        "memory > capacity": "with activations, over the GPU's usable memory",
+        "host memory > capacity (offload)": "the offloaded states overflow the host memory too",
+        "offload=cpu over host memory: nvme instead": "offloaded to disk (nvme) instead of host memory",
+        "bounded: compute alone slower than the top": "not timed: its compute alone exceeds the step time of the "
+                                                      "layouts shown",
+        "dominated: fits with less recompute": "the same layout fits with less recomputation, which is faster",
+        "dominated: fits without offload": "the same layout fits without offload, which is faster",
+        "dominated: fits with fewer tiles": "the same layout fits with fewer linear tiles, which is faster",
+        "split backward": "a zero-bubble / V schedule (separate weight-gradient pass) with ZeRO-3 or per-op "
+                          "selective recompute: wrong gradients or a second backward",
+        "tp > gpus_per_node": "tp would span nodes (--allow-cross-node-tp allows it)",
+        "microbatches < pp": "fewer micro-batches than pipeline ranks",
+        "microbatches < 2pp": "DualPipeV needs 2 x pp micro-batches",
+        "microbatches % rounds": "micro-batches not a multiple of the schedule's rounds of pp",
+        "layers % (pp*v)": "more pipeline stages than blocks, or blocks not divisible by them (--allow-uneven-pp)",
+        "heads % tp": "attention heads not divisible by tp",
+        "kv heads vs tp": "key/value heads and tp: neither divides the other",
+        "ffn % tp": "the MLP's hidden dim not divisible by tp",
+        "expert ffn % tp": "the experts' hidden dim not divisible by tp",
+        "seq % tp": "sequence not divisible by tp (sequence parallelism)",
+        "seq % 2cp": "sequence not divisible by 2 x cp (context parallelism's load-balanced chunks)",
+        "seq/cp % tp": "a cp shard of the sequence not divisible by tp",
+        "heads/tp % cp": "heads per tp rank not divisible by cp",
+        "batch": "global batch not divisible by micro-batch x data-parallel ranks",
+        "ep": "ep does not divide dp_shard x cp, or the model has no experts",
+        "tp2d split": "2-D TP's grid does not divide the dims",
+    }
+    return meanings.get(base) or "a rule the trainer applies (spec/rules.py; `shardwise plan evaluate` of such a layout says why)"
+
+
 def why_lost(result: SearchResult, top: int, near: int = 5) -> list[str]:
-    """Lines explaining the losers: prune counts by reason, then for the best layout of each other
-    family (after the top-k) the step-time term that costs it most against the winner."""
+    """Lines explaining the losers: prune counts by reason, each with what it means (prune_meaning), then
+    for the best layout of each other family (after the top-k) how much slower its step is than #1's, and
+    the terms that differ most: the one that grows most and the one that shrinks most (they may nearly
+    cancel: +0.8% in all with compute +0.278 s and the bubble -0.295 s)."""
     lines = [f"{result.considered:,} candidates considered, {result.feasible:,} feasible, "
              f"searched in {result.seconds:.2f} s"]
+    if result.pruned:
+        lines.append("  pruned: candidates dropped before timing, by the first rule each broke, and what the rule means:")
     for reason, count in result.pruned.most_common():
-        lines.append(f"  pruned {count:>8,}  {reason}")
+        lines.append(f"  pruned {count:>8,}  {reason}: {prune_meaning(reason)}")
     best = result.best
     if best is None:
         return lines
     if len(result.ranked) > top:
-        lines.append("  best of the other families, and the term that loses most against #1:")
+        lines.append("  best of the other families: its step against #1's, = the term that grows most, the one that "
+                     "shrinks most, and the rest:")
+
+    def amount(delta: float) -> str:  # milliseconds below 1 ms, so a tiny model's differences are not all +0.000 s
+        return f"{delta:+.3f} s" if abs(delta) >= 1e-3 else f"{delta * 1e3:+.3f} ms"
+
     for e in result.ranked[top:top + near]:
         diffs = {k: e.breakdown_s.get(k, 0.0) - best.breakdown_s.get(k, 0.0) for k in best.breakdown_s}
-        term, delta = max(diffs.items(), key=lambda kv: kv[1])
-        # Milliseconds below 1 ms, so a tiny model's differences do not all print as +0.000 s.
-        amount = f"+{delta:.3f} s" if delta >= 1e-3 else f"+{delta * 1e3:.3f} ms"
-        lines.append(f"  {e.layout.describe():<48} +{(e.step_time_s / best.step_time_s - 1) * 100:5.1f}%  "
-                     f"mostly {term} ({amount})")
+        grows = max(diffs.items(), key=lambda kv: kv[1])
+        shrinks = min(diffs.items(), key=lambda kv: kv[1])
+        total = e.step_time_s - best.step_time_s
+        parts = [f"{grows[0]} {amount(grows[1])}"]
+        rest = total - grows[1]
+        if shrinks[1] < 0 and shrinks[0] != grows[0]:
+            parts.append(f"{shrinks[0]} {amount(shrinks[1])}")
+            rest -= shrinks[1]
+        if abs(rest) >= 1e-6:
+            parts.append(f"rest {amount(rest)}")
+        lines.append(f"  {e.layout.describe():<48} step +{(e.step_time_s / best.step_time_s - 1) * 100:.1f}% "
+                     f"({amount(total)}) = {', '.join(parts)}")
     return lines
