@@ -169,6 +169,26 @@ def test_evaluate_says_how_the_pipeline_bubble_was_priced(capsys):
     assert not any(ln.startswith("bubble") for ln in capsys.readouterr().out.splitlines())
 
 
+def test_the_bubble_line_of_a_split_layout_gives_the_tables_bubble(capsys):
+    """Issue 62: `plan evaluate` of the best.toml plan search emits for the 70B example (DualPipeV over a balanced
+    split) printed "its action order idles 0.106 s at the lighter pipeline rank's micro-batch times" beside a step
+    table whose pipeline bubble was 0.295 s: under a split the bubble is the order replayed at every stage's times,
+    and the line now gives that figure, the table's, and says so."""
+    import re
+
+    example = str(Path(__file__).resolve().parents[2] / "configs" / "plan-llama3-70b.toml")
+    best = ["--parallel.dp_shard=16", "--parallel.tp=2", "--parallel.cp=4", "--parallel.zero=2", "--train.micro_batch=1",
+            "--parallel.pp_schedule=dualpipev", "--parallel.pp_virtual_stages=2", '--parallel.pp_split=balanced',
+            "--train.recompute=none"]
+    assert main(["plan", "evaluate", "--config", example, *best, "--json"]) == 0
+    bubble = json.loads(capsys.readouterr().out)["breakdown_s"]["bubble"]
+    assert main(["plan", "evaluate", "--config", example, *best]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bubble"))
+    assert "blocks per stage [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 6, 4]" in line
+    figures = [float(x) for x in re.findall(r"idles ([\d.]+) s", line)]
+    assert figures == [pytest.approx(bubble, abs=1e-3)] and bubble > 0.2 and "the table's pipeline bubble" in line
+
+
 def test_evaluate_prices_the_trainers_own_split(capsys):
     """parallel.pp_layers_per_stage and pp_split="balanced" are priced as the trainer cuts (every pipeline rank
     sized, plan/inventory.py sized_ranks); before, `plan evaluate` priced an even split whatever was asked. An
@@ -188,7 +208,8 @@ def test_evaluate_prices_the_trainers_own_split(capsys):
     balanced = plan("--parallel.pp_split=balanced")  # [8, 9, 9, 6]: the head's stage gets fewer blocks
     assert balanced["step_time_s"] < 0.95 * even["step_time_s"]
     assert main(base[:2] + base[3:] + ["--parallel.pp_layers_per_stage=11,7,7,7"]) == 0
-    assert "(blocks per stage [11, 7, 7, 7]: every rank's times, spec/stages.py looped_bubbles)" in capsys.readouterr().out
+    assert "blocks per stage [11, 7, 7, 7], priced at each stage's own times (every rank's times, spec/stages.py " \
+           "looped_bubbles)" in capsys.readouterr().out
     assert first_heavy["split_notes"] == []
     uneven = ["--parallel.pp_virtual_stages=2", "--parallel.pp_layers_per_stage=3,4,4,4,4,4,4,5"]
     assert plan("--parallel.pp_schedule=interleaved_1f1b", *uneven)["split_notes"] == []  # its order replayed
@@ -261,7 +282,8 @@ def test_the_bubble_line_says_an_uneven_even_split_is_priced_rank_by_rank(capsys
             "--cluster.gpu=h100-sxm-80gb"]
     assert main(base + ["--parallel.pp=6", "--cluster.num_gpus=6", "--train.global_batch=36"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bubble"))
-    assert line.endswith("(blocks per stage [6, 6, 5, 5, 5, 5]: every rank's times, spec/stages.py looped_bubbles)")
+    assert "blocks per stage [6, 6, 5, 5, 5, 5], priced at each stage's own times (every rank's times, spec/stages.py " \
+           "looped_bubbles)" in line and line.endswith(", the table's pipeline bubble")
     assert main(base + ["--parallel.pp=4", "--cluster.num_gpus=4", "--train.global_batch=32"]) == 0  # 32 blocks: even
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bubble"))
     assert line.endswith("(spec/stages.py rank_bubble)")

@@ -333,24 +333,28 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
 
 
 def bubble_line(est: Estimate, shape: ModelShape) -> str:
-    """How the pipeline bubble was priced: the idle of the schedule's action order at the lighter pipeline
-    rank's micro-batch times, less what the step's own rank fills with its extra work (spec/stages.py
-    rank_bubble), or rank by rank (the trainer's own split, or an uneven even one: plan/inventory.py
-    priced_layout)."""
+    """How the pipeline bubble of the step-time table was priced: the idle of the schedule's action order at the
+    lighter pipeline rank's micro-batch times, less what the step's own rank fills with its extra work
+    (spec/stages.py rank_bubble); or, under a split sized rank by rank (the trainer's own split, or an uneven even
+    one: plan/inventory.py priced_layout), the order replayed at every stage's own times, whose idle on the step's
+    rank is the table's figure (the lighter rank's figure, which that replay does not use, is not printed: it read
+    "idles 0.106 s" beside a table's 0.295 s)."""
     lay, base, bubble = priced_layout(shape, est.layout), est.detail["bubble_at_lighter_rank_s"], est.breakdown_s["bubble"]
-    k, unit = _time_unit(max(base, 1e-9))
-    line = (f"bubble   {lay.schedule} over {lay.pp} ranks, {int(est.detail.get('microbatches', 0))} micro-batches: its "
-            f"action order idles {base * k:.3f} {unit} at the lighter pipeline rank's micro-batch times")
+    k, unit = _time_unit(max(base, bubble, 1e-9))
+    r = int(est.detail.get("step_on_pipeline_rank", 0))
+    which = {0: "the first pipeline rank", lay.pp - 1: "the last pipeline rank"}.get(r, f"pipeline rank {r}")
+    head = f"bubble   {lay.schedule} over {lay.pp} ranks, {int(est.detail.get('microbatches', 0))} micro-batches: "
+    if lay.stage_layers:
+        how = ("every rank's times, spec/stages.py looped_bubbles" if lay.schedule in SINGLE_STAGE else
+               "its order replayed at every stage's times, spec/stages.py looped_bubbles_by_stage"
+               if lay.schedule in WRITTEN_OUT else "spec/stages.py rank_bubble")
+        return (head + f"blocks per stage {list(lay.stage_layers)}, priced at each stage's own times ({how}): the step's "
+                f"rank ({which}) idles {bubble * k:.3f} {unit}, the table's pipeline bubble")
+    line = head + f"its action order idles {base * k:.3f} {unit} at the lighter pipeline rank's micro-batch times"
     if base - bubble > 1e-12:
-        r = int(est.detail["step_on_pipeline_rank"])
-        which = {0: "the first pipeline rank", lay.pp - 1: "the last pipeline rank"}.get(r, f"pipeline rank {r}")
-        line += f"; the step's rank ({which}), heavier, fills {(base - bubble) * k:.3f} {unit} of it with its own work"
-    if not lay.stage_layers:
-        return line + " (spec/stages.py rank_bubble)"
-    how = ("every rank's times, spec/stages.py looped_bubbles" if lay.schedule in SINGLE_STAGE else
-           "its order replayed at every stage's times, spec/stages.py looped_bubbles_by_stage"
-           if lay.schedule in WRITTEN_OUT else "spec/stages.py rank_bubble")
-    return line + f" (blocks per stage {list(lay.stage_layers)}: {how})"
+        return line + (f"; the step's rank ({which}), heavier, fills {(base - bubble) * k:.3f} {unit} of it with its own "
+                       f"work, leaving the table's pipeline bubble {bubble * k:.3f} {unit} (spec/stages.py rank_bubble)")
+    return line + ", the table's pipeline bubble (spec/stages.py rank_bubble)"
 
 
 def search_text(problem: Problem, result: SearchResult, top: int) -> str:
