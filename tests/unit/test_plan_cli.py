@@ -169,6 +169,28 @@ def test_evaluate_says_how_the_pipeline_bubble_was_priced(capsys):
     assert not any(ln.startswith("bubble") for ln in capsys.readouterr().out.splitlines())
 
 
+@pytest.mark.parametrize("asked", ["even", "balanced"])
+def test_an_emitted_split_is_said_one_way(asked):
+    """Issue 62: best.toml had pp_split = "even" beside an explicit pp_layers_per_stage (with a user's "balanced",
+    a pair pre-flight refuses). The search's balanced variant is written as pp_split = "balanced" alone, another
+    split as the explicit list with "even", an even split with neither; each prices the same layout."""
+    from shardwise.plan.command import _split_keys
+    from shardwise.spec.layout import Layout
+    from shardwise.spec.rules import pipeline_split_rules
+
+    example = str(Path(__file__).resolve().parents[2] / "configs" / "plan-llama3-70b.toml")
+    v = ["--parallel.pp_schedule=dualpipev", "--parallel.pp_virtual_stages=2", f"--parallel.pp_split={asked}"]
+    balanced = [5] * 14 + [6, 4]
+    for split, want in ((balanced, ("balanced", [])), ([6] + [5] * 14 + [4], ("even", [6] + [5] * 14 + [4])),
+                        ([], ("even", []))):
+        cfg = load_config(example, v)
+        cfg.parallel.pp_layers_per_stage = list(split)
+        _split_keys(cfg)
+        assert (cfg.parallel.pp_split, cfg.parallel.pp_layers_per_stage) == want
+        assert next(pipeline_split_rules(cfg.parallel, 80), None) is None
+        assert list(Layout.from_config(cfg, 1024).stage_layers) == split
+
+
 def test_the_bubble_line_of_a_split_layout_gives_the_tables_bubble(capsys):
     """Issue 62: `plan evaluate` of the best.toml plan search emits for the 70B example (DualPipeV over a balanced
     split) printed "its action order idles 0.106 s at the lighter pipeline rank's micro-batch times" beside a step

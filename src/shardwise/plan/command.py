@@ -64,6 +64,7 @@ def _with_layout(cfg: Config, problem, estimate) -> Config:
     for section, values in estimate.layout.config_values(problem).items():
         for key, value in values.items():
             setattr(getattr(out, section), key, value)
+    _split_keys(out)
     t = out.train
     if t.tokens and t.steps == default.train.steps:
         t.steps = -(-t.tokens // (t.global_batch * t.seq_len))
@@ -73,6 +74,25 @@ def _with_layout(cfg: Config, problem, estimate) -> Config:
     if out.run.dir == default.run.dir:
         out.run.dir = f"runs/{out.model.preset or out.model.arch}"
     return out
+
+
+def _split_keys(cfg: Config) -> None:
+    """One way of saying the pipeline split in an emitted config: pp_split = "balanced" alone where the trainer's
+    balanced cut is the layout's split (the search's split variants are), else the explicit
+    pp_layers_per_stage with pp_split = "even" (which it overrides) and no pp_stage_speeds; an even split
+    leaves both at their defaults. Before, an explicit split was written beside pp_split = "even" (or the
+    user's "balanced", which pre-flight refuses beside it), and an even split under the user's "balanced"
+    would have been cut balanced by the trainer."""
+    from shardwise.spec.stages import trainer_split
+
+    p = cfg.parallel
+    split = tuple(p.pp_layers_per_stage)
+    if split:
+        p.pp_split, p.pp_layers_per_stage = "balanced", []
+        if trainer_split(p, cfg.model, cfg.train.seq_len) == split:
+            return
+        p.pp_layers_per_stage = list(split)
+    p.pp_split, p.pp_stage_speeds = "even", []
 
 
 def measure_document_share(cfg: Config):
