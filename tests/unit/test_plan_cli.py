@@ -331,3 +331,15 @@ def test_an_uneven_even_split_under_a_v_schedule_is_priced_by_its_order(schedule
     assert got.step_time_s == want.step_time_s and got.memory.total == want.memory.total
     if schedule == "dualpipev":
         assert got.breakdown_s["bubble"] == pytest.approx(0.756, abs=1e-3) and got.step_time_s == pytest.approx(4.824, abs=1e-3)
+
+
+def test_plot_labels_are_short_lines_and_other_is_named():
+    """Issue 62: in plan.png the labels of #1-#3 ran together (the options with a 16-stage split on one line of
+    60 characters) and "other", half of each bar, was not explained. Each label line is now at most 14
+    characters (a split's repeats counted), and the legend says what "other" holds."""
+    from shardwise.plan.report import OTHER_IN_LEGEND, _wrapped_layout
+
+    label = _wrapped_layout("dp_shard16xcp4xtp2xpp8 z2 mb1 dualpipev/v2 split 5,5,5,5,5,5,5,5,5,5,5,5,5,5,6,4")
+    assert label.splitlines() == ["dp_shard16", "cp4 x tp2", "pp8", "z2 mb1", "dualpipev/v2", "split 5x14,6,4"]
+    assert _wrapped_layout("dp_shard2xpp2 z3 mb8 gpipe").splitlines() == ["dp_shard2", "pp2", "z3 mb8 gpipe"]
+    assert OTHER_IN_LEGEND.startswith("other: ") and "FSDP" in OTHER_IN_LEGEND and "comm buffers" in OTHER_IN_LEGEND

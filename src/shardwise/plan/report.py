@@ -20,6 +20,8 @@ from shardwise.spec.stages import SINGLE_STAGE, WRITTEN_OUT
 
 MEMORY_ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
                ("activations", "activations"), ("other", "other"))
+# plan.png's legend names what "other" holds (the table's "what" column lists it by amount)
+OTHER_IN_LEGEND = "other: FSDP's gathered parameters\nand gradients, comm buffers,\nlogits, offload staging"
 TIME_ROWS = (("compute", "compute (fwd + bwd)"), ("recompute", "recompute"), ("dp_comm", "exposed comm dp"),
              ("tp_comm", "exposed comm tp"), ("pp_comm", "exposed comm pp"), ("cp_comm", "exposed comm cp"),
              ("ep_comm", "exposed comm ep"), ("bubble", "pipeline bubble"), ("optimizer", "optimizer step"))
@@ -392,17 +394,37 @@ def search_json(problem: Problem, result: SearchResult, top: int) -> dict[str, A
     }
 
 
-def _wrapped_layout(described: str) -> str:
-    """Layout.describe() on short lines for a tick label (next to each other, long ones ran together):
-    the mesh axes packed into lines of at most 13 characters, then the options."""
-    axes, _, options = described.partition(" ")
-    lines: list[str] = []
-    for name in axes.split("x"):  # no axis name contains an "x"
-        if lines and len(lines[-1]) + 3 + len(name) <= 13:
-            lines[-1] += " x " + name
+def _runs(split: str) -> str:
+    """A split's blocks per stage with repeats counted: '5,5,5,6,4' -> '5x3,6,4'."""
+    out: list[list] = []
+    for n in split.split(","):
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
         else:
-            lines.append(name)
-    return "\n".join(lines + [options])
+            out.append([n, 1])
+    return ",".join(n if k == 1 else f"{n}x{k}" for n, k in out)
+
+
+def _wrapped_layout(described: str, width: int = 14) -> str:
+    """Layout.describe() on short lines for a tick label (next to each other, long ones ran together): the
+    mesh axes packed into lines of at most 13 characters, then the options likewise, a split's blocks per
+    stage with repeats counted (issue 62: "split 5,5,5,5,5,5,5,5,5,5,5,5,5,5,6,4" on one line ran into the
+    next bars' labels)."""
+    axes, _, options = described.partition(" ")
+    words = options.split()
+    if "split" in words[:-1]:  # "split" and its blocks on one line
+        i = words.index("split")
+        words[i:i + 2] = [f"split {_runs(words[i + 1])}"]
+    lines: list[str] = []
+    for sep, parts in (("x", axes.split("x")), (" ", words)):  # no axis name contains an "x"
+        fresh, join = True, " x " if sep == "x" else " "
+        for name in parts:
+            if lines and not fresh and len(lines[-1]) + len(join) + len(name) <= (width - 1 if sep == "x" else width):
+                lines[-1] += join + name
+            else:
+                lines.append(name)
+            fresh = False
+    return "\n".join(lines)
 
 
 def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: list[tuple[float, float]] | None = None) -> None:
@@ -420,7 +442,7 @@ def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: 
     bottom = [0.0] * len(estimates)
     for key, label in MEMORY_ROWS:
         vals = [getattr(e.memory, key) / GIB for e in estimates]
-        ax.bar(labels, vals, bottom=bottom, label=label)
+        ax.bar(labels, vals, bottom=bottom, label=OTHER_IN_LEGEND if key == "other" else label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     cap = problem.cluster.device.memory_gib
     ax.axhline(cap, color="black", linestyle="--", linewidth=1, label=f"{problem.cluster.device.name} {cap:g} GiB")
@@ -429,7 +451,7 @@ def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: 
     ax.set_ylabel("GiB per GPU (most loaded rank)")
     ax.set_title("memory by category, best layouts first")
     ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.06), ncol=4, frameon=False)
+    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.06), ncol=3, frameon=False)
     ax.set_ylim(0, max([cap] + bottom) * 1.08)
     if points:
         ax2 = fig.add_subplot(1, 2, 2)
@@ -437,7 +459,7 @@ def plot(path: str | Path, problem: Problem, estimates: list[Estimate], points: 
                     label="feasible layouts", rasterized=True)
         best = estimates[0]
         ax2.scatter([best.memory.total / GIB], [best.step_time_s], s=80, marker="*", color="red",
-                    label=f"chosen: {best.layout.describe()}")
+                    label=f"chosen: {_wrapped_layout(best.layout.describe(), 60).replace(chr(10), ' ')}")
         ax2.set_xlabel("GiB per GPU")
         ax2.set_ylabel("step time (s)")
         ax2.set_yscale("log")
