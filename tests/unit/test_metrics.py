@@ -254,6 +254,36 @@ def test_read_metrics_keeps_last_record_per_step_and_skips_torn_line(tmp_path):
     assert out.stat().st_size > 1000
 
 
+def test_the_loss_picture_starts_at_step_one(monkeypatch, tmp_path):
+    """Issue 62: loss_curve.png started at step train.log_every (metrics.jsonl records logged steps only), so a
+    short run's first loss was missing. The logger keeps step 1's loss and the picture draws it first;
+    metrics.jsonl keeps its records of logged steps; a resumed run (its step 1 long done) adds nothing."""
+    import json
+
+    from shardwise.train import metrics
+    from shardwise.train.metrics import loss_points
+
+    drawn = {}
+    monkeypatch.setattr(metrics, "plot_loss_curve", lambda jsonl, png, first=None: drawn.update(
+        points=loss_points(read_metrics(jsonl), first)))
+    logger = MetricsLogger(tmp_path / "run", total_steps=4, start_step=0, is_writer=True, progress=False,
+                           tensorboard=False)
+    for step, loss in ((1, 9.5), (2, 8.0), (3, 7.0), (4, 6.0)):
+        logger.progress(step, loss, 1.0)
+        if step % 2 == 0:
+            logger.log(step, {"loss": loss})
+    logger.close()
+    assert drawn["points"] == [(1, 9.5), (2, 8.0), (4, 6.0)]
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+    resumed = MetricsLogger(tmp_path / "run", total_steps=6, start_step=4, is_writer=True, progress=False,
+                            tensorboard=False)
+    resumed.progress(5, 5.0, 1.0)
+    resumed.log(6, {"loss": 4.0})
+    resumed.close()
+    assert drawn["points"] == [(2, 8.0), (4, 6.0), (6, 4.0)]
+    assert loss_points([{"step": 1, "loss": 3.0}], 9.0) == [(1, 3.0)] and loss_points([], float("nan")) == []
+
+
 def test_energy_meter_from_a_counter(monkeypatch, tmp_path, capsys):
     """train/power.py: joules between logging steps from NVML's energy counter (a fake one here: no GPU),
     as watts, J per trained token and a running kWh total, in metrics.jsonl and in the end-of-run

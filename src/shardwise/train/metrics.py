@@ -109,6 +109,9 @@ class MetricsLogger:
         self._bar = None
         self._task = None
         self._closed = not is_writer
+        # step 1's loss, for loss_curve.png: metrics.jsonl has records of logged steps only (every
+        # train.log_every), so a short run's picture started at step log_every without its first loss
+        self._first_loss: float | None = None
         if not is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +171,10 @@ class MetricsLogger:
                     self._tb.add_scalar(name, value, step)
 
     def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
-        """Advance the bar to `step` (or print a plain status line about every 10% without a TTY)."""
+        """Advance the bar to `step` (or print a plain status line about every 10% without a TTY); keep step 1's
+        loss for loss_curve.png."""
+        if step == 1 and self.start_step == 0 and self.is_writer:
+            self._first_loss = float(loss)
         if self._closed or not self._show_progress:
             return
         if self._bar is not None:
@@ -224,7 +230,7 @@ class MetricsLogger:
         if not self._loss_curve:
             return
         try:
-            plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png")
+            plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png", self._first_loss)
         except Exception as e:  # close() runs in the trainer's `finally`: never mask the real error
             print(f"warning: could not write {self.run_dir / 'loss_curve.png'}: {e}", flush=True)
 
@@ -285,8 +291,17 @@ def read_metrics(metrics_jsonl: Path) -> list[dict[str, Any]]:
     return [{**by_step.get((s, False), {}), **by_step.get((s, True), {})} for s in steps]
 
 
-def plot_loss_curve(metrics_jsonl: Path, out_png: Path) -> None:
-    """Loss vs step (and lr on a secondary axis when logged) from metrics.jsonl, as a PNG.
+def loss_points(records: list[dict], first_loss: float | None = None) -> list[tuple[int, float]]:
+    """(step, loss) of loss_curve.png: the records' losses, step 1's first where no record has it."""
+    losses = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    if first_loss is not None and math.isfinite(first_loss) and not any(step == 1 for step, _ in losses):
+        losses.insert(0, (1, first_loss))
+    return losses
+
+
+def plot_loss_curve(metrics_jsonl: Path, out_png: Path, first_loss: float | None = None) -> None:
+    """Loss vs step (and lr on a secondary axis when logged) from metrics.jsonl, as a PNG; `first_loss`: step 1's
+    loss (MetricsLogger keeps it), drawn first where metrics.jsonl has no record of step 1.
 
     Uses matplotlib's object API with the Agg canvas (no pyplot, so no global figure state and no
     display needed)."""
@@ -298,7 +313,7 @@ def plot_loss_curve(metrics_jsonl: Path, out_png: Path) -> None:
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    losses = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    losses = loss_points(records, first_loss)
     if losses:
         ax.plot(*zip(*losses), color="tab:blue", label="loss")
     else:
