@@ -446,3 +446,29 @@ def test_a_temp_directory_too_long_for_the_loader_workers_sockets_is_refused_bef
     with pytest.raises(ConfigError, match="(?s)data.num_workers: loader workers hand batches over.*set TMPDIR"):
         check_data(cfg, "/tmp/" + "x" * 71)
     check_data(build_config({}, [("data.num_workers", "0")]), "/tmp/" + "x" * 200)  # no workers, no sockets
+
+
+def test_a_tokenizer_over_the_vocab_size_is_refused_before_the_corpus_is_read(tmp_path, monkeypatch, capsys):
+    """Issue 62: a tokenizer.json with more tokens than model.vocab_size is known to be too large from the file
+    alone: it is refused (model.vocab_size: what the tokenizer needs) before the corpus is listed, read or
+    tokenized, and `shardwise train` says so once (exit 2, no traceback)."""
+    from shardwise.cli import main
+    from shardwise.data import sources
+
+    path = tmp_path / "tok.json"
+    T.byte_tokenizer().save(str(path))
+    corpus_dir = _write(tmp_path / "c" / "a.txt", "some text " * 50).parent
+
+    def no_reading(*a, **k):
+        raise AssertionError("the corpus was read")
+
+    monkeypatch.setattr(sources, "corpus_files", no_reading)
+    monkeypatch.setattr(sources, "detect_format", no_reading)
+    with pytest.raises(ConfigError) as e:
+        prepare_data(DataConfig(path=str(corpus_dir), tokenizer=str(path), cache_dir=str(tmp_path / "cache")), 256)
+    assert e.value.field == "model.vocab_size" and "257 tokens" in e.value.problem and ">= 257" in e.value.fix
+    capsys.readouterr()
+    code = main(["train", "--model.preset=tiny", "--model.vocab_size=256", f"--data.path={corpus_dir}",
+                 f"--data.tokenizer={path}", f"--data.cache_dir={tmp_path / 'cache'}", f"--run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr()
+    assert code == 2 and (err.out + err.err).count("257 tokens") == 1 and "Traceback" not in err.out + err.err
