@@ -472,3 +472,9 @@ def test_a_tokenizer_over_the_vocab_size_is_refused_before_the_corpus_is_read(tm
                  f"--data.tokenizer={path}", f"--data.cache_dir={tmp_path / 'cache'}", f"--run.dir={tmp_path / 'run'}"])
     err = capsys.readouterr()
     assert code == 2 and (err.out + err.err).count("257 tokens") == 1 and "Traceback" not in err.out + err.err
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[])).save(str(path))  # fits, but no end-of-document token
+    with pytest.raises(ConfigError) as e:
+        prepare_data(DataConfig(path=str(corpus_dir), tokenizer=str(path), cache_dir=str(tmp_path / "cache")), 256)
+    assert e.value.field == "data.tokenizer" and "end-of-document" in e.value.problem

@@ -251,8 +251,9 @@ def prepare_data(cfg: DataConfig, vocab_size: int, log: Callable[[str], None] = 
     instead of training a tokenizer or preparing a source (the planner reads data only if it is there)."""
     t0 = time.perf_counter()
     cache_dir = Path(os.path.expanduser(cfg.cache_dir))
-    if cfg.tokenizer not in ("bpe", "byte"):  # a tokenizer file: its size against model.vocab_size before the corpus is read
-        load_tokenizer(tokenizer_file(cfg.tokenizer, cache_dir, vocab_size, str, list, create=False)[0], vocab_size)
+    if cfg.tokenizer not in ("bpe", "byte"):  # a tokenizer file: its size and end-of-document token before the corpus is read
+        given = tokenizer_file(cfg.tokenizer, cache_dir, vocab_size, str, list, create=False)[0]
+        eod_id(load_tokenizer(given, vocab_size), given)
     specs = source_specs(cfg)
     every = specs + valid_specs(cfg, specs)  # the validation sets are prepared like sources, never trained on
     shard_bytes = int(cfg.shard_mb * 1e6)
