@@ -80,3 +80,64 @@ def test_no_page_repeats_another_pages_table_rows():
                 where.setdefault(line.strip(), set()).add(page.name)
     repeated = {row: sorted(pages) for row, pages in where.items() if len(pages) > 1}
     assert not repeated, repeated
+
+
+# Issue 62: a page a person reads answers "how do I ..." in its first screen, in short paragraphs, with
+# headings to find the task by. docs/config.md is generated (`make docs`) and checked above instead.
+READ_PAGES = [p for p in PAGES if p.name != "config.md"]
+PARAGRAPH_MAX_LINES = 10
+FIRST_SECTION_MAX_LINES = 15
+LINES_PER_HEADING = 60
+
+
+def _prose(page: Path) -> tuple[list[tuple[int, int]], list[int], int]:
+    """(start line, length) of each paragraph outside code blocks and tables (a list item is a paragraph
+    of its own), the line numbers of the headings outside code blocks, and the page's line count."""
+    lines = page.read_text().splitlines()
+    paragraphs: list[tuple[int, int]] = []
+    headings: list[int] = []
+    fenced, start, length = False, 0, 0
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        is_item = re.match(r"([-*]|\d+\.) ", text) is not None
+        ends = text.startswith("```") or fenced or not text or text.startswith(("#", "|", "<!--")) or is_item
+        if ends and length:
+            paragraphs.append((start, length))
+            length = 0
+        if text.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        if re.match(r"#{1,6} ", line):
+            headings.append(number)
+        elif text and not text.startswith(("|", "<!--")):
+            if not length:
+                start = number
+            length += 1
+    if length:
+        paragraphs.append((start, length))
+    return paragraphs, headings, len(lines)
+
+
+def test_no_paragraph_runs_over_ten_lines():
+    long = [f"{p.relative_to(ROOT)}:{start} ({n} lines)" for p in READ_PAGES for start, n in _prose(p)[0]
+            if n > PARAGRAPH_MAX_LINES]
+    assert not long, f"split these paragraphs (a list or a table for several items): {long}"
+
+
+def test_every_page_opens_with_a_short_first_section():
+    """What the page is for and the one command most users need, before the second heading."""
+    long = []
+    for page in READ_PAGES:
+        _, headings, total = _prose(page)
+        first = (headings[1] - 1 if len(headings) > 1 else total)
+        if first > FIRST_SECTION_MAX_LINES:
+            long.append(f"{page.relative_to(ROOT)}: {first} lines before its second heading")
+    assert not long, long
+
+
+def test_every_page_has_a_heading_per_sixty_lines():
+    sparse = [f"{p.relative_to(ROOT)}: {len(h)} headings for {n} lines" for p in READ_PAGES
+              for _, h, n in [_prose(p)] if len(h) * LINES_PER_HEADING < n]
+    assert not sparse, sparse
