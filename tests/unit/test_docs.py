@@ -141,3 +141,98 @@ def test_every_page_has_a_heading_per_sixty_lines():
     sparse = [f"{p.relative_to(ROOT)}: {len(h)} headings for {n} lines" for p in READ_PAGES
               for _, h, n in [_prose(p)] if len(h) * LINES_PER_HEADING < n]
     assert not sparse, sparse
+
+
+# Issue 62 item 6: a shell block that tests/dist/test_docs_commands.py does not run (a cluster's, a GPU's, a
+# long run's) still cannot drift from the CLI: its shardwise subcommands and their options, its `--section.key`
+# config keys, its make targets, and the repository files it names (scripts included) must exist. Cheap:
+# each subcommand's --help, in process.
+SHARDWISE = {".venv/bin/shardwise", "shardwise"}
+WITH_SUBCOMMAND = {"plan", "launch", "data", "checkpoint"}
+OUTPUT_OPTIONS = {"--out", "--emit", "--plot", "--json", "--hf"}  # what they name is written, need not exist
+REPO_DIRS = ("configs/", "benchmarks/", "tests/", "tools/", "docs/", "src/")
+
+
+def _shell_commands(page: Path) -> list[list[str]]:
+    """Each command of the page's ```bash blocks (and 4-space indented `shardwise ...` lines), continuation
+    lines joined, comments dropped, split as bash would (a `;`, `&&` or `|` starts another)."""
+    import shlex
+
+    lines, commands, fenced, language, continued = page.read_text().splitlines(), [], False, "", False
+    texts: list[str] = []
+    for line in lines:
+        if line.startswith("```"):
+            fenced, language = not fenced, line[3:].strip()
+            continue
+        if fenced and language == "bash":
+            texts.append(line)
+        elif not fenced and line.startswith("    ") and (line.strip().startswith("shardwise ") or continued):
+            texts.append(line.strip())
+        continued = texts[-1].endswith("\\") if texts else False
+    for text in "\n".join(texts).replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(text, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        try:
+            tokens = list(lexer)
+        except ValueError as e:
+            raise AssertionError(f"{page.name}: does not parse as shell: {text!r} ({e})") from None
+        command: list[str] = []
+        for token in tokens + [";"]:
+            if token and set(token) <= set(";&|"):
+                if command:
+                    commands.append(command)
+                command = []
+            else:
+                command.append(token)
+    return commands
+
+
+def _options_of(path: tuple[str, ...]) -> set[str] | None:
+    """The options `shardwise PATH --help` lists (None: no such subcommand)."""
+    import contextlib
+    import io
+
+    from shardwise.cli import main
+
+    if path == ("checkpoint", "verify"):  # its only argument is the directory (and its import is torch's)
+        return {"--help", "-h"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = main([*path, "--help"])
+        except SystemExit as e:
+            code = e.code
+    return set(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", out.getvalue())) if code in (0, None) else None
+
+
+def test_every_shell_block_names_commands_options_keys_and_files_that_exist():
+    from shardwise.config import all_keys
+
+    keys, helps = set(all_keys()), {}
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    wrong = []
+    for page in PAGES:
+        for command in _shell_commands(page):
+            where = f"{page.relative_to(ROOT)}: {' '.join(command)[:100]}"
+            program, args = command[0], command[1:]
+            for i, arg in enumerate(args):
+                name = arg.split("=", 1)[0]
+                if re.fullmatch(r"--[a-z_]+\.[a-z_.]+", name) and name[2:] not in keys and program != "make":
+                    wrong.append(f"{where}: no config key {name[2:]}")
+                after_output = i > 0 and args[i - 1] in OUTPUT_OPTIONS
+                if arg.startswith(REPO_DIRS) and not after_output and not (ROOT / arg.split("=", 1)[0]).exists():
+                    wrong.append(f"{where}: no file {arg}")
+            if program == "make":
+                wrong += [f"{where}: no make target {t}" for t in args if "=" not in t and t not in targets]
+            elif program in SHARDWISE and args:
+                path = tuple(args[:2] if args[0] in WITH_SUBCOMMAND and len(args) > 1 else args[:1])
+                if path not in helps:
+                    helps[path] = _options_of(path)
+                if helps[path] is None:
+                    wrong.append(f"{where}: no subcommand `shardwise {' '.join(path)}`")
+                    continue
+                for arg in args[len(path):]:
+                    name = arg.split("=", 1)[0]
+                    if name.startswith("--") and "." not in name and name not in helps[path]:
+                        wrong.append(f"{where}: `shardwise {' '.join(path)}` has no option {name}")
+    assert not wrong, "\n".join(wrong)
