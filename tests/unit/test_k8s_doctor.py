@@ -12,7 +12,7 @@ from shardwise.launch.k8s_doctor import pod_checks
 from shardwise.launch.nccl_log import FAIL, OK, SKIP, WARN
 
 GIB = 1 << 30
-POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "PET_MASTER_ADDR": "llama-node-0-0.llama", "PET_MASTER_PORT": "29500",
+POD = {"KUBERNETES_SERVICE_HOST": "198.51.100.1", "PET_MASTER_ADDR": "llama-node-0-0.llama", "PET_MASTER_PORT": "29500",
        "PET_NODE_RANK": "1", "NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b"}
 
 
@@ -35,20 +35,20 @@ def test_outside_a_pod_nothing_is_said():
 
 
 def test_a_pod_says_what_it_was_given_and_where_node_0_is():
-    checks = _checks(POD, ["10.244.1.7"])
+    checks = _checks(POD, ["198.51.100.7"])
     status, detail, _ = checks["kubernetes"]
-    assert status == OK and detail == ("in a pod (llama-node-0-1; API server 10.96.0.1); /dev/shm 16.0 GiB; 2 GPU(s) visible "
+    assert status == OK and detail == ("in a pod (llama-node-0-1; API server 198.51.100.1); /dev/shm 16.0 GiB; 2 GPU(s) visible "
                                        "(NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-b)")
-    assert checks["rendezvous"] == (OK, "llama-node-0-0.llama:29500 (PET_MASTER_ADDR; this pod is node 1) resolves to 10.244.1.7", "")
+    assert checks["rendezvous"] == (OK, "llama-node-0-0.llama:29500 (PET_MASTER_ADDR; this pod is node 1) resolves to 198.51.100.7", "")
 
 
 @pytest.mark.parametrize("env, addresses, own, status, words", [
-    ({**POD, "PET_NODE_RANK": "0"}, ["10.244.1.7"], ("10.244.1.7",), OK, "this pod's own address"),
-    ({**POD, "PET_NODE_RANK": "0"}, ["10.244.1.9"], (), FAIL, "not an address of this pod"),
+    ({**POD, "PET_NODE_RANK": "0"}, ["198.51.100.7"], ("198.51.100.7",), OK, "this pod's own address"),
+    ({**POD, "PET_NODE_RANK": "0"}, ["198.51.100.9"], (), FAIL, "not an address of this pod"),
     (POD, None, (), WARN, "does not resolve (yet)"),
     (POD, ["127.0.1.1"], (), FAIL, "resolves to 127.0.1.1"),
-    ({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "PET_RDZV_ENDPOINT": "llama-worker-0:29400"}, ["10.244.2.3"], (), OK,
-     "llama-worker-0:29400 (PET_RDZV_ENDPOINT) resolves to 10.244.2.3"),
+    ({"KUBERNETES_SERVICE_HOST": "198.51.100.1", "PET_RDZV_ENDPOINT": "llama-worker-0:29400"}, ["198.51.100.3"], (), OK,
+     "llama-worker-0:29400 (PET_RDZV_ENDPOINT) resolves to 198.51.100.3"),
 ])
 def test_the_rendezvous_name_as_this_pod_resolves_it(env, addresses, own, status, words):
     got, detail, advice = _checks(env, addresses, own)["rendezvous"]
@@ -56,7 +56,7 @@ def test_the_rendezvous_name_as_this_pod_resolves_it(env, addresses, own, status
 
 
 def test_a_small_shm_and_a_one_node_pod():
-    checks = _checks({"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, None, shm=64 << 20)
+    checks = _checks({"KUBERNETES_SERVICE_HOST": "198.51.100.1"}, None, shm=64 << 20)
     status, detail, advice = checks["kubernetes"]
     assert status == WARN and "/dev/shm 0.1 GiB" in detail and "medium: Memory" in advice and "shardwise launch k8s" in advice
     assert checks["rendezvous"][0] == SKIP and "one-node job" in checks["rendezvous"][1]
