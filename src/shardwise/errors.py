@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import errno
 import signal
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -182,3 +186,25 @@ def storage_failure(error: OSError, report: bool = True, then: str | None = None
     where = f" ({error.filename})" if error.filename else f" (under {directory})" if directory else ""
     then = then or f"then {rerun_to_resume(resumes, what=' from the newest checkpoint')}"
     return StorageFailure(f"cannot write{where}: {error.strerror}; free space or fix the permissions, {then}", report=report)
+
+
+def hide_unraisable(name: str, message: Callable[[str], bool], function: str, file_suffix: str) -> None:
+    """Hide one known message Python prints for an exception it could not raise ("Exception ignored in ...
+    Traceback", sys.unraisablehook): a RuntimeError whose text `message` accepts, raised in `function` of a file
+    ending in `file_suffix`. Every other unraisable exception still reaches the previous hook. Installed once per
+    process for each `name` (launch/local.py's rendezvous timer, train/loader.py's worker deaths)."""
+    previous = sys.unraisablehook
+    if name in getattr(previous, "shardwise_hidden", ()):
+        return
+
+    def matches(exc: BaseException | None, tb) -> bool:
+        return isinstance(exc, RuntimeError) and message(str(exc)) and any(
+            frame.f_code.co_name == function and Path(frame.f_code.co_filename).as_posix().endswith(file_suffix)
+            for frame, _ in traceback.walk_tb(tb))
+
+    def hook(unraisable) -> None:
+        if not matches(unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+
+    hook.shardwise_hidden = (*getattr(previous, "shardwise_hidden", ()), name)
+    sys.unraisablehook = hook

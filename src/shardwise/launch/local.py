@@ -15,7 +15,6 @@ import shutil
 import signal
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 from shardwise.errors import (
@@ -30,6 +29,7 @@ from shardwise.errors import (
     EXIT_STALLED,
     EXIT_TOO_FEW_NODES,
     ConfigError,
+    hide_unraisable,
     interrupt_exit_code,
     lost_peer,
 )
@@ -263,24 +263,8 @@ def ignore_rendezvous_timer_self_join() -> None:
     thread" and Python prints it as "Exception ignored in ... Traceback" under the run's one line (seen once in
     CI). The thread was told to stop before the join and ends by itself, so nothing is lost. Every other
     unraisable exception still reaches the previous hook."""
-    previous = sys.unraisablehook
-    if getattr(previous, "shardwise_timer_filter", False):
-        return
-
-    def hook(unraisable) -> None:
-        if not _is_timer_self_join(unraisable.exc_value, unraisable.exc_traceback):
-            previous(unraisable)
-
-    hook.shardwise_timer_filter = True
-    sys.unraisablehook = hook
-
-
-def _is_timer_self_join(exc: BaseException | None, tb) -> bool:
-    if not isinstance(exc, RuntimeError) or str(exc) != "cannot join current thread":
-        return False
-    return any(frame.f_code.co_name == "_stop_thread"
-               and Path(frame.f_code.co_filename).as_posix().endswith("distributed/elastic/rendezvous/utils.py")
-               for frame, _ in traceback.walk_tb(tb))
+    hide_unraisable("rendezvous timer self-join", lambda text: text == "cannot join current thread", "_stop_thread",
+                    "distributed/elastic/rendezvous/utils.py")
 
 
 class _StopBeforeWorkers:

@@ -17,15 +17,13 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.util
 import signal
-import sys
 import time
-import traceback
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from shardwise.errors import hide_unraisable
 from shardwise.scratch import owned_file
 from shardwise.train.data import TokenBatches, split_micro_batches
 from shardwise.train.signals import STOP_SIGNALS, exit_with_parent
@@ -98,24 +96,8 @@ def hide_worker_deaths_raised_in_finalizers() -> None:
     by hiding that one message: the loader raises the same death at the rank's next batch (torch checks its
     workers within each BATCH_WAIT_SLICE_S wait), and that error is the run's line and its traceback file. Every
     other unraisable exception still reaches the previous hook. Installed once per process."""
-    previous = sys.unraisablehook
-    if getattr(previous, "shardwise_worker_death_filter", False):
-        return
-
-    def hook(unraisable) -> None:
-        if not _is_worker_death_signal(unraisable.exc_value, unraisable.exc_traceback):
-            previous(unraisable)
-
-    hook.shardwise_worker_death_filter = True
-    sys.unraisablehook = hook
-
-
-def _is_worker_death_signal(exc: BaseException | None, tb) -> bool:
-    if not isinstance(exc, RuntimeError) or not str(exc).startswith("DataLoader worker"):
-        return False
-    return any(frame.f_code.co_name == "handler"
-               and Path(frame.f_code.co_filename).as_posix().endswith("utils/data/_utils/signal_handling.py")
-               for frame, _ in traceback.walk_tb(tb))
+    hide_unraisable("loader worker death", lambda text: text.startswith("DataLoader worker"), "handler",
+                    "utils/data/_utils/signal_handling.py")
 
 
 class BatchPrefetcher:
