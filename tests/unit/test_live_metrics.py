@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -58,6 +59,30 @@ def test_endpoint_serves_numeric_keys_and_closes_without_a_trace():
     with socket.socket() as s:  # free again for the next server (as servers bind: the scrapes' TIME_WAIT allowed)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+
+
+def test_close_joins_every_scrape_and_a_stalled_scraper_holds_it_at_most_its_timeout():
+    """CI once saw a scrape's thread alive after close() (prometheus_client's request threads are daemons that
+    server_close does not join). Many scrapes then close at once: no thread left. A client that connects and
+    sends nothing holds close() for the request timeout, no longer, and its thread is gone too."""
+    threads = set(threading.enumerate())
+    for _ in range(6):  # each close waits up to serve_forever's 0.5 s poll
+        port = free_port()
+        live = LiveMetrics(port).start()
+        live.update(1, {"loss": 1.0})
+        assert _scrape(port)["shardwise_loss"][0] == 1.0
+        live.close()
+        assert set(threading.enumerate()) == threads
+    port = free_port()
+    live = LiveMetrics(port, request_timeout_s=0.5).start()
+    with socket.create_connection(("127.0.0.1", port)) as stalled:
+        time.sleep(0.2)  # accepted: its request thread waits for a request line
+        assert len(set(threading.enumerate()) - threads) == 2
+        began = time.monotonic()
+        live.close()
+        assert time.monotonic() - began < 3  # the 0.5 s timeout, not forever
+        assert stalled.recv(1) == b""  # the server closed the connection
+    assert set(threading.enumerate()) == threads
 
 
 def test_port_in_use_is_a_config_error(capsys):

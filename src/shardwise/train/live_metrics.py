@@ -11,8 +11,11 @@ Why this design:
   under the GIL: no lock on the step's path), and a scrape reads whichever snapshot is current.
 - A CollectorRegistry of the run's own, never prometheus_client's global REGISTRY: several runs in one
   process (tests, parity) neither share nor collide, and no process metrics leak in.
-- prometheus_client's own WSGI server in a daemon thread; close() shuts it down, closes the socket and
-  joins the thread, so nothing outlives the run (MetricsLogger.close, in the trainer's `finally`).
+- prometheus_client's WSGI app on the standard library's threading WSGI server, in a daemon thread; close()
+  shuts it down, closes the socket and joins the serving thread and every request thread, so nothing outlives
+  the run (MetricsLogger.close, in the trainer's `finally`). Not prometheus_client's start_http_server: its
+  request threads are daemons that server_close() does not join, so a scrape's thread could still be finishing
+  after close() (CI saw one); ours are joined, and a stalled scraper holds close() at most REQUEST_TIMEOUT_S.
 - Loopback by default: the numbers say what a job trains; any other address only when given.
 """
 from __future__ import annotations
@@ -20,7 +23,10 @@ from __future__ import annotations
 import errno
 import re
 import socket
+import threading
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from shardwise.errors import ConfigError
 
@@ -50,6 +56,24 @@ _PATTERNS = [  # (key pattern, HELP template)
     (re.compile(r"tokens_(.+)"), "Input tokens read from source {} so far"),
 ]
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
+REQUEST_TIMEOUT_S = 10.0  # a scrape's socket timeout: Prometheus scrapes in well under a second
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = False  # server_close() joins every request thread (socketserver joins only non-daemons)
+
+    def __init__(self, where: tuple, family: int, request_timeout_s: float):
+        self.address_family, self.request_timeout_s = family, request_timeout_s  # TCPServer.__init__ reads the family
+        super().__init__(where, _QuietHandler)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def setup(self):
+        self.timeout = self.server.request_timeout_s  # StreamRequestHandler.setup applies it to the socket
+        super().setup()
+
+    def log_message(self, format, *args):  # a scrape per 15 s in the run's output would bury its lines
+        pass
 
 
 def metric_name(key: str) -> str:
@@ -90,8 +114,8 @@ class LiveMetrics:
     """The endpoint of one run: start() binds (a ConfigError naming the key when it cannot), update() takes
     each record, close() stops the thread and frees the port."""
 
-    def __init__(self, port: int, address: str = "127.0.0.1"):
-        self.port, self.address = port, address
+    def __init__(self, port: int, address: str = "127.0.0.1", request_timeout_s: float = REQUEST_TIMEOUT_S):
+        self.port, self.address, self.request_timeout_s = port, address, request_timeout_s
         self._snapshot: dict[str, float] = {}
         self._server = self._thread = None
 
@@ -99,15 +123,20 @@ class LiveMetrics:
         return families(self._snapshot)
 
     def start(self) -> LiveMetrics:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, make_wsgi_app
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
-        try:
-            self._server, self._thread = start_http_server(self.port, self.address, registry)
+        try:  # the address's first family, as check_port_free binds it (IPv6 addresses included)
+            family = socket.getaddrinfo(self.address, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+            server = _Server((self.address, self.port), family, self.request_timeout_s)
         except OSError as e:
             raise bind_error(self.port, self.address, e) from None
-        self._thread.name = f"shardwise-metrics-{self.port}"
+        server.set_app(make_wsgi_app(registry))
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name=f"shardwise-metrics-{self.port}",
+                                        daemon=True)
+        self._thread.start()
         return self
 
     def update(self, step: int, record: dict[str, Any]) -> None:
@@ -123,7 +152,7 @@ class LiveMetrics:
             return
         server, self._server = self._server, None
         server.shutdown()       # serve_forever returns (within its 0.5 s poll)
-        server.server_close()   # the listening socket
+        server.server_close()   # the listening socket, then joins the request threads (each within its timeout)
         self._thread.join(timeout=5)
 
 
