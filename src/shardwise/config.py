@@ -363,8 +363,10 @@ class ClusterConfig:
                                         'once) or "eager" (fp32 copies op by op); unset: compiled when the blocks are.')
     grad_reduce: str | None = opt(None, 'Data parallelism\'s gradient all-reduce (DDP, ZeRO-1) to price: "overlapped" (in '
                                         'buckets during the backward) or "after_backward" (all of it after, as '
-                                        "Megatron-LM's local DDP did before --overlap-grad-reduce); unset: overlapped, "
-                                        "as the trainer runs it.")
+                                        "Megatron-LM's local DDP did before --overlap-grad-reduce), or "
+                                        '"distributed_optimizer" (Megatron-Core\'s, with parallel.zero=1: reduce-scatter '
+                                        "in the last backward, all-gather in the next forward, chunk by chunk under an "
+                                        "interleaved pipeline); unset: overlapped, as the trainer runs it.")
     disk_gbps: float = opt(0.0, 'Local disk bandwidth per GPU in GB/s (read and write) for parallel.offload="nvme", as '
                                 "`shardwise doctor --disk DIR` measures it; 0 = a PCIe Gen4 NVMe drive per GPU "
                                 "(plan/constants.py NVME_READ_GBPS / NVME_WRITE_GBPS).")

@@ -330,7 +330,8 @@ def test_an_uneven_even_split_under_a_v_schedule_is_priced_by_its_order(schedule
     got, want = evaluate(problem, lay), evaluate(problem, lay.with_(stage_layers=tuple(even_split(126, 64))))
     assert got.step_time_s == want.step_time_s and got.memory.total == want.memory.total
     if schedule == "dualpipev":
-        assert got.breakdown_s["bubble"] == pytest.approx(0.756, abs=1e-3) and got.step_time_s == pytest.approx(4.824, abs=1e-3)
+        # 4.824 s before plan/scale.py (issue 60): + 0.162 s for the slowest of 16,384 GPUs, + 0.004 s of NCCL ring latency
+        assert got.breakdown_s["bubble"] == pytest.approx(0.756, abs=1e-3) and got.step_time_s == pytest.approx(4.990, abs=1e-3)
 
 
 def test_plot_labels_are_short_lines_and_other_is_named():

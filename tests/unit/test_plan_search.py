@@ -66,8 +66,10 @@ def test_why_lost_says_what_each_prune_reason_means_and_what_grew_against_what()
     runners = [ln for ln in lines if " step +" in ln]
     assert runners and not any("mostly" in ln for ln in lines)
     for ln in runners:
-        total = float(re.search(r"step \+[\d.]+% \(([+-][\d.]+) (m?s)\)", ln).group(1))
-        terms = [float(x) for x in re.findall(r" ([+-][\d.]+) m?s", ln.split(" = ", 1)[1])]
+        # each amount in seconds, or in milliseconds below 1 ms ("+0.060 ms")
+        total, unit = re.search(r"step \+[\d.]+% \(([+-][\d.]+) (m?s)\)", ln).groups()
+        total = float(total) * (1e-3 if unit == "ms" else 1.0)
+        terms = [float(x) * (1e-3 if u == "ms" else 1.0) for x, u in re.findall(r" ([+-][\d.]+) (m?s)", ln.split(" = ", 1)[1])]
         assert sum(terms) == pytest.approx(total, abs=2e-3)
 
 

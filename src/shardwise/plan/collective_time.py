@@ -11,6 +11,7 @@ from typing import NamedTuple
 from shardwise.plan import constants as C
 from shardwise.plan.calibration import AxisCalibration
 from shardwise.plan.layout import Cluster, axis_placement
+from shardwise.plan.scale import nccl_latency
 from shardwise.spec.layout import Layout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send", "recv")
@@ -53,7 +54,9 @@ def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluste
     Hierarchical (two-level) algorithms: the intra-node part moves its ring share over NVLink, the
     inter-node part moves 1/per_node of the buffer per GPU over that GPU's own NIC (NCCL rings /
     trees span nodes with one NIC per GPU; 2D schemes as Mikami et al. 2018, arXiv 1811.05233). The
-    latency term is log2(n) hops (trees / PAT) at the slowest level's per-hop latency.
+    latency of an all-reduce / all-gather / reduce-scatter is that of the algorithm NCCL picks for the
+    node count (plan/scale.py: ring steps, tree or PAT depth); the others, log2(n) hops at the slowest
+    level's per-hop latency.
     """
     n = per_node * nodes
     if n <= 1 or payload <= 0:
@@ -68,7 +71,7 @@ def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluste
     if kind in ("all_reduce", "all_gather", "reduce_scatter"):
         # Ring wire bytes inside the node over NVLink, then between nodes for this GPU's 1/g share.
         t = wire_bytes(kind, payload, g) / b_intra + wire_bytes(kind, payload / g, k) / b_inter
-        return t + (2 if kind == "all_reduce" else 1) * hops * alpha
+        return t + nccl_latency(kind, g, k, cluster.intra_latency_s, cluster.inter_latency_s)[0]
     if kind == "all_to_all":
         return (g - 1) / n * payload / b_intra + (n - g) / n * payload / b_inter + hops * alpha
     if kind in ("broadcast", "reduce"):

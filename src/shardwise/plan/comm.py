@@ -61,6 +61,7 @@ from shardwise.plan.collective_time import (  # noqa: F401  (re-exported: plan/c
 from shardwise.plan.compression import compress_collectives
 from shardwise.plan.inventory import FsdpUnits, RankModel, fsdp_units, owned_chunks, param_tensors, pipeline_rank
 from shardwise.plan.layout import Problem
+from shardwise.plan.scale import megatron_bucket_params
 from shardwise.plan.tp2d import comm_bytes_per_step, grid_q, recompute_bytes_per_step, summa_calls
 from shardwise.spec.layout import Layout
 
@@ -173,6 +174,14 @@ def _ddp_collectives(problem: Problem, lay: Layout, rank: RankModel) -> list[Col
     mixed, param_bytes, grad_bytes = _state_dtypes(problem)
     units = fsdp_units(problem.shape, lay.tp, lay.ep, lay.shard_group, rank, lay.tp_mode)
     local = units.blk + units.root + units.exp
+    if lay.zero == 1 and lay.shard_group > 1 and lay.dp_replicate == 1 and \
+            problem.stack_for(lay).grad_reduce == "distributed_optimizer":
+        # Megatron-Core's distributed optimizer (plan/scale.py): a reduce-scatter of the gradients and an
+        # all-gather of the updated 16-bit parameters, bucket by bucket (a call per bucket).
+        buckets = max(1, math.ceil(local / megatron_bucket_params(lay.shard_group)))
+        sax = shard_axis(lay)
+        return [Collective(sax, "reduce_scatter", local * grad_bytes / buckets, buckets, "grad", "grads"),
+                Collective(sax, "all_gather", local * param_bytes / buckets, buckets, "step", "params")]
     out = [Collective(batch_axis(lay), "all_reduce", local * grad_bytes, 1, "grad", "grads")]
     if lay.zero == 1 and lay.shard_group > 1:
         out.append(Collective(shard_axis(lay), "broadcast", local * param_bytes if mixed else local * 4, 1, "step", "params"))

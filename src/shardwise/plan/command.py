@@ -136,6 +136,7 @@ def plan_main(argv: list[str], verifier=None) -> int:
     from shardwise.plan.evaluation import eval_price
     from shardwise.plan.layout import Problem, check_layout
     from shardwise.plan.report import eval_line, evaluate_text, plot, search_json, search_text
+    from shardwise.plan.scale import scale_lines, scale_terms
     from shardwise.plan.search import search
     from shardwise.spec.layout import Layout
     from shardwise.spec.rules import pipeline_split_rules
@@ -226,11 +227,12 @@ def plan_main(argv: list[str], verifier=None) -> int:
                               **({"straggler": straggler.to_json()} if straggler else {}),
                               **({"document_mask": documents.to_json() if documents else {"share": 1.0, "measured": False}}
                                  if problem.document_share is not None else {}),
-                              "trainer_refusal": refusal,
+                              "scale": scale_terms(problem, est), "trainer_refusal": refusal,
                               # every split is priced by its schedule's order now; kept for --json readers
                               "split_notes": []}, indent=2))
         else:
             print(evaluate_text(problem, est), end="")
+            print("\n".join(scale_lines(problem, est)))
             if evaluation is not None:
                 print(eval_line(evaluation, est.days))
             if straggler is not None:

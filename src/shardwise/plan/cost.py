@@ -8,12 +8,15 @@ Overlap rules:
   FSDP: the all-gather of block i+1 overlaps block i's compute (prefetch), the reduce-scatter of block
     i overlaps block i-1's backward; per block, exposed = max(0, comm - compute); the first gather and
     last reduce-scatter of each pass are exposed (Zhao et al. 2023, PyTorch FSDP, arXiv 2304.11277 §3.4).
-  ZeRO-1's parameter broadcast runs after the optimizer step: exposed.
+  ZeRO-1's parameter broadcast runs after the optimizer step: exposed. Megatron's distributed optimizer
+    (cluster.grad_reduce = "distributed_optimizer"): its bucketed reduce-scatter hides in the last
+    backward and its all-gather in the next forward, under PP too (plan/scale.py).
   PP: the schedule reduces gradients (DDP-style all-reduce or FSDP reduce-scatter) once, after the
     last backward of the step (torch.distributed.pipelining's post-backward): exposed.
   TP: exposed (x (1 - TP_OVERLAP_FRACTION)); CP ring: per layer, max(0, K/V transfer - attention
   compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
   and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
+Slowest rank: the compute of the slowest of the job's GPUs, plan/scale.py (GPU speed spread, Sinha et al. 2022).
 Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch; m micro-batches): the makespan of
   the action order torch runs for the schedule, checked against a replay of torch's own orders
   (spec/stages.py bubble_seconds: gpipe / 1f1b (p-1)(t_f + t_b); interleaved /v; ZB-H1
@@ -38,6 +41,7 @@ from shardwise.plan.compute_time import (  # noqa: F401  (gemm_time: re-exported
 from shardwise.plan.inventory import RankModel, pipeline_ranks, priced_layout, sized_ranks, stage_model
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
+from shardwise.plan.scale import overlapped_exposure, slowest_rank_fraction
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
 from shardwise.spec.stages import SINGLE_STAGE, WRITTEN_OUT, bubble_seconds, looped_bubbles, looped_bubbles_by_stage, rank_bubble
@@ -105,6 +109,7 @@ class RankCore:
     optimizer: float
     pp_send: float                        # one boundary send
     detail: tuple[tuple[str, float], ...]
+    dopt: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # distributed optimizer: (reduce-scatter, bucket, all-gather, bucket) s
 
 
 @lru_cache(maxsize=1 << 17)
@@ -118,6 +123,8 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
     detail: dict[str, float] = {}
     fsdp_fwd: list[Collective] = []
     fsdp_bwd: list[Collective] = []
+    dopt = problem.stack_for(core).grad_reduce == "distributed_optimizer" and core.zero == 1
+    dopt_times = [0.0, 0.0, 0.0, 0.0]  # reduce-scatter, one bucket of it, all-gather, one bucket of it
     for c in data_and_model_collectives(problem, core, rank):
         group = _axis_group(c.axis)
         t = time_of(c, place, cl)
@@ -143,6 +150,12 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
             per_mb_comm += exposed / m
         elif c.unit in ("loss", "grad_norm"):
             comm["dp"] += t
+        elif dopt and c.kind == "reduce_scatter" and c.unit == "grads":  # distributed optimizer: dopt_exposed
+            detail["dp_reduce_scatter_s"] = t
+            dopt_times[0:2] = [t, t / c.calls]
+        elif dopt and c.kind == "all_gather" and c.unit == "params":  # ... during the next step's first forward
+            detail["dp_param_gather_s"] = t
+            dopt_times[2:4] = [t, t / c.calls]
         elif c.phase == "grad" and core.pp > 1:  # reduced after the schedule's last backward
             comm["dp"] += t
         elif core.fsdp and c.phase in ("fwd", "bwd", "grad"):
@@ -168,7 +181,17 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
     if core.pp > 1:
         pp_send = time_of(Collective("pp", "send", pp_boundary_bytes(problem, core), 1, "p2p"), place, cl)
     detail.update({"t_fwd_microbatch_s": mb.fwd, "t_bwd_microbatch_s": mb.bwd, "microbatches": m})
-    return RankCore(mb, tuple(comm.items()), per_mb_comm, optimizer, pp_send, tuple(detail.items()))
+    return RankCore(mb, tuple(comm.items()), per_mb_comm, optimizer, pp_send, tuple(detail.items()), tuple(dopt_times))
+
+
+def dopt_exposed(core: RankCore, pp: int, chunks: int) -> float:
+    """Exposed seconds of Megatron's distributed optimizer (cluster.grad_reduce = "distributed_optimizer"):
+    its reduce-scatter behind the last backward, its all-gather behind the next first forward, chunk by
+    chunk under an interleaved pipeline (plan/scale.py overlapped_exposure)."""
+    rs, rs_bucket, ag, ag_bucket = core.dopt
+    mb = core.mb
+    return (overlapped_exposure(rs, rs_bucket, mb.bwd + mb.recompute, pp, chunks)
+            + overlapped_exposure(ag, ag_bucket, mb.fwd, pp, chunks))
 
 
 def _pipeline_times(core: RankCore) -> tuple[float, float]:
@@ -195,6 +218,7 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tupl
     if bubble is None:
         bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, light, own, first)
     detail = dict(core.detail)
+    comm["dp"] += dopt_exposed(core, lay.pp, lay.chunks_per_rank)
     if lay.pp > 1:
         # what the report says of the bubble (plan/report.py bubble_line)
         detail["bubble_at_lighter_rank_s"] = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, *light)
@@ -202,7 +226,8 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tupl
         comm["pp"] = core.pp_send * crossings * C.PP_P2P_EXPOSED_FRACTION
     breakdown = {"compute": m * (mb.fwd + mb.bwd), "recompute": m * mb.recompute, "dp_comm": comm["dp"],
                  "tp_comm": comm["tp"], "pp_comm": comm["pp"], "cp_comm": comm["cp"], "ep_comm": comm["ep"],
-                 "bubble": bubble, "optimizer": core.optimizer}
+                 "bubble": bubble, "optimizer": core.optimizer,
+                 "slowest_rank": m * (mb.fwd + mb.bwd + mb.recompute) * slowest_rank_fraction(problem.cluster.num_gpus)}
     return sum(breakdown.values()), breakdown, detail
 
 
@@ -229,10 +254,12 @@ def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float
     m = core.accumulation(problem)
     cores = [rank_core(problem, core, rank) for rank in ((first, last) if core.pp > 1 else (first,))]
     light = _bubble_times(cores)
+    slow = slowest_rank_fraction(problem.cluster.num_gpus)
     worst = 0.0
     for index, c in enumerate(cores):
         mb = c.mb
-        t = m * (mb.fwd + mb.bwd + mb.recompute) + sum(v_ for _, v_ in c.comm) + c.optimizer
+        t = m * (mb.fwd + mb.bwd + mb.recompute) * (1 + slow) + sum(v_ for _, v_ in c.comm) + c.optimizer \
+            + dopt_exposed(c, core.pp, chunks)
         if core.pp > 1:
             t += rank_bubble(schedule, core.pp, chunks, m, light, _pipeline_times(c), first=index == 0)
             t += c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION

@@ -24,7 +24,8 @@ MEMORY_ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "
 OTHER_IN_LEGEND = "other: FSDP's gathered parameters\nand gradients, comm buffers,\nlogits, offload staging"
 TIME_ROWS = (("compute", "compute (fwd + bwd)"), ("recompute", "recompute"), ("dp_comm", "exposed comm dp"),
              ("tp_comm", "exposed comm tp"), ("pp_comm", "exposed comm pp"), ("cp_comm", "exposed comm cp"),
-             ("ep_comm", "exposed comm ep"), ("bubble", "pipeline bubble"), ("optimizer", "optimizer step"))
+             ("ep_comm", "exposed comm ep"), ("bubble", "pipeline bubble"), ("optimizer", "optimizer step"),
+             ("slowest_rank", "slowest GPU of the job"))
 
 
 # Adaptive units, so a tiny model reads "0.16M params", "1.2 ms", not "0.00B" and "0.000". Each

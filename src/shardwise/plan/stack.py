@@ -19,6 +19,9 @@ loss — so a planner that only knows today's kernels mis-plans the cluster a us
               buckets during the last backward (torch DDP, what the trainer runs; Megatron-LM since its
               --overlap-grad-reduce) or all of it after the backward (Megatron-LM's local DDP before
               that): plan/cost.py exposes all of it then. FSDP / ZeRO-2/3 reduce-scatter per layer either way.
+              | distributed_optimizer: Megatron-Core's --use-distributed-optimizer --overlap-grad-reduce
+              --overlap-param-gather with parallel.zero=1: bucketed reduce-scatter in the last backward and
+              all-gather in the next forward, pipeline parallel or not (plan/scale.py)
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ ATTENTION_KERNELS = ("cudnn", "flash", "efficient", "math")
 OPTIMIZER_KERNELS = ("fused", "foreach")
 NORM_KERNELS = ("fused", "unfused")
 LOSS_KERNELS = ("compiled", "eager")
-GRAD_REDUCE = ("overlapped", "after_backward")
+GRAD_REDUCE = ("overlapped", "after_backward", "distributed_optimizer")
 CHOICES = {"attention_kernel": ATTENTION_KERNELS, "optimizer_kernel": OPTIMIZER_KERNELS,
            "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS, "grad_reduce": GRAD_REDUCE}
 
@@ -45,7 +48,9 @@ class Stack:
     def describe(self) -> str:
         return (f"{'compiled blocks (inductor)' if self.compiled else 'eager'}, attention {self.attention}, "
                 f"AdamW {self.optimizer}, norms {self.norms}, loss {self.loss}"
-                + (", DDP all-reduce after the backward" if self.grad_reduce == "after_backward" else ""))
+                + (", DDP all-reduce after the backward" if self.grad_reduce == "after_backward" else "")
+                + (", Megatron distributed optimizer (overlapped reduce-scatter and all-gather)"
+                   if self.grad_reduce == "distributed_optimizer" else ""))
 
 
 def resolve(choices: dict[str, str | None], compiled: bool, attention_default: str, device_type: str) -> Stack:
