@@ -125,3 +125,22 @@ def test_a_save_that_fails_for_neither_disk_nor_memory_raises_the_rank_s_own_err
     assert not list((tmp_path / "checkpoints").iterdir())  # nor its partial step_2.tmp left holding the disk
     assert ck._rank_error(CheckpointException("save", {3: (died, None), 1: (OSError(5, "x"), None)}), 0) is not died
     assert ck._rank_error(CheckpointException("save", {3: (died, None)}), 0) is died  # another rank's, on a rank that did not fail
+
+
+def test_a_step_on_disk_already_is_not_written_again_and_says_so(tmp_path):
+    """A final save right after a periodic one, or a run resumed at its last step, finds the step on disk: the
+    save writes nothing and returns written=False, so the trainer's line does not say "saved" (it did)."""
+    from shardwise.train import checkpoint as ck
+    from shardwise.train.control import Control
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ck.CheckpointManager(tmp_path / "checkpoints", keep=2, control=Control(False, 10), log=lambda _: None)
+    path, written = manager.save(2, model, optimizer, {"step": 2}, {}, {"good": True})
+    assert written and mf.is_complete(path)
+    manifest = (path / "manifest.json").read_bytes()
+    assert manager.save(2, model, optimizer, {"step": 2}, {}, {"good": True}) == (path, False)
+    resumed = ck.CheckpointManager(tmp_path / "checkpoints", keep=2, control=Control(False, 10), log=lambda _: None)
+    assert resumed.load_newest(model, optimizer)[0] == path
+    assert resumed.save(2, model, optimizer, {"step": 2}, {}, {"good": True}) == (path, False)
+    assert (path / "manifest.json").read_bytes() == manifest  # not rewritten

@@ -163,11 +163,13 @@ class CheckpointManager:
 
     # ---- save ----
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-             extra_files: dict[str, Path], manifest: dict, rank_state: dict | None = None) -> Path:
+             extra_files: dict[str, Path], manifest: dict, rank_state: dict | None = None) -> tuple[Path, bool]:
+        """(the checkpoint of `step`, whether this call wrote it): a step this run saved or resumed from is on
+        disk already (a final save right after a periodic one, a run resumed at its last step, a stop just after
+        a save), and is not written twice."""
         final = self.directory / mf.step_dir_name(step)
-        # A final save right after a periodic one of the same step: that state is on disk already.
         if step in self.written and self.control.max([float(mf.is_complete(final))])[0]:
-            return final
+            return final, False
         # Anything else under that name is not this run's state (another trajectory's, or a checkpoint
         # that lost its manifest): set aside, never skipped over as if saved, never deleted.
         if self.rank == 0 and final.exists():
@@ -219,7 +221,7 @@ class CheckpointManager:
         if self.rank == 0:
             self._prune()
         self.control.barrier()
-        return final
+        return final, True
 
     def _checksums(self, tmp: Path, step: int) -> dict[str, dict]:
         """{relative path: {size, sha256}} of every file in `tmp`; each rank hashes every world_size-th."""

@@ -596,11 +596,13 @@ class Trainer:
         manifest = {"good": self.guard.healthy, "run_id": self.run_id, "config": self.fingerprint,
                     "layout": self.dims.describe(), "world_size": self.dims.world_size}
         with saving_checkpoint(self.cfg, self.rank, self.device.type, self.step, self.checkpoints.latest, self.run_dir, self.run_id):
-            path = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
+            path, written = self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(),
                                          {"tokenizer.json": self.data.tokenizer_path, "config.toml": self.run_dir / "config.toml",
                                           **chat_files(self.data.tokenizer_path)},
                                          manifest, checkpoint_state(self.grad_compression, self.cfg.parallel, self.dims.describe()))
-        self.log(f"checkpoint: saved step {self.step} to {path}")
+        # "saved" only when written now: a run resumed at its last step wrote nothing, and said so wrongly before.
+        self.log(f"checkpoint: saved step {self.step} to {path}" if written else
+                 f"checkpoint: step {self.step} is already saved in {path}")
         return path
 
     def _accept_checkpoint(self, path: Path, manifest: dict) -> bool:
