@@ -31,8 +31,10 @@ Default ranks: each pipeline stage's first and last and, with EP, the two other 
 
 The parent measures each child's wall time, CPU time and peak RSS (os.wait4's rusage of that child; a forked child's
 RSS includes the pages it shares with the parent, torch's among them).
-Not covered yet (issue 58): the communication bytes per step, the device-side transients (FSDP2's gathered
-copies, activations), and the planner's NVMe buffers are its upper bound (2 x max(64 MiB, the largest shard's
+`--step`: each rank then runs one training step of the trainer's own code on its meta tensors, its collectives'
+payload bytes per mesh axis counted by the trainer's counter beside the planner's (launch/dryrun_step.py, which
+also says which layouts cannot step on meta, and why). Not covered yet (issue 58): the device-side transients
+(FSDP2's gathered copies, activations), and the planner's NVMe buffers are its upper bound (2 x max(64 MiB, the largest shard's
 state)) where NvmeAdamW's greedy chunks all fall short of 64 MiB (-2.2 MiB on a Llama 3 8B with ffn 14000 at
 dp_shard 64: the host line's difference).
 
@@ -56,6 +58,7 @@ from pathlib import Path
 
 from shardwise.config import Config, load_config
 from shardwise.errors import EXIT_FAILED, EXIT_OK, ConfigError
+from shardwise.launch.dryrun_step import WIDE, comm_lines, planned_comm
 
 CATEGORIES = ("params", "grads", "optimizer")  # the model states, on the device
 PLACES = ("host", "disk")  # where offload keeps them instead (offloaded)
@@ -158,14 +161,16 @@ def planned_bytes(cfg: Config, world: int, rank: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------
 # the built rank (in the child process)
 # ---------------------------------------------------------------------------------------------------
-def build_rank(cfg: Config, world: int, rank: int) -> dict:
+def build_rank(cfg: Config, world: int, rank: int, step: bool = False) -> dict:
     """Build `rank` of a `world`-rank job on the meta device under the fake process group (module doc);
-    returns its bytes by category and what it holds. Call it in a process of its own: it initialises the
+    returns its bytes by category and what it holds; `step`: then one training step, its collectives'
+    bytes per axis counted (launch/dryrun_step.py). Call it in a process of its own: it initialises the
     default process group."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from shardwise.launch.dryrun_step import step_bytes
     from shardwise.models import build_model
     from shardwise.parallel.data_parallel import unwrap, zero1_group
     from shardwise.parallel.mesh import build_meshes
@@ -188,8 +193,10 @@ def build_rank(cfg: Config, world: int, rank: int) -> dict:
         device = torch.device(kind)
         mesh = build_meshes(dims, "cpu")
         pp_rank = dims.coordinates(rank)["pp"]
+        parts = None
         if dims.pp > 1:
-            model = build_pipeline(dims, mesh, cfg, device, pp_rank, on_meta=True).model
+            parts = build_pipeline(dims, mesh, cfg, device, pp_rank, on_meta=True)
+            model = parts.model
         else:
             with torch.device("meta"):
                 model = build_model(cfg.model)
@@ -206,7 +213,8 @@ def build_rank(cfg: Config, world: int, rank: int) -> dict:
         held = offloaded(cfg, {"params": mem["params"], "grads": grads, "optimizer": mem["optimizer"]}, optimizer)
         local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in params)
         expert = getattr(mesh, "expert", None)
-        return {"rank": rank, "coordinates": dims.coordinates(rank), **held, "buffers": mem["buffers"],
+        counted = step_bytes(cfg, dims, mesh, model, parts, optimizer, rank) if step else {}
+        return {"rank": rank, "coordinates": dims.coordinates(rank), **held, "buffers": mem["buffers"], **counted,
                 "tensors": len(params), "local_numel": local,
                 "expert_coordinates": dict(zip(expert.mesh_dim_names, expert.get_coordinate())) if expert else {},
                 "blocks": sorted(int(n) for n, _ in inner.named_blocks()) if hasattr(inner, "named_blocks") else []}
@@ -257,11 +265,12 @@ def init_optimizer_state(optimizer) -> None:
 
 
 def _child(argv: list[str]) -> int:
-    """python -m shardwise.launch.dryrun --child CONFIG WORLD RANK OUT: build_rank, its result (or its
-    ConfigError) as JSON in OUT."""
+    """python -m shardwise.launch.dryrun --child CONFIG WORLD RANK OUT [--step]: build_rank, its result (or
+    its ConfigError) as JSON in OUT."""
     config, world, rank, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     try:
-        result = build_rank(load_config(config), world, rank)
+        stepping = {"step": True} if "--step" in argv[4:] else {}  # build_rank(cfg, world, rank) otherwise
+        result = build_rank(load_config(config), world, rank, **stepping)
     except ConfigError as e:
         out.write_text(json.dumps({"config_error": [e.field, e.problem, e.fix]}))
         return 2
@@ -291,7 +300,7 @@ def warm_imports(compiled: bool) -> float:
     return time.perf_counter() - start
 
 
-def _forked(config_path: Path, world: int, rank: int, out: Path, err: Path) -> int:
+def _forked(config_path: Path, world: int, rank: int, out: Path, err: Path, step: bool) -> int:
     """The child's pid, forked from this process (warm_imports ran: module doc): it runs _child and
     ends with os._exit, so nothing of the parent's (atexit, pytest, buffered files) runs twice."""
     pid = os.fork()
@@ -305,7 +314,7 @@ def _forked(config_path: Path, world: int, rank: int, out: Path, err: Path) -> i
         # sys.stderr too: the parent's may be no file at all (pytest's capture, any embedding), and a failed
         # build's last line, which run_rank reports, would go there instead of to `err`
         sys.stderr = open(2, "w", closefd=False)
-        code = _child([str(config_path), str(world), str(rank), str(out)])
+        code = _child([str(config_path), str(world), str(rank), str(out), *(["--step"] if step else [])])
     except BaseException:
         import traceback
 
@@ -315,24 +324,25 @@ def _forked(config_path: Path, world: int, rank: int, out: Path, err: Path) -> i
         os._exit(code)
 
 
-def _spawned(config_path: Path, world: int, rank: int, out: Path, err: Path) -> int:
+def _spawned(config_path: Path, world: int, rank: int, out: Path, err: Path, step: bool) -> int:
     """The child's pid, a fresh interpreter (`python -m shardwise.launch.dryrun --child ...`)."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])  # the child imports this shardwise (a source checkout too)
     env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
     with open(err, "wb") as stderr:
         child = subprocess.Popen([sys.executable, "-m", "shardwise.launch.dryrun", CHILD, str(config_path), str(world),
-                                  str(rank), str(out)], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+                                  str(rank), str(out), *(["--step"] if step else [])], stdout=subprocess.DEVNULL,
+                                 stderr=stderr, env=env)
     child.returncode = 0  # reaped by run_rank's os.wait4: Popen must not wait for it again
     return child.pid
 
 
-def run_rank(config_path: Path, world: int, rank: int, scratch: Path, spawn: bool = False) -> dict:
+def run_rank(config_path: Path, world: int, rank: int, scratch: Path, spawn: bool = False, step: bool = False) -> dict:
     """build_rank in a process of its own: forked from this one (torch imported once, here), or with `spawn` a
     fresh interpreter; its result with the child's wall time and peak RSS (os.wait4: that child's rusage)."""
     out, err = scratch / f"rank{rank}.json", scratch / f"rank{rank}.err"
     start = time.perf_counter()
-    pid = (_spawned if spawn or not hasattr(os, "fork") else _forked)(config_path, world, rank, out, err)
+    pid = (_spawned if spawn or not hasattr(os, "fork") else _forked)(config_path, world, rank, out, err, step)
     _, status, usage = os.wait4(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
@@ -357,8 +367,9 @@ def _gib(n: float) -> str:
 
 def table(rows: list[dict]) -> str:
     """One line per rank and category: built, planned, difference (bytes and GiB), then time and memory.
-    With offload the "host" (and "nvme"'s "disk") lines too, where either side holds bytes there."""
-    head = (f"{'rank':>6} {'pp':>3} {'category':<10} {'built B':>16} {'planned B':>16} {'diff B':>14} "
+    With offload the "host" (and "nvme"'s "disk") lines too, where either side holds bytes there; with
+    --step a "comm AXIS" line per mesh axis: the step's counted payload bytes and the planner's."""
+    head = (f"{'rank':>6} {'pp':>3} {'category':<{WIDE}} {'built B':>16} {'planned B':>16} {'diff B':>14} "
             f"{'built GiB':>10} {'planned':>8} {'wall s':>7} {'CPU s':>6} {'peak RSS MiB':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -370,8 +381,9 @@ def table(rows: list[dict]) -> str:
         for i, c in enumerate(shown):
             built, planned = r.get(c, 0), r["planned"].get(c, 0)
             tail = f" {r['wall_s']:>7.1f} {r['cpu_s']:>6.1f} {r['peak_rss_bytes'] / 2**20:>12.0f}" if i == 0 else ""
-            lines.append(f"{r['rank'] if i == 0 else '':>6} {pp if i == 0 else '':>3} {c:<10} {built:>16,} "
+            lines.append(f"{r['rank'] if i == 0 else '':>6} {pp if i == 0 else '':>3} {c:<{WIDE}} {built:>16,} "
                          f"{planned:>16,.0f} {built - planned:>+14,.0f} {_gib(built):>10} {_gib(planned):>8}{tail}")
+        lines += comm_lines(r)
     return "\n".join(lines)
 
 
@@ -395,25 +407,30 @@ def warm(cfg: Config, spawn: bool) -> float | None:
     return warm_imports(compile_enabled(cfg, Problem.from_config(cfg).device_type))
 
 
-def build_ranks(cfg: Config, dims, chosen: list[int], log=print, spawn: bool = False) -> list[dict]:
+def build_ranks(cfg: Config, dims, chosen: list[int], log=print, spawn: bool = False, step: bool = False) -> list[dict]:
     """Each of `chosen` built (run_rank) and priced (planned_bytes), one after the other; `cfg` passed
-    pre-flight at dims.world_size ranks."""
+    pre-flight at dims.world_size ranks. `step`: each also runs a training step, its counted collective
+    bytes beside the planner's (`planned_comm`)."""
     rows, world = [], dims.world_size
     with tempfile.TemporaryDirectory(prefix="shardwise-dryrun-") as scratch:
         config_path = Path(scratch) / "config.toml"
         cfg.save(config_path)
         for rank in chosen:
-            row = run_rank(config_path, world, rank, Path(scratch), spawn)
+            row = run_rank(config_path, world, rank, Path(scratch), spawn, step)
             row["planned"] = planned_bytes(cfg, world, rank)
+            if step:
+                row["planned_comm"] = planned_comm(cfg, dims, rank)
             row.setdefault("coordinates", dims.coordinates(rank))
             rows.append(row)
             if "error" not in row:
-                log(f"  rank {rank}: built in {row['wall_s']:.1f} s ({row['cpu_s']:.1f} s of CPU), "
+                ran = f", its step {row['step_s']:.1f} s of it" if "step_s" in row else ""
+                log(f"  rank {rank}: built in {row['wall_s']:.1f} s ({row['cpu_s']:.1f} s of CPU{ran}), "
                     f"peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB")
     return rows
 
 
-def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print, spawn: bool = False) -> list[dict]:
+def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print, spawn: bool = False,
+        step: bool = False) -> list[dict]:
     """Pre-flight at N x P ranks, then every chosen rank built and priced (module doc)."""
     cfg = job_config(cfg, nnodes, nproc)
     world = nnodes * nproc
@@ -424,15 +441,16 @@ def run(cfg: Config, nnodes: int, nproc: int, ranks: str | None, log=print, spaw
     took = warm(cfg, spawn)
     if took is not None:
         log(f"  imports, once, for every rank: {took:.1f} s (not in a rank's time)")
-    return build_ranks(cfg, dims, chosen, log, spawn)
+    return build_ranks(cfg, dims, chosen, log, spawn, step)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="shardwise dryrun", usage="shardwise dryrun --config FILE.toml --nnodes N --nproc P [--ranks 0,last,...] "
-                                       "[--json FILE] [--section.key=value ...]",
+                                       "[--step] [--json FILE] [--section.key=value ...]",
         description="Build chosen ranks of an N x P job on the meta device under torch's fake process group, "
-                    "and hold their parameter, gradient and optimizer bytes against the planner's.")
+                    "and hold their parameter, gradient and optimizer bytes (with --step: each collective's bytes per step) "
+                    "against the planner's.")
     parser.add_argument("--config", default=None, help="TOML config file (default: built-in defaults)")
     parser.add_argument("--nnodes", type=int, required=True, help="nodes of the job")
     parser.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per node")
@@ -442,6 +460,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--spawn", action="store_true", help="build each rank in a fresh interpreter (its time then "
                         "includes importing torch) instead of a process forked from this one")
+    parser.add_argument("--step", action="store_true", help="also run one training step on each rank (meta tensors) "
+                        "and hold its collectives' bytes per mesh axis, counted by the trainer's counter, against the "
+                        "planner's")
     args, overrides = parser.parse_known_args(argv)
     for name in ("nnodes", "nproc"):
         if getattr(args, name) < 1:
@@ -450,7 +471,8 @@ def main(argv: list[str]) -> int:
         from shardwise.paths import writable_file
 
         writable_file(Path(args.json), "--json")
-    rows = run(load_config(args.config, overrides), args.nnodes, args.nproc, args.ranks, spawn=args.spawn)
+    rows = run(load_config(args.config, overrides), args.nnodes, args.nproc, args.ranks, spawn=args.spawn,
+               step=args.step)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"nnodes": args.nnodes, "nproc": args.nproc, "ranks": rows}, indent=1))
