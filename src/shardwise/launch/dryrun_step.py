@@ -35,6 +35,10 @@ configs/plan-llama3-70b.toml at 1,024 ranks (pp8 x dp_shard16 x tp8, ZeRO-1, bf1
 and 1023 equal the planner on every axis and kind (dp_shard 9.61 GB, pp 1.07 GB, tp 438.1 GB a step); each
 step took 48-58 s of CPU (95-232 s of wall time on a shared 2-core machine; 139 s alone), at 340-362 MiB peak
 RSS a rank: the 32 micro-batches' forward and backward through DTensor dispatch are most of it.
+Found so: the same model as ZeRO-3 dp_shard128 x tp8 (4 micro-batches) counted 10,551,296 B less tp
+all-reduce than planned, a real gloo run of tp2 x zero3 dp2 bf16 the same: FSDP2 all-reduces TP's Partial
+gradients (the norms under SP) in the 16-bit parameters' dtype when it reduces each micro-batch, where the
+planner priced fp32; fixed in plan/comm.py _tp_collectives (each step then 83-86 s of CPU, 394 MiB).
 """
 from __future__ import annotations
 

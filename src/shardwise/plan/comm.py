@@ -387,7 +387,11 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
         shared_bias = shape.dim if shape.arch == "gpt" and shape.moe.num_shared_experts else 0
         partial += rank.moe_layers * (shape.moe.num_experts * shape.dim + shared_bias)
     if partial:
-        out.append(Collective("tp", "all_reduce", partial * 4, syncs, "grad", "partial_grads"))
+        # In the dtype the gradient has when it is reduced: fp32 once FSDP2 / replicate summed m > 1
+        # micro-batches into its fp32 accumulator (one sync), else the micro-batch's own, 16-bit under
+        # 16-bit parameters (`res`; measured: tp2 x zero3 dp2 bf16, and zero1 / zero2 with one micro-batch).
+        grad = 4 if syncs == 1 and m > 1 else res
+        out.append(Collective("tp", "all_reduce", partial * grad, syncs, "grad", "partial_grads"))
     # Gradient clipping: one 4-byte all_reduce of each gradient's Partial norm, per parameter tensor.
     out.append(Collective("tp", "all_reduce", 4.0, param_tensors(shape, rank), "step", "grad_norm"))
     return out
