@@ -87,7 +87,7 @@ def nccl_latency(kind: str, per_node: int, nodes: int, intra_s: float, inter_s: 
         # Inside one node small messages take NCCL's LL protocol (and NVLS on NVSwitch systems), whose
         # latencies constants.LATENCY_INTRA_S's log2(n) hops stand for (~10 us for an all-reduce on a DGX);
         # the ring's per-step latency below is what grows once the group spans nodes.
-        return (2 if kind == "all_reduce" else 1) * math.ceil(math.log2(n)) * intra_s, algo
+        return (2 if kind == "all_reduce" else 1) * math.ceil(math.log2(n)) * intra_s, f"{algo}, LL latency"
     if algo == "tree":
         return 2 * ((g - 1) * intra_s + math.ceil(math.log2(k)) * inter_s), algo
     if algo == "pat":
