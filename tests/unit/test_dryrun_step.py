@@ -51,9 +51,13 @@ def test_counted_step_bytes_equal_the_planners_per_axis_and_kind(tmp_path, capsy
     assert "comm dp_shard" in text and "its step" in text
 
 
-def test_a_layout_that_cannot_step_on_meta_says_why_on_its_line(tmp_path, capsys):
-    """DDP wraps no meta parameters: the rank is built and priced, and its comm line says the step did not
-    run (nothing counted, nothing guessed)."""
-    rows = _rows(tmp_path, 1, ["--parallel.dp_replicate=8", "--train.global_batch=8"], ranks="0")
-    assert "counted" not in rows[0] and "DDP" in rows[0]["step_note"]
-    assert "step not run: DDP" in capsys.readouterr().out
+@pytest.mark.parametrize("extra, why", [
+    (["--parallel.dp_replicate=8"], "step not run: DDP"),  # DDP reads its parameters' values when it wraps them
+    (["--parallel.dp_shard=8", "--parallel.zero=3", "--parallel.offload=cpu"], "step not run: offload"),
+])
+def test_a_layout_that_cannot_step_on_meta_says_why_on_its_line(tmp_path, capsys, extra, why):
+    """The rank is built and priced, and its comm line says why the step did not run (nothing counted, nothing
+    guessed)."""
+    rows = _rows(tmp_path, 1, [*extra, "--train.global_batch=8"], ranks="0")
+    assert "counted" not in rows[0] and rows[0]["step_note"].startswith(why)
+    assert why in capsys.readouterr().out

@@ -11,7 +11,8 @@ attributes that step reads, made by the functions __init__ calls. The torch seam
 launch/dryrun_meta.py. What a step on meta tensors cannot do:
   data       the micro-batches are meta int64 tensors of the trainer's shapes (no token is read);
   health     StepGuard's verdict reads the loss and the norm (values a meta tensor has not) over the control
-             group, which the counter leaves out anyway: every step is taken (`Taken`);
+             group, which the counter leaves out anyway: every step is taken (`Taken`; fp16's local overflow
+             check likewise, `finite_unscale`);
   compile    torch.compile is held to eager (torch.compiler.set_stance("force_eager")), as the trainer's
              own counting step does: the collectives are those of the eager step;
   DDP        torch's DistributedDataParallel cannot wrap meta parameters (its constructor reads them;
@@ -21,7 +22,8 @@ launch/dryrun_meta.py. What a step on meta tensors cannot do:
              payloads would count more than a real step moves (tp2 bf16: 655,360 B of all-gather counted
              for 524,288): not run (`skipped`);
   MoE, 2-D TP  routing reads the router's values (token counts per expert), 2-D TP's loss the targets'
-             (torch.nonzero): not run (`skipped`).
+             (torch.nonzero): not run (`skipped`);
+  offload    FSDP2's CPUOffloadPolicy copies gradient shards to host memory (no data to copy): not run.
 Every other layout runs: FSDP2 (ZeRO-2/3, HSDP, FP8 all-gathers), replicate and ZeRO-1 with TP, TP / SP with
 loss parallel, CP (ring and Ulysses), every pipeline schedule. The fake group moves nothing, so every
 collective is a no-op on meta tensors of the right shape: the payload the counter sees is the one a real
@@ -87,19 +89,32 @@ class NoData:
 
 def skipped(cfg, dims) -> str | None:
     """Why this layout's step cannot run on meta tensors (module doc), or None."""
-    from shardwise.spec.dims import lowp_params
+    from shardwise.spec.dims import lowp_params, offload_tier
 
     wrapper = dims.wrapper(cfg.parallel.zero)
     if wrapper == "ddp":
         return "step not run: DDP cannot wrap meta parameters (its constructor reads their values)"
     if cfg.model.moe is not None and getattr(cfg.model.moe, "num_experts", 0):
         return "step not run: MoE routing reads the router's values (tokens per expert), which meta tensors lack"
+    if offload_tier(cfg.parallel) != "none":
+        return "step not run: offload copies the gradient shards to host memory, which meta tensors cannot"
     if dims.tp > 1 and dims.tp_mode == "2d":
         return "step not run: 2-D TP's loss picks its rows of the targets by value (torch.nonzero), which meta lacks"
     if cfg.train.precision != "fp32" and not lowp_params(wrapper) and (dims.tp > 1 or dims.cp > 1):
         return ("step not run: autocast has no meta device, so TP / CP activations would travel in fp32 "
                 "(fp32 parameters under autocast)")
     return None
+
+
+def finite_unscale(scaler, grads) -> bool:
+    """DynamicLossScaler.unscale_ without its overflow check, which reads values (none on meta): the local
+    gradient shards divided by the scale, no overflow."""
+    import torch
+
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if local:
+        torch._foreach_mul_(local, 1.0 / scaler.scale)
+    return False
 
 
 def step_trainer(cfg, dims, mesh, model, parts, optimizer, rank: int):
@@ -130,6 +145,8 @@ def step_trainer(cfg, dims, mesh, model, parts, optimizer, rank: int):
     tr.params = [p for p in model.parameters() if p.requires_grad]
     tr.optimizer, tr.scheduler = optimizer, build_scheduler(optimizer, t)
     tr.scaler = DynamicLossScaler(enabled=t.precision == "fp16")
+    if tr.scaler.enabled:  # fp16: its overflow check reads the gradients' values (local; agreed as `Taken` does)
+        tr.scaler.unscale_ = lambda grads: finite_unscale(tr.scaler, grads)
     tr.guard, tr.data, tr.timeline = Taken(), NoData(), NoTimeline()
     tr.loader = MetaBatches(t.micro_batch, t.seq_len, tr.accumulation)
     tr.loss_group = gradient_group(mesh)
