@@ -44,7 +44,7 @@ planner priced fp32; fixed in plan/comm.py _tp_collectives (each step then 83-86
 The Llama 3 405B layout `plan search` picks on 16,384 H100s (dp_replicate8 x dp_shard256 x tp8, ZeRO-3, bf16,
 one micro-batch): ranks 0 and 16,383 equal the planner on every axis and kind after that fix (dp_replicate
 0.80 GB, dp_shard 409.1 GB, tp 373.1 GB a step; before it the planner said 8,290,304 B more tp); each step
-217-249 s of CPU, 1.85 GiB peak RSS (the build's 1.7 GiB).
+217-242 s (each rank 223-254 s of CPU), 1.85 GiB peak RSS (the build's 1.7 GiB).
 """
 from __future__ import annotations
 
