@@ -15,6 +15,7 @@ already exited leaves it `ConnectionResetError` (test_offload.py failed so about
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -26,9 +27,32 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 PG_TIMEOUT_S = 60
+
+
+def losses_by_step(run: Path) -> dict[int, float]:
+    """A run's training loss per step from its metrics.jsonl, {} before the file exists; the last record of each
+    step (a step trained again after a restart replaces the lost one's)."""
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, logs: Iterable[Path] = (),
+             poll_s: float = 0.1) -> float:
+    """Poll `condition` until it holds; its time.monotonic(). After `timeout` seconds an AssertionError naming
+    `what`, with the tail of each of `logs`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            tails = "".join(f"\n--- {log.name}\n{log.read_text()[-2000:]}" for log in logs if log.exists())
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{tails}")
+        time.sleep(poll_s)
+    return time.monotonic()
 
 
 def free_port() -> int:

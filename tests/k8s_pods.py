@@ -16,8 +16,11 @@ training.kubeflow.org/replica-index); kubernetes third_party/forked/golang/expan
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 REPLICA_INDEX = "training.kubeflow.org/replica-index"
@@ -171,3 +174,48 @@ def localized(argv: list[str], mounts: dict[str, str]) -> list[str]:
             arg = re.sub(rf"(?<![\w/.]){re.escape(path)}(?=/|\b|$)", mounts[path], arg)
         out.append(arg)
     return out
+
+
+def generate(directory: Path, argv: list[str]) -> list[dict]:
+    """`shardwise launch k8s ARGV` run in `directory` with an empty run.toml (every setting an override, which
+    the manifest passes on) and a relative run.dir, `run`, so that it lands in the pods' shared volume; the
+    manifest's documents."""
+    from shardwise.cli import main
+    from shardwise.launch.manifest_yaml import load_documents
+
+    (directory / "run.toml").write_text("# every setting is an override: the manifest passes them on\n")
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        assert main(["launch", "k8s", "--config", "run.toml", *argv, "--out", "job.yaml", "--run.dir=run"]) == 0
+    finally:
+        os.chdir(cwd)
+    return load_documents((directory / "job.yaml").read_text())
+
+
+def mount_volumes(directory: Path, documents: list[dict], config_map: str) -> dict[str, str]:
+    """The pods' volumes as directories under `directory`: the ConfigMap's files in config/, the claim every pod
+    shares as workspace/; {container path: host directory} for `localized`."""
+    from shardwise.launch import k8s_job
+
+    config, workspace = directory / "config", directory / "workspace"
+    config.mkdir()
+    workspace.mkdir()
+    for name, text in config_maps(documents)[config_map].items():
+        (config / name).write_text(text)
+    return {k8s_job.CONFIG_DIR: str(config), k8s_job.WORKDIR: str(workspace)}
+
+
+def start(net, pods_: list[Pod], mounts: dict[str, str], cwd: Path, outputs: list[dict]) -> list:
+    """Each pod as a node of `net` (tests/netns.py): every pod's DNS name in every node's /etc/hosts (the
+    Services, as each pod's resolver would answer them), its command with the volumes mounted, its environment
+    over a minimal one; `outputs[k]`: pod k's Popen keywords for its output."""
+    from tests import netns
+
+    for ns in net.nodes:
+        with open(netns.ETC / ns / "hosts", "a") as hosts:
+            hosts.write("".join(f"{net.address(k)} {pod.dns}\n" for k, pod in enumerate(pods_)))
+    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+            **{k: os.environ[k] for k in ("HOME", "TMPDIR", "LANG") if k in os.environ}}
+    return [net.popen(k, localized(pod.argv, mounts), env={**base, **pod.env}, cwd=cwd, **outputs[k])
+            for k, pod in enumerate(pods_)]

@@ -22,31 +22,13 @@ import pytest
 
 from shardwise.parity import LOSS_RTOL
 from tests import netns
-from tests.harness import children
+from tests.harness import children, losses_by_step, wait_for
 
 STEPS = 60
 LAYOUT = ["--parallel.dp_shard=-1", "--parallel.zero=3", "--train.micro_batch=2", f"--train.steps={STEPS}",
           "--train.log_every=1", "--checkpoint.every=5", "--checkpoint.keep=100", "--run.max_restarts=3",
           "--run.rendezvous_last_call_s=5"]  # torch's 30 s wait for more nodes would be most of each test
 RDZV_PORT = 29400
-
-
-def _losses(run: Path) -> dict[int, float]:
-    """The last record of each step (a step trained again after a restart replaces the lost one's)."""
-    try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return {}
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
-
-
-def _wait(condition, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic()
 
 
 def _sigterm_pending(pid: int) -> bool:
@@ -78,13 +60,13 @@ def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened
                              env={**os.environ, "TMPDIR": str(scratch[k])})
 
         node0, node1 = agent(0, "node0.log"), agent(1, "node1.log")
-        _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8 on 4 processes")
+        wait_for(lambda: max(losses_by_step(run), default=0) >= 8, 180, "step 8 on 4 processes")
         newest = max(p.name for p in (run / "checkpoints").glob("step_*"))
         killed_at = time.monotonic()
         net.kill_node(1)
-        trained = len(_losses(run))
-        recovered = _wait(lambda: len(_losses(run)) > trained, 300, "a step trained after node 1 died")
-        _wait(lambda: max(_losses(run), default=0) >= 20, 300, "step 20 on node 0 alone")
+        trained = len(losses_by_step(run))
+        recovered = wait_for(lambda: len(losses_by_step(run)) > trained, 300, "a step trained after node 1 died")
+        wait_for(lambda: max(losses_by_step(run), default=0) >= 20, 300, "step 20 on node 0 alone")
         # Node 0 must not finish alone before the new node's agent has started (tens of seconds on a loaded
         # machine, against ~0.1 s per step: rejoining with 30 and then 40 steps to go both lost that race).
         # So node 0's ranks pause until its agent, having seen the new node, asks them to stop (SIGTERM,
@@ -95,7 +77,7 @@ def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened
             os.kill(pid, signal.SIGSTOP)
         rejoined = agent(1, "node1-again.log")
         try:
-            _wait(lambda: all(_sigterm_pending(pid) for pid in ranks), 300, "node 0's agent to restart its ranks for node 1")
+            wait_for(lambda: all(_sigterm_pending(pid) for pid in ranks), 300, "node 0's agent to restart its ranks for node 1")
         finally:
             for pid in ranks:
                 os.kill(pid, signal.SIGCONT)
@@ -116,7 +98,7 @@ def test_a_node_dies_and_joins_again_and_the_loss_goes_on_as_if_nothing_happened
     one = subprocess.run([*cli, "--nproc", "4", f"--run.dir={tmp_path / 'one'}"], capture_output=True, text=True,
                          cwd=tmp_path, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
-    straight, elastic = _losses(tmp_path / "one"), _losses(run)
+    straight, elastic = losses_by_step(tmp_path / "one"), losses_by_step(run)
     assert sorted(elastic) == sorted(straight) == list(range(1, STEPS + 1))
     worst = max(abs(elastic[s] - straight[s]) / abs(straight[s]) for s in straight)
     print(f"final loss: uninterrupted {straight[STEPS]!r}, elastic {elastic[STEPS]!r}; worst relative difference {worst:.1e}")
@@ -138,20 +120,20 @@ def test_a_late_node_joins_and_a_drained_node_leaves_each_said_once_and_no_step_
                              stderr=subprocess.STDOUT, cwd=tmp_path)
 
         node0 = agent(0)
-        _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8 on node 0 alone")
+        wait_for(lambda: max(losses_by_step(run), default=0) >= 8, 180, "step 8 on node 0 alone")
         ranks = children(node0.pid)  # paused until node 0's agent has seen node 1 (see the test above)
         assert len(ranks) == 2, f"node 0's agent should have 2 ranks, has children {ranks}"
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)
         node1 = agent(1)
         try:
-            _wait(lambda: all(_sigterm_pending(pid) for pid in ranks), 300, "node 0's agent to re-form the group for node 1")
+            wait_for(lambda: all(_sigterm_pending(pid) for pid in ranks), 300, "node 0's agent to re-form the group for node 1")
         finally:
             for pid in ranks:
                 os.kill(pid, signal.SIGCONT)
-        _wait(lambda: "now 4 processes" in logs[0].read_text(), 300, "the group on 4 processes")
-        joined = max(_losses(run), default=0)
-        _wait(lambda: max(_losses(run), default=0) > joined, 300, "a step on 4 processes")
+        wait_for(lambda: "now 4 processes" in logs[0].read_text(), 300, "the group on 4 processes")
+        joined = max(losses_by_step(run), default=0)
+        wait_for(lambda: max(losses_by_step(run), default=0) > joined, 300, "a step on 4 processes")
         node1.send_signal(signal.SIGTERM)  # `ip netns exec` execs the agent: this is its pid
         codes = [node0.wait(timeout=300), node1.wait(timeout=60)]
     outputs = [log.read_text() for log in logs]
@@ -182,7 +164,7 @@ def test_fewer_than_min_nodes_end_the_job_with_exit_6_and_the_checkpoint_to_resu
                                  *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
 
         node0, _ = agent(0), agent(1)
-        _wait(lambda: max(_losses(run), default=0) >= 8, 180, "step 8")
+        wait_for(lambda: max(losses_by_step(run), default=0) >= 8, 180, "step 8")
         net.kill_node(1)
         out, err = node0.communicate(timeout=240)
         assert node0.returncode == 6, out[-2000:] + err[-2000:]
@@ -193,4 +175,4 @@ def test_fewer_than_min_nodes_end_the_job_with_exit_6_and_the_checkpoint_to_resu
         again = [agent(k, "--checkpoint.resume=true") for k in (0, 1)]
         outputs = [a.communicate(timeout=300) for a in again]
     assert [a.returncode for a in again] == [0, 0], outputs[0][1][-2000:]
-    assert f"resumed from {newest}" in outputs[0][0] and max(_losses(run)) == STEPS
+    assert f"resumed from {newest}" in outputs[0][0] and max(losses_by_step(run)) == STEPS

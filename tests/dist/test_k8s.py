@@ -9,14 +9,10 @@ tests/unit/test_launch_k8s.py holds."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from shardwise.cli import main
-from shardwise.launch import k8s_job
-from shardwise.launch.manifest_yaml import load_documents
 from tests import k8s_pods, netns
 
 # ZeRO-3 across the two pods, one rank each: the fewest processes (each costs seconds of start-up on 2 cores) that
@@ -32,33 +28,16 @@ def _losses(run: Path) -> list[float]:
 def test_a_trainjobs_pods_train_like_one_node(base_overrides, tmp_path):
     skip = {"train.steps", "checkpoint.final", "checkpoint.resume", "run.progress", "train.micro_batch"}
     common = [f"--{k}={v}" for k, v in base_overrides if k not in skip]
-    (tmp_path / "run.toml").write_text("# every setting is an override: the manifest passes them on\n")
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:  # relative run.dir: it lands in the pods' shared volume, /workspace
-        assert main(["launch", "k8s", "--config", "run.toml", "--nodes", "2", "--gpus-per-node", "1", "--image", "shardwise:test",
-                     "--pvc", "shared", "--name", "tiny", "--out", "job.yaml", *common, *LAYOUT, "--run.dir=run"]) == 0
-    finally:
-        os.chdir(cwd)
-    documents = load_documents((tmp_path / "job.yaml").read_text())
+    documents = k8s_pods.generate(tmp_path, ["--nodes", "2", "--gpus-per-node", "1", "--image", "shardwise:test",
+                                             "--pvc", "shared", "--name", "tiny", *common, *LAYOUT])
     pods = k8s_pods.pods(documents)
     assert [p.dns for p in pods] == ["tiny-node-0-0.tiny", "tiny-node-0-1.tiny"]
     # The volumes: the ConfigMap's files in a directory, the claim one directory both pods share.
-    config = tmp_path / "config"
-    config.mkdir()
-    for name, text in k8s_pods.config_maps(documents)["tiny-config"].items():
-        (config / name).write_text(text)
+    mounts = k8s_pods.mount_volumes(tmp_path, documents, "tiny-config")
     workspace = tmp_path / "workspace"
-    workspace.mkdir()
-    mounts = {k8s_job.CONFIG_DIR: str(config), k8s_job.WORKDIR: str(workspace)}
-    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
-            **{k: os.environ[k] for k in ("HOME", "TMPDIR", "LANG") if k in os.environ}}
     with netns.network(2) as net:
-        for ns in net.nodes:  # the headless Service's records, as every pod's resolver would answer them
-            with open(netns.ETC / ns / "hosts", "a") as hosts:
-                hosts.write("".join(f"{net.address(k)} {pod.dns}\n" for k, pod in enumerate(pods)))
-        started = [net.popen(k, k8s_pods.localized(pod.argv, mounts), env={**base, **pod.env}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=tmp_path) for k, pod in enumerate(pods)]
+        started = k8s_pods.start(net, pods, mounts, tmp_path,
+                                 [{"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}] * len(pods))
         outputs = [p.communicate(timeout=300) for p in started]
     for k, (p, (out, err)) in enumerate(zip(started, outputs)):
         assert p.returncode == 0, f"pod {k}:\n{out[-2000:]}\n{err[-3000:]}"

@@ -21,8 +21,6 @@ the same at any data-parallel size, only the order of fp32 sums changes.
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
 import subprocess
@@ -30,11 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.cli import main
-from shardwise.launch import k8s_job
-from shardwise.launch.manifest_yaml import load_documents
 from shardwise.parity import LOSS_RTOL
 from tests import k8s_pods, netns
+from tests.harness import losses_by_step, wait_for
 
 STEPS = 30
 KILL_AT = 8  # at least this many steps trained by both pods (a checkpoint every 5: step 5's is there to resume)
@@ -46,24 +42,6 @@ LAYOUT = ["--parallel.dp_shard=-1", "--parallel.zero=3", "--train.micro_batch=2"
 # Generous for a loaded 2-core machine (4 ranks there take ~0.1-1 s a step), still bounded.
 START_S, RECOVER_S, FINISH_S = 300, 300, 420
 
-
-def _losses(run: Path) -> dict[int, float]:
-    """The last record of each step (a step trained again after a restart replaces the lost one's)."""
-    try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return {}
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
-
-
-def _wait(condition, timeout: float, what: str, logs: list[Path]) -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            tails = "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in logs if log.exists())
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{tails}")
-        time.sleep(0.2)
-    return time.monotonic()
 
 
 def _checkpoints(run: Path) -> list[str]:
@@ -79,16 +57,8 @@ def test_an_elastic_pytorchjob_goes_on_without_a_lost_pod(base_overrides, tmp_pa
     began = time.monotonic()
     skip = {"train.steps", "checkpoint.resume", "train.micro_batch"}
     common = [f"--{k}={v}" for k, v in base_overrides if k not in skip]
-    (tmp_path / "run.toml").write_text("# every setting is an override: the manifest passes them on\n")
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:  # relative run.dir: it lands in the pods' shared volume, /workspace
-        assert main(["launch", "k8s", "--config", "run.toml", "--kind", "pytorchjob", "--nodes", "1:2", "--gpus-per-node", "2",
-                     "--image", "shardwise:test", "--pvc", "shared", "--name", "tiny", "--out", "job.yaml", *common, *LAYOUT,
-                     "--run.dir=run"]) == 0
-    finally:
-        os.chdir(cwd)
-    documents = load_documents((tmp_path / "job.yaml").read_text())
+    documents = k8s_pods.generate(tmp_path, ["--kind", "pytorchjob", "--nodes", "1:2", "--gpus-per-node", "2",
+                                             "--image", "shardwise:test", "--pvc", "shared", "--name", "tiny", *common, *LAYOUT])
     job = documents[-1]
     assert job["spec"]["elasticPolicy"] == {"minReplicas": 1, "maxReplicas": 2, "rdzvBackend": "c10d", "maxRestarts": 3}
     pods = k8s_pods.pods(documents)
@@ -105,35 +75,26 @@ def test_an_elastic_pytorchjob_goes_on_without_a_lost_pod(base_overrides, tmp_pa
         assert _option(pod.argv, "--nproc") == pod.env["PET_NPROC_PER_NODE"] == "2"
         assert _option(pod.argv, "--node-rank") == str(k)  # worker-0 serves the rendezvous (is_host)
 
-    config = tmp_path / "config"
-    config.mkdir()
-    for name, text in k8s_pods.config_maps(documents)["tiny-config"].items():
-        (config / name).write_text(text)
-    workspace = tmp_path / "workspace"
-    workspace.mkdir()
-    run = workspace / "run"
-    mounts = {k8s_job.CONFIG_DIR: str(config), k8s_job.WORKDIR: str(workspace)}
-    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
-            **{k: os.environ[k] for k in ("HOME", "TMPDIR", "LANG") if k in os.environ}}
+    mounts = k8s_pods.mount_volumes(tmp_path, documents, "tiny-config")
+    run = tmp_path / "workspace" / "run"
     logs = [tmp_path / f"{pod.name}.log" for pod in pods]
     with netns.network(2) as net:
-        for ns in net.nodes:  # each pod's Service, as every pod's resolver would answer it
-            with open(netns.ETC / ns / "hosts", "a") as hosts:
-                hosts.write("".join(f"{net.address(k)} {pod.dns}\n" for k, pod in enumerate(pods)))
-        started = [net.popen(k, k8s_pods.localized(pod.argv, mounts), env={**base, **pod.env}, stdout=open(logs[k], "w"),
-                             stderr=subprocess.STDOUT, cwd=tmp_path) for k, pod in enumerate(pods)]
+        started = k8s_pods.start(net, pods, mounts, tmp_path,
+                                 [{"stdout": open(log, "w"), "stderr": subprocess.STDOUT} for log in logs])
         # Both pods in the job (worker-0 may have started alone and re-formed for worker-1), as global rank 0
         # says, whichever pod it is on; then KILL_AT steps trained, 3 at least since both pods joined.
-        _wait(lambda: any("layout dp_shard=4 x4" in log.read_text() for log in logs), START_S,
-              "the job on both pods (4 processes)", logs)
-        joined = max(_losses(run), default=0)
-        _wait(lambda: max(_losses(run), default=0) >= max(KILL_AT, joined + 3), START_S, f"step {KILL_AT} on both pods", logs)
+        wait_for(lambda: any("layout dp_shard=4 x4" in log.read_text() for log in logs), START_S,
+                 "the job on both pods (4 processes)", logs)
+        joined = max(losses_by_step(run), default=0)
+        wait_for(lambda: max(losses_by_step(run), default=0) >= max(KILL_AT, joined + 3), START_S,
+                 f"step {KILL_AT} on both pods", logs)
         newest = max(_checkpoints(run))
-        killed_at, trained = time.monotonic(), max(_losses(run))
+        killed_at, trained = time.monotonic(), max(losses_by_step(run))
         # worker-0 alone first (a late worker-1): its first steps ran on 2 processes, not bitwise the 4-process run's
         alone_first = any("layout dp_shard=2 x2" in log.read_text() for log in logs)
         net.kill_node(1)  # every process of pod worker-1
-        recovered = _wait(lambda: len(_losses(run)) > trained, RECOVER_S, "a step trained after worker-1 was lost", logs)
+        recovered = wait_for(lambda: len(losses_by_step(run)) > trained, RECOVER_S,
+                             "a step trained after worker-1 was lost", logs)
         code = started[0].wait(timeout=FINISH_S)
         lost = started[1].wait(timeout=60)
     out = logs[0].read_text()
@@ -153,7 +114,7 @@ def test_an_elastic_pytorchjob_goes_on_without_a_lost_pod(base_overrides, tmp_pa
                           *common, *LAYOUT, f"--run.dir={tmp_path / 'one'}"], capture_output=True, text=True, cwd=tmp_path,
                          timeout=FINISH_S)
     assert one.returncode == 0, one.stderr[-3000:]
-    straight, elastic = _losses(tmp_path / "one"), _losses(run)
+    straight, elastic = losses_by_step(tmp_path / "one"), losses_by_step(run)
     assert sorted(elastic) == sorted(straight) == list(range(1, STEPS + 1))
     worst = max(abs(elastic[s] - straight[s]) / abs(straight[s]) for s in straight)
     print(f"killed worker-1 after step {trained} (newest checkpoint {newest}{'; worker-0 began alone' if alone_first else ''}); "
