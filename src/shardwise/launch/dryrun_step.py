@@ -130,11 +130,9 @@ def step_trainer(cfg, dims, mesh, model, parts, optimizer, rank: int):
     from shardwise.parallel.comm_counter import axis_names
     from shardwise.parallel.context import zigzag_index
     from shardwise.parallel.data_parallel import gradient_group, gradient_sync, unwrap
-    from shardwise.parallel.pipeline import PipelineRun, boundary_dtype
     from shardwise.parallel.precision import DynamicLossScaler
     from shardwise.parallel.tensor2d import Grid, vocab_offset
     from shardwise.preflight import check_batch
-    from shardwise.spec.dims import lowp_params
     from shardwise.train import moe_stats
     from shardwise.train.loss import EAGER
     from shardwise.train.optim import build_scheduler
@@ -173,16 +171,8 @@ def step_trainer(cfg, dims, mesh, model, parts, optimizer, rank: int):
     tr.group_axes = axis_names(mesh)
     tr.grad_compression = None
     tr.pipeline = None
-    if parts is not None:  # Trainer._build_pipeline, with the stages on meta
-        local = t.seq_len // dims.cp
-        seq = local // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else local
-        low = lowp_params(dims.wrapper(cfg.parallel.zero))
-        vocab = -(-cfg.model.vocab_size // dims.tp)
-        io = {"tokens": ((t.micro_batch, local), torch.int64),
-              "hidden": ((t.micro_batch, seq, cfg.model.dim), boundary_dtype(t.precision, low)),
-              "logits": ((t.micro_batch, local, vocab), torch.float32)}
-        tr.pipeline = PipelineRun(parts.stages, len(parts.layers), cfg.parallel.pp_schedule, tr.accumulation,
-                                  tr._pipeline_loss, mesh["pp"].get_group(), tr.device, io, t.precision)
+    if parts is not None:  # as Trainer._build_pipeline starts it, over the stages on meta
+        tr._start_pipeline(parts)
     return tr
 
 

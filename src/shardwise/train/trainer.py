@@ -204,9 +204,16 @@ class Trainer:
             self.world_group, self.device, seat if cfg.run.evict_stragglers else None, last_step=t.steps)
 
     def _build_pipeline(self) -> torch.nn.Module:
-        cfg, dims, t = self.cfg, self.dims, self.cfg.train
+        cfg, dims = self.cfg, self.dims
         parts = build_pipeline(dims, self.mesh, cfg, self.device, dims.coordinates(self.rank)["pp"])
         self.pipeline_layers = parts.layers
+        self._start_pipeline(parts)
+        return parts.model
+
+    def _start_pipeline(self, parts) -> None:
+        """self.pipeline: the schedule over this rank's stages of `parts` (build_pipeline's), with the shapes and
+        dtypes its stages exchange (also launch/dryrun_step.py's, on meta stages)."""
+        cfg, dims, t = self.cfg, self.dims, self.cfg.train
         local = t.seq_len // dims.cp  # a cp rank's share of each sequence
         seq = local // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else local
         low = lowp_params(dims.wrapper(cfg.parallel.zero))
@@ -216,7 +223,6 @@ class Trainer:
               "logits": ((t.micro_batch, local, vocab), torch.float32)}
         self.pipeline = PipelineRun(parts.stages, len(parts.layers), cfg.parallel.pp_schedule, self.accumulation,
                                     self._pipeline_loss, self.mesh["pp"].get_group(), self.device, io, t.precision)
-        return parts.model
 
     def _cp_split(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This cp rank's tokens of (b, seq) inputs and targets; the targets of a token stay with it."""
