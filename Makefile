@@ -43,10 +43,13 @@ docs-check: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit/test_docs.py tests/dist/test_docs_commands.py
 
 # Style and shape: ruff (lint + import order, config in pyproject.toml) and the import graph's floors
-# (tools/import_graph.py: no circles, no upward import; docs/architecture.md §2).
+# (tools/import_graph.py: no circles, no upward import; docs/architecture.md §2); every test module imports
+# (pytest's collection, ~20 s: a name a test imports from another test file, renamed, failed CI after an hour).
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks tools
 	$(BIN)/python tools/import_graph.py
+	@out=$$($(BIN)/python -m pytest -q --collect-only -p no:cacheprovider tests 2>&1) \
+	  || { echo "$$out" | tail -40; echo "lint: a test module does not import (above)"; exit 1; }
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -13,7 +13,8 @@ import sys
 
 from shardwise.parity import LOSS_RTOL
 from tests import netns
-from tests.dist.test_elastic import RDZV_PORT, _losses, _wait
+from tests.dist.test_elastic import RDZV_PORT
+from tests.harness import losses_by_step, wait_for
 from tests.throttle import throttled
 
 STEPS, EVERY, SLOW_STEPS = 12, 2, 4
@@ -38,8 +39,8 @@ def test_a_throttled_node_is_evicted_and_the_job_goes_on_as_if_nothing_happened(
                              stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
 
         node0, node1 = agent(0, logs[0]), agent(1, logs[1])
-        _wait(lambda: max(_losses(run), default=0) >= 2, 300, "step 2 on 4 processes")
-        throttled_at = max(_losses(run))
+        wait_for(lambda: max(losses_by_step(run), default=0) >= 2, 300, "step 2 on 4 processes")
+        throttled_at = max(losses_by_step(run))
         slow.add(net.pids(1))  # node 1's agent and ranks
         codes = [node0.wait(timeout=400), node1.wait(timeout=120)]
         outputs = [log.read_text() for log in logs]
@@ -67,7 +68,7 @@ def test_a_throttled_node_is_evicted_and_the_job_goes_on_as_if_nothing_happened(
     one = subprocess.run([*cli, "--nproc", "1", "--parallel.dp_shard=1", "--parallel.zero=0", "--run.max_restarts=0",
                           f"--run.dir={tmp_path / 'one'}"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
-    straight, elastic = _losses(tmp_path / "one"), _losses(run)
+    straight, elastic = losses_by_step(tmp_path / "one"), losses_by_step(run)
     worst = max(abs(elastic[s] - straight[s]) / abs(straight[s]) for s in straight)
     print(f"evicted after step {step} (throttled at step {throttled_at}); worst relative loss difference {worst:.1e}")
     assert sorted(elastic) == sorted(straight) and worst <= LOSS_RTOL
