@@ -1,8 +1,14 @@
 """Checkpoints: resume on the same layout continues bitwise; DCP reshards to another layout.
 
-Each world size is spawned once; every case trains 6 steps straight through, saving a checkpoint after
-step 3, and a fresh Trainer resumes from that checkpoint and runs steps 4-6 (three steps after a resume show
-any state it lost: the optimizer's moments from the first update on, the scheduler's and the data's position).
+Each world size is spawned once; every case trains 4 steps straight through, saving a checkpoint after
+step 2, and a fresh Trainer resumes from that checkpoint and runs steps 3-4. Two steps after a resume show
+any state it lost: the first resumed step's loss is computed with the restored weights on the batch the data's
+restored position gives; the second's follows the first update after the resume, which reads the optimizer's
+moments and step count (Adam's bias correction) and the scheduler's lr (the 4 steps are all in the 5-step
+warm-up: a different lr every step), on the next batch. Two steps before the cut make the saved moments those
+of two updates, not of one gradient. (6 steps resumed after 3 until 2026-11-29: in these in-process worlds a
+Trainer's set-up costs ~0.1-0.2 CPU-seconds a rank and a step ~0.25-0.5, so the steps were most of the file's
+time; the third step after a resume read no state the second had not.)
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from shardwise.config import build_config
 from shardwise.parity import LOSS_RTOL
 from tests.harness import run_world
 
-STEPS, CUT = 6, 3
+STEPS, CUT = 4, 2
 SAME_LAYOUT = {
     1: {"single": {}},
     2: {"ddp2": {"parallel.dp_replicate": 2, "train.micro_batch": 4},
@@ -76,9 +82,9 @@ def _straight_and_resumed(base, overrides: dict, root: Path) -> tuple[list[float
 
 
 def _resume_other_layout(base, overrides: dict, source_ckpt: Path, root: Path) -> list[float]:
-    from shardwise.train.trainer import Trainer
-
     import torch.distributed as dist
+
+    from shardwise.train.trainer import Trainer
 
     if dist.get_rank() == 0:
         shutil.copytree(source_ckpt, root / "ckpt")
