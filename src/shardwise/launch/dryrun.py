@@ -61,7 +61,7 @@ from pathlib import Path
 
 from shardwise.config import Config, load_config
 from shardwise.errors import EXIT_FAILED, EXIT_OK, ConfigError
-from shardwise.launch.dryrun_step import WIDE, comm_lines, planned_comm
+from shardwise.launch.dryrun_step import WIDE, comm_lines
 
 CATEGORIES = ("params", "grads", "optimizer")  # the model states, on the device
 PLACES = ("host", "disk")  # where offload keeps them instead (offloaded)
@@ -413,7 +413,9 @@ def warm(cfg: Config, spawn: bool) -> float | None:
 def build_ranks(cfg: Config, dims, chosen: list[int], log=print, spawn: bool = False, step: bool = False) -> list[dict]:
     """Each of `chosen` built (run_rank) and priced (planned_bytes), one after the other; `cfg` passed
     pre-flight at dims.world_size ranks. `step`: each also runs a training step, its counted collective
-    bytes beside the planner's (`planned_comm`)."""
+    bytes beside the planner's (plan/comm.py predict_comm_bytes)."""
+    from shardwise.plan.comm import predict_comm_bytes
+
     rows, world = [], dims.world_size
     with tempfile.TemporaryDirectory(prefix="shardwise-dryrun-") as scratch:
         config_path = Path(scratch) / "config.toml"
@@ -422,7 +424,7 @@ def build_ranks(cfg: Config, dims, chosen: list[int], log=print, spawn: bool = F
             row = run_rank(config_path, world, rank, Path(scratch), spawn, step)
             row["planned"] = planned_bytes(cfg, world, rank)
             if step:
-                row["planned_comm"] = planned_comm(cfg, dims, rank)
+                row["planned_comm"] = predict_comm_bytes(cfg, dims, rank)
             row.setdefault("coordinates", dims.coordinates(rank))
             rows.append(row)
             if "error" not in row:

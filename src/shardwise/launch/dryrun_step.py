@@ -208,13 +208,6 @@ def step_bytes(cfg, dims, mesh, model, parts, optimizer, rank: int) -> dict:
     return {"counted": counted, "step_s": round(time.perf_counter() - start, 3)}
 
 
-def planned_comm(cfg, dims, rank: int) -> dict[str, dict[str, int]]:
-    """The planner's payload bytes per axis and kind for `rank` (plan/comm.py predict_comm_bytes)."""
-    from shardwise.plan.comm import predict_comm_bytes
-
-    return predict_comm_bytes(cfg, dims, rank)
-
-
 def comm_lines(row: dict) -> list[str]:
     """The table's lines for a rank's step (dryrun.py table): per mesh axis the counted payload bytes, the
     planner's and the difference (the kinds that differ named); or the one line saying why the step did not

@@ -8,10 +8,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from shardwise.plan import constants as C
 from shardwise.plan.calibration import AxisCalibration
 from shardwise.plan.layout import Cluster, axis_placement
-from shardwise.plan.scale import nccl_latency
+from shardwise.plan.scale import bus_bandwidth, nccl_latency
 from shardwise.spec.layout import Layout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send", "recv")
@@ -61,8 +60,7 @@ def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluste
     n = per_node * nodes
     if n <= 1 or payload <= 0:
         return 0.0
-    b_intra = cluster.intra_gbps * 1e9 * C.BUS_FRACTION_INTRA
-    b_inter = cluster.inter_gbps * 1e9 * C.BUS_FRACTION_INTER
+    b_intra, b_inter = bus_bandwidth(cluster)
     g, k = per_node, nodes
     alpha = cluster.inter_latency_s if k > 1 else cluster.intra_latency_s
     if kind in ("send", "recv"):

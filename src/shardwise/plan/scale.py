@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
+from shardwise.plan import constants as C
+
 # Megatron-Core DistributedDataParallelConfig.bucket_size default: max(40,000,000, 1,000,000 x dp) parameters
 # ("larger DP sizes need larger buckets to ensure collectives do not become latency-bound").
 MEGATRON_BUCKET_MIN_PARAMS = 40_000_000
@@ -72,6 +74,12 @@ def nccl_algorithm(kind: str, per_node: int, nodes: int) -> str:
     if kind in ("all_gather", "reduce_scatter"):
         return "pat" if per_node == 1 and nodes > 1 else "ring"
     return "ring"
+
+
+def bus_bandwidth(cluster) -> tuple[float, float]:
+    """Bytes/s of bus bandwidth a collective reaches inside a node (NVLink) and between nodes (one NIC per
+    GPU): the links' rates times the fraction nccl-tests reach (plan/constants.py)."""
+    return cluster.intra_gbps * 1e9 * C.BUS_FRACTION_INTRA, cluster.inter_gbps * 1e9 * C.BUS_FRACTION_INTER
 
 
 def nccl_latency(kind: str, per_node: int, nodes: int, intra_s: float, inter_s: float) -> tuple[float, str]:
@@ -142,9 +150,7 @@ def scale_terms(problem, est) -> dict:
         if cal is not None:
             entry.update(measured=True, bus_gbps=cal.bus_bytes_per_s / 1e9, hop_latency_us=cal.hop_latency_s * 1e6)
         else:
-            from shardwise.plan import constants as C
-
-            entry["bus_gbps"] = (cl.inter_gbps * C.BUS_FRACTION_INTER if k > 1 else cl.intra_gbps * C.BUS_FRACTION_INTRA)
+            entry["bus_gbps"] = bus_bandwidth(cl)[1 if k > 1 else 0] / 1e9
             for kind in kinds:
                 if kind in ("all_reduce", "all_gather", "reduce_scatter"):
                     lat, algo = nccl_latency(kind, g, k, cl.intra_latency_s, cl.inter_latency_s)
