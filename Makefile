@@ -26,9 +26,12 @@ demo: $(STAMP)
 # cores busy on average (2026-11-27, measured per test with getrusage). Ordering the files longest first
 # changed nothing (1949 s against 1934 s): a file left to run alone at the end (the docs' commands)
 # uses both cores. A shorter `make test` needs less work: parity 944 CPU-s, the docs' commands 520,
-# test_clean_exit 303, test_run_safety_cli 238, the benchmarks' smoke runs 210.
+# test_clean_exit 303, test_run_safety_cli 238, the benchmarks' smoke runs 210. Each run ends with the 20
+# files that cost the most CPU (tests/cpu_report.py: CPU, not wall time, is what a file costs the suite).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	@rm -rf build/cpu-report
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p tests.cpu_report --cpu-report=build/cpu-report tests; \
+	  status=$$?; $(BIN)/python -m tests.cpu_report build/cpu-report 20; exit $$status
 
 # docs/config.md from the config tree's own documentation (tests/unit/test_docs.py fails when it is stale);
 # docs-check: that, the links, and every README / docs block marked runnable, as written (also in make test).
