@@ -247,3 +247,20 @@ def interruptible() -> None:
     would vanish (a run finishing with exit 0; a child sleeping on past the test's timeout)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+
+def cli_in_process(*args: str):
+    """`shardwise ARGS` through the CLI's own main() in this process: (exit code, stdout, stderr) as a
+    CompletedProcess. For the light commands a test runs between trainings (`checkpoint verify`): the same
+    code, output and exit code as `python -m shardwise.cli`, without the ~5 s of CPU a new interpreter
+    spends importing torch and shardwise. Not for commands that start threads or processes (train,
+    generate): forked test workers need a parent that never started a thread pool (this module's note)."""
+    import contextlib
+    import io
+    import subprocess
+
+    from shardwise.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["shardwise", *args], code, out.getvalue(), err.getvalue())
