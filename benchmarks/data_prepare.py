@@ -95,10 +95,17 @@ def _words(rng: np.random.Generator, n: int) -> np.ndarray:
     onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "pl", "ch", "sh"]
     vowels = ["a", "e", "i", "o", "u", "ea", "ou", "io"]
     codas = ["", "", "n", "r", "s", "t", "l", "nd", "st", "ng"]
+    # The draws of rng.choice(list) and rng.choice(list, p=...) made directly: integers(len) and one random() against
+    # the cumulative p are what choice does underneath, so the words and the generator's state after them are the
+    # same (checked for seeds 0 and 7: the same 30,000 words, the same next draw), at an eighth of the time (choice
+    # converts its list to an array at every call: 9 s of CPU a corpus, three corpora in a --smoke run).
+    cdf = np.cumsum([0.35, 0.35, 0.2, 0.1])
+    cdf /= cdf[-1]
     out = set()
     while len(out) < n:
-        syll = int(rng.choice([1, 2, 3, 4], p=[0.35, 0.35, 0.2, 0.1]))
-        out.add("".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(syll)))
+        syll = 1 + int(cdf.searchsorted(rng.random(), side="right"))
+        out.add("".join(onsets[rng.integers(len(onsets))] + vowels[rng.integers(len(vowels))] + codas[rng.integers(len(codas))]
+                        for _ in range(syll)))
     return np.array(sorted(out, key=lambda w: (len(w), w)))
 
 

@@ -18,7 +18,7 @@ on CPU a measured matmul peak).
 
     python benchmarks/gpu_throughput.py [--device auto|cuda|cpu] [--size 886m|2.4b|tiny] [--steps 20] [--warmup 5]
         [--micro-batch 8] [--seq-len 2048] [--precision bf16|fp8] [--compile-backend inductor]
-        [--variants shardwise,shardwise+compile,plain,plain+compile] [--out F] [--profile DIR] [--smoke]
+        [--variants shardwise,shardwise+compile,plain,plain+compile] [--out F] [--profile DIR] [--passes 2] [--smoke]
         [--model.k=v ...]
 
 --precision fp8: the shardwise variants train with FP8 linears (parallel/float8.py) and the plain loop
@@ -35,7 +35,7 @@ script ends with the GPU time per step by kernel class of every variant side by 
 record the allocator's history of their first pass's warm-up steps 1-2, and step 2's peak is split into what
 was there before, the gradients alive at it and the activations (benchmarks/memory_peak.py; the JSON's
 runs[variant][0]["peak_split"]). --smoke: CPU, 2 warm-up steps and 1 timed
-step per variant, aot_eager, a file of its own, --profile beside it; not a measurement. The exit status
+step per variant, one pass (--passes 1), aot_eager, a file of its own, --profile beside it; not a measurement. The exit status
 is 0 whatever the numbers (2 for bad arguments).
 """
 from __future__ import annotations
@@ -95,8 +95,10 @@ SIZES = {
                        ("model.vocab_size", "2048")],
              "seq_len": 128, "micro_batch": 8, "precision": "fp32"},
 }
+# --smoke: one pass (the second, in reverse order, only averages drift out of a measurement, and runs the same
+# run_variant again: it halves the smoke's CPU time and checks nothing more).
 SMOKE = {"size": "tiny", "steps": 1, "warmup": 2, "seq_len": 32, "micro_batch": 2, "compile_backend": "aot_eager",
-         "device": "cpu", "out": DEFAULT_OUT.with_name("gpu_throughput.smoke.json")}
+         "device": "cpu", "passes": 1, "out": DEFAULT_OUT.with_name("gpu_throughput.smoke.json")}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
@@ -116,6 +118,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per variant")
     p.add_argument("--memory-snapshot", action="store_true", help="CUDA: record the allocator's history of the shardwise "
                    "variants' warm-up steps 1-2 (first pass) and split step 2's peak (memory_peak.py)")
+    p.add_argument("--passes", type=int, default=2, choices=[1, 2],
+                   help="2: the variants in order, then reversed (drift cancels out of the ratios); 1: in order only")
     p.add_argument("--smoke", action="store_true", help="does the script still run? (not a measurement)")
     args, rest = p.parse_known_args(argv)
     if args.smoke:
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="shardwise-gpu-throughput-") as tmp_name:
         tmp = Path(tmp_name)
         write_corpus(tmp / "corpus.txt")
-        for order in (args.variants, list(reversed(args.variants))):
+        for order in (args.variants, list(reversed(args.variants)))[:args.passes]:
             for variant in order:
                 trace = args.profile / f"trace_{variant}.json.gz" if args.profile and not results[variant] else None
                 results[variant].append(run_variant(variant, args, overrides, size, tmp, device, trace,
