@@ -14,6 +14,12 @@ import torch
 # one intra-op thread, and no tokenizer thread pool, in the pytest process itself.
 torch.set_num_threads(1)
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# And one OpenMP thread in every process a test starts (training commands, torchrun's workers, transformers,
+# benchmarks): two pytest-xdist workers each running worlds of 2-8 processes already oversubscribe the 2
+# cores, and a pool of more threads spins while it waits (measured: 20 steps of configs/demo.toml on one
+# process beside the suite's load: 11 CPU-s on 1 thread, 40-43 on 2). The launcher gives a single-process
+# run all the cores (launch/local.py; a user's OMP_NUM_THREADS wins, as it does here).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 CORPUS_MODULES = ("argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "json/decoder.py")
 VALID_MODULES = ("textwrap.py", "string.py")
