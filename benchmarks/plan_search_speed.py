@@ -97,7 +97,9 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
-    return 0 if ok else 1
+    # A smoke run asks whether the script still runs, on whatever load the test suite puts beside it: its
+    # verdict is written, not its exit status (a full run's exit status is the verdict).
+    return 0 if ok or args.smoke else 1
 
 
 if __name__ == "__main__":
