@@ -22,12 +22,11 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers, each taking whole files (--dist loadfile: a file's module fixtures, such as
 # the parity matrix's, run once), the files with the most tests first (xdist's default). The suite is
-# bound by its CPU work: 3610 CPU-seconds (this process and its children) in 1949 s on 2 cores, 1.85
-# cores busy on average (2026-11-27, measured per test with getrusage). Ordering the files longest first
-# changed nothing (1949 s against 1934 s): a file left to run alone at the end (the docs' commands)
-# uses both cores. A shorter `make test` needs less work: parity 944 CPU-s, the docs' commands 520,
-# test_clean_exit 303, test_run_safety_cli 238, the benchmarks' smoke runs 210. Each run ends with the 20
-# files that cost the most CPU (tests/cpu_report.py: CPU, not wall time, is what a file costs the suite).
+# bound by its CPU work: 6432 CPU-seconds (this process and its children) in 3507 s on 2 cores, 1.83
+# cores busy on average (2026-11-30). Ordering the files longest first changed nothing (1949 s against
+# 1934 s, 2026-11-27): a file left to run alone at the end (the docs' commands) uses both cores. A shorter
+# `make test` needs less work: each run ends with the 20 files that cost the most CPU (tests/cpu_report.py:
+# CPU, not wall time, is what a file costs the suite; parity 1019 CPU-s, the docs' commands 530 on 2026-11-30).
 test: $(STAMP)
 	@rm -rf build/cpu-report
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p tests.cpu_report --cpu-report=build/cpu-report tests; \

@@ -6,9 +6,7 @@ any state it lost: the first resumed step's loss is computed with the restored w
 restored position gives; the second's follows the first update after the resume, which reads the optimizer's
 moments and step count (Adam's bias correction) and the scheduler's lr (the 4 steps are all in the 5-step
 warm-up: a different lr every step), on the next batch. Two steps before the cut make the saved moments those
-of two updates, not of one gradient. (6 steps resumed after 3 until 2026-11-29: in these in-process worlds a
-Trainer's set-up costs ~0.1-0.2 CPU-seconds a rank and a step ~0.25-0.5, so the steps were most of the file's
-time; the third step after a resume read no state the second had not.)
+of two updates, not of one gradient; a third step after the resume would read no state the second does not.
 """
 from __future__ import annotations
 

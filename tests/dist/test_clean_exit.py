@@ -20,8 +20,8 @@ def _common(base_overrides) -> list[str]:
     return [f"--{k}={v}" for k, v in base_overrides if k not in skip]
 
 
-# A return of the 1-in-3 teardown abort below escapes RUNS runs with probability (2/3)^RUNS. Six runs (9%) until
-# 2026-11-29; three now, because this file checks three more exits of the same job: test_kill_soak_two_trials'
+# A return of the 1-in-3 teardown abort below escapes RUNS runs with probability (2/3)^RUNS. Three, because this
+# file checks three more exits of the same job: test_kill_soak_two_trials'
 # uninterrupted run and both its trials are 2-process ZeRO-3 `shardwise train` runs (checkpointing, a final save)
 # that must exit 0 (a trial is not identical to the reference otherwise). An abort escapes the 3 + 3 with
 # probability (2/3)^6 = 9%, as the six runs alone allowed, before the parity reruns below (8 more workers that end
@@ -48,7 +48,7 @@ def test_zero3_job_exits_0_every_time(base_overrides, tmp_path):
 # every run (one seed, one reduction order: test_checkpoint_resume compares runs of a layout bitwise), so what
 # changes a verdict between reruns is a launch that fails, "error" for its layouts: the teardown abort above, which
 # parity's workers would meet too (they end with the same finish_distributed() and leave(): parity.py worker_main),
-# about 1 worker exit in 6 (1 in 3 of the 2-process jobs above). Two reruns (three until 2026-11-29) still compare
+# about 1 worker exit in 6 (1 in 3 of the 2-process jobs above). Two reruns still compare
 # a verdict with a rerun's and end 8 parity workers here; test_cli, test_finetune_parity and test_hf_layouts each
 # check a parity launch's exit too (2 workers each), and the ZeRO-3 exits above share the teardown: an abort
 # returning escapes them all far less often than the 1 in 9 that three reruns alone allowed ((5/6)^12).
@@ -75,9 +75,8 @@ def test_kill_soak_two_trials(tmp_path):
     """SIGKILL a random worker at a random step, and one in the middle of a checkpoint save: with
     run.max_restarts the job finishes with losses and final weights bitwise equal to an
     uninterrupted run (`make soak` runs 20 trials)."""
-    # 12 steps, not 16 (until 2026-11-29): with seed 0 the kills land where they did at 16 steps (trial 0 at step
-    # 8, so the restart resumes from a checkpoint and trains steps after it; trial 1 during the save of step 4),
-    # and the reference and each trial train 4 steps fewer.
+    # 12 steps: with seed 0 trial 0's kill lands at step 8 (the restart resumes from a checkpoint and trains
+    # steps after it) and trial 1's during the save of step 4.
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kill_soak.py"), "--trials", "2", "--steps", "12",
                         "--out", str(tmp_path / "soak.json")], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and "2/2 identical" in p.stdout, p.stdout[-4000:] + p.stderr[-2000:]

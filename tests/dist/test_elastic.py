@@ -24,9 +24,8 @@ from shardwise.parity import LOSS_RTOL
 from tests import netns
 from tests.harness import children, losses_by_step, wait_for
 
-# 30 steps (60 until 2026-11-29, when node 0 could still finish alone before node 1's new agent started: the
-# pause below has removed that race, so the count no longer needs to outlast an agent's start-up; test_k8s_elastic
-# runs the same layout for 30). A node dies at step >= KILL_AT (step 5's checkpoint is there to resume from), node 0
+# 30 steps: the pause below keeps node 0 from finishing alone before node 1's new agent starts, so the count need
+# not outlast an agent's start-up (test_k8s_elastic runs the same layout for 30). A node dies at step >= KILL_AT (step 5's checkpoint is there to resume from), node 0
 # trains alone to ALONE_UNTIL (past the checkpoints of steps 10 and 15, written on 2 processes), and node 1 joins
 # again with 14 steps to go: a margin of steps for the pause to land before node 0 would finish, and steps on 4
 # processes after the rejoin for the loss comparison. The loss is still compared at every step, 1 to STEPS.

@@ -132,8 +132,7 @@ def test_after_a_divergence_the_advised_rerun_resumes_from_the_newest_good_check
 
     # The advice: lower train.lr and rerun. It resumes from the checkpoint the message named, with the new lr.
     start = _manifest(named)["step"]
-    # Four steps past the resumed one (it trained to 16, ~10 more checkpointed steps): enough to see the new
-    # lr applied and no step skipped; the steps the diverged run wrote past `start` still move aside.
+    # Four steps past the resumed one: enough to see the new lr applied and no step skipped; the steps the diverged run wrote past `start` still move aside.
     end = start + 4
     again = _train(base, run, f"--train.steps={end}", "--train.lr=1e-3")
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
@@ -341,7 +340,7 @@ def test_a_restart_names_the_rank_and_signal_that_caused_it(common, tmp_path):
     """Item 8: a SIGKILLed worker under run.max_restarts: the launcher says which local rank died and of
     what, the job restarts from its checkpoint and succeeds, and nothing is left on stderr."""
     run = tmp_path / "run"
-    # 20 steps (it was 40): rank 1 is killed once step 2's checkpoint is complete, 18 steps and 9 saves before
+    # 20 steps: rank 1 is killed once step 2's checkpoint is complete, 18 steps and 9 saves before
     # the end, and the restarted group trains from that checkpoint to the end; more steps add nothing.
     job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", "--nproc", "2",
                             "--parallel.dp_replicate=2", "--train.micro_batch=4", "--train.steps=20",
@@ -386,7 +385,7 @@ def test_a_stall_that_a_restart_fixes_leaves_no_error_line(common, tmp_path):
     old group does not wait for its grace period.)"""
     run = tmp_path / "run"
     out_path = tmp_path / "out.txt"
-    # 20 steps (it was 30): rank 1 is stopped once step 2's checkpoint directory appears, 18 steps before the
+    # 20 steps: rank 1 is stopped once step 2's checkpoint directory appears, 18 steps before the
     # end, and the restarted group trains from the newest checkpoint to step 20.
     with open(out_path, "w") as out_file:
         job = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "train", *common, f"--run.dir={run}", "--nproc",
@@ -433,7 +432,7 @@ def test_a_divergence_dated_from_its_loss_spike_lets_the_advised_rerun_train_to_
     base = ["--model.preset=tiny", "--data.tokenizer=byte", "--train.seq_len=64", "--train.global_batch=8",
             "--train.micro_batch=4", "--nproc", "2", "--parallel.dp_shard=2", "--parallel.zero=3", "--train.log_every=1",
             "--checkpoint.every=1", "--run.progress=false", cache, f"--train.precision={precision}"]
-    # The 30 healthy steps save only their last checkpoint (it was one every step: 29 ZeRO-3 saves that nothing
+    # The 30 healthy steps save only their last checkpoint (a save every step would be 29 ZeRO-3 saves nothing
     # reads). Saving does not change the training, and step_30 holds the same weights, optimizer and loss history
     # (the spike's median): the reproduction below is the issue's, a checkpoint every step from the resume on.
     assert _train(base, run, "--checkpoint.keep=3", "--train.steps=30", "--checkpoint.every=30").returncode == 0
@@ -444,7 +443,7 @@ def test_a_divergence_dated_from_its_loss_spike_lets_the_advised_rerun_train_to_
     named = Path(message.split("newest good checkpoint: ")[1].split(". Lower train.lr")[0])
     assert _manifest(named)["step"] == 30, message  # before the update at lr 1e6 (step 31's)
     # All 30 steps to 60: 10 (to step 40) left step 40's loss above step 30's (3.68 against 3.45, fp32). A
-    # checkpoint every 10 steps (it was every step): the rerun's own saves are not what is tested.
+    # checkpoint every 10 steps: the rerun's own saves are not what is tested.
     again = _train(base, run, "--checkpoint.keep=2", "--train.steps=60", "--train.lr=0.003", "--checkpoint.every=10")
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"resumed from {named} at step 30" in again.stdout

@@ -185,7 +185,7 @@ def test_out_of_memory_while_building_the_model_exits_7_with_one_line(common, tm
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_resumes_bitwise(common, tmp_path):
-    # 20 steps (it was 40), stopped after step 8 (it was 10): 12 steps of margin before the run would end on
+    # 20 steps, stopped after step 8: 12 steps of margin before the run would end on
     # its own, and the resumed run still trains the steps after the stop against the reference, bitwise.
     args = [*ZERO3, "--train.steps=20", "--train.log_every=1", "--checkpoint.every=0"]
     reference = _train(common, tmp_path / "reference", *args)
@@ -263,7 +263,7 @@ def test_killed_launcher_leaves_no_workers_and_frees_the_run_directory(common, t
 
 def test_a_second_job_on_the_same_run_directory_is_refused(common, tmp_path):
     run = tmp_path / "run"
-    # One process (it was ZeRO-3 over 2): the run directory's lock is taken by the `shardwise train` process
+    # One process: the run directory's lock is taken by the `shardwise train` process
     # before anything is spawned (train/rundir.py), the same with or without workers, and the second job is
     # refused by it before spawning; the workers only cost their start-up.
     first = _start(common, run, "--train.steps=2000", "--checkpoint.every=0", "--train.log_every=1")
@@ -320,8 +320,7 @@ def test_bad_directories_are_refused_before_spawning(common, tmp_path, read_only
 
 
 def test_a_full_disk_exits_4_keeps_the_older_checkpoint_and_its_advice_resumes(common, tmp_path, small_disk):
-    """Both advices, followed one after the other (they were two tests, one per checkpoint.resume, each filling
-    the disk and growing it: the same ZeRO-3 job twice). A run started with checkpoint.resume=false starts over
+    """Both advices, followed one after the other, on one ZeRO-3 job. A run started with checkpoint.resume=false starts over
     if rerun as it was, so its line names the override; following it on the still full disk resumes from the
     intact step 2 and fills the disk again at step 4, and that run (resume=true) advises the same command,
     which resumes from step 2 once the disk has grown."""
