@@ -105,6 +105,45 @@ def test_ctrl_c_exits_130_keeps_the_finished_shards_and_the_rerun_finishes(corpu
     assert _tree(tmp_path / "cache") == reference
 
 
+# Ctrl-C delivered while the main thread is halfway through concurrent.futures.wait taking its futures'
+# locks (the signal sent from inside that loop, so the handler runs there): a handler that raised there left
+# the locks taken held, and the pool's shutdown waited forever on a thread blocked on one.
+_CTRL_C_INSIDE_WAIT = """
+import os, signal, sys
+import concurrent.futures._base as base
+from shardwise.cli import main
+calls, enter = [0], base._AcquireFutures.__enter__
+def mid_loop_ctrl_c(self):
+    calls[0] += 1
+    if calls[0] != 3:
+        return enter(self)
+    for i, future in enumerate(self.futures):
+        future._condition.acquire()
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+base._AcquireFutures.__enter__ = mid_loop_ctrl_c
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_inside_the_pools_wait_still_exits_130(corpus, tmp_path):
+    path, _ = corpus
+    args = [sys.executable, "-c", _CTRL_C_INSIDE_WAIT, "data", "prepare", f"--data.path={path}",
+            f"--data.cache_dir={tmp_path / 'cache'}", "--data.tokenizer=byte", "--model.vocab_size=512",
+            "--data.shard_mb=0.25", "--workers", "2"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)  # a second's work: 120 s is a hang
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    [line] = user_lines(err)
+    assert line.startswith("interrupted (SIGINT) while preparing corpus: ") and "shards are prepared and kept" in line
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
 def test_a_full_disk_exits_4_without_a_partial_shard_and_the_rerun_resumes(corpus, small_disk, tmp_path):
     """The cache on a 4 MiB tmpfs: the ~50 MB of shards cannot fit. The line says how much more is needed; the
     test frees that much (the tmpfs grown) and reruns the same command, as the line says."""

@@ -449,11 +449,11 @@ def _run_workers(job: PrepareJob, todo: list[Unit], workers: int, done: dict[int
     """Run the units left on `workers` processes; each finished shard lands in `done` as it completes."""
     if not todo:
         return
-    with _sigterm_stops():
-        if workers == 1:  # no process to start: here, single-threaded too unless one shard is all there is to do
+    if workers == 1:  # no process to start: here, single-threaded too unless one shard is all there is to do
+        with _sigterm_stops():
             _run_here(job, todo, done, progress)
-        else:
-            _run_pool(job, todo, workers, done, progress)
+    else:
+        _run_pool(job, todo, workers, done, progress)
 
 
 @contextlib.contextmanager
@@ -474,26 +474,63 @@ def _sigterm_stops():
         signal.signal(signal.SIGTERM, previous)
 
 
+class _StopRequest:
+    """SIGINT and SIGTERM while a pool prepares: the handler only records the signal, and the pool's loop
+    acts on it between two waits. A handler that raises would raise at whatever bytecode the main thread is
+    at, also halfway through `concurrent.futures.wait` taking its futures' locks one by one: the locks it
+    took stay held, the pool's manager thread blocks on one when it fails the pending futures, and the
+    shutdown that joins that thread never returns (a CI run hung so after Ctrl-C; test_data_prepare
+    reproduces it). A SIGINT the process inherited ignored (a background job) stays ignored."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self.previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def _record(self, signum, _frame) -> None:
+        self.signum = self.signum or signum
+
+    def raise_if_asked(self) -> None:
+        if self.signum is not None:
+            raise _Stop(self.signum)
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+STOP_POLL_S = 0.1  # how soon a recorded Ctrl-C / SIGTERM is acted on while every worker is busy
+
+
 def _run_pool(job: PrepareJob, todo: list[Unit], workers: int, done: dict[int, dict], progress: _Progress) -> None:
     # Forked (where there is fork), as torch's DataLoader workers are: a spawned worker would import the
     # parent's __main__ again (a user's script without a main guard would prepare again, recursively), and
     # fork starts in milliseconds. The parent runs no tokenizer thread pool a worker could inherit locked:
     # its BPE training has ended, and a worker's tokenizer is its own (_tokenizer), single-threaded.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
-    try:
-        work = job.shard_job
-        pending = {executor.submit(prepare_unit, work, unit): unit for unit in todo}
-        while pending:
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                unit = pending.pop(future)
-                done[unit.index] = future.result()
-                progress.update(done[unit.index], len(done))
-        executor.shutdown(wait=True)
-    except BaseException:
-        _kill_workers(executor)
-        raise
+    with _StopRequest() as stop:
+        executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
+        try:
+            work = job.shard_job
+            pending = {executor.submit(prepare_unit, work, unit): unit for unit in todo}
+            while pending:
+                stop.raise_if_asked()
+                finished, _ = wait(pending, timeout=STOP_POLL_S, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    unit = pending.pop(future)
+                    done[unit.index] = future.result()
+                    progress.update(done[unit.index], len(done))
+            stop.raise_if_asked()  # asked as the last shard finished: stopped all the same, everything kept
+            executor.shutdown(wait=True)
+        except BaseException:
+            _kill_workers(executor)
+            raise
 
 
 def _run_here(job: PrepareJob, todo: list[Unit], done: dict[int, dict], progress: _Progress) -> None:
