@@ -367,6 +367,11 @@ class ClusterConfig:
                                         '"distributed_optimizer" (Megatron-Core\'s, with parallel.zero=1: reduce-scatter '
                                         "in the last backward, all-gather in the next forward, chunk by chunk under an "
                                         "interleaved pipeline); unset: overlapped, as the trainer runs it.")
+    fp8_kernel: str | None = opt(None, 'How train.precision="fp8" casts, to price: "torchao" (dynamic scaling: an amax '
+                                       "pass and a cast of every GEMM operand each micro-batch, as the trainer runs "
+                                       'it) or "transformer_engine" (delayed scaling under Megatron-Core: casts fused '
+                                       "with their transposes and into the norms, weights cast once a step); unset: "
+                                       "torchao.")
     disk_gbps: float = opt(0.0, 'Local disk bandwidth per GPU in GB/s (read and write) for parallel.offload="nvme", as '
                                 "`shardwise doctor --disk DIR` measures it; 0 = a PCIe Gen4 NVMe drive per GPU "
                                 "(plan/constants.py NVME_READ_GBPS / NVME_WRITE_GBPS).")

@@ -126,6 +126,33 @@ def _attention_gemms(problem: Problem, lay: Layout) -> int:
     return 2 if problem.fused_for(lay) else 3
 
 
+def te_cast_bytes(gemms: list[tuple[int, int, int, int]], attention_gemms: int, block_input: int,
+                  accumulation: int) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of one block's FP8 casts per micro-batch as Transformer Engine makes them
+    under Megatron-Core (cluster.fp8_kernel = "transformer_engine"); `gemms`: the converted entries of
+    _block_gemms, attention's first; `block_input`: elements of the block's (and the MLP's) normed input.
+
+    Delayed scaling takes each scale from the amax history of earlier steps, so no amax pass reads an operand
+    first (torchao's dynamic scaling: C.FP8_CAST_BYTES). Hopper's FP8 GEMMs take both operands K-major, so
+    the weight gradient needs the input and the output gradient transposed: TE's cast_transpose kernel reads
+    the 16-bit tensor once and writes the FP8 copy and its transpose (2 + 1 + 1 B per element).
+    - inputs produced by a norm (q|k|v; the MLP's up-projections, when converted): LayerNormLinear's norm
+      writes its output in FP8 itself; the transpose comes on top (read 1 B, write 1 B), once per shared input.
+    - the other inputs (wo, the down-projection): cast_transpose, 4 B per element.
+    - weights: cast_transpose once per optimizer step: Megatron-Core's schedules call set_is_first_microbatch
+      on a step's first micro-batch and TE keeps the FP8 weights for the rest (its weight caching).
+    - backward: each GEMM's output gradient through cast_transpose, 4 B per element.
+    Not priced: the amax-history update (a few small kernels a step) and the 1 B the norm writes instead of 2."""
+    # q|k|v, and after wo the MLP's (up, down) pairs: a tiled MLP's tiles in turn (_block_gemms)
+    mlp = len(gemms) > attention_gemms
+    norm_fed = set(range(attention_gemms - 1)) | set(range(attention_gemms, len(gemms), 2))
+    transposed_inputs = (2 if mlp else 1) * 2 * block_input
+    other_inputs = sum(4 * m * k * c for i, (m, _, k, c) in enumerate(gemms) if i not in norm_fed)
+    weights = sum(4 * k * n * c for _, n, k, c in gemms) / max(1, accumulation)
+    grads = sum(4 * m * n * c for m, n, _, c in gemms)
+    return transposed_inputs + other_inputs + weights, grads
+
+
 def _tile_widths(ffn: int, tiles: int) -> list[tuple[int, int]]:
     """(hidden units of a tile, how many tiles that wide) of torch.tensor_split(ffn, tiles)."""
     size, extra = divmod(ffn, tiles)
@@ -199,7 +226,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         launch_s = host.block_kernel_s
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
-    def block_fwd(moe: bool) -> tuple[float, float, float]:
+    def block_fwd(moe: bool) -> tuple[float, float, float, float, float, float]:
         gemms = _block_gemms(problem, lay, tokens, moe)
         # FP8 (parallel/float8.py): the block's nn.Linears run at the FP8 peak with 1-byte operands; a MoE
         # block's stacked experts and router stay bf16 (only its attention GEMMs here are FP8).
@@ -248,8 +275,15 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
         # Joined projections scale their shared input once per group (tests/unit/test_fused_projections.py).
-        pointwise += sum(c * C.FP8_CAST_BYTES * (m * k + k * n) for m, n, k, c in gemms[:converted]) / hbm
-        return sum(times), backward, attn, pointwise, branch_ends
+        cast_bwd = 0.0
+        if converted and stack.fp8 == "transformer_engine":
+            cast_fwd_bytes, cast_bwd_bytes = te_cast_bytes(gemms[:converted], attention_gemms, s.dim * tokens,
+                                                           lay.accumulation(problem))
+            pointwise += cast_fwd_bytes / hbm
+            cast_bwd = cast_bwd_bytes / hbm
+        else:
+            pointwise += sum(c * C.FP8_CAST_BYTES * (m * k + k * n) for m, n, k, c in gemms[:converted]) / hbm
+        return sum(times), backward, attn, pointwise, branch_ends, cast_bwd
 
     def joins(moe: bool) -> tuple[float, float]:
         """(forward, backward) seconds of one block's weight joins under train.fuse_projections
@@ -266,7 +300,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         outputs = C.FP8_JOINED_OUTPUT_BYTES * tokens * joined / s.dim / fused_bw if fp8 and not eager else 0.0
         return (2 * join * joined / pointwise_bw if eager else 0.0), (param + join) * joined / pointwise_bw + outputs
 
-    g_d, gb_d, a_d, e_d, ends_d = block_fwd(False)
+    g_d, gb_d, a_d, e_d, ends_d, x_d = block_fwd(False)
     # parallel.linear_tiles: the tiled MLP's backward recomputes every tile's up-projections (SwiGLU: w1 x
     # and w3 x, 2 GEMMs of 2 x tokens x dim x ffn FLOPs in all; GELU: fc x, 1) and pointwise ops (SwiGLU's
     # silu and product, GELU's gelu: their share of pointwise_forward_bytes, 5 a f / 2 a f per token), and
@@ -285,18 +319,19 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         if eager:  # each tile past the first launches its forward and backward kernels once more
             fwd_k, bwd_k = C.EAGER_TILE_KERNELS[s.arch]
             tile_rc += (lay.linear_tiles - 1) * (fwd_k + bwd_k) * launch_s
-    g_m, gb_m, a_m, e_m, ends_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0, 0.0)
+    g_m, gb_m, a_m, e_m, ends_m, x_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     fused = problem.fused_for(lay)
     (join_fd, join_bd), (join_fm, join_bm) = joins(False), (joins(True) if rank.moe_layers else (0.0, 0.0))
 
-    def block_bwd(g: float, gb: float, a: float, e: float) -> float:
+    def block_bwd(g: float, gb: float, a: float, e: float, x: float) -> float:
         # Without measured shapes gb is 2 x g: the old sum, kept as written so that GPU prices stay bit-identical.
-        return gb + 2 * (a + e) if shapes else 2 * (g + a + e)
+        # x: what backward alone casts (Transformer Engine's output gradients; torchao's casts are in e, 2x).
+        return (gb + 2 * (a + e) if shapes else 2 * (g + a + e)) + x
 
     fwd_one = g_d + a_d + e_d + join_fd
-    bwd_one = block_bwd(g_d, gb_d, a_d, e_d) + join_bd
+    bwd_one = block_bwd(g_d, gb_d, a_d, e_d, x_d) + join_bd
     fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m + join_fm)
-    bwd = rank.dense_layers * bwd_one + rank.moe_layers * (block_bwd(g_m, gb_m, a_m, e_m) + join_bm)
+    bwd = rank.dense_layers * bwd_one + rank.moe_layers * (block_bwd(g_m, gb_m, a_m, e_m, x_m) + join_bm)
     if rank.head:
         vocab = math.ceil(s.vocab_size / lay.tp)
         head = gemm_s(tokens, vocab, s.dim)
