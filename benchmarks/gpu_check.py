@@ -311,6 +311,10 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     smoke = ["--smoke"] if ctx.device == "cpu" else []
     rows["bench/kernels"] = lambda: command_row(ctx, "bench/kernels", [sys.executable, str(bench / "kernels.py"), *smoke,
                                                                        "--out", str(ctx.out / "kernels.json")])
+    # Issue 59's per-axis collective time: NCCL's completion hook on a one-rank group (gloo on CPU: not timed).
+    rows["check/collective-clock"] = lambda: command_row(
+        ctx, "check/collective-clock", [sys.executable, str(bench / "collective_clock.py"), *smoke, "--out",
+                                        str(ctx.out / "collective_clock.json")])
     rows["bench/cross_entropy"] = lambda: command_row(
         ctx, "bench/cross_entropy", [sys.executable, str(bench / "cross_entropy.py"), *smoke, "--out",
                                      str(ctx.out / "cross_entropy.json")])

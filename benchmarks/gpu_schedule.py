@@ -15,7 +15,7 @@ FIRST = ("bench/throughput", "bench/fp8", "bench/fp8-2.4b", "bench/decode", "off
          "train/compiled/bf16/none", "train/compiled/fp8/none", "train/eager/bf16/none")
 # Rows that report pass/fail and time nothing: they run side by side, between the FIRST rows and the other
 # measured ones. On one H100 (2026-11-27) resume/bitwise took 47 s and hf/import 79 s, beside one other row.
-UNTIMED = ("resume/*", "hf/*", "doctor", "layout/*")
+UNTIMED = ("resume/*", "hf/*", "doctor", "layout/*", "check/*")
 AFTER = {"hf/export": "resume/bitwise"}  # exports the checkpoint that row leaves
 # A chain entry that runs the named training row's command ahead, untimed (prewarm), not the row itself.
 PREWARM = "prewarm:"

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.train import eviction
+from shardwise.train.collective_wait import CollectiveClock
 from shardwise.train.eviction import Eviction, NodeSeat
 
 
@@ -46,6 +47,7 @@ class RankTimes:
     compute_s: float
     data_s: float
     step_s: float
+    waits: dict[str, float] = field(default_factory=dict)  # axis -> its collectives' device seconds a step (NCCL)
 
 
 class BlockTimer:
@@ -129,14 +131,17 @@ class StragglerWatch:
     _nodes: list[int] = field(default_factory=list)  # rank -> its node (seat.node_rank), with seat
     eviction: Eviction | None = None  # decided at the end of a window: every rank stops after this step
     last_step: int = 0  # the run's last step, after which nothing is evicted (the job is done); 0: no limit
+    clock: CollectiveClock | None = None  # per-axis collective time (train/collective_wait.py), NCCL only
 
     @classmethod
     def start(cls, run_cfg, blocks: list[torch.nn.Module], rank: int, group, device: torch.device,
-              seat: NodeSeat | None = None, last_step: int = 0) -> "StragglerWatch | None":
+              seat: NodeSeat | None = None, last_step: int = 0, axis_groups=()) -> "StragglerWatch | None":
+        """`axis_groups`: (mesh axis, process group) pairs whose collectives are timed where the backend can."""
         if run_cfg.straggler_every <= 0:
             return None
         return cls(run_cfg.straggler_every, run_cfg.straggler_margin, run_cfg.straggler_steps, rank, group, device,
-                   BlockTimer(blocks, device), seat=seat, last_step=last_step)
+                   BlockTimer(blocks, device), seat=seat, last_step=last_step,
+                   clock=CollectiveClock.start(axis_groups, dist.get_backend))
 
     def after_step(self, step: int, step_s: float, data_s: float) -> tuple[dict, list[str]] | None:
         """Record step `step`; at the end of a window (every rank calls this: it is a collective) rank 0
@@ -150,6 +155,8 @@ class StragglerWatch:
         mine = [statistics.median(values) for values in zip(*self._window)]
         window = len(self._window)
         self._window.clear()
+        if self.clock is not None:  # a mean a step (collective_wait.py: durations land as the watchdog sees them)
+            mine += [seconds / window for seconds, _ in self.clock.take().values()]
         ranks = self._gather(mine)
         verdict = self.judge(ranks, step, window)  # on every rank: the same numbers give the same eviction
         return verdict if self.rank == 0 else None
@@ -171,7 +178,9 @@ class StragglerWatch:
         else:
             rows = [torch.zeros_like(local) for _ in range(dist.get_world_size(self.group))]
             dist.all_gather(rows, local, group=self.group)
-        return [RankTimes(r, self._hosts[r], *row.tolist()) for r, row in enumerate(rows)]
+        axes = self.clock.axes if self.clock is not None else []
+        return [RankTimes(r, self._hosts[r], *values[:3], dict(zip(axes, values[3:])))
+                for r, values in enumerate(row.tolist() for row in rows)]
 
     def judge(self, ranks: list[RankTimes], step: int, window: int) -> tuple[dict, list[str]]:
         """Rank 0's verdict on one window: the metrics record and the lines to print (module docstring)."""
@@ -216,6 +225,10 @@ class StragglerWatch:
                   "straggler/compute_median_s": compute, "straggler/data_wait_max_s": max(r.data_s for r in ranks),
                   "straggler/data_wait_median_s": data, "straggler/named": len(self.named),
                   "straggler/window_steps": window}
+        for axis in ranks[0].waits:  # NCCL: each axis's collective time a step, the median rank's and the longest
+            waits_on_axis = [r.waits[axis] for r in ranks]
+            record[f"straggler/collective_{axis}_median_s"] = statistics.median(waits_on_axis)
+            record[f"straggler/collective_{axis}_max_s"] = max(waits_on_axis)
         return record, lines
 
     def _lines(self, fresh: list[int], ranks: list[RankTimes], slow: dict, steps: int) -> dict[int, str]:
@@ -238,7 +251,8 @@ class StragglerWatch:
                 who = f"rank {rank} on host {r.host} ({self.device.type})"
             if component == "compute":
                 what = (f"compute {own / ref:.2f}x the other ranks' median for {steps} steps (a block forward "
-                        f"{1e3 * r.compute_s:.2f} ms against {1e3 * ref:.2f} ms) — a throttled GPU or a busy host? "
+                        f"{1e3 * r.compute_s:.2f} ms against {1e3 * ref:.2f} ms{waited_words(ranks, rank)}) — a throttled "
+                        "GPU or a busy host? "
                         f"`shardwise doctor` on {r.host} names clocks, temperatures and link speed")
             else:
                 what = (f"waits for data {r.data_s:.3f} s a step, {own:.2f}x the "
@@ -250,6 +264,19 @@ class StragglerWatch:
     def close(self) -> None:
         if self.timer is not None:
             self.timer.close()
+
+
+def waited_words(ranks: list[RankTimes], rank: int) -> str:
+    """"; the others wait 41.2 ms a step longer in tp collectives" — the axis where the other ranks' median
+    collective time exceeds this rank's own by most (they wait for it there; it waits least), or "" without
+    per-axis times (gloo) or when no axis shows it."""
+    own = ranks[rank].waits
+    others = [r for r in ranks if r.rank != rank]
+    if not own or not others:
+        return ""
+    gaps = {axis: statistics.median(r.waits[axis] for r in others) - seconds for axis, seconds in own.items()}
+    axis = max(gaps, key=gaps.__getitem__)
+    return f"; the others wait {1e3 * gaps[axis]:.1f} ms a step longer in {axis} collectives" if gaps[axis] > 0 else ""
 
 
 def medians_without_each(values: list[float]) -> list[float]:

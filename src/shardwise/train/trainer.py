@@ -46,6 +46,7 @@ from shardwise.train import eviction, moe_stats
 from shardwise.train import manifest as mf
 from shardwise.train.agreement import check_same_setup, setup_facts
 from shardwise.train.checkpoint import CheckpointManager, read_rank_state
+from shardwise.train.collective_wait import mesh_axis_groups
 from shardwise.train.control import Control
 from shardwise.train.data import (
     PreparedData,
@@ -201,7 +202,8 @@ class Trainer:
         self.data_wait_s = 0.0
         self.straggler = StragglerWatch.start(
             cfg.run, [b for m in self.inner.modules() if isinstance(m, Transformer) for b in m.blocks()], self.rank,
-            self.world_group, self.device, seat if cfg.run.evict_stragglers else None, last_step=t.steps)
+            self.world_group, self.device, seat if cfg.run.evict_stragglers else None, last_step=t.steps,
+            axis_groups=mesh_axis_groups(self.mesh) if distributed else ())
 
     def _build_pipeline(self) -> torch.nn.Module:
         cfg, dims = self.cfg, self.dims

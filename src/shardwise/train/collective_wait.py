@@ -1,0 +1,94 @@
+"""Per mesh axis, how long this rank's collectives take on the GPU (run.straggler_every, train/straggler.py).
+
+A slow rank is found by its compute (straggler.BlockTimer); the time the other ranks lose to it is spent in
+collectives, waiting for it, on whichever mesh axis joins them: a slow rank of a tensor-parallel group
+stretches its group's tp collectives, one of a data-parallel group the dp_shard reduce-scatters, a slow
+pipeline stage its neighbours' pp receives. That wait, per axis, says which axis of the job a straggler
+costs (MegaScale, Jiang et al., NSDI 2024, §5: per-collective timing is how the slow machines showed).
+
+NCCL reports each collective's duration on the device after it completes: ProcessGroupNCCL's completion
+hook (`_register_on_completion_hook`) receives a WorkInfo whose `active_duration` is the time between
+the CUDA events around the collective's kernel (`_enable_collectives_timing` records the start event),
+which includes the kernel's wait for its slowest peer. The hook runs on NCCL's watchdog thread, off the
+step's path: nothing is synchronised or added to the stream. Gloo has neither (its Work reports no
+duration, and a reduce-scatter's work only completes in wait(): timing it would block where FSDP
+overlaps), so on CPUs the per-axis wait is absent from the metrics, and the docs say so.
+
+Durations land when the watchdog sees the collective done, which can be just after the step that issued
+it: a window's total over its steps is exact up to its edges, so the figure is a mean per step over the
+window, not a per-step median.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+
+TIMED_BACKENDS = ("nccl",)  # the backends with a completion hook and device-side durations
+
+
+def timed(backend: str) -> bool:
+    """Whether collectives on a process group of this backend can be timed per axis (module docstring)."""
+    return backend.lower() in TIMED_BACKENDS
+
+
+class CollectiveClock:
+    """Seconds of device time of each axis's collectives on this rank since the last `take`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # the watchdog thread adds, the training thread takes
+        self._seconds: dict[str, float] = {}
+        self._calls: dict[str, int] = {}
+        self.axes: list[str] = []
+
+    def watch(self, axis: str, group) -> None:
+        """Time `group`'s collectives under `axis`: the process group's timing on and the hook placed."""
+        group._enable_collectives_timing()
+        with warnings.catch_warnings():  # newer torch warns the hook will give way to its Flight Recorder, once
+            warnings.simplefilter("ignore")
+            group._register_on_completion_hook(self.hook(axis))
+        self.axes.append(axis)
+        self._seconds[axis], self._calls[axis] = 0.0, 0
+
+    def hook(self, axis: str) -> Callable:
+        def done(info) -> None:  # torch._C._distributed_c10d.WorkInfo, on NCCL's watchdog thread
+            with self._lock:
+                self._seconds[axis] += info.active_duration.total_seconds()
+                self._calls[axis] += 1
+        return done
+
+    def take(self) -> dict[str, tuple[float, int]]:
+        """{axis: (seconds, collectives)} since the last take, and zero again."""
+        with self._lock:
+            out = {axis: (self._seconds[axis], self._calls[axis]) for axis in self.axes}
+            for axis in self.axes:
+                self._seconds[axis], self._calls[axis] = 0.0, 0
+        return out
+
+    @classmethod
+    def start(cls, groups: Iterable[tuple[str, object]], backend_of: Callable[[object], str]) -> "CollectiveClock | None":
+        """A clock over every (axis, process group) of a timed backend (`backend_of(group)` names it), each
+        group once (two axes over the same ranks may share a group: the first axis names it); None when
+        no group can be timed (gloo, one process)."""
+        clock, seen = cls(), set()
+        for axis, group in groups:
+            if group is None or id(group) in seen or not timed(backend_of(group)):
+                continue
+            seen.add(id(group))
+            clock.watch(axis, group)
+        return clock if clock.axes else None
+
+
+def mesh_axis_groups(mesh) -> list[tuple[str, object]]:
+    """(axis name, process group) of every named axis of the trainer's mesh (parallel/mesh.py Meshes or a
+    DeviceMesh) of more than one rank, the expert mesh's included."""
+    out: list[tuple[str, object]] = []
+    if mesh is None:
+        return out
+    for device_mesh in (getattr(mesh, "root", mesh), getattr(mesh, "expert", None)):
+        if device_mesh is None:
+            continue
+        for axis in device_mesh.mesh_dim_names or ():
+            if device_mesh[axis].size() > 1:
+                out.append((axis, device_mesh[axis].get_group()))
+    return out

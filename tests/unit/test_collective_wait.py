@@ -1,0 +1,100 @@
+"""Per-axis collective time (train/collective_wait.py): which groups are timed, what the hook adds up, and
+what the straggler window makes of it. NCCL's hook cannot run here (no NCCL on CPU; gloo refuses it), so
+these drive the clock the way ProcessGroupNCCL's watchdog thread does: a WorkInfo-like object per
+completed collective, from another thread. benchmarks/collective_clock.py runs the real hook on a GPU
+(`make gpu-check`, row check/collective-clock)."""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+
+from shardwise.train.collective_wait import CollectiveClock, mesh_axis_groups, timed
+from shardwise.train.straggler import RankTimes, StragglerWatch
+
+
+class _Group:
+    """What CollectiveClock calls on a process group, recorded."""
+
+    def __init__(self, backend: str):
+        self.backend, self.timing, self.hooks = backend, False, []
+
+    def _enable_collectives_timing(self):
+        self.timing = True
+
+    def _register_on_completion_hook(self, hook):
+        assert self.timing, "NCCL refuses a hook before timing is on (ProcessGroupNCCL::registerOnCompletionHook)"
+        self.hooks.append(hook)
+
+
+def _complete(group: _Group, *seconds: float) -> None:
+    """Collectives completing on another thread, as NCCL's watchdog reports them."""
+    def run():
+        for s in seconds:
+            group.hooks[0](SimpleNamespace(active_duration=timedelta(seconds=s)))
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+
+
+def test_only_nccl_groups_are_timed_each_group_once():
+    assert timed("nccl") and not timed("gloo") and not timed("cpu:gloo,cuda:nccl")
+    tp, dp, gloo = _Group("nccl"), _Group("nccl"), _Group("gloo")
+    clock = CollectiveClock.start([("tp", tp), ("dp_shard", dp), ("batch", dp), ("pp", gloo)], lambda g: g.backend)
+    assert clock.axes == ["tp", "dp_shard"]  # the same group under a second name: timed once, by its first axis
+    assert len(tp.hooks) == len(dp.hooks) == 1 and not gloo.hooks and not gloo.timing
+    assert CollectiveClock.start([("dp", _Group("gloo"))], lambda g: g.backend) is None  # a CPU job: no clock
+
+
+def test_the_clock_adds_each_axis_durations_and_take_resets_them():
+    tp, dp = _Group("nccl"), _Group("nccl")
+    clock = CollectiveClock.start([("tp", tp), ("dp_shard", dp)], lambda g: g.backend)
+    _complete(tp, 0.25, 0.5)
+    _complete(dp, 0.125)
+    assert clock.take() == {"tp": (0.75, 2), "dp_shard": (0.125, 1)}
+    assert clock.take() == {"tp": (0.0, 0), "dp_shard": (0.0, 0)}
+
+
+def test_a_window_gathers_each_axis_mean_a_step_and_names_where_the_others_wait():
+    tp = _Group("nccl")
+    watch = StragglerWatch(2, 0.2, 2, rank=0, group=None, device=torch.device("cpu"),
+                           clock=CollectiveClock.start([("tp", tp)], lambda g: g.backend))
+    watch._hosts, watch._nodes = ["a"], [-1]
+    gathered = []
+    watch._gather = lambda mine: gathered.append(mine) or [RankTimes(0, "a", *mine[:3], {"tp": mine[3]})]
+    watch.timer = SimpleNamespace(take=lambda: (0.01, 1))
+    watch.after_step(1, 1.0, 0.0)
+    _complete(tp, 0.3, 0.1)  # two steps' collectives, whenever the watchdog saw them
+    watch.after_step(2, 1.0, 0.0)
+    assert gathered == [[0.01, 0.0, 1.0, 0.2]]  # 0.4 s over a window of 2 steps
+    # Rank 2 is slow: the others wait for it in tp collectives, it waits least.
+    ranks = [RankTimes(r, "a", c, 0.0, 1.0, {"tp": w, "dp_shard": 0.05})
+             for r, (c, w) in enumerate([(0.010, 0.040), (0.010, 0.042), (0.020, 0.002), (0.010, 0.041)])]
+    record, lines = StragglerWatch(2, 0.2, 2, rank=0, group=None, device=torch.device("cpu")).judge(ranks, 2, 2)
+    assert record["straggler/collective_tp_median_s"] == 0.0405 and record["straggler/collective_tp_max_s"] == 0.042
+    assert record["straggler/collective_dp_shard_max_s"] == 0.05
+    [line] = lines
+    assert "; the others wait 39.0 ms a step longer in tp collectives) — a throttled GPU" in line, line
+
+
+def test_without_per_axis_times_the_line_and_record_are_as_before():
+    ranks = [RankTimes(r, "a", c, 0.0, 1.0) for r, c in enumerate([0.010, 0.010, 0.020])]
+    record, [line] = StragglerWatch(2, 0.2, 2, rank=0, group=None, device=torch.device("cpu")).judge(ranks, 2, 2)
+    assert not [k for k in record if "collective" in k] and "collectives" not in line
+
+
+def test_mesh_axis_groups_names_every_axis_of_more_than_one_rank():
+    class Mesh:  # a DeviceMesh as far as mesh_axis_groups reads one
+        def __init__(self, sizes: dict[str, int]):
+            self.mesh_dim_names = tuple(sizes)
+            self.axes = {name: SimpleNamespace(size=lambda n=n: n, get_group=lambda name=name: f"group-{name}")
+                         for name, n in sizes.items()}
+
+        def __getitem__(self, axis):
+            return self.axes[axis]
+
+    meshes = SimpleNamespace(root=Mesh({"pp": 2, "dp_shard": 4, "tp": 1}), expert=Mesh({"ep": 2}))
+    assert mesh_axis_groups(meshes) == [("pp", "group-pp"), ("dp_shard", "group-dp_shard"), ("ep", "group-ep")]
+    assert mesh_axis_groups(None) == []
