@@ -98,3 +98,25 @@ def test_mesh_axis_groups_names_every_axis_of_more_than_one_rank():
     meshes = SimpleNamespace(root=Mesh({"pp": 2, "dp_shard": 4, "tp": 1}), expert=Mesh({"ep": 2}))
     assert mesh_axis_groups(meshes) == [("pp", "group-pp"), ("dp_shard", "group-dp_shard"), ("ep", "group-ep")]
     assert mesh_axis_groups(None) == []
+
+
+def test_a_refused_hook_reads_nan_on_that_rank_and_the_axis_is_left_out_not_the_run():
+    """A process group that refuses the hook (torch raises DistBackendError, e.g. a hook already placed by
+    another owner): the axis stays in the gathered vector (the same length on every rank) as NaN, and the
+    window's record leaves that axis out."""
+    class Refusing(_Group):
+        def _register_on_completion_hook(self, hook):
+            raise RuntimeError("ProcessGroupNCCL OnCompletion hook already registered")
+
+    tp, dp = _Group("nccl"), Refusing("nccl")
+    clock = CollectiveClock.start([("tp", tp), ("dp_shard", dp)], lambda g: g.backend)
+    assert clock.axes == ["tp", "dp_shard"] and "already registered" in clock.refused["dp_shard"]
+    _complete(tp, 0.5)
+    taken = clock.take()
+    assert taken["tp"] == (0.5, 1) and taken["dp_shard"][1] == 0 and taken["dp_shard"][0] != taken["dp_shard"][0]
+    nan = float("nan")
+    ranks = [RankTimes(r, "a", c, 0.0, 1.0, {"tp": 0.04, "dp_shard": nan if r == 1 else 0.01})
+             for r, c in enumerate([0.010, 0.010, 0.020])]
+    record, [line] = StragglerWatch(2, 0.2, 2, rank=0, group=None, device=torch.device("cpu")).judge(ranks, 2, 2)
+    assert "straggler/collective_tp_max_s" in record and not [k for k in record if "dp_shard" in k]
+    assert "collectives" not in line  # tp: the straggler waits as long as the others; dp_shard: unknown

@@ -20,6 +20,7 @@ window, not a per-step median.
 """
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -33,21 +34,30 @@ def timed(backend: str) -> bool:
 
 
 class CollectiveClock:
-    """Seconds of device time of each axis's collectives on this rank since the last `take`."""
+    """Seconds of device time of each axis's collectives on this rank since the last `take`.
+
+    `axes` are the axes asked for, the same on every rank (a decision on the layout and backend alone), so the
+    window's all-gather has the same length everywhere; an axis whose hook could not be placed on this rank
+    (torch refused it) reads NaN here instead of ending the run: monitoring never stops a job."""
 
     def __init__(self):
         self._lock = threading.Lock()  # the watchdog thread adds, the training thread takes
         self._seconds: dict[str, float] = {}
         self._calls: dict[str, int] = {}
         self.axes: list[str] = []
+        self.refused: dict[str, str] = {}  # axis -> why torch refused its hook on this rank
 
     def watch(self, axis: str, group) -> None:
         """Time `group`'s collectives under `axis`: the process group's timing on and the hook placed."""
-        group._enable_collectives_timing()
-        with warnings.catch_warnings():  # newer torch warns the hook will give way to its Flight Recorder, once
-            warnings.simplefilter("ignore")
-            group._register_on_completion_hook(self.hook(axis))
         self.axes.append(axis)
+        try:
+            group._enable_collectives_timing()
+            with warnings.catch_warnings():  # newer torch warns the hook will give way to its Flight Recorder, once
+                warnings.simplefilter("ignore")
+                group._register_on_completion_hook(self.hook(axis))
+        except (RuntimeError, ValueError) as e:  # torch's DistBackendError is a RuntimeError
+            self.refused[axis] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return
         self._seconds[axis], self._calls[axis] = 0.0, 0
 
     def hook(self, axis: str) -> Callable:
@@ -58,10 +68,10 @@ class CollectiveClock:
         return done
 
     def take(self) -> dict[str, tuple[float, int]]:
-        """{axis: (seconds, collectives)} since the last take, and zero again."""
+        """{axis: (seconds, collectives)} since the last take, and zero again; (NaN, 0) for a refused axis."""
         with self._lock:
-            out = {axis: (self._seconds[axis], self._calls[axis]) for axis in self.axes}
-            for axis in self.axes:
+            out = {axis: (self._seconds.get(axis, math.nan), self._calls.get(axis, 0)) for axis in self.axes}
+            for axis in self._seconds:
                 self._seconds[axis], self._calls[axis] = 0.0, 0
         return out
 

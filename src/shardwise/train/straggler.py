@@ -25,6 +25,7 @@ same eviction at the same step without another collective (train/eviction.py).
 """
 from __future__ import annotations
 
+import math
 import socket
 import statistics
 import time
@@ -227,6 +228,8 @@ class StragglerWatch:
                   "straggler/window_steps": window}
         for axis in ranks[0].waits:  # NCCL: each axis's collective time a step, the median rank's and the longest
             waits_on_axis = [r.waits[axis] for r in ranks]
+            if any(math.isnan(w) for w in waits_on_axis):  # a rank could not time it (collective_wait.py)
+                continue
             record[f"straggler/collective_{axis}_median_s"] = statistics.median(waits_on_axis)
             record[f"straggler/collective_{axis}_max_s"] = max(waits_on_axis)
         return record, lines
@@ -275,8 +278,9 @@ def waited_words(ranks: list[RankTimes], rank: int) -> str:
     if not own or not others:
         return ""
     gaps = {axis: statistics.median(r.waits[axis] for r in others) - seconds for axis, seconds in own.items()}
-    axis = max(gaps, key=gaps.__getitem__)
-    return f"; the others wait {1e3 * gaps[axis]:.1f} ms a step longer in {axis} collectives" if gaps[axis] > 0 else ""
+    gaps = {axis: gap for axis, gap in gaps.items() if not math.isnan(gap)}
+    axis = max(gaps, key=gaps.__getitem__) if gaps else None
+    return f"; the others wait {1e3 * gaps[axis]:.1f} ms a step longer in {axis} collectives" if axis and gaps[axis] > 0 else ""
 
 
 def medians_without_each(values: list[float]) -> list[float]:
