@@ -226,7 +226,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         launch_s = host.block_kernel_s
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
 
-    def block_fwd(moe: bool) -> tuple[float, float, float, float, float, float]:
+    def block_fwd(moe: bool) -> tuple[float, float, float, float, float, tuple[float, float]]:
         gemms = _block_gemms(problem, lay, tokens, moe)
         # FP8 (parallel/float8.py): the block's nn.Linears run at the FP8 peak with 1-byte operands; a MoE
         # block's stacked experts and router stay bf16 (only its attention GEMMs here are FP8).
@@ -275,15 +275,15 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
         # Joined projections scale their shared input once per group (tests/unit/test_fused_projections.py).
-        cast_bwd = 0.0
+        # Transformer Engine's casts (te_cast_bytes) are not in `pointwise`, which backward doubles: its forward
+        # and backward casts are each their own, (forward, backward) seconds apart.
+        te_casts = (0.0, 0.0)
         if converted and stack.fp8 == "transformer_engine":
-            cast_fwd_bytes, cast_bwd_bytes = te_cast_bytes(gemms[:converted], attention_gemms, s.dim * tokens,
-                                                           lay.accumulation(problem))
-            pointwise += cast_fwd_bytes / hbm
-            cast_bwd = cast_bwd_bytes / hbm
+            te_casts = tuple(b / hbm for b in te_cast_bytes(gemms[:converted], attention_gemms, s.dim * tokens,
+                                                             lay.accumulation(problem)))
         else:
             pointwise += sum(c * C.FP8_CAST_BYTES * (m * k + k * n) for m, n, k, c in gemms[:converted]) / hbm
-        return sum(times), backward, attn, pointwise, branch_ends, cast_bwd
+        return sum(times), backward, attn, pointwise, branch_ends, te_casts
 
     def joins(moe: bool) -> tuple[float, float]:
         """(forward, backward) seconds of one block's weight joins under train.fuse_projections
@@ -319,19 +319,19 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         if eager:  # each tile past the first launches its forward and backward kernels once more
             fwd_k, bwd_k = C.EAGER_TILE_KERNELS[s.arch]
             tile_rc += (lay.linear_tiles - 1) * (fwd_k + bwd_k) * launch_s
-    g_m, gb_m, a_m, e_m, ends_m, x_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    g_m, gb_m, a_m, e_m, ends_m, x_m = block_fwd(True) if rank.moe_layers else (0.0, 0.0, 0.0, 0.0, 0.0, (0.0, 0.0))
     fused = problem.fused_for(lay)
     (join_fd, join_bd), (join_fm, join_bm) = joins(False), (joins(True) if rank.moe_layers else (0.0, 0.0))
 
-    def block_bwd(g: float, gb: float, a: float, e: float, x: float) -> float:
+    def block_bwd(g: float, gb: float, a: float, e: float) -> float:
         # Without measured shapes gb is 2 x g: the old sum, kept as written so that GPU prices stay bit-identical.
-        # x: what backward alone casts (Transformer Engine's output gradients; torchao's casts are in e, 2x).
-        return (gb + 2 * (a + e) if shapes else 2 * (g + a + e)) + x
+        return gb + 2 * (a + e) if shapes else 2 * (g + a + e)
 
-    fwd_one = g_d + a_d + e_d + join_fd
-    bwd_one = block_bwd(g_d, gb_d, a_d, e_d, x_d) + join_bd
-    fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m + join_fm)
-    bwd = rank.dense_layers * bwd_one + rank.moe_layers * (block_bwd(g_m, gb_m, a_m, e_m, x_m) + join_bm)
+    # x_d / x_m: Transformer Engine's (forward, backward) casts (torchao's are in e_d / e_m, doubled backward)
+    fwd_one = g_d + a_d + e_d + join_fd + x_d[0]
+    bwd_one = block_bwd(g_d, gb_d, a_d, e_d) + join_bd + x_d[1]
+    fwd = rank.dense_layers * fwd_one + rank.moe_layers * (g_m + a_m + e_m + join_fm + x_m[0])
+    bwd = rank.dense_layers * bwd_one + rank.moe_layers * (block_bwd(g_m, gb_m, a_m, e_m) + join_bm + x_m[1])
     if rank.head:
         vocab = math.ceil(s.vocab_size / lay.tp)
         head = gemm_s(tokens, vocab, s.dim)
