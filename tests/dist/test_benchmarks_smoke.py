@@ -124,7 +124,8 @@ def test_every_benchmark_has_a_smoke_test():
     --smoke runs in tests/dist/test_gpu_check.py, kill_soak.py's two trials in tests/dist/test_clean_exit.py)."""
     smoked = {"gpu_check.py", "cross_entropy.py", "overhead.py", "pipeline_bubble.py", "plan_search_speed.py", "kill_soak.py",
               "run_safety_probes.py", "gpu_throughput.py", "decode.py", "plan_accuracy.py", "kernels.py", "offload.py", "grad_compression.py",
-              "store_polling.py", "peak_memory.py", "data_prepare.py", "straggler_overhead.py", "plan_published.py"}
+              "store_polling.py", "peak_memory.py", "data_prepare.py", "straggler_overhead.py", "plan_published.py",
+              "collective_clock.py"}
     # plan_published.py: pure Python, run whole by tests/unit/test_plan_published.py
     # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py); kernel_breakdown.py, run by the
     # --profile of gpu_throughput.py and decode.py (on in their smokes), and memory_peak.py, which reads a
@@ -136,6 +137,14 @@ def test_every_benchmark_has_a_smoke_test():
     helpers = {"gpu_report.py", "gpu_hf_rows.py", "gpu_schedule.py", "gpu_warm.py", "kernel_breakdown.py", "memory_peak.py",
                "kernel_timing.py", "kernel_overhead.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
+
+
+def test_collective_clock_smoke(tmp_path):
+    """On CPU: gloo, and the trainer's decision that it has no per-axis collective time (the NCCL hook runs on a
+    GPU: make gpu-check's check/collective-clock)."""
+    data = _smoke("collective_clock.py", tmp_path / "clock.json")
+    assert data["backend"] == "gloo" and data["checks"] == {"gloo is not timed (no clock)": True}
+    assert data["verdict"] == "pass"
 
 
 def test_straggler_overhead_smoke(tmp_path):
