@@ -6,7 +6,8 @@ On CUDA: a one-rank NCCL process group (a TCP store on loopback), the clock on i
 then N all-reduces of a buffer. Checks: every collective is reported, within 10 s of the last one's end
 (the hook runs on NCCL's watchdog thread), with positive device seconds that sum to no more than the wall
 time around them. Without CUDA (or --smoke): gloo, and the trainer's decision that gloo is not timed (no
-clock). Prints one table, writes JSON; exit 1 when a check fails. `make gpu-check` runs it
+clock). Prints one table, writes JSON (default benchmarks/results/collective_clock.json, .smoke.json with
+--smoke); exit 1 when a check fails. `make gpu-check` runs it
 (row check/collective-clock); the unit tests (tests/unit/test_collective_wait.py) drive the same clock
 with the hook's arguments on CPU.
 """
@@ -40,7 +41,8 @@ def main(argv: list[str]) -> int:
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     kw = {"device_id": torch.device("cuda", 0)} if cuda else {}
     dist.init_process_group(backend, store=store, rank=0, world_size=1, **kw)
-    result: dict = {"benchmark": "collective_clock", "backend": backend, "collectives": args.collectives, "checks": {}}
+    result: dict = {"benchmark": "collective_clock", "smoke": args.smoke, "backend": backend,
+                    "collectives": args.collectives, "checks": {}}
     try:
         clock = CollectiveClock.start([("dp", dist.group.WORLD)], dist.get_backend)
         checks = result["checks"]
@@ -77,8 +79,9 @@ def main(argv: list[str]) -> int:
     if cuda:
         print(f"{args.collectives} all-reduces of {args.mib:g} MiB: {result['reported']} reported, "
               f"{1e3 * result['device_s']:.2f} ms on the device in {1e3 * result['wall_s']:.2f} ms of wall time")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    out = args.out or ROOT / "benchmarks" / "results" / f"collective_clock{'.smoke' if args.smoke else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     return 0 if ok else 1
 
 
