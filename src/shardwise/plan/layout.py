@@ -251,8 +251,12 @@ class Problem:
         return self.fuse_projections and lay.tp == 1 and not self.fp8_gathers(lay)
 
     def stack_description(self, lay: Layout) -> str:
-        """The software stack `lay` is priced on, in words (plan/stack.py), with the joined projections."""
-        return self.stack_for(lay).describe() + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else "")
+        """The software stack `lay` is priced on, in words (plan/stack.py), with the joined projections and, under
+        FP8, whose casts (cluster.fp8_kernel: read only then, so said only then)."""
+        stack = self.stack_for(lay)
+        fp8 = {"torchao": ", FP8 cast as torchao does", "transformer_engine": ", FP8 cast as Transformer Engine does"}
+        return (stack.describe() + (fp8[stack.fp8] if self.precision == "fp8" else "")
+                + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else ""))
 
     @property
     def head_in_fp8(self) -> bool:

@@ -58,8 +58,7 @@ class Stack:
                 f"AdamW {self.optimizer}, norms {self.norms}, loss {self.loss}"
                 + (", DDP all-reduce after the backward" if self.grad_reduce == "after_backward" else "")
                 + (", Megatron distributed optimizer (overlapped reduce-scatter and all-gather)"
-                   if self.grad_reduce == "distributed_optimizer" else "")
-                + (", FP8 as Transformer Engine casts it" if self.fp8 == "transformer_engine" else ""))
+                   if self.grad_reduce == "distributed_optimizer" else ""))
 
 
 def resolve(choices: dict[str, str | None], compiled: bool, attention_default: str, device_type: str) -> Stack:
