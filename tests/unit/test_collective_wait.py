@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from shardwise.parallel.comm_counter import axis_names
 from shardwise.train.collective_wait import CollectiveClock, mesh_axis_groups, timed
 from shardwise.train.straggler import RankTimes, StragglerWatch
 
@@ -85,19 +86,43 @@ def test_without_per_axis_times_the_line_and_record_are_as_before():
     assert not [k for k in record if "collective" in k] and "collectives" not in line
 
 
+def _group(name: str, size: int):
+    return SimpleNamespace(group_name=f"pg-{name}", size=lambda: size, name=name)
+
+
+class _Mesh:  # a DeviceMesh as far as mesh_groups reads one: named axes, each with its group
+    def __init__(self, sizes: dict[str, int], groups: dict[str, object] | None = None):
+        self.mesh_dim_names = tuple(sizes)
+        groups = {name: (groups or {}).get(name) or _group(name, n) for name, n in sizes.items()}
+        self.axes = {name: SimpleNamespace(get_group=lambda g=group: g) for name, group in groups.items()}
+
+    def __getitem__(self, axis):
+        return self.axes[axis]
+
+    def get_group(self):  # a 1-D view
+        return self.axes[self.mesh_dim_names[0]].get_group()
+
+
 def test_mesh_axis_groups_names_every_axis_of_more_than_one_rank():
-    class Mesh:  # a DeviceMesh as far as mesh_axis_groups reads one
-        def __init__(self, sizes: dict[str, int]):
-            self.mesh_dim_names = tuple(sizes)
-            self.axes = {name: SimpleNamespace(size=lambda n=n: n, get_group=lambda name=name: f"group-{name}")
-                         for name, n in sizes.items()}
-
-        def __getitem__(self, axis):
-            return self.axes[axis]
-
-    meshes = SimpleNamespace(root=Mesh({"pp": 2, "dp_shard": 4, "tp": 1}), expert=Mesh({"ep": 2}))
-    assert mesh_axis_groups(meshes) == [("pp", "group-pp"), ("dp_shard", "group-dp_shard"), ("ep", "group-ep")]
+    meshes = SimpleNamespace(root=_Mesh({"pp": 2, "dp_shard": 4, "tp": 1}), expert=_Mesh({"ep": 2}))
+    assert [(axis, g.name) for axis, g in mesh_axis_groups(meshes)] == [("pp", "pp"), ("dp_shard", "dp_shard"),
+                                                                         ("ep", "ep")]
     assert mesh_axis_groups(None) == []
+
+
+def test_the_clock_times_the_flattened_and_grid_groups_and_names_them_as_the_byte_counter_does():
+    """Under context parallelism FSDP reduces over the flattened dp_shard_cp group and 2-D tensor
+    parallelism talks over its grid axes: groups no root axis has, which the clock once missed. A view
+    that is one axis (cp = 1: dp_cp is dp_shard's group) is that axis, for the clock and the counter."""
+    dp_shard = _group("dp_shard", 2)
+    root = _Mesh({"dp_shard": 2, "cp": 2, "tp": 4}, {"dp_shard": dp_shard})
+    meshes = SimpleNamespace(root=root, dp_shard_cp=_Mesh({"dp_shard_cp": 4}), dp_cp=_Mesh({"dp_cp": 2}, {"dp_cp": dp_shard}),
+                             tp_grid=_Mesh({"tp_row": 2, "tp_col": 2}))
+    timed_axes = [axis for axis, _ in mesh_axis_groups(meshes)]
+    assert sorted(timed_axes) == ["cp", "dp_shard", "dp_shard_cp", "tp", "tp_col", "tp_row"]
+    names = axis_names(meshes)
+    assert {names[g.group_name] for _, g in mesh_axis_groups(meshes)} == set(timed_axes)
+    assert names["pg-dp_shard"] == "dp_shard"
 
 
 def test_a_refused_hook_reads_nan_on_that_rank_and_the_axis_is_left_out_not_the_run():

@@ -57,36 +57,39 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def mesh_groups(mesh) -> dict[str, tuple[str, object]]:
+    """{process-group name: (axis name, process group)} for every group the trainer's mesh (a Meshes or
+    DeviceMesh) builds: its axes, the flattened batch, dp_cp and dp_shard_cp views, 2-D tensor
+    parallelism's grid axes and the expert mesh's efsdp and ep axes. One walk, read by the byte counter
+    (`axis_names`) and the per-axis collective clock (train/collective_wait.py), so both name a group
+    alike. A group two of these share (a view that is one axis, parallel/mesh.py build_meshes) is named
+    once: the axis wins over a view of it, dp_cp over dp_shard_cp."""
+    found: list[tuple[str, object]] = []  # in order of precedence: a later entry renames the group
+    if mesh is None:
+        return {}
+    root = getattr(mesh, "root", mesh)
+    # Context parallel's flattened views, under the planner's names (plan/comm.py batch_axis, shard_axis).
+    for view in (getattr(mesh, "dp_shard_cp", None), getattr(mesh, "dp_cp", None)):
+        if view is not None:
+            found.append((view.mesh_dim_names[0], view.get_group()))
+    found += [(axis, root[axis].get_group()) for axis in root.mesh_dim_names or ()]
+    batch = getattr(mesh, "batch", None)
+    if batch is not None and batch.mesh_dim_names[0] not in root.mesh_dim_names:
+        found.append(("dp", batch.get_group()))
+    grid = getattr(mesh, "tp_grid", None)  # 2-D tensor parallelism (parallel/mesh.py build_tp_grid)
+    if grid is not None:
+        found += [(axis, grid[axis].get_group()) for axis in grid.mesh_dim_names]
+    expert = getattr(mesh, "expert", None)  # parallel/expert.py builds its groups apart from the root's
+    if expert is not None:
+        found += [(axis, expert[axis].get_group()) for axis in ("efsdp", "ep") if axis in expert.mesh_dim_names]
+    return {group.group_name: (axis, group) for axis, group in found}
+
+
 def axis_names(mesh) -> dict[str, str]:
-    """{process-group name: axis name} for every axis of `mesh` (a Meshes or DeviceMesh) and the
-    flattened batch, dp_cp and dp_shard_cp views, the expert mesh's efsdp and ep axes, plus the
-    default (world) group."""
-    # Axes first: a group with the same ranks as an axis (but another name) is that axis, and a 1-D
-    # mesh over the whole world may reuse the default group, which is then named by its axis.
-    names: dict[str, str] = {}
-    if mesh is not None:
-        root = getattr(mesh, "root", mesh)
-        for axis in root.mesh_dim_names:
-            names[root[axis].get_group().group_name] = axis
-        batch = getattr(mesh, "batch", None)
-        if batch is not None and batch.mesh_dim_names[0] not in root.mesh_dim_names:
-            names[batch.get_group().group_name] = "dp"
-        # Context parallel's flattened views, under the planner's names (plan/comm.py batch_axis,
-        # shard_axis); a view that is one axis (parallel/mesh.py build_meshes) keeps that axis's name.
-        for view in (getattr(mesh, "dp_cp", None), getattr(mesh, "dp_shard_cp", None)):
-            if view is not None:
-                names.setdefault(view.get_group().group_name, view.mesh_dim_names[0])
-        # 2-D tensor parallelism's grid axes (parallel/mesh.py build_tp_grid).
-        grid = getattr(mesh, "tp_grid", None)
-        if grid is not None:
-            for axis in grid.mesh_dim_names:
-                names[grid[axis].get_group().group_name] = axis
-        # The expert mesh's own groups (parallel/expert.py builds them apart from the root's).
-        expert = getattr(mesh, "expert", None)
-        if expert is not None:
-            for axis in ("efsdp", "ep"):
-                if axis in expert.mesh_dim_names:
-                    names[expert[axis].get_group().group_name] = axis
+    """{process-group name: axis name} for every group of `mesh` (`mesh_groups`), plus the default
+    (world) group. A 1-D mesh over the whole world may reuse the default group, which is then named by
+    its axis."""
+    names = {name: axis for name, (axis, _) in mesh_groups(mesh).items()}
     if dist.is_initialized():
         names.setdefault(dist.group.WORLD.group_name, "world")
     return names

@@ -25,6 +25,8 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable
 
+from shardwise.parallel.comm_counter import mesh_groups
+
 TIMED_BACKENDS = ("nccl",)  # the backends with a completion hook and device-side durations
 
 
@@ -90,15 +92,7 @@ class CollectiveClock:
 
 
 def mesh_axis_groups(mesh) -> list[tuple[str, object]]:
-    """(axis name, process group) of every named axis of the trainer's mesh (parallel/mesh.py Meshes or a
-    DeviceMesh) of more than one rank, the expert mesh's included."""
-    out: list[tuple[str, object]] = []
-    if mesh is None:
-        return out
-    for device_mesh in (getattr(mesh, "root", mesh), getattr(mesh, "expert", None)):
-        if device_mesh is None:
-            continue
-        for axis in device_mesh.mesh_dim_names or ():
-            if device_mesh[axis].size() > 1:
-                out.append((axis, device_mesh[axis].get_group()))
-    return out
+    """(axis name, process group) of every group of the trainer's mesh of more than one rank, named as the
+    byte counter names it (parallel/comm_counter.py mesh_groups): the flattened dp_shard_cp group FSDP
+    reduces over under context parallelism, and 2-D tensor parallelism's grid axes, are timed too."""
+    return [(axis, group) for axis, group in mesh_groups(mesh).values() if group.size() > 1]
