@@ -100,8 +100,9 @@ class TrainConfig:
                                 'and DeepSeek-V3 keep it; the logits and the loss stay bf16 / fp32 either way). Slower on '
                                 'an H200, 0.92x: the eager head scales the gradient of the logits op by op.')
     recompute: str = opt("none", '"none", "selective" or "full" activation checkpointing.')
-    recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest) or "layer" (every k-th '
-                                      'block).')
+    recompute_policy: str = opt("op", 'For recompute="selective": "op" (keep matmul outputs, recompute the rest), "op_alternate" '
+                                      '(as op, but keep only every other matmul output of a block, as torchtitan selective op '
+                                      'does: less memory, more recompute; dense models) or "layer" (every k-th block).')
     recompute_every: int = opt(2, 'For recompute_policy="layer": checkpoint every k-th transformer block.')
     compile: bool | None = opt(None, "torch.compile each transformer block (unset: on for CUDA, off for CPU, where it does not "
                                      "win yet).")

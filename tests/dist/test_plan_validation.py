@@ -63,6 +63,13 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
         "recompute_op": {"train.micro_batch": 4, "train.recompute": "selective"},
         "recompute_layer": {"train.micro_batch": 4, "train.recompute": "selective", "train.recompute_policy": "layer",
                             "train.recompute_every": 2},
+        # torchtitan's per-op policy: every other matmul output kept (llama: wk, wo and w3 not; joined: wo and w2)
+        "recompute_op_alternate": {"train.micro_batch": 4, "train.recompute": "selective",
+                                   "train.recompute_policy": "op_alternate"},
+        "recompute_op_alternate_fused": {"train.micro_batch": 4, "train.recompute": "selective",
+                                         "train.recompute_policy": "op_alternate", "train.fuse_projections": "true"},
+        "gpt_op_alternate": {"train.micro_batch": 4, "train.recompute": "selective", "train.recompute_policy": "op_alternate",
+                             "model.preset": "tiny-gpt", "model.vocab_size": 512},
         "gpt_single": {"train.micro_batch": 8, "model.preset": "tiny-gpt", "model.vocab_size": 512},
         # train.fuse_projections (models/feed_forward.py _JoinedLinear, parallel/float8.py _JoinedFloat8): the
         # joined weights are made again in backward, not kept: in fp32 and under 16-bit parameters the bytes of
@@ -102,6 +109,7 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
         # tensor parallel (parallel/tensor.py)
         "tp2": {"parallel.tp": 2},
         "tp2_op": {"parallel.tp": 2, "train.recompute": "selective"},
+        "tp2_op_alternate": {"parallel.tp": 2, "train.recompute": "selective", "train.recompute_policy": "op_alternate"},
         "tp2_nosp_op": {"parallel.tp": 2, "parallel.sequence_parallel": "false", "train.recompute": "selective"},
         "tp2_nosp_full_accum2": {"parallel.tp": 2, "parallel.sequence_parallel": "false", "train.micro_batch": 4,
                                  "train.recompute": "full"},

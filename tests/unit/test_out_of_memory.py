@@ -106,9 +106,13 @@ def test_the_line_names_the_settings_and_the_history():
     cfg = load_config(None, ["--train.micro_batch=8", "--train.global_batch=16", "--train.recompute=selective"])
     line = out_of_memory_line(cfg, 5, 3, "cuda", CUDA_WORDS, None)
     assert line.startswith("rank 5 ran out of GPU memory in step 3: CUDA out of memory. Tried to allocate 2.00 GiB.")
-    assert "fix: lower train.micro_batch (now 8; train.global_batch stays, by accumulation), set train.recompute=full " \
-           "(now selective), parallel.zero=3 (now 0) over more ranks, parallel.offload=cpu (now none) or parallel.tp " \
-           "(now 1);" in line
+    assert "fix: lower train.micro_batch (now 8; train.global_batch stays, by accumulation), set train.recompute_policy=" \
+           "op_alternate (now op) or train.recompute=full (now selective), parallel.zero=3 (now 0) over more ranks, " \
+           "parallel.offload=cpu (now none) or parallel.tp (now 1);" in line
+    # op_alternate is offered only where it runs: not to a MoE model, nor once chosen
+    for more in (["--model.preset=tiny-moe"], ["--train.recompute_policy=op_alternate"]):
+        other = load_config(None, ["--train.micro_batch=8", "--train.global_batch=16", "--train.recompute=selective", *more])
+        assert "op_alternate (now" not in out_of_memory_line(other, 5, 3, "cuda", CUDA_WORDS, None)
     assert line.endswith("; rerun with --run.memory_snapshot=true to record what held it")
     snapshot = Path("runs/x/memory_snapshot/rank_5_out_of_memory.pickle")
     assert line.replace("; rerun with --run.memory_snapshot=true to record what held it", "") + \

@@ -258,6 +258,37 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     return BlockActivations(per_token, 0.0)
 
 
+def alternate_unkept_bytes(shape: ModelShape, reg: str, tp: int, fused: bool) -> float:
+    """Per token, what recompute_policy "op_alternate" does not keep of `selective_op_block_bytes` (dense
+    blocks, spec/rules.py): the outputs of the 2nd, 4th, ... matmul of the block's forward
+    (parallel/activation_checkpoint.py). Separate linears, llama: wq, wk, wv, wo, w1, w3, w2, so wk, wo and
+    w3; gpt: wq, wk, wv, wo, fc, proj, so wk, wo and proj. Joined (train.fuse_projections): wqkv, wo, the
+    up-projection(s), the down-projection, so wo and the down-projection. wo's and the down-projection's
+    outputs are full-size partial sums under TP (as `selective_op_block_bytes` counts them)."""
+    a = 4 if reg == "fp32" else 2
+    h = shape.dim
+    if fused:
+        return a * 2 * h
+    kv_local = max(shape.kv_dim / tp, shape.head_dim)
+    third = shape.ffn_dim / tp if shape.arch == "llama" else h  # w3's output, or proj's
+    return a * (kv_local + h + third)
+
+
+def alternate_recomputed_gemms(shape: ModelShape, fused: bool, eager: bool) -> tuple[int, ...]:
+    """Which forward GEMMs "op_alternate" runs again in backward, as indices into one rank's dense
+    `_block_gemms` entries (plan/compute_time.py) expanded one GEMM per linear: separate linears
+    [wq, wk, wv, wo, up..., down], joined [wqkv, wo, up, down]. Eager, the checkpoint replays the ops it did
+    not keep up to the last one backward reads (torch's early stop: the down-projection, whose output only
+    a residual add reads, is never replayed), so llama reruns wk, wo and w3, gpt wk and wo, joined blocks
+    wo; compiled, the backward graph holds only what backward reads, so wo goes too: llama wk and w3, gpt
+    wk, joined blocks nothing (counted in backward GEMMs: tests/unit/test_recompute_alternate.py)."""
+    if fused:
+        return (1,) if eager else ()
+    if shape.arch == "llama":
+        return (1, 3, 5) if eager else (1, 5)
+    return (1, 3) if eager else (1,)
+
+
 def fused_projection_groups(shape: ModelShape, moe_layer: bool = False, tiles: int = 1) -> tuple[tuple[int, int], ...]:
     """(linears, weight elements) of each group train.fuse_projections joins in a block (tp = 1;
     models/feed_forward.py fuse_training_projections): attention's q|k|v; a llama MLP's w1|w3, a dense

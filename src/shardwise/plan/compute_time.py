@@ -416,5 +416,10 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             recompute += ops * measured.selective_op_s
     else:
         recompute = 0.0
+    if lay.recompute == "selective" and lay.recompute_policy == "op_alternate" and rank.dense_layers:
+        # ... and the forward GEMMs of the matmuls it does not keep (dense blocks only: spec/rules.py)
+        gemms = _block_gemms(problem, lay, tokens, False)
+        one_each = [gemm_s(m, n, k, peak8, 1) if fp8 else gemm_s(m, n, k) for m, n, k, c in gemms for _ in range(c)]
+        recompute += rank.dense_layers * sum(one_each[i] for i in A.alternate_recomputed_gemms(s, fused, eager))
     recompute += rank.dense_layers * tile_rc
     return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd, 2 * per_block_fwd, a_d)

@@ -53,7 +53,7 @@ def attention_backend(device: str, precision: str, gqa: bool) -> str:
 
 
 RECOMPUTE = ("none", "selective", "full")
-RECOMPUTE_POLICIES = ("op", "layer")
+RECOMPUTE_POLICIES = ("op", "op_alternate", "layer")
 PP_SPLITS = ("even", "balanced")
 CP_MODES = ("ring", "ulysses")
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # train.compile_backend (parallel/compile.py)
@@ -157,8 +157,8 @@ class Layout:
         if self.stage_layers:  # the trainer's own split, blocks per stage
             extra.append("split " + ",".join(map(str, self.stage_layers)))
         if self.recompute != "none":
-            extra.append("rc-" + ("layer" if self.recompute == "selective" and self.recompute_policy == "layer" else
-                                  "op" if self.recompute == "selective" else "full"))
+            extra.append("rc-" + ({"layer": "layer", "op_alternate": "op-alt"}.get(self.recompute_policy, "op")
+                                  if self.recompute == "selective" else "full"))
         if self.offload:
             extra.append("offload-nvme" if self.nvme else "offload")
         if self.linear_tiles > 1:

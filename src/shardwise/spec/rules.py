@@ -109,6 +109,26 @@ def layout_rules(s: Any, lay: Layout, seq_len: int, global_batch: int, node_size
     if lay.pp > 1:
         yield from _some(split_backward_rule(lay.schedule, lay.zero, lay.recompute, lay.recompute_policy))
     yield from _some(choice("train.recompute", lay.recompute, RECOMPUTE, "recompute"))
+    yield from _some(alternate_matmuls_rule(s, lay))
+
+
+def alternate_matmuls_rule(s: Any, lay: Layout) -> Violation | None:
+    """recompute_policy "op_alternate" keeps every other matmul of a block by its place in the forward
+    (parallel/activation_checkpoint.py): a dense block's linears, in a fixed order the planner prices. A MoE
+    block's matmuls depend on the routing, and a tiled MLP's are not cached at all."""
+    if lay.recompute != "selective" or lay.recompute_policy != "op_alternate":
+        return None
+    if s.moe is not None:
+        return Violation("op_alternate", "train.recompute_policy", "op_alternate is priced and measured for dense "
+                         "blocks; a MoE block's matmuls follow its routing", 'use train.recompute_policy="op" for a MoE model')
+    if lay.tp_mode == "2d":
+        return Violation("op_alternate", "train.recompute_policy", "op_alternate with 2-D tensor parallelism: its "
+                         "SUMMA matmuls are not a block's linears in order", 'use train.recompute_policy="op" with tp_mode="2d"')
+    if lay.linear_tiles > 1:
+        return Violation("op_alternate", "train.recompute_policy", f"op_alternate with parallel.linear_tiles={lay.linear_tiles}: "
+                         "a tiled MLP's matmuls are recomputed tile by tile already", 'use train.recompute_policy="op" '
+                         "with tiles, or parallel.linear_tiles=1")
+    return None
 
 
 def zero_rule(zero: int) -> Violation | None:
@@ -423,7 +443,7 @@ def split_backward_rule(schedule: str, zero: int, recompute: str, recompute_poli
         return Violation("split backward", "parallel.zero", f"{schedule} computes weight gradients in a separate pass, which "
                          "misses parameters ZeRO-3 reshards after forward (wrong gradients)", "use parallel.zero=2 (under a "
                          "pipeline schedule it holds the same memory as ZeRO-3) or zero=1, or the 1f1b / interleaved_1f1b schedule")
-    if recompute == "selective" and recompute_policy == "op":
+    if recompute == "selective" and recompute_policy in ("op", "op_alternate"):
         return Violation("split backward", "train.recompute_policy", f"{schedule} runs backward twice through each block "
                          "(input, then weight gradients); per-op selective recompute allows only one",
                          'use train.recompute="full" or train.recompute_policy="layer", or the 1f1b / interleaved_1f1b schedule')

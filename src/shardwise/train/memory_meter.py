@@ -16,6 +16,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardwise.parallel.activation_checkpoint import AlternateMatmuls
 from shardwise.tensors import local_shard
 
 
@@ -115,13 +116,15 @@ class ActivationMeter:
     """
 
     def __init__(self, exclude: nn.Module | Iterable[torch.Tensor] = (), cached_regions: Iterable[nn.Module] = (),
-                 cached_ops: frozenset = frozenset()):
+                 cached_ops: frozenset = frozenset(), alternate_matmuls: bool = False):
         """`cached_regions` / `cached_ops`: under selective "op" recomputation torch's checkpoint keeps
         the outputs of `cached_ops` (matmuls, SDPA: parallel/activation_checkpoint.py) run inside those
         modules in a cache of its own, where saved-tensor hooks cannot see them; a dispatch mode counts
-        their storages instead (they are kept until the block's backward, like any saved tensor)."""
+        their storages instead (they are kept until the block's backward, like any saved tensor).
+        `alternate_matmuls` ("op_alternate"): of a region's matmuls only the 1st, 3rd, ... are kept."""
         self.bytes = 0
         self._regions, self._cached_ops = list(cached_regions), cached_ops
+        self._alternate_matmuls, self._matmuls = alternate_matmuls, AlternateMatmuls()
         self._depth = 0
         self._mode: Any = None
         self._module = exclude if isinstance(exclude, nn.Module) else None
@@ -177,6 +180,8 @@ class ActivationMeter:
             self.bytes += nbytes
 
     def _enter_region(self, *_: Any) -> None:
+        if self._depth == 0:  # a block's forward: its matmuls count from one (activation_checkpoint.py)
+            self._matmuls = AlternateMatmuls()
         self._depth += 1
 
     def _leave_region(self, *_: Any) -> None:
@@ -216,7 +221,8 @@ class _CachedOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.meter._depth and func in self.meter._cached_ops:
+        meter = self.meter
+        if meter._depth and func in meter._cached_ops and (not meter._alternate_matmuls or meter._matmuls.keeps(func, True)):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.meter._count(t)

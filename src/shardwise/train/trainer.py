@@ -372,9 +372,10 @@ class Trainer:
         """What selective "op" recomputation keeps outside autograd's saved tensors: the outputs of the
         policy's ops in every block (ActivationMeter counts them; docs/architecture.md §5)."""
         t = self.cfg.train
-        if t.recompute != "selective" or t.recompute_policy != "op":
+        if t.recompute != "selective" or t.recompute_policy not in ("op", "op_alternate"):
             return {}
-        return {"cached_regions": self.inner.blocks(), "cached_ops": SELECTIVE_SAVE_OPS}
+        return {"cached_regions": self.inner.blocks(), "cached_ops": SELECTIVE_SAVE_OPS,
+                "alternate_matmuls": t.recompute_policy == "op_alternate"}
 
     def _accumulate(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every micro-batch in turn (gradient accumulation); the loss sum."""
