@@ -45,7 +45,9 @@ from shardwise.spec.layout import Layout
 from shardwise.spec.rules import microbatch_rule, split_backward_rule
 from shardwise.spec.stages import balanced_split, even_split
 
-RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("full", "op"))
+# In the order of the work they add: keeping every other matmul output recomputes GEMMs ("op_alternate",
+# dense blocks only: spec/rules.py alternate_matmuls_rule), full recomputation the whole forward.
+RECOMPUTE_MODES = (("none", "op"), ("selective", "op"), ("selective", "op_alternate"), ("full", "op"))
 TILE_OPTIONS = (2, 4, 8)  # parallel.linear_tiles tried when nothing fits without it
 
 
@@ -312,7 +314,7 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
     lower bound, appended to `candidates`; True if any fits.
 
     Nothing faster than the reported top is lost: a recompute mode is skipped for a (micro-batch,
-    schedule) where a cheaper mode (none < selective < full) already fits — it only adds work;
+    schedule) where a cheaper mode (none < selective < op_alternate < full) already fits — it only adds work;
     likewise offload for a structure that fits without it (search()); and search() never times a
     candidate whose compute alone exceeds the k-th best step time (`_Bound`)."""
     mbs = [mb for mb in divisors(local_batch) if mb % mb_multiple == 0]  # 2-D TP: micro-batches divisible by q
@@ -328,6 +330,10 @@ def _search_structure(problem: Problem, struct: dict, local_batch: int, schedule
         fits_cheaper: set[tuple[str, int]] = set()
         for rc, policy in RECOMPUTE_MODES:
             core = Layout(micro_batch=mb, recompute=rc, recompute_policy=policy, **struct)
+            not_here = rules.alternate_matmuls_rule(problem.shape, core)
+            if not_here is not None:
+                pruned[not_here.reason] += len(schedules)
+                continue
             for schedule, v in schedules:
                 bad = microbatch_rule(schedule, pp, m) or split_backward_rule(schedule, struct["zero"], rc, policy)
                 if bad is not None:
