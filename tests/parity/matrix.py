@@ -50,6 +50,8 @@ DP_FAMILY = [
     Layout("accum4_single", 1, {"train.micro_batch": 2}),
     Layout("recompute_full_single", 1, {"train.recompute": "full"}),
     Layout("recompute_op_single", 1, {"train.recompute": "selective", "train.recompute_policy": "op"}),
+    # every other matmul output kept (torchtitan's per-op policy): the rest rerun, bit for bit
+    Layout("recompute_op_alternate_single", 1, {"train.recompute": "selective", "train.recompute_policy": "op_alternate"}),
     # world size 2
     Layout("ddp2", 2, {"parallel.dp_replicate": 2, "train.micro_batch": 4}),
     Layout("zero1_dp2", 2, {"parallel.dp_shard": 2, "parallel.zero": 1, "train.micro_batch": 4}),
@@ -98,6 +100,8 @@ TP_FAMILY = [
     Layout("tp2_recompute_full", 2, {"parallel.tp": 2, "train.recompute": "full"}),
     Layout("tp2_nosp_recompute_op", 2, {"parallel.tp": 2, "parallel.sequence_parallel": False,
                                         "train.recompute": "selective", "train.recompute_policy": "op"}),
+    Layout("tp2_recompute_op_alternate", 2, {"parallel.tp": 2, "train.recompute": "selective",
+                                             "train.recompute_policy": "op_alternate"}),
     Layout("tp2_accum2", 2, {"parallel.tp": 2, "train.micro_batch": 4}),
     Layout("gpt_tp2", 2, {**_GPT, "parallel.tp": 2}, reference="gpt"),
     Layout("gpt_tp2_nosp", 2, {**_GPT, "parallel.tp": 2, "parallel.sequence_parallel": False}, reference="gpt"),

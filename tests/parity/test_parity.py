@@ -29,7 +29,7 @@ from shardwise.parity import LOSS_RTOL, PARAM_ATOL, compare, compare_valid, pari
 from tests.harness import run_world
 from tests.parity.matrix import COMPILE_FAMILY, MATRIX, REFERENCES, Layout
 
-BITWISE = {"recompute_full_single", "recompute_op_single"}
+BITWISE = {"recompute_full_single", "recompute_op_single", "recompute_op_alternate_single"}
 STEPS = 4
 WARMUP = 2
 
