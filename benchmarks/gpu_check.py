@@ -8,6 +8,8 @@ start in an interpreter that imported torch and the trainer while the row before
   train/{eager,compiled}/{fp32,bf16,fp16,fp8}/{none,selective,full}   one-process training of the check model
   offload/{cpu,nvme}, tiles/4                                       model states off the GPU; tiled MLPs
   train/compiled/bf16/documents                                     document mask + validation rounds, priced
+  train/compiled/bf16/op_alternate                                  every other matmul output kept (torchtitan's
+                                                                    per-op recompute), priced
   offload-big/{cpu,nvme}                                            states larger than the GPU (only when named)
   fixture/{886m-bf16-mb8,886m-fp16-mb8,2.4b-bf16-mb2}               issue 29's H100 rows trained again (only when named)
   resume/bitwise                                                    8 steps = 4 steps, checkpoint, 4 resumed
@@ -260,6 +262,10 @@ def training_rows(ctx: Ctx) -> dict[str, list[str]]:
     rows["offload/cpu"] = ["--parallel.offload=cpu", "--parallel.zero=3"]
     rows["offload/nvme"] = ["--parallel.offload=nvme", "--parallel.zero=3", f"--parallel.offload_dir={ctx.out / 'nvme'}"]
     rows["tiles/4"] = ["--parallel.linear_tiles=4"]
+    # Selective recomputation keeping every other matmul output (train.recompute_policy, torchtitan's per-op policy):
+    # its compiled recompute GEMMs and bytes, as plan/activations.py prices them, against the selective row beside it.
+    rows["train/compiled/bf16/op_alternate"] = ["--train.compile=true", "--train.precision=bf16", "--train.recompute=selective",
+                                                 "--train.recompute_policy=op_alternate"]
     # Issue 56 on a GPU: document masking (FlexAttention, priced on the prepared rows' tiles, plan/command.py) and
     # validation rounds (priced by plan/evaluation.py), each against the planner: step time and a round's seconds.
     rows["train/compiled/bf16/documents"] = [f"--data.path={documents_corpus(ctx.corpus)}", "--train.compile=true",
