@@ -104,6 +104,8 @@ CASES: dict[int, dict[str, dict[str, object]]] = {
         "zero3_dp2_bf16_fused": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 4, "train.precision": "bf16",
                                  "train.fuse_projections": "true"},
         "zero3_dp2_full": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 2, "train.recompute": "full"},
+        "zero3_dp2_op_alternate": {"parallel.dp_shard": 2, "parallel.zero": 3, "train.micro_batch": 2, "train.recompute": "selective",
+                                   "train.recompute_policy": "op_alternate"},
         "gpt_zero2_dp2": {"parallel.dp_shard": 2, "parallel.zero": 2, "train.micro_batch": 4, "model.preset": "tiny-gpt",
                           "model.vocab_size": 512},
         # tensor parallel (parallel/tensor.py)
@@ -185,6 +187,11 @@ CASES[2].update({
     "cp2_ring": dict(CP),
     "cp2_ulysses": dict(CP, **{"parallel.cp_mode": "ulysses"}),
     "cp2_ring_full": dict(CP, **{"train.recompute": "full"}),
+    # selective recompute: ring attention is a region the policy caches nothing of (its scores per chunk pair
+    # were cached: +15% here before, +245,760 B of bmm outputs); Ulysses' SDPA is cached as without CP
+    "cp2_ring_op": dict(CP, **{"train.recompute": "selective"}),
+    "cp2_ulysses_op": dict(CP, **{"parallel.cp_mode": "ulysses", "train.recompute": "selective"}),
+    "cp2_ring_op_alternate": dict(CP, **{"train.recompute": "selective", "train.recompute_policy": "op_alternate"}),
     "cp2_ring_bf16_autocast": dict(CP, **{"train.precision": "bf16"}),  # ring's fp32 output under 16-bit
 })
 CASES[4].update({

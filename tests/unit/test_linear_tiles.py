@@ -167,7 +167,7 @@ def test_measured_peak_activations_drop(arch):
 @pytest.mark.parametrize("arch", ["llama", "gpt"])
 def test_selective_op_recompute_does_not_cache_the_tiles(arch, monkeypatch):
     """Under selective "op" recomputation the checkpoint caches matmul outputs (parallel/activation_checkpoint.py);
-    inside a tiled MLP it must not (the block's tiling.TileScope), or every tile's ffn-wide GEMM outputs come back.
+    inside a tiled MLP it must not (the block's tiling.UncachedRegion), or every tile's ffn-wide GEMM outputs come back.
     Counted from the policy's decisions in forward: the MLP's 3 (SwiGLU) / 2 (GELU) cached GEMM outputs
     per block are gone (4 tiles would cache 12 / 8 without the check). The cost: the block's replay
     reruns the tiled forward on top of the Function's own recomputation, counted in aten.mm calls."""

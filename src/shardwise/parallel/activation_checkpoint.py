@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shardwise.parallel.tiling import TiledGELUMLP, TiledSwiGLU, TileScope
+from shardwise.parallel.tiling import TiledGELUMLP, TiledSwiGLU, UncachedRegion
 
 # Ops whose outputs are expensive to recompute (GEMMs, attention): saved under selective "op".
 SELECTIVE_SAVE_OPS = frozenset({
@@ -36,9 +36,10 @@ SELECTIVE_SAVE_OPS = frozenset({
 })
 
 
-def _save_matmuls(scope: TileScope | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    # A tiled MLP's GEMMs (parallel/tiling.py) are recomputed by its own backward, tile by tile: caching
-    # them here would keep the ffn-wide tensors tiling drops (`scope`: the block's tiled MLP is running).
+def _save_matmuls(scope: UncachedRegions | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # A tiled MLP's GEMMs (parallel/tiling.py) are recomputed by its own backward, tile by tile, and ring
+    # attention's by the replay: caching them here would keep the ffn-wide tensors tiling drops, or a score
+    # matrix per pair of sequence chunks (`scope`: one of the block's uncached regions is running).
     if op in SELECTIVE_SAVE_OPS and not (scope is not None and scope.active):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -64,32 +65,58 @@ class AlternateMatmuls:
         return self.matmuls % 2 == 1
 
 
-def _save_alternate_matmuls(counts: dict[bool, AlternateMatmuls], scope: TileScope | None, ctx, op, *args,
+def _save_alternate_matmuls(counts: dict[bool, AlternateMatmuls], scope: UncachedRegions | None, ctx, op, *args,
                             **kwargs) -> CheckpointPolicy:
     kept = _save_matmuls(scope, ctx, op, *args, **kwargs) == CheckpointPolicy.MUST_SAVE
     keep = counts[ctx.is_recompute].keeps(op, kept)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_op_context(scope: TileScope | None = None):
+def selective_op_context(scope: UncachedRegions | None = None):
     return create_selective_checkpoint_contexts(partial(_save_matmuls, scope))
 
 
-def selective_alternate_context(scope: TileScope | None = None):
+def selective_alternate_context(scope: UncachedRegions | None = None):
     """Called by the checkpoint at each forward of its block: fresh counts for that forward and its replay."""
     counts = {False: AlternateMatmuls(), True: AlternateMatmuls()}
     return create_selective_checkpoint_contexts(partial(_save_alternate_matmuls, counts, scope))
 
 
-def _tile_scope(block: nn.Module) -> TileScope | None:
-    """A TileScope shared by `block`'s tiled MLPs and its checkpoint policy, or None without tiles."""
+class UncachedRegions:
+    """The regions of one block its checkpoint policy does not cache (tiling.UncachedRegion): its tiled MLPs'
+    (one region per block) and its attention core's when that is ring attention (one region per ring)."""
+
+    def __init__(self, regions: list[UncachedRegion]):
+        self.regions = regions
+
+    @property
+    def active(self) -> bool:
+        return any(region.active for region in self.regions)
+
+
+def _uncached_regions(block: nn.Module) -> UncachedRegions | None:
+    """`block`'s uncached regions (its tiled MLPs get a region of their own here), or None without any."""
+    regions = []
     tiled = [m for m in block.modules() if isinstance(m, (TiledSwiGLU, TiledGELUMLP))]
-    if not tiled:
-        return None
-    scope = TileScope()
-    for module in tiled:
-        module.tile_scope = scope
-    return scope
+    if tiled:
+        regions.append(UncachedRegion())
+        for module in tiled:
+            module.tile_scope = regions[0]
+    cores = {id(core): core for core in (getattr(m, "core", None) for m in block.modules())}
+    regions += [core.uncached for core in cores.values() if isinstance(getattr(core, "uncached", None), UncachedRegion)]
+    return UncachedRegions(regions) if regions else None
+
+
+def uncached_regions_of(blocks) -> list[UncachedRegion]:
+    """Every uncached region of `blocks` as `apply_activation_checkpointing` set them up, for the memory meter
+    (train/memory_meter.py), which counts what the policy caches and so must skip what it does not."""
+    found: dict[int, UncachedRegion] = {}
+    for block in blocks:
+        for module in block.modules():
+            for region in (getattr(module, "tile_scope", None), getattr(getattr(module, "core", None), "uncached", None)):
+                if isinstance(region, UncachedRegion):
+                    found[id(region)] = region
+    return list(found.values())
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, policy: str, every: int) -> None:
@@ -102,7 +129,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, policy: str, eve
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         elif policy in ("op", "op_alternate"):
             context = selective_op_context if policy == "op" else selective_alternate_context
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=partial(context, _tile_scope(block)))
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=partial(context, _uncached_regions(block)))
         else:
             continue
         setattr(model.layers, name, wrapped)

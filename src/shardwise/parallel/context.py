@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models.common import Attention
+from shardwise.parallel.tiling import UncachedRegion
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -235,9 +236,13 @@ class RingAttention:
 
     def __init__(self, group: dist.ProcessGroup):
         self.ring = _Ring(group)
+        # Selective checkpointing must not cache the matmuls inside: a score block per pair of chunks
+        # (parallel/activation_checkpoint.py reads it; the replay reruns the ring, exchange included).
+        self.uncached = UncachedRegion()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self.ring)
+        with self.uncached.running():
+            return _RingAttention.apply(q, k, v, self.ring)
 
 
 class UlyssesAttention:

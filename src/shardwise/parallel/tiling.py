@@ -20,7 +20,7 @@ SliceBackward would allocate a zero tensor of the full weight per tile).
 Cost: backward recomputes the up-projection GEMMs of every tile: +2 GEMMs of b*s*dim*ffn for SwiGLU
 (w1, w3), +1 for GELU (fc), plus the pointwise ops: +2/9 (SwiGLU: 3 forward + 6 backward GEMMs) or
 +1/6 (GELU: 2 + 4) of the MLP's training FLOPs. Under train.recompute = "selective" with policy "op" the
-block's replay also reruns the tiled forward (see TileScope). In exchange the activations the MLP keeps for backward drop to x alone
+block's replay also reruns the tiled forward (see UncachedRegion). In exchange the activations the MLP keeps for backward drop to x alone
 (b*s*dim), and the peak working memory of the MLP to one tile's b*s*ffn/tiles tensors. Smaller tiles
 mean smaller GEMMs (lower efficiency on a GPU); the numbers are equal up to fp32 rounding (only the
 order of the summation over the ffn dim changes).
@@ -53,17 +53,18 @@ from torch.autograd.function import once_differentiable
 from shardwise.models.feed_forward import GELUMLP, SwiGLU, compute_dtype
 
 
-class TileScope:
-    """Whether a tiled MLP's forward is running, for the selective "op" checkpoint policy of the block
-    that holds it (parallel/activation_checkpoint.py), which would otherwise cache every tile's GEMM
-    outputs (w1 x, w3 x, and the partial down-projections): the ffn-wide tensors tiling exists to drop,
-    and more than the untiled MLP's. One object per checkpointed block, shared by the block's policy and
-    its tiled MLP (no module state): the MLP enters it around its forward, the policy reads `active`.
+class UncachedRegion:
+    """Whether a region the selective checkpoint policy must not cache is running (parallel/
+    activation_checkpoint.py): a tiled MLP, whose tiles' GEMM outputs (w1 x, w3 x, the partial
+    down-projections) are the ffn-wide tensors tiling exists to drop, and more than the untiled MLP's; ring
+    attention (parallel/context.py), whose per-block scores and partial outputs would otherwise be cached, a
+    score matrix per pair of sequence chunks. The region enters it around its forward, the policy reads
+    `active`. One object per checkpointed block for tiles (no module state), one per ring for ring attention.
     The price, measured (tests/unit/test_linear_tiles.py): the checkpoint's replay of the block in
-    backward reruns the tiled forward (its saved tensors are packed when the Function returns, so
-    torch's early stop cannot end the replay before it), i.e. under selective "op" the MLP's forward
-    GEMMs run once more on top of the Function's own recomputation; under train.recompute = "full"
-    the replay happens untiled too."""
+    backward reruns the region's forward (its saved tensors are packed when the Function returns, so
+    torch's early stop cannot end the replay before it), i.e. under selective "op" a tiled MLP's forward
+    GEMMs run once more on top of the Function's own recomputation, and ring attention's forward, ring
+    exchange included, runs again; under train.recompute = "full" the replay happens untiled too."""
 
     def __init__(self) -> None:
         self.depth = 0

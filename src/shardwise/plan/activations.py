@@ -204,7 +204,7 @@ def tiled_mlp_transient(shape: ModelShape, reg: str, tiles: int) -> float:
 
 def tiled_selective_delta(shape: ModelShape, reg: str) -> float:
     """Selective "op" checkpointing with tiles: its policy caches matmul outputs but not the tiled MLP's
-    (activation_checkpoint.py asks the block's tiling.TileScope), so the MLP's share of
+    (activation_checkpoint.py asks the block's tiling.UncachedRegion), so the MLP's share of
     `selective_op_block_bytes` — its up-projection outputs and its down-projection output, a x
     (ups x f + h) per token — is not kept; the block's replay in backward reruns the tiled forward
     instead (plan/cost.py)."""
@@ -256,6 +256,15 @@ def selective_op_block_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe
     per_token = (res * h / res_div + a * (h / tp + 2 * kv_local + h / tp + h) + 4 * shape.n_heads / tp + mlp
                  + reductions)
     return BlockActivations(per_token, 0.0)
+
+
+def ring_uncached_bytes(shape: ModelShape, reg: str, tp: int) -> float:
+    """Per token, what selective recomputation does not keep of `selective_op_block_bytes` under ring context
+    parallelism: the attention core's output and log-sum-exp (SDPA's, which "op" caches), because ring
+    attention is a region the policy caches nothing of (parallel/context.py: its per-block scores would
+    be a matrix per pair of chunks); the replay reruns it (plan/compute_time.py)."""
+    a = 4 if reg == "fp32" else 2
+    return a * shape.dim / tp + 4 * shape.n_heads / tp
 
 
 def alternate_unkept_bytes(shape: ModelShape, reg: str, tp: int, fused: bool) -> float:

@@ -416,6 +416,9 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             recompute += ops * measured.selective_op_s
     else:
         recompute = 0.0
+    if lay.recompute == "selective" and lay.recompute_policy != "layer" and lay.cp > 1 and lay.cp_mode == "ring":
+        # ... and ring attention's forward, a region the policy caches nothing of (parallel/context.py)
+        recompute += rank.dense_layers * a_d + rank.moe_layers * a_m
     if lay.recompute == "selective" and lay.recompute_policy == "op_alternate" and rank.dense_layers:
         # ... and the forward GEMMs of the matmuls it does not keep (dense blocks only: spec/rules.py)
         gemms = _block_gemms(problem, lay, tokens, False)

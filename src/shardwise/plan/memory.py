@@ -270,6 +270,8 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
             extra = A.tiled_selective_delta(shape, reg) if tiles > 1 and not moe else 0.0
             if policy == "op_alternate" and not moe:  # every other matmul output not kept (spec/rules.py: dense only)
                 extra -= A.alternate_unkept_bytes(shape, reg, tp, "fused" in key[10:])
+            if cp > 1 and cp_mode == "ring":  # the ring attention core is not cached
+                extra -= A.ring_uncached_bytes(shape, reg, tp)
             return (A.selective_op_block_bytes(shape, reg, tp, sp, moe).per_token + extra) * tokens
         return none_block(moe)
 

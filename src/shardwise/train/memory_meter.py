@@ -16,7 +16,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardwise.parallel.activation_checkpoint import AlternateMatmuls
+from shardwise.parallel.activation_checkpoint import AlternateMatmuls, uncached_regions_of
 from shardwise.tensors import local_shard
 
 
@@ -121,9 +121,11 @@ class ActivationMeter:
         the outputs of `cached_ops` (matmuls, SDPA: parallel/activation_checkpoint.py) run inside those
         modules in a cache of its own, where saved-tensor hooks cannot see them; a dispatch mode counts
         their storages instead (they are kept until the block's backward, like any saved tensor).
-        `alternate_matmuls` ("op_alternate"): of a region's matmuls only the 1st, 3rd, ... are kept."""
+        `alternate_matmuls` ("op_alternate"): of a region's matmuls only the 1st, 3rd, ... are kept. Nothing
+        run inside a block's uncached regions (tiled MLPs, ring attention) is cached."""
         self.bytes = 0
         self._regions, self._cached_ops = list(cached_regions), cached_ops
+        self._uncached = uncached_regions_of(self._regions)
         self._alternate_matmuls, self._matmuls = alternate_matmuls, AlternateMatmuls()
         self._depth = 0
         self._mode: Any = None
@@ -222,7 +224,8 @@ class _CachedOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         meter = self.meter
-        if meter._depth and func in meter._cached_ops and (not meter._alternate_matmuls or meter._matmuls.keeps(func, True)):
+        if meter._depth and func in meter._cached_ops and not any(r.active for r in meter._uncached) and \
+                (not meter._alternate_matmuls or meter._matmuls.keeps(func, True)):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.meter._count(t)

@@ -119,7 +119,8 @@ def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: st
         # Keeping every other matmul output (op_alternate: dense blocks, spec/rules.py) costs less than full recomputation
         alternate = "train.recompute_policy=op_alternate (now op) or " if t.recompute == "selective" and \
             t.recompute_policy == "op" and not cfg.model.moe.num_experts and p.linear_tiles == 1 and p.tp_mode != "2d" else ""
-        when, fix = f"in step {step}", f"{'lower ' + batch if batch else ''}set {alternate}train.recompute=full (now {t.recompute}), {states}"
+        lower = f"lower {batch}" if batch else ""
+        when, fix = f"in step {step}", f"{lower}set {alternate}train.recompute=full (now {t.recompute}), {states}"
         if evaluating:  # a round's micro-batches are training's, run forward only
             when, fix = f"in the validation round after step {step}", f"{'lower ' + batch if batch else ''}{states}"
     history = f"; what held the memory: {snapshot} ({VIEWER})" if snapshot else \
