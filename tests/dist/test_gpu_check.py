@@ -67,13 +67,13 @@ def test_compiled_rows_run_ahead_side_by_side_to_fill_the_compile_cache():
     training = gpu_check.training_rows(gpu)
     cacheable = {n for n, o in training.items() if gpu_check.compiles_with_cache(gpu, o)}
     assert cacheable == {n for n in training if not n.startswith("train/eager/")}
-    assert len(cacheable) == 12 + 3 + 1  # the compiled matrix, offload / tiles, the documents row
+    assert len(cacheable) == 12 + 3 + 2  # the compiled matrix, offload / tiles, the documents and op_alternate rows
     assert not any(gpu_check.compiles_with_cache(cpu, o) for o in gpu_check.training_rows(cpu).values())
     assert gpu_check.compiles_with_cache(cpu, ["--train.compile=true", "--train.compile_backend=inductor"])
     names = gpu_check.select(list(gpu_check.all_rows(gpu)), None)
     first, chains, rest = gpu_check.schedule(names, cacheable, jobs=4)
     ahead = [c[0][len(gpu_check.PREWARM):] for c in chains if c[0].startswith(gpu_check.PREWARM)]
-    assert ahead == [n for n in rest if n in cacheable] and len(ahead) == 14  # bf16/none, fp8/none are FIRST
+    assert ahead == [n for n in rest if n in cacheable] and len(ahead) == 15  # bf16/none, fp8/none are FIRST
     assert all(len(c) == 1 for c in chains if c[0].startswith(gpu_check.PREWARM))
     assert chains.index([gpu_check.PREWARM + ahead[-1]]) < chains.index(["doctor"])  # the longest start first
     assert gpu_check.schedule(names, cacheable, jobs=1)[1] == gpu_check.schedule(names)[1]  # one at a time: no gain
