@@ -39,7 +39,7 @@ shared int64 token / target storage, -0.2% at most).
 
 Selective "op" recomputation keeps the outputs of matmuls / SDPA inside torch's selective-checkpoint
 cache, where saved-tensor hooks cannot see them; the trainer's meter counts them with a dispatch mode
-over the blocks' forward (train/memory_meter.py ActivationMeter cached_ops), so its number is everything
+over the blocks' forward (train/memory_meter.py ActivationMeter, by activation_checkpoint.keeps), so its number is everything
 really kept. Before that the meter reported the same bytes for full and selective recomputation
 (4.39 GiB on the H100 rows of tests/fixtures/h100_runs.json, whose peaks differ by 10 GiB).
 """

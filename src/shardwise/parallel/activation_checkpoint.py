@@ -18,6 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardwise.parallel.tiling import TiledGELUMLP, TiledSwiGLU, UncachedRegion
+from shardwise.spec.layout import PER_OP_POLICIES
 
 # Ops whose outputs are expensive to recompute (GEMMs, attention): saved under selective "op".
 SELECTIVE_SAVE_OPS = frozenset({
@@ -36,13 +37,19 @@ SELECTIVE_SAVE_OPS = frozenset({
 })
 
 
-def _save_matmuls(scope: UncachedRegions | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def keeps(op, scope: UncachedRegions | None, matmuls: AlternateMatmuls | None = None) -> bool:
+    """Whether a block's selective checkpoint keeps `op`'s output: one of SELECTIVE_SAVE_OPS outside the block's
+    uncached regions and, under "op_alternate" (`matmuls`: the block's count), not a 2nd, 4th, ... matmul.
+    The policy decides by it, and the memory meter (train/memory_meter.py) counts by it."""
     # A tiled MLP's GEMMs (parallel/tiling.py) are recomputed by its own backward, tile by tile, and ring
     # attention's by the replay: caching them here would keep the ffn-wide tensors tiling drops, or a score
     # matrix per pair of sequence chunks (`scope`: one of the block's uncached regions is running).
-    if op in SELECTIVE_SAVE_OPS and not (scope is not None and scope.active):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    kept = op in SELECTIVE_SAVE_OPS and not (scope is not None and scope.active)
+    return kept if matmuls is None else matmuls.keeps(op, kept)
+
+
+def _save_matmuls(scope: UncachedRegions | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if keeps(op, scope) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # The matmuls "op_alternate" counts: a linear's GEMM (addmm with a bias). FP8 linears reach the policy as
@@ -67,9 +74,8 @@ class AlternateMatmuls:
 
 def _save_alternate_matmuls(counts: dict[bool, AlternateMatmuls], scope: UncachedRegions | None, ctx, op, *args,
                             **kwargs) -> CheckpointPolicy:
-    kept = _save_matmuls(scope, ctx, op, *args, **kwargs) == CheckpointPolicy.MUST_SAVE
-    keep = counts[ctx.is_recompute].keeps(op, kept)
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    kept = _save_matmuls(scope, ctx, op, *args, **kwargs) == CheckpointPolicy.MUST_SAVE  # what "op" keeps
+    return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute].keeps(op, kept) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_op_context(scope: UncachedRegions | None = None):
@@ -95,21 +101,19 @@ class UncachedRegions:
 
 
 def _uncached_regions(block: nn.Module) -> UncachedRegions | None:
-    """`block`'s uncached regions (its tiled MLPs get a region of their own here), or None without any."""
-    regions = []
+    """`block`'s uncached regions, its tiled MLPs given one of their own here, or None without any."""
     tiled = [m for m in block.modules() if isinstance(m, (TiledSwiGLU, TiledGELUMLP))]
     if tiled:
-        regions.append(UncachedRegion())
+        region = UncachedRegion()
         for module in tiled:
-            module.tile_scope = regions[0]
-    cores = {id(core): core for core in (getattr(m, "core", None) for m in block.modules())}
-    regions += [core.uncached for core in cores.values() if isinstance(getattr(core, "uncached", None), UncachedRegion)]
+            module.tile_scope = region
+    regions = uncached_regions_of([block])
     return UncachedRegions(regions) if regions else None
 
 
 def uncached_regions_of(blocks) -> list[UncachedRegion]:
-    """Every uncached region of `blocks` as `apply_activation_checkpointing` set them up, for the memory meter
-    (train/memory_meter.py), which counts what the policy caches and so must skip what it does not."""
+    """Every uncached region `blocks` hold (a tiled MLP's `tile_scope`, a ring attention core's `uncached`), each
+    once; for the memory meter too (train/memory_meter.py), which counts what the policy caches."""
     found: dict[int, UncachedRegion] = {}
     for block in blocks:
         for module in block.modules():
@@ -127,7 +131,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, policy: str, eve
     for name, block in model.named_blocks():
         if mode == "full" or (policy == "layer" and int(name) % every == 0):
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif policy in ("op", "op_alternate"):
+        elif policy in PER_OP_POLICIES:
             context = selective_op_context if policy == "op" else selective_alternate_context
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=partial(context, _uncached_regions(block)))
         else:

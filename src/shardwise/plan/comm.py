@@ -63,7 +63,7 @@ from shardwise.plan.inventory import FsdpUnits, RankModel, fsdp_units, owned_chu
 from shardwise.plan.layout import Problem
 from shardwise.plan.scale import megatron_bucket_params
 from shardwise.plan.tp2d import comm_bytes_per_step, grid_q, recompute_bytes_per_step, summa_calls
-from shardwise.spec.layout import Layout
+from shardwise.spec.layout import PER_OP_POLICIES, Layout
 
 
 def batch_axis(lay: Layout) -> str:
@@ -159,7 +159,7 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     elif lay.tp > 1:
         out += _tp_collectives(problem, lay, rank, tokens, act, _residual_bytes(problem, lay), rc_frac, m)
     # CP / EP collectives are not in selective "op"'s save list: replayed like a full recompute.
-    rc_other = 1.0 if lay.recompute == "selective" and lay.recompute_policy in ("op", "op_alternate") else rc_frac
+    rc_other = 1.0 if lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES else rc_frac
     if lay.cp > 1:
         out += _cp_collectives(problem, lay, rank, tokens, act, rc_other, m)
     if lay.ep > 1 and rank.moe_layers and problem.shape.moe is not None:
@@ -344,7 +344,7 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     """
     shape, L = problem.shape, rank.layers
     per_layer = tokens * shape.dim
-    op_selective = lay.recompute == "selective" and lay.recompute_policy in ("op", "op_alternate")
+    op_selective = lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES
     out: list[Collective] = []
     if lay.sp:
         out += [Collective("tp", "all_gather", per_layer * res, 2 * L * m, "fwd", "act"),

@@ -21,7 +21,7 @@ from shardwise.plan import compiled as K
 from shardwise.plan import constants as C
 from shardwise.plan.inventory import RankModel
 from shardwise.plan.layout import Problem
-from shardwise.spec.layout import Layout
+from shardwise.spec.layout import PER_OP_POLICIES, Layout
 from shardwise.spec.loss import loss_is_chunked
 
 
@@ -416,7 +416,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             recompute += ops * measured.selective_op_s
     else:
         recompute = 0.0
-    if lay.recompute == "selective" and lay.recompute_policy != "layer" and lay.cp > 1 and lay.cp_mode == "ring":
+    if lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES and lay.cp > 1 and lay.cp_mode == "ring":
         # ... and ring attention's forward, a region the policy caches nothing of (parallel/context.py)
         recompute += rank.dense_layers * a_d + rank.moe_layers * a_m
     if lay.recompute == "selective" and lay.recompute_policy == "op_alternate" and rank.dense_layers:

@@ -54,6 +54,7 @@ def attention_backend(device: str, precision: str, gqa: bool) -> str:
 
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_POLICIES = ("op", "op_alternate", "layer")
+PER_OP_POLICIES = ("op", "op_alternate")  # selective checkpointing of each block by op (parallel/activation_checkpoint.py)
 PP_SPLITS = ("even", "balanced")
 CP_MODES = ("ring", "ulysses")
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # train.compile_backend (parallel/compile.py)

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from shardwise.errors import Violation
 from shardwise.spec.compression import METHODS as COMPRESSION_METHODS
 from shardwise.spec.dims import ep_fold_rule, world_rules  # noqa: F401  (the world's rules live with the dims)
-from shardwise.spec.layout import CP_MODES, RECOMPUTE, Layout
+from shardwise.spec.layout import CP_MODES, PER_OP_POLICIES, RECOMPUTE, Layout
 from shardwise.spec.shapes import ARCH_NAMES
 from shardwise.spec.stages import SCHEDULES, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED
 
@@ -443,7 +443,7 @@ def split_backward_rule(schedule: str, zero: int, recompute: str, recompute_poli
         return Violation("split backward", "parallel.zero", f"{schedule} computes weight gradients in a separate pass, which "
                          "misses parameters ZeRO-3 reshards after forward (wrong gradients)", "use parallel.zero=2 (under a "
                          "pipeline schedule it holds the same memory as ZeRO-3) or zero=1, or the 1f1b / interleaved_1f1b schedule")
-    if recompute == "selective" and recompute_policy in ("op", "op_alternate"):
+    if recompute == "selective" and recompute_policy in PER_OP_POLICIES:
         return Violation("split backward", "train.recompute_policy", f"{schedule} runs backward twice through each block "
                          "(input, then weight gradients); per-op selective recompute allows only one",
                          'use train.recompute="full" or train.recompute_policy="layer", or the 1f1b / interleaved_1f1b schedule')

@@ -16,7 +16,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardwise.parallel.activation_checkpoint import AlternateMatmuls, uncached_regions_of
+from shardwise.parallel.activation_checkpoint import AlternateMatmuls, UncachedRegions, keeps, uncached_regions_of
 from shardwise.tensors import local_shard
 
 
@@ -116,17 +116,17 @@ class ActivationMeter:
     """
 
     def __init__(self, exclude: nn.Module | Iterable[torch.Tensor] = (), cached_regions: Iterable[nn.Module] = (),
-                 cached_ops: frozenset = frozenset(), alternate_matmuls: bool = False):
-        """`cached_regions` / `cached_ops`: under selective "op" recomputation torch's checkpoint keeps
-        the outputs of `cached_ops` (matmuls, SDPA: parallel/activation_checkpoint.py) run inside those
-        modules in a cache of its own, where saved-tensor hooks cannot see them; a dispatch mode counts
-        their storages instead (they are kept until the block's backward, like any saved tensor).
-        `alternate_matmuls` ("op_alternate"): of a region's matmuls only the 1st, 3rd, ... are kept. Nothing
-        run inside a block's uncached regions (tiled MLPs, ring attention) is cached."""
+                 alternate_matmuls: bool = False):
+        """`cached_regions`: under selective recomputation ("op", "op_alternate") torch's checkpoint keeps the
+        outputs of the ops its policy keeps (matmuls, SDPA: parallel/activation_checkpoint.py `keeps`) run
+        inside those blocks in a cache of its own, where saved-tensor hooks cannot see them; a dispatch mode
+        counts their storages instead, by the same rule (they are kept until the block's backward, like any
+        saved tensor). `alternate_matmuls`: the blocks run "op_alternate"."""
         self.bytes = 0
-        self._regions, self._cached_ops = list(cached_regions), cached_ops
-        self._uncached = uncached_regions_of(self._regions)
-        self._alternate_matmuls, self._matmuls = alternate_matmuls, AlternateMatmuls()
+        self._regions = list(cached_regions)
+        self._uncached = UncachedRegions(uncached_regions_of(self._regions))
+        self._alternate_matmuls = alternate_matmuls
+        self._matmuls: AlternateMatmuls | None = None  # "op_alternate": the running block's count
         self._depth = 0
         self._mode: Any = None
         self._module = exclude if isinstance(exclude, nn.Module) else None
@@ -182,7 +182,7 @@ class ActivationMeter:
             self.bytes += nbytes
 
     def _enter_region(self, *_: Any) -> None:
-        if self._depth == 0:  # a block's forward: its matmuls count from one (activation_checkpoint.py)
+        if self._depth == 0 and self._alternate_matmuls:  # a block's forward: its matmuls count from one
             self._matmuls = AlternateMatmuls()
         self._depth += 1
 
@@ -197,7 +197,7 @@ class ActivationMeter:
         for region in self._regions:
             self._handles += [region.register_forward_pre_hook(self._enter_region),
                               region.register_forward_hook(self._leave_region)]
-        if self._cached_ops and self._regions:
+        if self._regions:
             self._mode = _CachedOutputs(self)
             self._mode.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -224,8 +224,7 @@ class _CachedOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         meter = self.meter
-        if meter._depth and func in meter._cached_ops and not any(r.active for r in meter._uncached) and \
-                (not meter._alternate_matmuls or meter._matmuls.keeps(func, True)):
+        if meter._depth and keeps(func, meter._uncached, meter._matmuls):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.meter._count(t)

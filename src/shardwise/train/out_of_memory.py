@@ -27,6 +27,9 @@ import torch
 from shardwise.config import Config
 from shardwise.errors import OutOfMemory, exception_chain, out_of_memory, rerun_to_resume
 from shardwise.spec.hf import exportable
+from shardwise.spec.layout import Layout
+from shardwise.spec.rules import alternate_matmuls_rule
+from shardwise.spec.shapes import ModelShape
 from shardwise.train.manifest import step_dir_name
 from shardwise.train.planned_memory import PlannedMemory, local_world_size, planned_memory
 
@@ -100,6 +103,13 @@ def allocator_place(what: str, device_type: str) -> str:
     return {"cuda": "GPU", "cpu": "host"}.get(device_type, device_type)
 
 
+def _alternate_runs(cfg: Config) -> bool:
+    """Whether recompute_policy "op_alternate" would run with this model and layout (spec/rules.py)."""
+    p = cfg.parallel
+    lay = Layout(recompute="selective", recompute_policy="op_alternate", linear_tiles=p.linear_tiles, tp_mode=p.tp_mode)
+    return alternate_matmuls_rule(ModelShape.from_config(cfg.model), lay) is None
+
+
 def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: str, what: str,
                        snapshot: Path | None, planned: PlannedMemory | None = None, evaluating: bool = False) -> str:
     """The one line of a failed allocation (errors.OutOfMemory, exit 7) in `step` (None: before the first
@@ -116,13 +126,13 @@ def out_of_memory_line(cfg: Config, rank: int, step: int | None, device_type: st
     else:
         batch = f"train.micro_batch (now {t.micro_batch}; train.global_batch stays, by accumulation), " \
             if t.micro_batch > 1 else ""
-        # Keeping every other matmul output (op_alternate: dense blocks, spec/rules.py) costs less than full recomputation
+        # Keeping every other matmul output costs less than full recomputation, where the rule lets it run
         alternate = "train.recompute_policy=op_alternate (now op) or " if t.recompute == "selective" and \
-            t.recompute_policy == "op" and not cfg.model.moe.num_experts and p.linear_tiles == 1 and p.tp_mode != "2d" else ""
+            t.recompute_policy == "op" and _alternate_runs(cfg) else ""
         lower = f"lower {batch}" if batch else ""
         when, fix = f"in step {step}", f"{lower}set {alternate}train.recompute=full (now {t.recompute}), {states}"
         if evaluating:  # a round's micro-batches are training's, run forward only
-            when, fix = f"in the validation round after step {step}", f"{'lower ' + batch if batch else ''}{states}"
+            when, fix = f"in the validation round after step {step}", f"{lower}{states}"
     history = f"; what held the memory: {snapshot} ({VIEWER})" if snapshot else \
         "; rerun with --run.memory_snapshot=true to record what held it" if device_type == "cuda" else ""
     expected = "" if planned is None else f"; the planner expected {planned.words()}" + (

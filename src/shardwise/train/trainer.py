@@ -27,7 +27,6 @@ from shardwise.data.chat import chat_files
 from shardwise.errors import EXIT_SIGTERM, Diverged, Interrupted, OutOfMemory, out_of_memory, rerun_to_resume
 from shardwise.models import build_model
 from shardwise.models.common import Transformer, document_kernel, document_positions
-from shardwise.parallel.activation_checkpoint import SELECTIVE_SAVE_OPS
 from shardwise.parallel.comm_counter import CONTROL_AXIS, CommCounter, axis_names
 from shardwise.parallel.compile import compile_enabled
 from shardwise.parallel.context import zigzag_index
@@ -40,7 +39,7 @@ from shardwise.parallel.precision import DynamicLossScaler, autocast, resolve_pr
 from shardwise.parallel.tensor2d import Grid, cross_entropy_sum, vocab_offset
 from shardwise.preflight import check, check_batch
 from shardwise.spec.dims import lowp_params, offload_tier
-from shardwise.spec.layout import fp8_gemm_fits
+from shardwise.spec.layout import PER_OP_POLICIES, fp8_gemm_fits
 from shardwise.tensors import local_shard
 from shardwise.train import eviction, moe_stats
 from shardwise.train import manifest as mf
@@ -372,10 +371,9 @@ class Trainer:
         """What selective "op" recomputation keeps outside autograd's saved tensors: the outputs of the
         policy's ops in every block (ActivationMeter counts them; docs/architecture.md §5)."""
         t = self.cfg.train
-        if t.recompute != "selective" or t.recompute_policy not in ("op", "op_alternate"):
+        if t.recompute != "selective" or t.recompute_policy not in PER_OP_POLICIES:
             return {}
-        return {"cached_regions": self.inner.blocks(), "cached_ops": SELECTIVE_SAVE_OPS,
-                "alternate_matmuls": t.recompute_policy == "op_alternate"}
+        return {"cached_regions": self.inner.blocks(), "alternate_matmuls": t.recompute_policy == "op_alternate"}
 
     def _accumulate(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every micro-batch in turn (gradient accumulation); the loss sum."""
