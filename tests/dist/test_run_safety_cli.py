@@ -157,6 +157,33 @@ def test_out_of_memory_exits_7_with_the_fix_and_the_fix_trains(common, tmp_path)
     assert "done: 1 steps, 16,384 tokens" in p.stdout
 
 
+def test_out_of_memory_under_selective_recompute_offers_op_alternate_and_it_trains(common, tmp_path):
+    """The out-of-memory line of a selective ("op") run offers recompute_policy=op_alternate before full
+    recomputation; followed, it trains. A wide MLP (ffn 16,384, 4 blocks, 16 x 256 tokens) makes w3's
+    outputs, which op_alternate does not keep, 256 MiB a block. Address space capped at 3.8 GB (RLIMIT_AS):
+    measured here, "op" fails at 4.0 GB and fits at 4.4, op_alternate fits at 3.5 (peak RSS 3.62 against
+    2.83 GB); the margins, 0.2 and 0.3 GB, are several times a run-to-run difference."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (3_800_000_000, 3_800_000_000))
+
+    shape = ["--model.ffn_dim=16384", "--model.n_layers=4", "--train.seq_len=256", "--train.micro_batch=16",
+             "--train.global_batch=16", "--train.steps=1", "--train.recompute=selective", "--checkpoint.final=false"]
+    cmd = [sys.executable, "-m", "shardwise.cli", "train", *common, *shape]
+    p = subprocess.run([*cmd, f"--run.dir={tmp_path / 'op'}"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                       preexec_fn=cap)
+    assert p.returncode == 7, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr
+    errors = user_lines(p.stderr)
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 ran out of host memory in step 1"), errors
+    assert "set train.recompute_policy=op_alternate (now op) or train.recompute=full (now selective)" in errors[0]
+    p = subprocess.run([*cmd, "--train.recompute_policy=op_alternate", f"--run.dir={tmp_path / 'alternate'}"],
+                       capture_output=True, text=True, timeout=240, cwd=tmp_path, preexec_fn=cap)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "done: 1 steps, 4,096 tokens" in p.stdout
+
+
 @pytest.mark.parametrize("layout", [["--nproc", "1"], ["--nproc", "2", "--parallel.dp_replicate=2"]],
                          ids=["in-process", "two-ranks"])
 def test_out_of_memory_while_building_the_model_exits_7_with_one_line(common, tmp_path, layout):
