@@ -157,3 +157,27 @@ def test_cli_refuses_a_moe_model_before_spawning(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: train.recompute_policy:") and "MoE" in err and "fix:" in err, err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_fp8_linears_alternate_as_the_bf16_ones(monkeypatch):
+    """On a GPU the FP8 linears run torch._scaled_mm; the policy must still see each as one matmul, or
+    op_alternate would keep (or drop) every FP8 GEMM. torchao's Float8 tensors dispatch aten.mm to the policy
+    before their own _scaled_mm: checked with the non-emulated path, which this CPU's torch also runs."""
+    from shardwise.parallel import float8 as F8
+
+    decisions: Counter = Counter()
+    alternate = activation_checkpoint._save_alternate_matmuls
+
+    def counting_alternate(counts, scope, ctx, op, *args, **kwargs):
+        decision = alternate(counts, scope, ctx, op, *args, **kwargs)
+        if not ctx.is_recompute and op in MATMUL_OPS:
+            decisions[decision] += 1
+        return decision
+
+    monkeypatch.setattr(activation_checkpoint, "_save_alternate_matmuls", counting_alternate)
+    model = _model("llama")
+    assert len(F8.apply_float8(model, "tensorwise", fsdp=False, emulate=False)) == 7 * model.cfg.n_layers
+    apply_activation_checkpointing(model, "selective", "op_alternate", 1)
+    model(torch.randint(0, 512, (2, 16))).float().logsumexp(-1).mean().backward()
+    layers = model.cfg.n_layers
+    assert decisions == {CheckpointPolicy.MUST_SAVE: 4 * layers, CheckpointPolicy.PREFER_RECOMPUTE: 3 * layers}, decisions
