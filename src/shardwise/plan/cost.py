@@ -17,6 +17,8 @@ Overlap rules:
   compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
   and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
 Slowest rank: the compute of the slowest of the job's GPUs, plan/scale.py (GPU speed spread, Sinha et al. 2022).
+Overlap contention: what the collectives hidden above cost the compute beside them (their SMs and HBM),
+  plan/scale.py item 4 (Lee et al. 2025).
 Pipeline bubble (t_f, t_b = forward / backward time of one micro-batch; m micro-batches): the makespan of
   the action order torch runs for the schedule, checked against a replay of torch's own orders
   (spec/stages.py bubble_seconds: gpipe / 1f1b (p-1)(t_f + t_b); interleaved /v; ZB-H1
@@ -41,7 +43,7 @@ from shardwise.plan.compute_time import (  # noqa: F401  (gemm_time: re-exported
 from shardwise.plan.inventory import RankModel, pipeline_ranks, priced_layout, sized_ranks, stage_model
 from shardwise.plan.layout import Problem
 from shardwise.plan.memory import Memory, core_layout, memory, model_state_bytes, nvme_moment_bytes
-from shardwise.plan.scale import overlapped_exposure, slowest_rank_fraction
+from shardwise.plan.scale import overlap_contention, overlapped_exposure, slowest_rank_fraction
 from shardwise.spec.hardware import lookup
 from shardwise.spec.layout import Layout
 from shardwise.spec.stages import SINGLE_STAGE, WRITTEN_OUT, bubble_seconds, looped_bubbles, looped_bubbles_by_stage, rank_bubble
@@ -110,6 +112,7 @@ class RankCore:
     pp_send: float                        # one boundary send
     detail: tuple[tuple[str, float], ...]
     dopt: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # distributed optimizer: (reduce-scatter, bucket, all-gather, bucket) s
+    beside: float = 0.0                   # collective seconds hidden behind compute (FSDP, DDP, CP ring), not dopt's
 
 
 @lru_cache(maxsize=1 << 17)
@@ -120,6 +123,7 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
     mb = microbatch_times(problem, core, rank)
     comm = {a: 0.0 for a in AXES}
     per_mb_comm = 0.0  # exposed TP / CP / EP time inside one micro-batch (stretches t_f + t_b)
+    beside = 0.0  # collective seconds hidden behind compute: they slow it (plan/scale.py overlap_contention)
     detail: dict[str, float] = {}
     fsdp_fwd: list[Collective] = []
     fsdp_bwd: list[Collective] = []
@@ -147,6 +151,7 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
                 window = mb.attn_fwd_layer * (2 if c.phase == "bwd" else 1)
                 exposed = max(0.0, t / c.calls * calls_per_layer - window) * rank.layers * m
             comm["cp"] += exposed
+            beside += 0.0 if c.kind == "all_to_all" else t - exposed
             per_mb_comm += exposed / m
         elif c.unit in ("loss", "grad_norm"):
             comm["dp"] += t
@@ -166,10 +171,13 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
             detail["ddp_allreduce_s"] = t
             after = problem.stack_for(core).grad_reduce == "after_backward"
             comm["dp"] += t if after else max(t_last, t - mb.bwd)
+            beside += 0.0 if after else t - max(t_last, t - mb.bwd)
         else:  # ZeRO-1 broadcast after the step
             comm["dp"] += t
     if fsdp_fwd or fsdp_bwd:
-        comm["dp"] += _fsdp_exposed(fsdp_fwd, fsdp_bwd, mb, rank, m, place, cl, detail)
+        fsdp = _fsdp_exposed(fsdp_fwd, fsdp_bwd, mb, rank, m, place, cl, detail)
+        comm["dp"] += fsdp
+        beside += detail["fsdp_comm_total_s"] - fsdp
     if core.grad_compression != "none":  # encode / decode of the gradients (plan/compression.py), not hidden
         detail["grad_compression_compute_s"] = compression_seconds(problem, core, rank)
         comm["dp"] += detail["grad_compression_compute_s"]
@@ -181,7 +189,7 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
     if core.pp > 1:
         pp_send = time_of(Collective("pp", "send", pp_boundary_bytes(problem, core), 1, "p2p"), place, cl)
     detail.update({"t_fwd_microbatch_s": mb.fwd, "t_bwd_microbatch_s": mb.bwd, "microbatches": m})
-    return RankCore(mb, tuple(comm.items()), per_mb_comm, optimizer, pp_send, tuple(detail.items()), tuple(dopt_times))
+    return RankCore(mb, tuple(comm.items()), per_mb_comm, optimizer, pp_send, tuple(detail.items()), tuple(dopt_times), beside)
 
 
 def dopt_exposed(core: RankCore, pp: int, chunks: int) -> float:
@@ -192,6 +200,12 @@ def dopt_exposed(core: RankCore, pp: int, chunks: int) -> float:
     mb = core.mb
     return (overlapped_exposure(rs, rs_bucket, mb.bwd + mb.recompute, pp, chunks)
             + overlapped_exposure(ag, ag_bucket, mb.fwd, pp, chunks))
+
+
+def _beside(core: RankCore, dopt_out: float) -> float:
+    """Seconds of collectives that run beside a rank's compute: FSDP's, DDP's and the CP ring's hidden
+    parts, and the distributed optimizer's reduce-scatter and all-gather less their exposed part."""
+    return core.beside + core.dopt[0] + core.dopt[2] - dopt_out
 
 
 def _pipeline_times(core: RankCore) -> tuple[float, float]:
@@ -218,7 +232,9 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tupl
     if bubble is None:
         bubble = rank_bubble(lay.schedule, lay.pp, lay.chunks_per_rank, m, light, own, first)
     detail = dict(core.detail)
-    comm["dp"] += dopt_exposed(core, lay.pp, lay.chunks_per_rank)
+    dopt_out = dopt_exposed(core, lay.pp, lay.chunks_per_rank)
+    comm["dp"] += dopt_out
+    detail["comm_beside_compute_s"] = _beside(core, dopt_out)
     if lay.pp > 1:
         # what the report says of the bubble (plan/report.py bubble_line)
         detail["bubble_at_lighter_rank_s"] = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, *light)
@@ -227,7 +243,9 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tupl
     breakdown = {"compute": m * (mb.fwd + mb.bwd), "recompute": m * mb.recompute, "dp_comm": comm["dp"],
                  "tp_comm": comm["tp"], "pp_comm": comm["pp"], "cp_comm": comm["cp"], "ep_comm": comm["ep"],
                  "bubble": bubble, "optimizer": core.optimizer,
-                 "slowest_rank": m * (mb.fwd + mb.bwd + mb.recompute) * slowest_rank_fraction(problem.cluster.num_gpus)}
+                 "slowest_rank": m * (mb.fwd + mb.bwd + mb.recompute) * slowest_rank_fraction(problem.cluster.num_gpus),
+                 "overlap_contention": overlap_contention(problem.cluster, detail["comm_beside_compute_s"],
+                                                          m * (mb.fwd + mb.bwd + mb.recompute))}
     return sum(breakdown.values()), breakdown, detail
 
 
@@ -258,8 +276,10 @@ def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float
     worst = 0.0
     for index, c in enumerate(cores):
         mb = c.mb
-        t = m * (mb.fwd + mb.bwd + mb.recompute) * (1 + slow) + sum(v_ for _, v_ in c.comm) + c.optimizer \
-            + dopt_exposed(c, core.pp, chunks)
+        work = m * (mb.fwd + mb.bwd + mb.recompute)
+        dopt_out = dopt_exposed(c, core.pp, chunks)
+        t = work * (1 + slow) + sum(v_ for _, v_ in c.comm) + c.optimizer + dopt_out \
+            + overlap_contention(problem.cluster, _beside(c, dopt_out), work)
         if core.pp > 1:
             t += rank_bubble(schedule, core.pp, chunks, m, light, _pipeline_times(c), first=index == 0)
             t += c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION

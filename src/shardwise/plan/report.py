@@ -25,7 +25,7 @@ OTHER_IN_LEGEND = "other: FSDP's gathered parameters\nand gradients, comm buffer
 TIME_ROWS = (("compute", "compute (fwd + bwd)"), ("recompute", "recompute"), ("dp_comm", "exposed comm dp"),
              ("tp_comm", "exposed comm tp"), ("pp_comm", "exposed comm pp"), ("cp_comm", "exposed comm cp"),
              ("ep_comm", "exposed comm ep"), ("bubble", "pipeline bubble"), ("optimizer", "optimizer step"),
-             ("slowest_rank", "slowest GPU of the job"))
+             ("slowest_rank", "slowest GPU of the job"), ("overlap_contention", "compute slowed by hidden comm"))
 
 
 # Adaptive units, so a tiny model reads "0.16M params", "1.2 ms", not "0.00B" and "0.000". Each

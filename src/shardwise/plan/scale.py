@@ -33,6 +33,19 @@ a collective spans, each with its source.
    fitted to any published step). The expected slowest of N is sigma x E[max of N standard normals]
    (Blom 1958: inv_cdf((N - 0.375) / (N + 0.25)); ~ sqrt(2 ln N) for large N): 0 on one GPU, +1.7% of
    the compute on 8, +3.9% on 1,024, +4.5% on 16,384.
+4. Compute beside a collective runs slower. The planner hides a collective behind compute (FSDP's
+   prefetched gathers and reduce-scatters, DDP's buckets, the distributed optimizer, the CP ring), but an
+   NCCL kernel holds SMs (one thread block per channel) and HBM bandwidth while it runs, so the GEMMs beside
+   it lose them. Lee et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated
+   Distributed Deep Learning" (arXiv 2507.03114), measured GPT and LLaMA training on 4 A100s, H100s,
+   MI250s and MI210s: overlapped compute ran 18.9% slower on average than alone (at most 40%). That is
+   what an SM count predicts on an H100: an NCCL all-gather launched 24 blocks beside a GEMM on its 132
+   SMs (NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance Degradation
+   because of Tail Effect", 2025), 18.2%. So every second of collective that runs beside compute adds
+   OVERLAP_COMPUTE_SLOWDOWN of a second of compute (up to the compute there is). It grows with scale
+   because the hidden collectives do: a data-parallel reduction keeps its size per GPU while the compute
+   beside it shrinks (strong scaling), and a group across nodes runs longer at the network's bandwidth.
+   Not fitted to any published step; a CPU's gloo collectives (threads, not SMs) are not priced.
 """
 from __future__ import annotations
 
@@ -50,6 +63,8 @@ MEGATRON_BUCKET_PARAMS_PER_DP_RANK = 1_000_000
 NCCL_NET_OVERHEAD_S = 3e-6
 # Spread of GPU speed within a cluster, one sigma, as a fraction of compute time (module doc, item 3).
 GPU_SPEED_SIGMA = 0.012
+# How much slower compute runs beside a collective than alone (module doc, item 4: Lee et al. 2025's mean).
+OVERLAP_COMPUTE_SLOWDOWN = 0.189
 
 
 def expected_max_normal(n: int) -> float:
@@ -60,6 +75,14 @@ def expected_max_normal(n: int) -> float:
 def slowest_rank_fraction(num_gpus: int) -> float:
     """How much longer the slowest of `num_gpus` GPUs computes than a typical one (module doc, item 3)."""
     return GPU_SPEED_SIGMA * expected_max_normal(num_gpus)
+
+
+def overlap_contention(cluster, beside_s: float, compute_s: float) -> float:
+    """Seconds a step's compute loses to the `beside_s` seconds of collectives that run beside it, out of
+    `compute_s` of compute (module doc, item 4); none on a CPU (cluster.gpu = "cpu")."""
+    if cluster.device_is_host:
+        return 0.0
+    return OVERLAP_COMPUTE_SLOWDOWN * min(max(0.0, beside_s), compute_s)
 
 
 def megatron_bucket_params(dp: int) -> int:
@@ -158,7 +181,10 @@ def scale_terms(problem, est) -> dict:
         axes[axis] = entry
     out = {"axes": axes, "slowest_rank": {"gpus": cl.num_gpus, "sigma": GPU_SPEED_SIGMA,
                                           "fraction": slowest_rank_fraction(cl.num_gpus),
-                                          "seconds": est.breakdown_s.get("slowest_rank", 0.0)}}
+                                          "seconds": est.breakdown_s.get("slowest_rank", 0.0)},
+           "overlap_contention": {"slowdown": 0.0 if cl.device_is_host else OVERLAP_COMPUTE_SLOWDOWN,
+                                  "comm_beside_compute_s": est.detail.get("comm_beside_compute_s", 0.0),
+                                  "seconds": est.breakdown_s.get("overlap_contention", 0.0)}}
     if "dp_reduce_scatter_s" in est.detail:
         out["distributed_optimizer"] = {"reduce_scatter_s": est.detail["dp_reduce_scatter_s"],
                                         "param_gather_s": est.detail.get("dp_param_gather_s", 0.0)}
@@ -180,8 +206,13 @@ def scale_lines(problem, est) -> list[str]:
     s = terms["slowest_rank"]
     lines.append(f"  slowest GPU of {s['gpus']:,}: +{s['fraction']:.1%} of the compute ({s['seconds']:.3g} s; "
                  f"GPU speed sigma {s['sigma']:.1%}, plan/scale.py)")
+    o = terms["overlap_contention"]
+    if o["comm_beside_compute_s"] > 0:
+        lines.append(f"  compute beside hidden comm: {o['comm_beside_compute_s']:.3g} s of collectives run beside compute, "
+                     f"which runs {o['slowdown']:.1%} slower there: +{o['seconds']:.3g} s (plan/scale.py)")
     if "distributed_optimizer" in terms:
         d = terms["distributed_optimizer"]
         lines.append(f"  distributed optimizer: reduce-scatter {d['reduce_scatter_s']:.3g} s, all-gather "
                      f"{d['param_gather_s']:.3g} s per step, overlapped (the exposed part is in dp comm)")
-    return ["what grows with scale (NCCL algorithm and bus bandwidth per axis, the slowest GPU):", *lines]
+    return ["what grows with scale (NCCL algorithm and bus bandwidth per axis, the slowest GPU, compute beside "
+            "hidden comm):", *lines]
