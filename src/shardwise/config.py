@@ -336,7 +336,8 @@ class ClusterConfig:
     # `shardwise config` and emitted configs stay as they were for everyone who does not calibrate.
     calibration: str | None = opt(None, 'Path to a `shardwise bench-comm --out` JSON: its measured bus bandwidth and latency per '
                                         'mesh axis (fitted to the all-reduce points) replace the datasheet defaults for the '
-                                        'collectives on those axes; unset or "" = none.')
+                                        'collectives on those axes, and its measured slowdown of compute beside them replaces '
+                                        'the planner\'s 18.9%; unset or "" = none.')
     # What a run costs (plan/goodput.py, `plan evaluate`'s cost block): price, failures, checkpoints.
     price_per_gpu_hour: float = opt(0.0, "Price of one GPU-hour (any currency): `plan evaluate` prints GPU-hours x this; "
                                          "0 = not priced (no cost printed, null in --json).")

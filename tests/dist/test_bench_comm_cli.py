@@ -29,10 +29,15 @@ def test_two_gloo_processes_measure_every_op_and_calibrate_the_planner(tmp_path)
     for r in rows:
         assert r["algbw"] == r["bytes"] / r["time_s"] / 1e9
         assert abs(r["busbw"] - r["algbw"] * bus_factor(r["op"], 2)) < 1e-12
+    # A GEMM loop alone and beside a queue of all-reduces of the largest size (plan/scale.py item 4).
+    overlap = printed["overlap"]
+    assert overlap["axis"] == "dp_shard" and overlap["bytes"] == 16384 and overlap["slowdown"] >= 0
+    assert overlap["slowdown"] == max(0.0, overlap["compute_beside_s"] / overlap["compute_alone_s"] - 1)
     plan = _shardwise(["plan", "evaluate", "--parallel.dp_shard=2", "--parallel.zero=3",
                        f"--cluster.calibration={out}"], tmp_path)
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert "comm     measured: dp_shard; datasheet: none" in plan.stdout
+    assert f"which runs {overlap['slowdown']:.1%} slower there (measured)" in plan.stdout
     # A layout that does not fill the processes is refused before anything is spawned.
     bad = _shardwise(["bench-comm", "--nproc", "2", "--parallel.tp=3"], tmp_path)
     assert bad.returncode == 2 and "error: parallel" in bad.stderr

@@ -168,3 +168,29 @@ def test_several_cpu_processes_are_planned_from_one_measured_link(tmp_path, caps
     assert cli(base + [f"--cluster.calibration={kernels},{comm}"]) == 0
     tp = json.loads(capsys.readouterr().out)["breakdown_s"]["tp_comm"]
     assert 0 < tp < 1.0
+
+
+def test_the_measured_overlap_slowdown_replaces_the_constant(tmp_path):
+    """bench-comm's GEMM loop beside its all-reduces (plan/scale.py item 4): its slowdown prices the compute
+    beside hidden communication in place of OVERLAP_COMPUTE_SLOWDOWN; a file without it keeps the constant."""
+    from shardwise.plan.scale import OVERLAP_COMPUTE_SLOWDOWN, scale_lines
+
+    _, base = _estimate()
+    beside = base.detail["comm_beside_compute_s"]
+    assert beside > 0 and base.breakdown_s["overlap_contention"] == pytest.approx(OVERLAP_COMPUTE_SLOWDOWN * beside)
+    data = _results("tp", 2, 1e-5, 1e9)  # an axis this layout does not use: only the slowdown applies
+    data["overlap"] = {"axis": "tp", "ranks": 2, "bytes": 2**24, "gemm": "512x512x512 float32", "gemms": 10,
+                       "all_reduces": 4, "compute_alone_s": 0.05, "compute_beside_s": 0.075, "slowdown": 0.5}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    problem, measured = _estimate(f"--cluster.calibration={path}")
+    assert problem.cluster.overlap_slowdown == 0.5
+    assert measured.breakdown_s["overlap_contention"] == pytest.approx(0.5 * beside)
+    assert any("runs 50.0% slower there (measured)" in line for line in scale_lines(problem, measured))
+    assert "ran 50.0% slower beside all-reduces of 16M on tp" in table(data)
+    for bad in (-0.1, "slow", None):
+        data["overlap"]["slowdown"] = bad
+        path.write_text(json.dumps(data))
+        with pytest.raises(ConfigError) as e:
+            _estimate(f"--cluster.calibration={path}")
+        assert e.value.field == "cluster.calibration" and "overlap.slowdown" in e.value.problem

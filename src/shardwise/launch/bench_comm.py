@@ -14,7 +14,9 @@ plus the flattened views "dp", "dp_cp", "dp_shard_cp" and the expert axes "ep", 
 layout has them as groups of their own (the names plan/comm.py prices). Every group of an axis runs at
 once, as in training. Per operation and size: `warmup` untimed calls, a barrier on the group, `iters`
 timed calls (CUDA synchronised before each clock read), and the slowest rank's mean (an all-reduce MAX
-over the world), as nccl-tests reports the slowest rank.
+over the world), as nccl-tests reports the slowest rank. Then, on the layout's first axis at the largest
+size, how much slower a GEMM loop runs beside those all-reduces than alone (`measure_overlap`): the
+planner's overlap slowdown (plan/scale.py item 4), which the same file calibrates.
 """
 from __future__ import annotations
 
@@ -85,6 +87,11 @@ def table(data: dict[str, Any]) -> str:
             f = fit_axis(axis, ranks, pts)
             rows.append(f"planner calibration {axis}: busbw {f.bus_bytes_per_s / 1e9:.3g} GB/s, latency "
                         f"{f.hop_latency_s * 1e6:.3g} us/hop ({f.method}); use --cluster.calibration=<this --out file>")
+    o = data.get("overlap")
+    if o:
+        rows.append(f"compute beside comm: a {o['gemm']} GEMM loop ran {o['slowdown']:.1%} slower beside all-reduces of "
+                    f"{human(o['bytes'])} on {o['axis']} than alone ({o['compute_beside_s'] * 1e3:.1f} against "
+                    f"{o['compute_alone_s'] * 1e3:.1f} ms): the planner's overlap slowdown")
     return "\n".join(rows) + "\n"
 
 
@@ -250,6 +257,71 @@ def measure(groups: dict[str, Any], sizes: list[int], iters: int, warmup: int, d
     return results
 
 
+def _timed(fn: Any, device: Any) -> float:
+    import time
+
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def measure_overlap(axis: str, group: Any, size: int, device: Any, repeats: int = 3) -> dict[str, Any]:
+    """How much slower a GEMM loop runs beside a stream of all-reduces of `size` bytes on `group` than alone
+    (plan/scale.py item 4: the planner's compute beside hidden communication). The all-reduces are queued
+    asynchronously (NCCL's stream on a GPU, gloo's thread on a CPU), enough of them to outlast the loop;
+    the loop alone and beside them alternate `repeats` times; each rank's medians, averaged over the group.
+    (The GEMM stands for a step's compute: a fixed shape, where a layer's own GEMMs may lose more or less.)"""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.type == "cuda"
+    # A square GEMM big enough to fill a GPU's SMs (8192 in bf16: ~1 ms on an H100); 512 fp32 on a CPU core.
+    n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    _timed(lambda: torch.mm(a, b, out=out), device)  # warm-up (cuBLAS' handle and workspace)
+    one = _timed(lambda: torch.mm(a, b, out=out), device)
+    gemms = max(4, int(0.05 / max(one, 1e-6)))  # a loop of ~50 ms
+
+    def loop() -> None:
+        for _ in range(gemms):
+            torch.mm(a, b, out=out)
+
+    world = dist.get_world_size(group)
+    elems = max(world, size // ELEMENT_BYTES // world * world)
+    buf = torch.zeros(elems, device=device)
+    dist.barrier(group=group)
+    call = _timed(lambda: dist.all_reduce(buf, group=group), device)
+    t_loop = _timed(loop, device)
+    # Every rank queues the same number of all-reduces (the group's largest estimate), enough to outlast the loop.
+    count = torch.tensor([float(int(1.5 * t_loop / max(call, 1e-6)) + 2)], dtype=torch.float64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    alone, beside = [], []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        alone.append(_timed(loop, device))
+        dist.barrier(group=group)
+        works = [dist.all_reduce(buf, group=group, async_op=True) for _ in range(int(count.item()))]
+        beside.append(_timed(loop, device))
+        for w in works:
+            w.wait()
+    times = torch.tensor([statistics.median(alone), statistics.median(beside)], dtype=torch.float64, device=device)
+    dist.all_reduce(times, group=group)
+    mean_alone, mean_beside = (float(t) / world for t in times.tolist())
+    return {"axis": axis, "ranks": world, "bytes": elems * ELEMENT_BYTES, "gemm": f"{n}x{n}x{n} {str(dtype).removeprefix('torch.')}",
+            "gemms": gemms, "all_reduces": int(count.item()), "compute_alone_s": mean_alone,
+            "compute_beside_s": mean_beside, "slowdown": max(0.0, mean_beside / mean_alone - 1.0)}
+
+
 def _worker(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
@@ -265,11 +337,13 @@ def _worker(argv: list[str]) -> int:
     meshes = build_meshes(dims, device.type)
     groups = axis_groups(dims, meshes)
     results = measure(groups, spec["sizes"], spec["iters"], spec["warmup"], device)
+    axis, group = next(iter(groups.items()))  # the layout's first axis, at the largest size measured
+    overlap = measure_overlap(axis, group, max(spec["sizes"]), device)
     if dist.get_rank() == 0:
         data = {"schema": SCHEMA, "backend": dist.get_backend(), "device": str(device.type), "torch": torch.__version__,
                 "world_size": dims.world_size, "layout": dims.describe(), "iters": spec["iters"], "warmup": spec["warmup"],
                 "units": {"bytes": "bytes", "time_s": "seconds", "algbw": "GB/s (1e9 B/s)", "busbw": "GB/s (1e9 B/s)"},
-                "axes": {a: dist.get_world_size(g) for a, g in groups.items()}, "results": results}
+                "axes": {a: dist.get_world_size(g) for a, g in groups.items()}, "results": results, "overlap": overlap}
         Path(spec["result"]).write_text(json.dumps(data))
     finish_distributed()
     leave(0)

@@ -223,6 +223,19 @@ def _measured_device(data: dict[str, Any], p: str | Path) -> MeasuredDevice:
                           "re-run `python benchmarks/kernels.py --out FILE` (not --smoke)") from None
 
 
+def overlap_slowdown(data: dict[str, Any], p: str | Path) -> float | None:
+    """A bench-comm file's measured overlap slowdown (how much slower compute ran beside its all-reduces than
+    alone: plan/scale.py item 4), None when the file predates the measurement."""
+    overlap = data.get("overlap")
+    if overlap is None:
+        return None
+    value = overlap.get("slowdown") if isinstance(overlap, dict) else None
+    if not isinstance(value, (int, float)) or not 0 <= value <= 10:
+        raise ConfigError("cluster.calibration", f"{p}: overlap.slowdown must be a number within [0, 10], got {value!r}",
+                          "re-run `shardwise bench-comm --out FILE`")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Everything cluster.calibration's files hold (one file or several, comma-separated)."""
@@ -231,13 +244,14 @@ class Calibration:
     pointwise_hbm_fraction: float | None = None      # `shardwise plan calibrate`: eager kernels
     measured_device: MeasuredDevice | None = None    # benchmarks/kernels.py
     compiled_hbm_fraction: float | None = None       # `shardwise plan calibrate`: compiled (fused) kernels
+    overlap_slowdown: float | None = None            # `shardwise bench-comm`: compute beside its all-reduces
 
 
 def read_calibration(paths: str) -> Calibration:
     """Each file is read once and taken by what it is: a `plan calibrate` result (its schema), a
     benchmarks/kernels.py result (its "benchmark" key), else a bench-comm result (checked as one)."""
     links: tuple[AxisCalibration, ...] = ()
-    fraction = measured = compiled = None
+    fraction = measured = compiled = overlap = None
     for path in (part.strip() for part in paths.split(",") if part.strip()):
         data = _read_json(path)
         if isinstance(data, dict) and data.get("schema") == PLAN_SCHEMA:
@@ -246,4 +260,5 @@ def read_calibration(paths: str) -> Calibration:
             measured = _measured_device(data, path)
         else:
             links += load_calibration(path, data)
-    return Calibration(links, fraction, measured, compiled)
+            overlap = overlap_slowdown(data, path) if overlap is None else overlap
+    return Calibration(links, fraction, measured, compiled, overlap)

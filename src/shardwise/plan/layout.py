@@ -54,6 +54,9 @@ class Cluster:
     # ... and compiled (fused) kernels' fraction of the datasheet bandwidth; None = compute_time's streaming
     # fraction (constants.HBM_FRACTION_BY_FAMILY / HBM_FRACTION).
     compiled_hbm_fraction: float | None = None
+    # Measured by `shardwise bench-comm` (cluster.calibration): how much slower compute runs beside its
+    # collectives; None = plan/scale.py's OVERLAP_COMPUTE_SLOWDOWN on a GPU, none on a CPU.
+    overlap_slowdown: float | None = None
     # Measured by benchmarks/kernels.py (cluster.calibration): replaces the datasheet rates; `device` is then
     # its measured-* stand-in. Needed to plan a CPU.
     measured_device: MeasuredDevice | None = None
@@ -142,6 +145,7 @@ class Cluster:
                    latency, (c.inter_node_latency_us * 1e-6) or C.LATENCY_INTER_S,
                    calibration.links, path, pointwise_hbm_fraction=calibration.pointwise_hbm_fraction,
                    compiled_hbm_fraction=calibration.compiled_hbm_fraction, measured_device=measured,
+                   overlap_slowdown=calibration.overlap_slowdown,
                    price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
                    failures_per_gpu_hour=costs["failures_per_gpu_hour"], checkpoint_save_s=costs["checkpoint_save_s"],
                    restart_s=costs["restart_s"], elastic_restart_s=costs["elastic_restart_s"],

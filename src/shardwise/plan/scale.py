@@ -45,7 +45,9 @@ a collective spans, each with its source.
    OVERLAP_COMPUTE_SLOWDOWN of a second of compute (up to the compute there is). It grows with scale
    because the hidden collectives do: a data-parallel reduction keeps its size per GPU while the compute
    beside it shrinks (strong scaling), and a group across nodes runs longer at the network's bandwidth.
-   Not fitted to any published step; a CPU's gloo collectives (threads, not SMs) are not priced.
+   Not fitted to any published step. A CPU's gloo collectives (threads, not SMs) are not priced unless
+   measured: `shardwise bench-comm` times a GEMM loop alone and beside its all-reduces, and its file
+   (cluster.calibration) replaces the constant, on a GPU or a CPU.
 """
 from __future__ import annotations
 
@@ -77,12 +79,19 @@ def slowest_rank_fraction(num_gpus: int) -> float:
     return GPU_SPEED_SIGMA * expected_max_normal(num_gpus)
 
 
+def overlap_slowdown(cluster) -> float:
+    """How much slower compute runs beside a collective (module doc, item 4): `shardwise bench-comm`'s
+    measurement when cluster.calibration has one, else OVERLAP_COMPUTE_SLOWDOWN on a GPU and none on a CPU."""
+    measured = getattr(cluster, "overlap_slowdown", None)
+    if measured is not None:
+        return measured
+    return 0.0 if cluster.device_is_host else OVERLAP_COMPUTE_SLOWDOWN
+
+
 def overlap_contention(cluster, beside_s: float, compute_s: float) -> float:
     """Seconds a step's compute loses to the `beside_s` seconds of collectives that run beside it, out of
-    `compute_s` of compute (module doc, item 4); none on a CPU (cluster.gpu = "cpu")."""
-    if cluster.device_is_host:
-        return 0.0
-    return OVERLAP_COMPUTE_SLOWDOWN * min(max(0.0, beside_s), compute_s)
+    `compute_s` of compute (module doc, item 4)."""
+    return overlap_slowdown(cluster) * min(max(0.0, beside_s), compute_s)
 
 
 def megatron_bucket_params(dp: int) -> int:
@@ -182,7 +191,7 @@ def scale_terms(problem, est) -> dict:
     out = {"axes": axes, "slowest_rank": {"gpus": cl.num_gpus, "sigma": GPU_SPEED_SIGMA,
                                           "fraction": slowest_rank_fraction(cl.num_gpus),
                                           "seconds": est.breakdown_s.get("slowest_rank", 0.0)},
-           "overlap_contention": {"slowdown": 0.0 if cl.device_is_host else OVERLAP_COMPUTE_SLOWDOWN,
+           "overlap_contention": {"slowdown": overlap_slowdown(cl), "measured": cl.overlap_slowdown is not None,
                                   "comm_beside_compute_s": est.detail.get("comm_beside_compute_s", 0.0),
                                   "seconds": est.breakdown_s.get("overlap_contention", 0.0)}}
     if "dp_reduce_scatter_s" in est.detail:
@@ -209,7 +218,8 @@ def scale_lines(problem, est) -> list[str]:
     o = terms["overlap_contention"]
     if o["comm_beside_compute_s"] > 0:
         lines.append(f"  compute beside hidden comm: {o['comm_beside_compute_s']:.3g} s of collectives run beside compute, "
-                     f"which runs {o['slowdown']:.1%} slower there: +{o['seconds']:.3g} s (plan/scale.py)")
+                     f"which runs {o['slowdown']:.1%} slower there ({'measured' if o['measured'] else 'plan/scale.py'}): "
+                     f"+{o['seconds']:.3g} s")
     if "distributed_optimizer" in terms:
         d = terms["distributed_optimizer"]
         lines.append(f"  distributed optimizer: reduce-scatter {d['reduce_scatter_s']:.3g} s, all-gather "
