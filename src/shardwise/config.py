@@ -327,6 +327,10 @@ class ClusterConfig:
     gpus_per_node: int = opt(8, "Accelerators per node, joined by the intra-node fabric (NVLink / Infinity Fabric).")
     intra_node_gbps: float = opt(0.0, "Per-GPU unidirectional intra-node bandwidth in GB/s; 0 = the device's default.")
     inter_node_gbps: float = opt(0.0, "Per-GPU network bandwidth between nodes in GB/s; 0 = the device's default.")
+    memory_gib: float = opt(0.0, "Memory of one accelerator in GiB, for a variant of cluster.gpu (e.g. Meta's 96 GB H100); "
+                                 "0 = the device's datasheet.")
+    memory_bandwidth_gbps: float = opt(0.0, "Memory (HBM) bandwidth of one accelerator in GB/s, for a variant of cluster.gpu "
+                                            "(e.g. 2400 for an H100 with HBM2e); 0 = the device's datasheet.")
     intra_node_latency_us: float = opt(0.0, "Per-hop collective latency inside a node in microseconds; 0 = the planner's default.")
     inter_node_latency_us: float = opt(0.0, "Per-hop collective latency between nodes in microseconds; 0 = the planner's default.")
     model_states: str = opt("shardwise", '"shardwise": fp32 params + fp32 grads + fp32 AdamW (what this trainer does, any '

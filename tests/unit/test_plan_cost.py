@@ -294,3 +294,32 @@ def test_an_all_reduce_after_the_backward_is_exposed_whole():
     assert after.breakdown_s["dp_comm"] >= after.detail["ddp_allreduce_s"] > ddp.breakdown_s["dp_comm"] > 0
     assert problem.stack_for(after.layout).describe().endswith("DDP all-reduce after the backward")
     assert runs["fsdp", "overlapped"][0].breakdown_s == runs["fsdp", "after_backward"][0].breakdown_s
+
+
+def test_a_variant_parts_stated_memory_and_bandwidth_replace_the_datasheets():
+    """cluster.memory_gib / memory_bandwidth_gbps describe a variant of a table part (issue 60: torchtitan's
+    96 GB H100 with 2.4 TB/s HBM2e): memory-bound kernels slow with the bandwidth, capacity follows the size,
+    GEMMs (the same SMs) and the family's constants stay."""
+    from shardwise.errors import ConfigError
+
+    base = ["--model.preset=llama3-8b", "--train.seq_len=4096", "--train.micro_batch=1", "--train.global_batch=8",
+            "--cluster.num_gpus=8", "--parallel.dp_shard=8", "--parallel.zero=3"]
+
+    def price(*extra: str):
+        cfg = cfg_of(*base, *extra)
+        problem = Problem.from_config(cfg)
+        return problem, evaluate(problem, Layout.from_config(cfg, 8))
+
+    p80, sxm = price()
+    p96, hbm2e = price("--cluster.memory_gib=96", "--cluster.memory_bandwidth_gbps=2400")
+    assert p96.cluster.device.name == p80.cluster.device.name == "h100-sxm-80gb"
+    assert (p96.cluster.device.memory_gib, p96.cluster.device.memory_bandwidth_gbps) == (96, 2400)
+    assert p96.cluster.device.peak_flops("bf16") == p80.cluster.device.peak_flops("bf16")
+    assert hbm2e.memory.total == sxm.memory.total and hbm2e.memory.capacity > sxm.memory.capacity
+    # the optimizer step streams its states: at 2400 / 3350 of the bandwidth nearly 3350 / 2400 as long (its
+    # kernel launches stay)
+    assert 1.3 < hbm2e.breakdown_s["optimizer"] / sxm.breakdown_s["optimizer"] <= 3350 / 2400
+    assert sxm.step_time_s < hbm2e.step_time_s < sxm.step_time_s * 3350 / 2400
+    with pytest.raises(ConfigError) as e:
+        price("--cluster.memory_bandwidth_gbps=-1")
+    assert e.value.field == "cluster.memory_bandwidth_gbps"

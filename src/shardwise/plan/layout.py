@@ -106,7 +106,8 @@ class Cluster:
         if c.num_gpus > c.gpus_per_node and c.num_gpus % c.gpus_per_node:
             raise ConfigError("cluster.num_gpus", f"{c.num_gpus} GPUs do not fill whole nodes of {c.gpus_per_node}",
                               "use a multiple of cluster.gpus_per_node")
-        for key in ("intra_node_gbps", "inter_node_gbps", "intra_node_latency_us", "inter_node_latency_us"):
+        for key in ("intra_node_gbps", "inter_node_gbps", "intra_node_latency_us", "inter_node_latency_us", "memory_gib",
+                    "memory_bandwidth_gbps"):
             if getattr(c, key) < 0:
                 raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}", "0 takes the default")
         fixes = {"price_per_gpu_hour": "0 = not priced", "failures_per_gpu_hour": "0 = no failures; unset = Llama 3's rate",
@@ -128,6 +129,10 @@ class Cluster:
             raise ConfigError("cluster.gpu", "a CPU has no datasheet rates to plan with",
                               "measure them: `python benchmarks/kernels.py --device cpu --out kernels.json`, then "
                               "--cluster.calibration=kernels.json")
+        # A variant of the table's part (cluster.memory_gib / memory_bandwidth_gbps): stated values win over the
+        # datasheet and over a measured copy rate; the name stays, so per-family constants still apply.
+        device = replace(device, memory_gib=c.memory_gib or device.memory_gib,
+                         memory_bandwidth_gbps=c.memory_bandwidth_gbps or device.memory_bandwidth_gbps)
         intra, inter = c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps
         latency = (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S
         if c.num_gpus > 1 and not intra:

@@ -100,7 +100,8 @@ def problem_lines(problem: Problem) -> list[str]:
         f"model    {s.arch}: {_count(s.num_params)} params, {s.n_layers} layers, dim {s.dim}, heads {s.n_heads}/{s.n_kv_heads} kv, "
         f"ffn {s.ffn_dim}, vocab {s.vocab_size}{moe}; {_flops(s.flops_per_token(problem.seq_len))}/token (6N + 12Lsh)",
         f"cluster  {cl.num_gpus} x {cl.device.name} ({nodes} node{'s' if nodes > 1 else ''} of {cl.gpus_per_node}), "
-        f"{cl.device.memory_gib:g} GiB, {cl.device.peak_flops(_peak_key(problem)) / 1e12:.1f} TFLOP/s dense {_peak_key(problem)}{fp8}, "
+        f"{cl.device.memory_gib:g} GiB at {cl.device.memory_bandwidth_gbps:,.0f} GB/s, "
+        f"{cl.device.peak_flops(_peak_key(problem)) / 1e12:.1f} TFLOP/s dense {_peak_key(problem)}{fp8}, "
         f"links {cl.intra_gbps:g} GB/s intra / {cl.inter_gbps:g} GB/s inter per GPU",
         f"batch    seq {problem.seq_len} x global batch {problem.global_batch} = {_count(problem.tokens_per_step)} tokens/step; "
         f"{_tokens(problem.tokens)} tokens to train; model states \"{problem.model_states}\"",
