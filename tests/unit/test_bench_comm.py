@@ -194,3 +194,36 @@ def test_the_measured_overlap_slowdown_replaces_the_constant(tmp_path):
         with pytest.raises(ConfigError) as e:
             _estimate(f"--cluster.calibration={path}")
         assert e.value.field == "cluster.calibration" and "overlap.slowdown" in e.value.problem
+
+
+def test_on_a_gpu_the_gemm_loop_is_timed_on_its_stream_not_the_device(monkeypatch):
+    """measure_overlap queues all-reduces on NCCL's stream, then times the GEMMs beside them. A device-wide
+    synchronisation would wait for the all-reduces too and time them (which is why the first version, which
+    synchronised the device, would have measured the queue's length on a GPU): the loop is timed between two
+    events of the current stream. CPU test of that decision, with the CUDA calls faked."""
+    import torch
+
+    from shardwise.launch.bench_comm import _timed
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+
+        def record(self):
+            log.append("record")
+
+        def synchronize(self):
+            log.append("event sync")
+
+        def elapsed_time(self, other):
+            return 25.0  # ms
+
+    def device_sync(*args):
+        raise AssertionError("a device synchronisation also waits for the queued collectives")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", device_sync)
+    assert _timed(lambda: log.append("work"), torch.device("cuda")) == 0.025
+    assert log == ["record", "work", "record", "event sync"]

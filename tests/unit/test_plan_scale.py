@@ -88,7 +88,7 @@ def test_compute_beside_hidden_comm_runs_slower():
 def test_contention_never_exceeds_the_compute_and_skips_a_cpu():
     from types import SimpleNamespace
 
-    gpu, cpu = SimpleNamespace(device_is_host=False), SimpleNamespace(device_is_host=True)
+    gpu, cpu = (SimpleNamespace(device_is_host=host, overlap_slowdown=None) for host in (False, True))
     assert scale.overlap_contention(gpu, 2.0, 1.0) == pytest.approx(scale.OVERLAP_COMPUTE_SLOWDOWN)
     assert scale.overlap_contention(gpu, 0.5, 1.0) == pytest.approx(0.5 * scale.OVERLAP_COMPUTE_SLOWDOWN)
     assert scale.overlap_contention(cpu, 0.5, 1.0) == 0.0  # gloo's threads are not NCCL's SMs: not priced

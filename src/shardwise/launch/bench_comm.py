@@ -258,16 +258,22 @@ def measure(groups: dict[str, Any], sizes: list[int], iters: int, warmup: int, d
 
 
 def _timed(fn: Any, device: Any) -> float:
+    """Seconds `fn`'s work takes on this rank's compute: on a GPU between two events of the current stream,
+    not a device synchronisation, which would also wait for the collectives queued on NCCL's stream (and so
+    time them, not the GEMMs beside them); on a CPU the calling thread's wall clock (gloo runs on its own)."""
     import time
 
     import torch
 
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # milliseconds
     t0 = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 

@@ -82,9 +82,8 @@ def slowest_rank_fraction(num_gpus: int) -> float:
 def overlap_slowdown(cluster) -> float:
     """How much slower compute runs beside a collective (module doc, item 4): `shardwise bench-comm`'s
     measurement when cluster.calibration has one, else OVERLAP_COMPUTE_SLOWDOWN on a GPU and none on a CPU."""
-    measured = getattr(cluster, "overlap_slowdown", None)
-    if measured is not None:
-        return measured
+    if cluster.overlap_slowdown is not None:
+        return cluster.overlap_slowdown
     return 0.0 if cluster.device_is_host else OVERLAP_COMPUTE_SLOWDOWN
 
 
