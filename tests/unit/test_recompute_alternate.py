@@ -56,14 +56,8 @@ def _step(model, tokens):
     return counted.count, {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("arch,fused,recomputed", [("llama", False, 3), ("gpt", False, 2), ("llama", True, 1)],
-                         ids=["llama", "gpt", "llama_fused"])
-def test_gradients_are_exact_and_the_backward_reruns_every_other_matmul(arch, fused, recomputed, monkeypatch):
-    """The same gradients, bit for bit, as no recomputation (a rerun matmul on the CPU gives the same bits);
-    the policy keeps the 1st, 3rd, ... matmul of every block, and the eager replay reruns the others up to
-    the last one backward reads (torch's early stop spares the down-projection): llama wk, wo, w3 (3), gpt
-    wk, wo (2), joined projections wo (1); "op" reruns none. As plan/activations.py
-    alternate_recomputed_gemms prices them."""
+def _count_decisions(monkeypatch) -> Counter:
+    """The op_alternate policy's forward decisions on matmuls, counted as it makes them."""
     decisions: Counter = Counter()
     alternate = activation_checkpoint._save_alternate_matmuls
 
@@ -74,6 +68,18 @@ def test_gradients_are_exact_and_the_backward_reruns_every_other_matmul(arch, fu
         return decision
 
     monkeypatch.setattr(activation_checkpoint, "_save_alternate_matmuls", counting_alternate)
+    return decisions
+
+
+@pytest.mark.parametrize("arch,fused,recomputed", [("llama", False, 3), ("gpt", False, 2), ("llama", True, 1)],
+                         ids=["llama", "gpt", "llama_fused"])
+def test_gradients_are_exact_and_the_backward_reruns_every_other_matmul(arch, fused, recomputed, monkeypatch):
+    """The same gradients, bit for bit, as no recomputation (a rerun matmul on the CPU gives the same bits);
+    the policy keeps the 1st, 3rd, ... matmul of every block, and the eager replay reruns the others up to
+    the last one backward reads (torch's early stop spares the down-projection): llama wk, wo, w3 (3), gpt
+    wk, wo (2), joined projections wo (1); "op" reruns none. As plan/activations.py
+    alternate_recomputed_gemms prices them."""
+    decisions = _count_decisions(monkeypatch)
     ref = _model(arch, fused)
     tokens = torch.randint(0, 512, (2, 16))
     runs = {}
@@ -165,16 +171,7 @@ def test_fp8_linears_alternate_as_the_bf16_ones(monkeypatch):
     before their own _scaled_mm: checked with the non-emulated path, which this CPU's torch also runs."""
     from shardwise.parallel import float8 as F8
 
-    decisions: Counter = Counter()
-    alternate = activation_checkpoint._save_alternate_matmuls
-
-    def counting_alternate(counts, scope, ctx, op, *args, **kwargs):
-        decision = alternate(counts, scope, ctx, op, *args, **kwargs)
-        if not ctx.is_recompute and op in MATMUL_OPS:
-            decisions[decision] += 1
-        return decision
-
-    monkeypatch.setattr(activation_checkpoint, "_save_alternate_matmuls", counting_alternate)
+    decisions = _count_decisions(monkeypatch)
     model = _model("llama")
     assert len(F8.apply_float8(model, "tensorwise", fsdp=False, emulate=False)) == 7 * model.cfg.n_layers
     apply_activation_checkpointing(model, "selective", "op_alternate", 1)
