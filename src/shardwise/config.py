@@ -331,6 +331,12 @@ class ClusterConfig:
                                  "0 = the device's datasheet.")
     memory_bandwidth_gbps: float = opt(0.0, "Memory (HBM) bandwidth of one accelerator in GB/s, for a variant of cluster.gpu "
                                             "(e.g. 2400 for an H100 with HBM2e); 0 = the device's datasheet.")
+    nodes_per_pod: int = opt(0, "Nodes under one non-blocking tier of the network (a pod, an AI zone), when the tier above "
+                                "them is oversubscribed (cluster.oversubscription); e.g. 384 for Meta's 3,072-GPU pods. "
+                                "0 = the whole cluster is one non-blocking fabric (plan/fabric.py).")
+    oversubscription: float = opt(1.0, "Taper between pods: a pod's injection bandwidth over its uplinks to the other pods "
+                                       "(7 for Meta's 1:7); 1 = non-blocking. Collectives whose flows leave a pod faster "
+                                       "than its uplinks carry slow down (plan/fabric.py).")
     intra_node_latency_us: float = opt(0.0, "Per-hop collective latency inside a node in microseconds; 0 = the planner's default.")
     inter_node_latency_us: float = opt(0.0, "Per-hop collective latency between nodes in microseconds; 0 = the planner's default.")
     model_states: str = opt("shardwise", '"shardwise": fp32 params + fp32 grads + fp32 AdamW (what this trainer does, any '

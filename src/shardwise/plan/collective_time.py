@@ -1,7 +1,8 @@
 """What a collective costs: the Collective record plan/comm.py lists (payload, calls, phase), the wire
 bytes one rank sends with the ring algorithms (Thakur et al. 2005; Patarasuk & Yuan 2009), and the
 seconds of a call on a group placed over `per_node` ranks x `nodes` nodes — from the datasheet links
-(constants.BUS_FRACTION_*, LATENCY_*_S) or a `shardwise bench-comm` measurement (cluster.calibration).
+(constants.BUS_FRACTION_*, LATENCY_*_S), slowed where the fabric's pods are oversubscribed
+(plan/fabric.py), or a `shardwise bench-comm` measurement (cluster.calibration).
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 from typing import NamedTuple
 
 from shardwise.plan.calibration import AxisCalibration
-from shardwise.plan.layout import Cluster, axis_placement
+from shardwise.plan.fabric import axis_tapers, pattern_of
+from shardwise.plan.layout import Cluster, axis_groups, axis_placement
 from shardwise.plan.scale import bus_bandwidth, nccl_latency
 from shardwise.spec.layout import Layout
 
@@ -47,7 +49,7 @@ def wire_bytes(kind: str, payload: float, n: int) -> float:
     return float(payload)
 
 
-def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluster: Cluster) -> float:
+def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluster: Cluster, taper: float = 1.0) -> float:
     """Seconds for one call on a group with `per_node` ranks in each of `nodes` nodes.
 
     Hierarchical (two-level) algorithms: the intra-node part moves its ring share over NVLink, the
@@ -55,12 +57,14 @@ def collective_time(kind: str, payload: float, per_node: int, nodes: int, cluste
     trees span nodes with one NIC per GPU; 2D schemes as Mikami et al. 2018, arXiv 1811.05233). The
     latency of an all-reduce / all-gather / reduce-scatter is that of the algorithm NCCL picks for the
     node count (plan/scale.py: ring steps, tree or PAT depth); the others, log2(n) hops at the slowest
-    level's per-hop latency.
+    level's per-hop latency. `taper` (plan/fabric.py) stretches the network part where the group's flows
+    leave an oversubscribed pod faster than its uplinks carry them.
     """
     n = per_node * nodes
     if n <= 1 or payload <= 0:
         return 0.0
     b_intra, b_inter = bus_bandwidth(cluster)
+    b_inter /= taper
     g, k = per_node, nodes
     alpha = cluster.inter_latency_s if k > 1 else cluster.intra_latency_s
     if kind in ("send", "recv"):
@@ -93,20 +97,34 @@ def measured_time(kind: str, payload: float, n: int, cal: AxisCalibration) -> fl
     return wire / cal.bus_bytes_per_s + (2 if kind == "all_reduce" else 1) * math.ceil(math.log2(n)) * cal.hop_latency_s
 
 
-def placements(lay: Layout, cluster: Cluster) -> dict[str, tuple[int, int]]:
-    return axis_placement(lay, cluster.gpus_per_node)
+class Place(NamedTuple):
+    """Where one group of a mesh axis sits: ranks per node, nodes spanned, and the fabric's taper of each
+    flow pattern (plan/fabric.py; empty = not slowed)."""
+
+    per_node: int
+    nodes: int
+    tapers: dict[str, float]
+
+    def taper(self, axis: str, kind: str) -> float:
+        return self.tapers.get(pattern_of(axis, kind), 1.0)
 
 
-def time_of(c: Collective, place: dict[str, tuple[int, int]], cluster: Cluster, calls: float | None = None) -> float:
+def placements(lay: Layout, cluster: Cluster) -> dict[str, Place]:
+    groups = axis_groups(lay)
+    tapers = axis_tapers(groups, cluster)
+    return {axis: Place(g, k, tapers.get(axis, {})) for axis, (g, k) in axis_placement(lay, cluster.gpus_per_node).items()}
+
+
+def time_of(c: Collective, place: dict[str, Place], cluster: Cluster, calls: float | None = None) -> float:
     """Seconds for `calls` (default: all) calls of collective `c`."""
+    p = place[c.axis]
+    n_calls = c.calls if calls is None else calls
     cal = cluster.measured(c.axis) if cluster.calibration else None
     if cal is not None:
-        g, k = place[c.axis]
-        return measured_time(c.kind, c.payload, 2 if c.axis == "pp" else g * k, cal) * (c.calls if calls is None else calls)
+        return measured_time(c.kind, c.payload, 2 if c.axis == "pp" else p.per_node * p.nodes, cal) * n_calls
+    taper = p.taper(c.axis, c.kind)
     if c.axis == "pp":
-        g, k = place["pp"]
-        one = collective_time(c.kind, c.payload, 1, 2 if k > 1 else 1, cluster) if k > 1 else \
+        one = collective_time(c.kind, c.payload, 1, 2, cluster, taper) if p.nodes > 1 else \
             collective_time(c.kind, c.payload, 2, 1, cluster)
-        return one * (c.calls if calls is None else calls)
-    g, k = place[c.axis]
-    return collective_time(c.kind, c.payload, g, k, cluster) * (c.calls if calls is None else calls)
+        return one * n_calls
+    return collective_time(c.kind, c.payload, p.per_node, p.nodes, cluster, taper) * n_calls

@@ -35,6 +35,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.plan import constants as C
+from shardwise.plan.collective_time import Place
 from shardwise.plan.comm import Collective, placements, time_of
 from shardwise.plan.compute_time import streaming_fraction
 from shardwise.plan.inventory import RankModel, local_shape, numel, pipeline_rank, rank_params
@@ -273,7 +274,7 @@ def _estimate(problem: Problem, lay: Layout, batch: int, prompt: int, new: int, 
     bandwidth = gbps * 1e9
     place = placements(lay, cluster)
     world = tp * pp
-    place["world"] = (min(world, cluster.gpus_per_node), math.ceil(world / cluster.gpus_per_node))
+    place["world"] = Place(min(world, cluster.gpus_per_node), math.ceil(world / cluster.gpus_per_node), {})
 
     def comm(axis: str, kind: str, payload: float, calls: float = 1) -> float:
         return time_of(Collective(axis, kind, payload, calls, "fwd"), place, cluster) if calls else 0.0

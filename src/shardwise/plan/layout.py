@@ -69,6 +69,9 @@ class Cluster:
     # parallel.offload = "nvme": the local disk's bandwidth per GPU, GB/s (cluster.disk_gbps, measured by
     # `shardwise doctor --disk DIR`); 0 = the datasheet NVMe drive of constants.NVME_*.
     disk_gbps: float = 0.0
+    # The tapered tier of the fabric (cluster.nodes_per_pod / oversubscription, plan/fabric.py): 0 / 1 = none.
+    nodes_per_pod: int = 0
+    oversubscription: float = 1.0
 
     @property
     def device_is_host(self) -> bool:
@@ -114,6 +117,12 @@ class Cluster:
                  "checkpoint_save_s": "unset = estimated from the checkpoint's bytes", "restart_s": "unset = an assumed 600 s",
                  "elastic_restart_s": "unset = the measured 47 s",
                  "disk_gbps": "0 = a datasheet NVMe drive per GPU"}
+        if c.nodes_per_pod < 0:
+            raise ConfigError("cluster.nodes_per_pod", f"must be >= 0, got {c.nodes_per_pod}",
+                              "0 = one non-blocking fabric; else the nodes under one non-blocking tier, e.g. 384")
+        if not (math.isfinite(c.oversubscription) and c.oversubscription >= 1):
+            raise ConfigError("cluster.oversubscription", f"must be a finite number >= 1, got {c.oversubscription}",
+                              "a pod's injection bandwidth / its uplinks', e.g. 7 for 1:7; 1 = non-blocking")
         costs = {k: getattr(c, k, None) for k in fixes}
         for key, v in costs.items():
             if v is not None and not (math.isfinite(v) and v >= 0):
@@ -154,7 +163,8 @@ class Cluster:
                    price_per_gpu_hour=costs["price_per_gpu_hour"] or 0.0,
                    failures_per_gpu_hour=costs["failures_per_gpu_hour"], checkpoint_save_s=costs["checkpoint_save_s"],
                    restart_s=costs["restart_s"], elastic_restart_s=costs["elastic_restart_s"],
-                   disk_gbps=costs["disk_gbps"] or 0.0)
+                   disk_gbps=costs["disk_gbps"] or 0.0, nodes_per_pod=c.nodes_per_pod,
+                   oversubscription=c.oversubscription)
 
 
 @dataclass(frozen=True, eq=False)
@@ -311,17 +321,14 @@ def check_layout(problem: Problem, lay: Layout, allow_cross_node_tp: bool = True
     return None
 
 
-def axis_placement(lay: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]]:
-    """For each mesh axis: (ranks of one group inside a node, nodes the group spans).
+def axis_groups(lay: Layout) -> dict[str, tuple[int, int]]:
+    """For each mesh axis: (group size, stride in ranks between consecutive members).
 
     Ranks are laid out row-major over MESH_ORDER (tp fastest), as DeviceMesh does; a group of axis A
-    with size n has stride = product of the sizes inside A. If stride * n <= gpus_per_node the group
-    lives in one node; if stride >= gpus_per_node every member is on another node; in between it has
-    gpus_per_node / stride members per node. The flattened "dp" group (dp_replicate x dp_shard) is
-    contiguous in the mesh, so it is placed like one axis of size dp with dp_shard's stride.
+    with size n has stride = product of the sizes inside A. The flattened "dp" group (dp_replicate x
+    dp_shard) is contiguous in the mesh, so it is placed like one axis of size dp with dp_shard's stride.
     """
     sizes = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp}
-    out: dict[str, tuple[int, int]] = {}
     stride = 1
     strides = {}
     for axis in reversed(MESH_ORDER):
@@ -345,8 +352,18 @@ def axis_placement(lay: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]
         q = math.isqrt(lay.tp)
         groups["tp_col"], strides["tp_col"] = q, strides["tp"]
         groups["tp_row"], strides["tp_row"] = q, strides["tp"] * q
-    for axis, n in groups.items():
-        st = strides[axis]
+    return {axis: (n, strides[axis]) for axis, n in groups.items()}
+
+
+def axis_placement(lay: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]]:
+    """For each mesh axis: (ranks of one group inside a node, nodes the group spans).
+
+    A group of size n and stride st (`axis_groups`) lives in one node if st * n <= gpus_per_node; if
+    st >= gpus_per_node every member is on another node; in between it has gpus_per_node / st members
+    per node.
+    """
+    out: dict[str, tuple[int, int]] = {}
+    for axis, (n, st) in axis_groups(lay).items():
         if n == 1:
             out[axis] = (1, 1)
         elif st * n <= gpus_per_node:

@@ -166,13 +166,14 @@ def scale_terms(problem, est) -> dict:
     """Per mesh axis of size > 1: how it is placed (ranks per node x nodes), the algorithm NCCL runs its
     main collectives with, the bus bandwidth and per-call latency assumed (or measured: cluster.calibration);
     and the slowest-GPU allowance and the distributed optimizer's exposure when priced."""
-    from shardwise.plan.layout import axis_placement
+    from shardwise.plan.collective_time import placements
+    from shardwise.plan.fabric import pattern_of
 
     cl, lay = problem.cluster, est.layout
-    place = axis_placement(lay, cl.gpus_per_node)
+    place = placements(lay, cl)
     axes = {}
     for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
-        g, k = place[axis]
+        g, k, tapers = place[axis]
         if g * k <= 1:
             continue
         cal = cl.measured(axis) if cl.calibration else None
@@ -186,8 +187,13 @@ def scale_terms(problem, est) -> dict:
                 if kind in ("all_reduce", "all_gather", "reduce_scatter"):
                     lat, algo = nccl_latency(kind, g, k, cl.intra_latency_s, cl.inter_latency_s)
                     entry[kind] = {"algorithm": algo, "latency_us": lat * 1e6}
+            used = {pattern_of(axis, kind) for kind in kinds}
+            slowed = {pat: t for pat, t in tapers.items() if t > 1 and pat in used}
+            if slowed:
+                entry["pod_taper"] = slowed
         axes[axis] = entry
-    out = {"axes": axes, "slowest_rank": {"gpus": cl.num_gpus, "sigma": GPU_SPEED_SIGMA,
+    out = {"axes": axes, "fabric": {"nodes_per_pod": cl.nodes_per_pod, "oversubscription": cl.oversubscription},
+           "slowest_rank": {"gpus": cl.num_gpus, "sigma": GPU_SPEED_SIGMA,
                                           "fraction": slowest_rank_fraction(cl.num_gpus),
                                           "seconds": est.breakdown_s.get("slowest_rank", 0.0)},
            "overlap_contention": {"slowdown": overlap_slowdown(cl), "measured": cl.overlap_slowdown is not None,
@@ -209,8 +215,14 @@ def scale_lines(problem, est) -> list[str]:
             lines.append(f"  {axis}: {where}, measured {e['bus_gbps']:.0f} GB/s busbw, {e['hop_latency_us']:.1f} us per hop")
             continue
         algos = ", ".join(f"{k.replace('_', '-')} {v['algorithm']} ({v['latency_us']:.0f} us/call)"
-                          for k, v in e.items() if isinstance(v, dict))
-        lines.append(f"  {axis}: {where}, busbw {e['bus_gbps']:.0f} GB/s" + (f"; {algos}" if algos else ""))
+                          for k, v in e.items() if isinstance(v, dict) and "algorithm" in v)
+        taper = ", ".join(f"{pat.replace('_', '-')} x{t:.2f}" for pat, t in e.get("pod_taper", {}).items())
+        lines.append(f"  {axis}: {where}, busbw {e['bus_gbps']:.0f} GB/s" + (f"; {algos}" if algos else "")
+                     + (f"; leaves its pod: network time {taper}" if taper else ""))
+    f = terms["fabric"]
+    if f["nodes_per_pod"] and f["oversubscription"] > 1:
+        lines.insert(0, f"  fabric: pods of {f['nodes_per_pod']:,} nodes, {f['oversubscription']:g}:1 between pods "
+                        "(plan/fabric.py)")
     s = terms["slowest_rank"]
     lines.append(f"  slowest GPU of {s['gpus']:,}: +{s['fraction']:.1%} of the compute ({s['seconds']:.3g} s; "
                  f"GPU speed sigma {s['sigma']:.1%}, plan/scale.py)")
@@ -223,5 +235,5 @@ def scale_lines(problem, est) -> list[str]:
         d = terms["distributed_optimizer"]
         lines.append(f"  distributed optimizer: reduce-scatter {d['reduce_scatter_s']:.3g} s, all-gather "
                      f"{d['param_gather_s']:.3g} s per step, overlapped (the exposed part is in dp comm)")
-    return ["what grows with scale (NCCL algorithm and bus bandwidth per axis, the slowest GPU, compute beside "
-            "hidden comm):", *lines]
+    return ["what grows with scale (NCCL algorithm and bus bandwidth per axis, the fabric's taper, the slowest GPU, "
+            "compute beside hidden comm):", *lines]
