@@ -166,14 +166,16 @@ def scale_terms(problem, est) -> dict:
     """Per mesh axis of size > 1: how it is placed (ranks per node x nodes), the algorithm NCCL runs its
     main collectives with, the bus bandwidth and per-call latency assumed (or measured: cluster.calibration);
     and the slowest-GPU allowance and the distributed optimizer's exposure when priced."""
-    from shardwise.plan.collective_time import placements
-    from shardwise.plan.fabric import pattern_of
+    from shardwise.plan.fabric import axis_tapers, pattern_of
+    from shardwise.plan.layout import axis_groups, axis_placement
 
     cl, lay = problem.cluster, est.layout
-    place = placements(lay, cl)
+    place = axis_placement(lay, cl.gpus_per_node)
+    fabric = axis_tapers(axis_groups(lay), cl)
     axes = {}
     for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
-        g, k, tapers = place[axis]
+        g, k = place[axis]
+        tapers = fabric.get(axis, {})
         if g * k <= 1:
             continue
         cal = cl.measured(axis) if cl.calibration else None
