@@ -379,6 +379,10 @@ class ClusterConfig:
                                         '"distributed_optimizer" (Megatron-Core\'s, with parallel.zero=1: reduce-scatter '
                                         "in the last backward, all-gather in the next forward, chunk by chunk under an "
                                         "interleaved pipeline); unset: overlapped, as the trainer runs it.")
+    rope_kernel: str | None = opt(None, 'RoPE to price: "fused" (real cos / sin ops, fused into the compiled block, as '
+                                        'the trainer runs it) or "complex" (complex multiplication, as Meta\'s Llama '
+                                        "reference and torchtitan write it: inductor runs it as an eager kernel between "
+                                        'two casts); unset: fused. Llama blocks only.')
     fp8_kernel: str | None = opt(None, 'How train.precision="fp8" casts, to price: "torchao" (dynamic scaling: an amax '
                                        "pass and a cast of every GEMM operand each micro-batch, as the trainer runs "
                                        'it) or "transformer_engine" (delayed scaling under Megatron-Core: casts fused '

@@ -295,3 +295,27 @@ def test_the_offload_row_larger_than_the_gpu_within_ten_percent(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert abs(plan["step_time_s"] / OFFLOAD_BIG_STEP_S - 1) <= STEP_RTOL, plan["step_time_s"]
     assert abs(plan["memory_gib"]["total"] / OFFLOAD_BIG_PEAK_GIB - 1) <= MEMORY_RTOL, plan["memory_gib"]
+
+
+def test_complex_rope_is_an_eager_kernel_inside_a_compiled_block(capsys):
+    """cluster.rope_kernel = "complex" (torchtitan's view_as_complex RoPE, plan/stack.py): compiled, inductor
+    runs the multiply as its eager fallback between two casts where the fused kernels read and wrote q and k
+    once, and a compiled recomputation reruns it; eager, those three kernels move half the bytes of the
+    trainer's ten-pass real RoPE (20 against 40 B per element of q and k)."""
+    base = ["plan", "evaluate", "--json", *json.loads(FIXTURE.read_text())["base"], "--train.recompute=selective"]
+
+    def price(*extra: str) -> dict:
+        assert main(base + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    fused, complex_ = price("--train.compile=true"), price("--train.compile=true", "--cluster.rope_kernel=complex")
+    assert complex_["stack"].endswith(", RoPE as complex multiplication")
+    assert complex_["breakdown_s"]["compute"] > fused["breakdown_s"]["compute"]
+    assert complex_["breakdown_s"]["recompute"] > fused["breakdown_s"]["recompute"]
+    eager, eager_complex = price(), price("--cluster.rope_kernel=complex")
+    assert eager_complex["breakdown_s"]["compute"] < eager["breakdown_s"]["compute"]
+    # a GPT block has no RoPE: nothing to price
+    gpt = ["--model.arch=gpt", "--train.compile=true"]
+    assert price(*gpt)["step_time_s"] == price(*gpt, "--cluster.rope_kernel=complex")["step_time_s"]
+    assert main(base + ["--cluster.rope_kernel=polar"]) == 2
+    assert "cluster.rope_kernel" in capsys.readouterr().err

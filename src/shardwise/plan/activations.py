@@ -382,6 +382,12 @@ def loss_bytes_2d(shape: ModelShape, reg: str, tp: int) -> BlockActivations:
     return BlockActivations((4 if reg == "fp32" else 2) * shape.vocab_size / tp + 21 / tp ** 0.5, 0.0)
 
 
+def eager_rope_bytes(shape: ModelShape, reg: str, tp: int) -> float:
+    """Bytes per token of a llama block's eager RoPE on q and k (models/common.py RotaryEmbedding): mul cos,
+    chunk / neg, cat, mul sin, add — ~10 passes over (h + kv), promoted to fp32 by the fp32 tables."""
+    return 10 * 4 * (shape.dim / tp + max(shape.kv_dim / tp, shape.head_dim)) if shape.arch == "llama" else 0.0
+
+
 def rope_table_bytes(shape: ModelShape) -> float:
     """llama's RoPE cos/sin buffers (max_seq_len x head_dim fp32 each): RoPE saves slices of them,
     which keep the whole buffer alive — counted once, like the activation meter does."""
@@ -448,14 +454,14 @@ def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_
       by the fp32 cos/sin tables.
     residual adds: 2 x (r rh + r ah w rh); SwiGLU: silu (r af w af) + mul (r 2af w af); GELU: r af w af.
     """
-    h, kv = shape.dim, max(shape.kv_dim / tp, shape.head_dim)
+    h = shape.dim
     a = 4 if reg == "fp32" else 2
     r = 2 if reg == "lowp" else 4
     res_div = tp if sp else 1
     norms = norm_forward_bytes(shape, reg, tp, sp)
     if shape.arch == "llama":
         casts = 5 * 6 * h if reg in ("autocast", "autocast_fp8") else 0.0  # q, k, v inputs; w1, w3 inputs
-        rope = 10 * 4 * (h / tp + kv)
+        rope = eager_rope_bytes(shape, reg, tp)
     else:
         casts = 4 * 6 * h if reg != "fp32" else 0.0   # q, k, v inputs; fc input
         rope = 0.0

@@ -101,7 +101,7 @@ def pointwise_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool, moe_
     a, r, kv, f = _sizes(shape, reg, tp)
     res_div = tp if sp else 1
     stream = ((r + a) * h + (2 * r + 2 * a) * h + (2 * r + a) * h) / res_div
-    rope = 2 * a * (h / tp + kv) if shape.arch == "llama" else 0.0
+    rope = fused_rope_bytes(shape, reg, tp)
     if moe_layer and shape.moe is not None:
         return stream + rope
     act = 3 * a * f if shape.arch == "llama" else 2 * a * f
@@ -140,3 +140,24 @@ def fused_norm_forward_bytes(shape: ModelShape, reg: str, tp: int, sp: bool) -> 
         return A.norm_forward_bytes(shape, reg, tp, sp)
     _, r, _, _ = _sizes(shape, reg, tp)
     return 2 * 2 * r * shape.dim / (tp if sp else 1)
+
+
+def fused_rope_bytes(shape: ModelShape, reg: str, tp: int) -> float:
+    """Bytes per token of a llama block's RoPE inside the fused kernels: read and write q and k once."""
+    if shape.arch != "llama":
+        return 0.0
+    a, _, kv, _ = _sizes(shape, reg, tp)
+    return 2 * a * (shape.dim / tp + kv)
+
+
+def complex_rope_bytes(shape: ModelShape, reg: str, tp: int) -> tuple[float, float]:
+    """Bytes per token of one llama block's forward RoPE on q and k written as complex multiplication
+    (cluster.rope_kernel = "complex", plan/stack.py), as (cast kernels, the multiply): q and k cast to fp32
+    (read a, write 4), viewed as complex and multiplied by the fp32 table in inductor's eager fallback kernel
+    (read 4, write 4; the table is cached), viewed back and cast (read 4, write a). Eager runs the same three
+    kernels. The fused kernels' RoPE (`pointwise_forward_bytes`: read and write a) is what this replaces."""
+    if shape.arch != "llama":
+        return 0.0, 0.0
+    a, _, kv, _ = _sizes(shape, reg, tp)
+    width = shape.dim / tp + kv
+    return 2 * (a + 4) * width, 8 * width

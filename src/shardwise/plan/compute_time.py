@@ -225,6 +225,17 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     if host:
         launch_s = host.block_kernel_s
     reg = A.regime(problem.precision, lay.lowp_params, problem.model_states)
+    # cluster.rope_kernel = "complex" (plan/stack.py): seconds per token of one block's complex RoPE over what
+    # its kernels above price for it (eager: ~10 passes over q and k; compiled: one read and write, fused),
+    # and what a compiled recomputation adds (the eager fallback cannot join the backward's fused kernels).
+    complex_rope = complex_rope_rc = 0.0
+    if stack.rope == "complex" and s.arch == "llama":
+        casts, multiply = K.complex_rope_bytes(s, reg, lay.tp)
+        complex_rope_rc = casts / fused_bw + multiply / eager_bw
+        if eager:
+            complex_rope = (casts + multiply - A.eager_rope_bytes(s, reg, lay.tp)) / pointwise_bw
+        else:
+            complex_rope = complex_rope_rc - K.fused_rope_bytes(s, reg, lay.tp) / fused_bw
 
     def block_fwd(moe: bool) -> tuple[float, float, float, float, float, tuple[float, float]]:
         gemms = _block_gemms(problem, lay, tokens, moe)
@@ -271,6 +282,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             pointwise = K.pointwise_forward_bytes(s, reg, lay.tp, sp, moe) * tokens / fused_bw
             if moe:
                 pointwise += K.eager_moe_pointwise_bytes(s, reg, lay.tp) * tokens / eager_bw
+        pointwise += complex_rope * tokens
         # FP8's dynamic scaling: per converted GEMM, an amax pass over the input and the weight and a cast
         # of each (read 2 B twice, write 1 B: C.FP8_CAST_BYTES per element); backward (2x, below) casts
         # the output gradient and the transposed input alike. Bytes over HBM, not measured (no GPU here).
@@ -399,7 +411,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         # "op", compiled: the partitioner recomputes pointwise chains in the backward's fused kernels with
         # or without the policy; what the policy adds is rerunning the two norms (plan/compiled.py).
         sp = lay.sp or lay.tp_mode == "2d"
-        recompute = rank.layers * K.selective_norm_bytes(s, reg, lay.tp, sp) * tokens / fused_bw
+        recompute = rank.layers * (K.selective_norm_bytes(s, reg, lay.tp, sp) / fused_bw + complex_rope_rc) * tokens
     elif lay.recompute == "selective":  # "op": the pointwise forward runs again
         recompute = rank.dense_layers * e_d + rank.moe_layers * e_m
         if lay.linear_tiles > 1:  # ... and the tiled MLP's forward GEMMs, which the policy does not cache

@@ -22,6 +22,11 @@ loss — so a planner that only knows today's kernels mis-plans the cluster a us
               | distributed_optimizer: Megatron-Core's --use-distributed-optimizer --overlap-grad-reduce
               --overlap-param-gather with parallel.zero=1: bucketed reduce-scatter in the last backward and
               all-gather in the next forward, pipeline parallel or not (plan/scale.py)
+  rope        fused | complex                    RoPE on q and k: real cos / sin ops (what the trainer runs:
+              fused into the block's Triton kernels when compiled) or complex multiplication as Meta's
+              Llama reference and torchtitan write it (view_as_complex): inductor cannot generate code for
+              complex operators and runs that multiply as its eager kernel (torchtitan#15: "Performance may
+              be worse than eager"), between its own cast kernels (plan/compiled.py complex_rope_bytes)
   fp8         torchao | transformer_engine       how train.precision="fp8" scales and casts (unset: torchao,
               what the trainer runs: dynamic scaling, an amax pass and a cast of each GEMM operand every
               micro-batch) or Transformer Engine's delayed scaling under Megatron-Core: casts fused with
@@ -38,9 +43,10 @@ NORM_KERNELS = ("fused", "unfused")
 LOSS_KERNELS = ("compiled", "eager")
 GRAD_REDUCE = ("overlapped", "after_backward", "distributed_optimizer")
 FP8_KERNELS = ("torchao", "transformer_engine")
+ROPE_KERNELS = ("fused", "complex")
 CHOICES = {"attention_kernel": ATTENTION_KERNELS, "optimizer_kernel": OPTIMIZER_KERNELS,
            "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS, "grad_reduce": GRAD_REDUCE,
-           "fp8_kernel": FP8_KERNELS}
+           "fp8_kernel": FP8_KERNELS, "rope_kernel": ROPE_KERNELS}
 
 
 @dataclass(frozen=True)
@@ -52,13 +58,15 @@ class Stack:
     loss: str
     grad_reduce: str = "overlapped"
     fp8: str = "torchao"  # read under train.precision = "fp8" only
+    rope: str = "fused"
 
     def describe(self) -> str:
         return (f"{'compiled blocks (inductor)' if self.compiled else 'eager'}, attention {self.attention}, "
                 f"AdamW {self.optimizer}, norms {self.norms}, loss {self.loss}"
                 + (", DDP all-reduce after the backward" if self.grad_reduce == "after_backward" else "")
                 + (", Megatron distributed optimizer (overlapped reduce-scatter and all-gather)"
-                   if self.grad_reduce == "distributed_optimizer" else ""))
+                   if self.grad_reduce == "distributed_optimizer" else "")
+                + (", RoPE as complex multiplication" if self.rope == "complex" else ""))
 
 
 def resolve(choices: dict[str, str | None], compiled: bool, attention_default: str, device_type: str) -> Stack:
@@ -68,4 +76,5 @@ def resolve(choices: dict[str, str | None], compiled: bool, attention_default: s
                  choices.get("optimizer_kernel") or ("fused" if device_type == "cuda" else "foreach"),
                  choices.get("norm_kernel") or ("fused" if compiled else "unfused"),
                  choices.get("loss_kernel") or ("compiled" if compiled else "eager"),
-                 choices.get("grad_reduce") or "overlapped", choices.get("fp8_kernel") or "torchao")
+                 choices.get("grad_reduce") or "overlapped", choices.get("fp8_kernel") or "torchao",
+                 choices.get("rope_kernel") or "fused")
