@@ -76,6 +76,10 @@ def test_evaluate_slows_the_pipeline_that_crosses_oversubscribed_pods():
     assert "pp: 1 per node x 4 nodes, busbw 42 GB/s; leaves its pod: network time chain x7.00" in lines
     # 1:1 pods change nothing
     assert _price("--cluster.nodes_per_pod=32")[1].step_time_s == flat.step_time_s
+    # the search's fast path prices the same taper
+    from shardwise.plan.cost import step_seconds
+    lay = tapered.layout
+    assert step_seconds(problem, lay, lay.schedule, lay.virtual_stages) == pytest.approx(tapered.step_time_s)
 
 
 @pytest.mark.parametrize("key, value", [("nodes_per_pod", "-1"), ("oversubscription", "0.5"), ("oversubscription", "nan")])
