@@ -42,6 +42,20 @@ def test_a_pipeline_with_one_stage_per_pod_sends_every_gpu_across():
     assert pod_taper("chain", 4, 256, 8, 1024, 512, 7.0) == pytest.approx(7.0 * 256 / 512)
 
 
+def test_ring_attention_sends_leave_a_pod_once_per_group():
+    """cp 8 at stride 8 (one rank per node) on 128 GPUs in pods of 32 (4 nodes): 16 groups, each in 2 pods;
+    a pod's 8 groups each send one K/V flow out of it: 8 of its 32 NICs, so 1:4 carries it and 1:8 halves it.
+    The all-reduce's hierarchical rings on the same groups leave alike; a chain both ways leaves twice."""
+    assert pod_taper("p2p_ring", 8, 8, 8, 128, 32, 4.0) == 1.0
+    assert pod_taper("p2p_ring", 8, 8, 8, 128, 32, 8.0) == pytest.approx(2.0)
+    assert pod_taper("ring", 8, 8, 8, 128, 32, 8.0) == pytest.approx(2.0)
+    assert pod_taper("chain", 8, 8, 8, 128, 32, 8.0) == pytest.approx(2.0)  # the end pods: one way each
+    # two members per node (stride 4): a K/V ring still crosses each pod boundary once, the all-reduce's
+    # hierarchical rings twice
+    assert pod_taper("p2p_ring", 16, 4, 8, 128, 32, 8.0) == pytest.approx(1.0)
+    assert pod_taper("ring", 16, 4, 8, 128, 32, 8.0) == pytest.approx(2.0)
+
+
 def test_all_to_all_sends_its_share_bound_outside():
     """ep 16 one per node on 128 GPUs in pods of 64: 8 members of each group inside, 8 outside, so each
     member sends 8/15 of its network bytes out; 8 groups x 8 members x 8/15 over 64 GPUs, x 4."""

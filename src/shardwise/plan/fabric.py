@@ -22,6 +22,8 @@ the axis (ranks row-major over the mesh, plan/layout.py axis_groups; pods are co
   chain  (pipeline send / recv) — a stage boundary between pods is one flow per group each way,
          forward out of the lower pod and backward out of the upper one (one GPU's NIC, one flow at a
          time, when the pod holds a single stage of the group);
+  p2p ring (context parallelism's ring attention: each rank sends its K/V to the next) — one flow out of
+         each pod the group spans, whatever its members per node;
   all-to-all — each member sends to every other member alike: the share of its network bytes bound
          for members outside its pod leaves the pod.
 The pod's uplinks carry its GPUs' NIC rate / oversubscription (a pod the job fills only partly: the share
@@ -38,13 +40,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-PATTERNS = ("ring", "chain", "all_to_all")
+PATTERNS = ("ring", "chain", "p2p_ring", "all_to_all")
 
 
 def pattern_of(axis: str, kind: str) -> str:
     """The flow pattern a collective `kind` on mesh axis `axis` puts on the fabric (module doc)."""
-    if axis == "pp" or kind in ("send", "recv"):
+    if axis == "pp":
         return "chain"
+    if kind in ("send", "recv"):
+        return "p2p_ring"
     return "all_to_all" if kind == "all_to_all" else "ring"
 
 
@@ -80,6 +84,8 @@ def pod_taper(pattern: str, n: int, stride: int, gpus_per_node: int, num_gpus: i
                     continue
                 if pattern == "ring":
                     leaving[p] += per_node
+                elif pattern == "p2p_ring":
+                    leaving[p] += 1
                 elif pattern == "chain":
                     # forward out of the pod's last stage, backward out of its first: one GPU sends both
                     # (one after the other) when the pod holds one stage of the group
