@@ -189,7 +189,8 @@ def scale_terms(problem, est) -> dict:
                 if kind in ("all_reduce", "all_gather", "reduce_scatter"):
                     lat, algo = nccl_latency(kind, g, k, cl.intra_latency_s, cl.inter_latency_s)
                     entry[kind] = {"algorithm": algo, "latency_us": lat * 1e6}
-            used = {pattern_of(axis, kind) for kind in kinds}
+            # cp's ring attention sends K/V rank to rank besides its gathers (Ulysses: all-to-all)
+            used = {pattern_of(axis, kind) for kind in kinds} | ({"p2p_ring", "all_to_all"} if axis == "cp" else set())
             slowed = {pat: t for pat, t in tapers.items() if t > 1 and pat in used}
             if slowed:
                 entry["pod_taper"] = slowed
