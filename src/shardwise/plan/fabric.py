@@ -59,19 +59,24 @@ def _members_in(base: int, stride: int, n: int, lo: int, hi: int) -> int:
     return max(0, last - first + 1)
 
 
+def _non_blocking(num_gpus: int, pod_gpus: int, oversubscription: float) -> bool:
+    """Whether the job sees one non-blocking fabric: no pods, no taper, or all of it inside one pod."""
+    return pod_gpus <= 0 or oversubscription <= 1 or num_gpus <= pod_gpus
+
+
 @lru_cache(maxsize=1 << 12)
-def pod_taper(pattern: str, n: int, stride: int, gpus_per_node: int, num_gpus: int, pod_gpus: int,
-              oversubscription: float) -> float:
-    """How many times longer the network part of one collective of `pattern` takes on groups of `n`
-    ranks `stride` apart, `num_gpus` ranks in pods of `pod_gpus` (module doc); 1 = not slowed."""
-    if n <= 1 or pod_gpus <= 0 or oversubscription <= 1 or num_gpus <= pod_gpus:
-        return 1.0
+def pod_tapers(n: int, stride: int, gpus_per_node: int, num_gpus: int, pod_gpus: int,
+               oversubscription: float) -> dict[str, float]:
+    """For each flow pattern (PATTERNS), how many times longer the network part of one collective takes on
+    groups of `n` ranks `stride` apart, `num_gpus` ranks in pods of `pod_gpus` (module doc); 1 = not
+    slowed. One pass over the groups counts every pattern's flows."""
     block = n * stride
-    if block <= pod_gpus and pod_gpus % block == 0:
-        return 1.0                                   # every group lies inside one pod
+    if n <= 1 or _non_blocking(num_gpus, pod_gpus, oversubscription) or (block <= pod_gpus and pod_gpus % block == 0):
+        return dict.fromkeys(PATTERNS, 1.0)          # (the last: every group lies inside one pod)
     per_node = max(1, min(n, gpus_per_node // stride)) if stride < gpus_per_node else 1
     pods = -(-num_gpus // pod_gpus)
-    leaving = [0.0] * pods                           # flows (ring, chain) or NIC-rate shares (all-to-all)
+    # per pattern and pod: flows out of it (ring, chain, p2p ring) or NIC-rate shares (all-to-all)
+    leaving = {pat: [0.0] * pods for pat in PATTERNS}
     for high in range(0, num_gpus, block):
         for low in range(stride):
             base = high + low
@@ -82,30 +87,31 @@ def pod_taper(pattern: str, n: int, stride: int, gpus_per_node: int, num_gpus: i
                 inside = _members_in(base, stride, n, p * pod_gpus, (p + 1) * pod_gpus)
                 if not inside:
                     continue
-                if pattern == "ring":
-                    leaving[p] += per_node
-                elif pattern == "p2p_ring":
-                    leaving[p] += 1
-                elif pattern == "chain":
-                    # forward out of the pod's last stage, backward out of its first: one GPU sends both
-                    # (one after the other) when the pod holds one stage of the group
-                    leaving[p] += min(inside, (p < last) + (p > first))
-                else:
-                    leaving[p] += inside * (n - inside) / max(1, n - per_node)
-    worst = max(leaving[p] / min(pod_gpus, num_gpus - p * pod_gpus) for p in range(pods))
-    return max(1.0, oversubscription * worst)
+                leaving["ring"][p] += per_node
+                leaving["p2p_ring"][p] += 1
+                # forward out of the pod's last stage, backward out of its first: one GPU sends both (one
+                # after the other) when the pod holds one stage of the group
+                leaving["chain"][p] += min(inside, (p < last) + (p > first))
+                leaving["all_to_all"][p] += inside * (n - inside) / max(1, n - per_node)
+    size = [min(pod_gpus, num_gpus - p * pod_gpus) for p in range(pods)]
+    return {pat: max(1.0, oversubscription * max(out[p] / size[p] for p in range(pods))) for pat, out in leaving.items()}
+
+
+def pod_taper(pattern: str, n: int, stride: int, gpus_per_node: int, num_gpus: int, pod_gpus: int,
+              oversubscription: float) -> float:
+    """`pod_tapers` of one pattern."""
+    return pod_tapers(n, stride, gpus_per_node, num_gpus, pod_gpus, oversubscription)[pattern]
 
 
 def axis_tapers(groups: dict[str, tuple[int, int]], cluster) -> dict[str, dict[str, float]]:
     """Per mesh axis ({axis: (group size, stride)}, plan/layout.py axis_groups): the taper of each flow
     pattern; empty when the cluster is one non-blocking fabric."""
     pod_gpus = cluster.nodes_per_pod * cluster.gpus_per_node
-    if pod_gpus <= 0 or cluster.oversubscription <= 1 or cluster.num_gpus <= pod_gpus:
+    if _non_blocking(cluster.num_gpus, pod_gpus, cluster.oversubscription):
         return {}
     out = {}
     for axis, (n, stride) in groups.items():
-        tapers = {pat: pod_taper(pat, n, stride, cluster.gpus_per_node, cluster.num_gpus, pod_gpus,
-                                 cluster.oversubscription) for pat in PATTERNS}
+        tapers = pod_tapers(n, stride, cluster.gpus_per_node, cluster.num_gpus, pod_gpus, cluster.oversubscription)
         if any(t > 1 for t in tapers.values()):
             out[axis] = tapers
     return out
