@@ -24,6 +24,9 @@ Each section measures what one planner constant assumes, so the constant can cit
              (forward + backward), and torch.compile'd (inductor fuses the chain; time per original op):
              the per-kernel launch/dispatch overhead of eager against compiled execution; and a real block's
              host cost per kernel on 1 token, plain and under full / selective checkpointing.
+  sustained  one n^3 matmul (--sustained-n, 8192 on a GPU) looped for --sustained-s (30 s) in windows of
+             --window-s, with NVML's SM clock, board power and clock-event reasons per window: whether a
+             GEMM's rate under a sustained load falls below its first window's (kernel_sustained.py).
 Times: the median of --reps repetitions after --warmup untimed calls; a repetition loops the call for
 about --target-s and divides (best_s in the JSON is the fastest repetition); CUDA is synchronised before
 and after each repetition. Small GEMM operands rotate over copies so they are not served from cache.
@@ -32,7 +35,8 @@ On a GPU machine (defaults: bf16, the 886M LLaMA of ../shared/gpu/h100-runs.json
 heads, 16384 tokens = micro-batch 8 x seq 2048; 1 GiB tensors; 100M optimizer parameters):
     python benchmarks/kernels.py [--device auto|cuda|cpu] [--dtype bf16|fp16|fp32] [--dim --ffn --heads
         --kv-heads --tokens --seq] [--squares 4096,8192] [--gemm-tokens T,T/2,T/4] [--decode-m 1,4,16] [--sdpa-dtypes bf16,fp32]
-        [--bytes N] [--opt-params N] [--chain-ops 1000] [--reps 5] [--sections gemm,sdpa,...] [--no-compile]
+        [--bytes N] [--opt-params N] [--chain-ops 1000] [--sustained-n 8192 --sustained-s 30 --window-s 1]
+        [--reps 5] [--sections gemm,sdpa,...] [--no-compile]
         [--out F] [--smoke]
 CPU defaults: fp32, dim 256, ffn 704, 4/2 heads, 1024 tokens (seq 256), 256 MiB tensors, 10M parameters.
 --smoke: CPU, tiny sizes, 1 repetition, compile skipped: checks that it runs, not a measurement. JSON:
@@ -61,25 +65,27 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernel_overhead import overhead_section  # noqa: E402  (this folder)
+from kernel_sustained import sustained_section  # noqa: E402  (this folder)
 from kernel_timing import DTYPES, Timer, cell, reason  # noqa: E402  (this folder)
 from shardwise.plan import constants as C  # noqa: E402
 from shardwise.plan.cost import gemm_time  # noqa: E402
 from shardwise.spec.hardware import DEVICES, match_cuda_name, normalize_dtype  # noqa: E402
 from shardwise.train.peak_flops import device_peak_flops  # noqa: E402
 
-SECTIONS = ("gemm", "sdpa", "bandwidth", "optimizer", "overhead")
+SECTIONS = ("gemm", "sdpa", "bandwidth", "optimizer", "overhead", "sustained")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels.json"
 DEFAULTS = {  # per device type; any option given overrides
     "cuda": {"dtype": "bf16", "dim": 2048, "ffn": 5632, "heads": 16, "kv_heads": 8, "tokens": 16384, "seq": 2048,
              "squares": "4096,8192", "sdpa_dtypes": "bf16,fp32", "bytes": 2**30, "opt_params": 100_000_000,
-             "flush_bytes": 256 * 2**20},
+             "flush_bytes": 256 * 2**20, "sustained_n": 8192, "sustained_s": 30.0, "window_s": 1.0},
     "cpu": {"dtype": "fp32", "dim": 256, "ffn": 704, "heads": 4, "kv_heads": 2, "tokens": 1024, "seq": 256,
             "squares": "512,1024,2048", "sdpa_dtypes": "fp32,bf16", "bytes": 256 * 2**20, "opt_params": 10_000_000,
-            "flush_bytes": 64 * 2**20},
+            "flush_bytes": 64 * 2**20, "sustained_n": 1024, "sustained_s": 3.0, "window_s": 0.5},
 }
 SMOKE = {"device": "cpu", "dim": 64, "ffn": 176, "heads": 4, "kv_heads": 2, "tokens": 64, "seq": 32, "squares": "128",
          "decode_m": "1,4", "bytes": 4 * 2**20, "opt_params": 200_000, "chain_ops": 50, "reps": 1, "warmup": 1,
-         "target_s": 0.0, "out": DEFAULT_OUT.with_name("kernels.smoke.json")}
+         "target_s": 0.0, "sustained_n": 64, "sustained_s": 0.05, "window_s": 0.01,
+         "out": DEFAULT_OUT.with_name("kernels.smoke.json")}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -94,6 +100,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "/2, /4: a CPU's planner prices each GEMM at the measured shape nearest it)")
     p.add_argument("--sdpa-dtypes", help="dtypes of the SDPA section, comma-separated")
     p.add_argument("--chain-ops", type=int, default=1000, help="length of the tiny-op chain (overhead section)")
+    p.add_argument("--sustained-n", type=int, help="size n of the sustained section's n x n x n matmul")
+    p.add_argument("--sustained-s", type=float, help="how long the sustained section loops it (seconds)")
+    p.add_argument("--window-s", type=float, help="the sustained section's timing window (seconds)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--target-s", type=float, default=0.05, help="approximate length of one timed repetition")
@@ -114,8 +123,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, key, value)
     args.gemm_tokens = args.gemm_tokens or ",".join(str(max(1, args.tokens // d)) for d in (1, 2, 4))
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if not set(args.sections) <= set(SECTIONS) or args.reps < 1 or args.dim % args.heads or args.heads % args.kv_heads:
-        p.error(f"--sections from {SECTIONS}; --reps >= 1; dim divisible by heads, heads by kv-heads")
+    if not set(args.sections) <= set(SECTIONS) or args.reps < 1 or args.dim % args.heads or args.heads % args.kv_heads \
+            or args.sustained_n < 1 or not args.sustained_s > 0 or not args.window_s > 0:
+        p.error(f"--sections from {SECTIONS}; --reps >= 1; dim divisible by heads, heads by kv-heads; "
+                "--sustained-n >= 1, --sustained-s and --window-s > 0")
     return args
 
 
@@ -423,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         out["optimizer"] = optimizer_section(a, device, timer, copy_gbps, datasheet_gbps)
     if "overhead" in a.sections:
         out["overhead"] = overhead_section(a, device, timer)
+    if "sustained" in a.sections:
+        with torch.no_grad():
+            out["sustained"] = sustained_section(a, device, dtype, peak_of(a.dtype))
     if a.smoke:
         print("smoke run: checks that the benchmark runs; its numbers are not a measurement")
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -86,3 +86,27 @@ def test_queries_a_gpu_does_not_support_are_left_out():
     assert found["gpu memory errors"] == [] and found["gpu mig"] == [] and found["gpu power limit"] == []
     assert found["gpu clocks"] == [(OK, "cuda:0 not held (SM 345 of 1980 MHz)")]
     assert set(checks(consumer)) == {"gpu clocks", "gpu pcie link"}
+
+
+def test_the_sustained_gemm_section_names_what_held_the_clock_and_how_far_the_rate_fell():
+    """benchmarks/kernel_sustained.py (kernels.py's sustained section, issue 60's power question): NVML's reasons
+    under a full load in the words doctor uses, and the last window's rate over the first's."""
+    import sys
+    from pathlib import Path
+
+    from shardwise.launch.gpu_health import held_by
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from kernel_sustained import summarize
+
+    mask = pynvml.nvmlClocksEventReasonSwPowerCap | pynvml.nvmlClocksEventReasonGpuIdle
+    assert held_by(fake_nvml(H100), mask) == [(WARN, "the power cap")]
+    assert held_by(fake_nvml(H100), pynvml.nvmlClocksEventReasonGpuIdle) == []
+    windows = [{"flops": 7.9e14, "sm_mhz": 1980, "power_w": 690.0, "held_by": []},
+               {"flops": 7.1e14, "sm_mhz": 1755, "power_w": 700.0, "held_by": ["the power cap"]},
+               {"flops": 7.2e14, "sm_mhz": 1770, "power_w": 698.0, "held_by": ["the power cap"]}]
+    got = summarize(windows)
+    assert got["last_over_first"] == pytest.approx(7.2 / 7.9) and got["min_flops"] == 7.1e14
+    assert (got["first_sm_mhz"], got["last_sm_mhz"], got["min_sm_mhz"]) == (1980, 1770, 1755)
+    assert got["held_by"] == ["the power cap"] and got["mean_power_w"] == pytest.approx(696.0)
+    assert "first_sm_mhz" not in summarize([{"flops": 1e11}, {"flops": 1e11}])  # a CPU: no NVML reading

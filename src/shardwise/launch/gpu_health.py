@@ -57,12 +57,18 @@ def _power(nvml: Any, name: str, h: Any) -> tuple[str, str] | None:
     return WARN if limit < POWER_CAP_FRACTION * default else OK, f"{name} {limit / 1e3:.0f} of {default / 1e3:.0f} W"
 
 
+def held_by(nvml: Any, reasons: int) -> list[tuple[str, str]]:
+    """(status on an idle GPU, words) of each clock-event reason set in an NVML reasons mask (_REASONS); also
+    read under load by benchmarks/kernel_sustained.py, where the power cap is what a full load meets."""
+    return [(status, words) for bit, status, words in _REASONS if reasons & _reason_bit(nvml, bit)]
+
+
 def _clocks(nvml: Any, name: str, h: Any) -> tuple[str, str] | None:
     read = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
     reasons = _query(nvml, read, h)
     if reasons is None:
         return None
-    held = [(status, words) for bit, status, words in _REASONS if reasons & _reason_bit(nvml, bit)]
+    held = held_by(nvml, reasons)
     sm = _query(nvml, nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_SM)
     top = _query(nvml, nvml.nvmlDeviceGetMaxClockInfo, h, nvml.NVML_CLOCK_SM)
     clock = f" (SM {sm} of {top} MHz)" if sm and top else ""
