@@ -18,24 +18,22 @@ from typing import Any, Callable
 
 import torch
 
+from shardwise.launch.gpu_health import held_by
+from shardwise.train.power import nvml_handle
+
 
 def nvml_reader(device: torch.device) -> Callable[[], dict[str, Any]] | None:
     """A reading of the GPU's SM clock (MHz), board power (W) and clock-event reasons, or None where NVML
     cannot read this GPU (a CPU, no driver, nvidia-ml-py missing)."""
-    if device.type != "cuda":
+    found = nvml_handle(device)
+    if found is None:
         return None
+    pynvml, handle = found
+    events = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
     try:
-        import pynvml
-
-        from shardwise.launch.gpu_health import held_by
-
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-        events = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
         top = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
-    except Exception:  # noqa: BLE001  (any NVML or import failure: no reading)
+    except Exception:  # noqa: BLE001  (any NVMLError subclass: no reading)
         return None
 
     def read() -> dict[str, Any]:

@@ -13,14 +13,16 @@ it did not measure).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 JOULES_PER_KWH = 3.6e6
 
 
-def nvml_energy_reader(device: torch.device) -> Callable[[], float] | None:
-    """A function returning this GPU's energy counter in joules, or None where there is none to read."""
+def nvml_handle(device: torch.device) -> tuple[Any, Any] | None:
+    """nvidia-ml-py and this CUDA device's NVML handle (found by the device's UUID), or None where NVML cannot
+    read it: a CPU, no driver, nvidia-ml-py missing (also used by benchmarks/kernel_sustained.py)."""
     if device.type != "cuda":
         return None
     try:
@@ -30,9 +32,20 @@ def nvml_energy_reader(device: torch.device) -> Callable[[], float] | None:
     try:
         pynvml.nvmlInit()
         uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # not supported before Volta: NVMLError
+        return pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
     except Exception:  # noqa: BLE001  (pynvml raises NVMLError subclasses; any of them means: no reading)
+        return None
+
+
+def nvml_energy_reader(device: torch.device) -> Callable[[], float] | None:
+    """A function returning this GPU's energy counter in joules, or None where there is none to read."""
+    found = nvml_handle(device)
+    if found is None:
+        return None
+    pynvml, handle = found
+    try:
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # not supported before Volta: NVMLError
+    except Exception:  # noqa: BLE001  (any NVMLError subclass means: no reading)
         return None
     return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
 
