@@ -383,6 +383,53 @@ def test_a_loader_worker_killed_while_the_loader_starts_fails_the_rank_without_s
     assert done.stderr == "", done.stderr[-3000:]
 
 
+# Run in a process of its own, like the scripts around it: a worker dies while torch imports its profiler's
+# CUPTI monitor (the first record_function of the process, which DataLoader.__next__ opens).
+_WORKER_DIES_WHILE_THE_PROFILER_IMPORTS = """
+import multiprocessing, os, sys, time
+import numpy as np
+from shardwise.train.data import TokenBatches
+from shardwise.train.loader import BatchPrefetcher
+
+class KillTheWorkerOnImport:
+    # The import's window: a loader worker alive then is killed and its SIGCHLD handled inside the import.
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.profiler._cupti_monitor":
+            for worker in multiprocessing.active_children():
+                os.kill(worker.pid, 9)
+                while open(f"/proc/{worker.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                    time.sleep(0.01)
+                time.sleep(0.2)  # SIGCHLD delivered: torch's handler, if set, has raised by now
+        return None
+
+sys.meta_path.insert(0, KillTheWorkerOnImport())
+np.save(sys.argv[1], (np.arange(20_000) % 300).astype(np.uint16))
+prefetcher = BatchPrefetcher(TokenBatches(np.load(sys.argv[1], mmap_mode="r"), 16, 8, seed=3), batch_rank=0,
+                             batch_size=2, micro_batch=2, num_workers=1, total_steps=12)
+try:
+    for step in range(12):
+        prefetcher.micro_batches(step)
+    print("trained")
+except RuntimeError as e:
+    print("raised:", e)
+finally:
+    prefetcher.close()
+"""
+
+
+def test_a_loader_worker_killed_while_torch_imports_its_profiler_leaves_no_stray_output(tmp_path):
+    """The first record_function of a process (DataLoader.__next__ opens one) imports torch's CUPTI monitor and
+    logs any exception raised meanwhile, traceback and all: a worker killed then, its death raised by torch's
+    SIGCHLD handler inside that import, printed a warning of 9 lines beside the rank's one line (a full test
+    run, tests/dist/test_recovery.py). The loader now opens one before its workers exist: nothing is left to
+    import when a worker can die, and the run trains."""
+    done = subprocess.run([sys.executable, "-c", _WORKER_DIES_WHILE_THE_PROFILER_IMPORTS, str(tmp_path / "tokens.npy")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert done.stderr == "", done.stderr[-3000:]
+
+
 # Run in a process of its own, like the script above. argv[2] "kill": the worker dies as the pipe breaks;
 # "alive": the pipe breaks for another reason, every worker alive.
 _PIPE_BREAKS_AS_THE_WORKER_DIES = """

@@ -174,6 +174,13 @@ class BatchPrefetcher:
     def _start(self, step: int) -> None:
         self.close()
         hide_worker_deaths_raised_in_finalizers()
+        # The first record_function of a process (DataLoader.__next__ opens one) imports
+        # torch.profiler._cupti_monitor, logging any exception raised meanwhile with its traceback: a worker's
+        # death, raised there by torch's SIGCHLD handler, printed 9 lines of warning beside the rank's one line
+        # (a full test run of 2026-11-30, tests/dist/test_recovery.py). Opened here, before any worker exists,
+        # that import is over when a worker can die.
+        with torch.profiler.record_function("shardwise.loader.start"):
+            pass
         # batch_size=None: each item is already a step's batch; the sampler is the steps left, in order.
         self._loader = DataLoader(_RankBatches(self.batches, self.batch_rank, self.batch_size), batch_size=None,
                                   sampler=range(step, self.total_steps), num_workers=self.num_workers,
