@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.launch.gpu_health import held_by
+from kernel_timing import Timer
+from shardwise.launch.gpu_health import clock_event_reasons, held_by
 from shardwise.train.power import nvml_handle
 
 
@@ -29,8 +30,6 @@ def nvml_reader(device: torch.device) -> Callable[[], dict[str, Any]] | None:
     if found is None:
         return None
     pynvml, handle = found
-    events = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
     try:
         top = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
     except Exception:  # noqa: BLE001  (any NVMLError subclass: no reading)
@@ -39,7 +38,7 @@ def nvml_reader(device: torch.device) -> Callable[[], dict[str, Any]] | None:
     def read() -> dict[str, Any]:
         return {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM), "max_sm_mhz": top,
                 "power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
-                "held_by": [words for _, words in held_by(pynvml, events(handle))]}
+                "held_by": [words for _, words in held_by(pynvml, clock_event_reasons(pynvml, handle) or 0)]}
     return read
 
 
@@ -60,23 +59,18 @@ def sustained_section(a, device: torch.device, dtype: torch.dtype, peak: float |
     """`a.sustained_n`^3 matmuls of randn operands for `a.sustained_s` seconds in windows of `a.window_s`."""
     n = a.sustained_n
     x, w = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     read = nvml_reader(device)
-    torch.mm(x, w)
-    sync()
-    start = time.perf_counter()
-    torch.mm(x, w)
-    sync()
-    per_call = max(time.perf_counter() - start, 1e-9)
-    calls = max(1, round(a.window_s / per_call))
+    timer = Timer(device, reps=1, warmup=0, target_s=a.window_s)  # its synchronised loop of calls
+
+    def matmul() -> None:
+        torch.mm(x, w)
+
+    timer.elapsed(matmul, 1)  # warm-up
+    calls = max(1, round(a.window_s / max(timer.elapsed(matmul, 1), 1e-9)))
     windows: list[dict[str, Any]] = []
     began = time.perf_counter()
     while not windows or time.perf_counter() - began < a.sustained_s:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            torch.mm(x, w)
-        sync()
-        spent = time.perf_counter() - t0
+        spent = timer.elapsed(matmul, calls)
         window = {"t_s": time.perf_counter() - began, "flops": 2 * n ** 3 * calls / spent}
         if peak:
             window["fraction_of_peak"] = window["flops"] / peak

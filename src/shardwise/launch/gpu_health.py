@@ -57,6 +57,13 @@ def _power(nvml: Any, name: str, h: Any) -> tuple[str, str] | None:
     return WARN if limit < POWER_CAP_FRACTION * default else OK, f"{name} {limit / 1e3:.0f} of {default / 1e3:.0f} W"
 
 
+def clock_event_reasons(nvml: Any, h: Any) -> int | None:
+    """The GPU's clock-event reasons mask (nvidia-ml-py's name for it before and since 12.5), None when the GPU
+    does not support the query."""
+    read = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    return _query(nvml, read, h)
+
+
 def held_by(nvml: Any, reasons: int) -> list[tuple[str, str]]:
     """(status on an idle GPU, words) of each clock-event reason set in an NVML reasons mask (_REASONS); also
     read under load by benchmarks/kernel_sustained.py, where the power cap is what a full load meets."""
@@ -64,8 +71,7 @@ def held_by(nvml: Any, reasons: int) -> list[tuple[str, str]]:
 
 
 def _clocks(nvml: Any, name: str, h: Any) -> tuple[str, str] | None:
-    read = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
-    reasons = _query(nvml, read, h)
+    reasons = clock_event_reasons(nvml, h)
     if reasons is None:
         return None
     held = held_by(nvml, reasons)
