@@ -383,6 +383,11 @@ class ClusterConfig:
                                         'the trainer runs it) or "complex" (complex multiplication, as Meta\'s Llama '
                                         "reference and torchtitan write it: inductor runs it as an eager kernel between "
                                         'two casts); unset: fused. Llama blocks only.')
+    sp_saved_input: str | None = opt(None, 'What a column-parallel linear keeps of its input for backward under sequence '
+                                           'parallelism, to price: "gathered" (the all-gathered input, as the trainer\'s '
+                                           'torch SP does) or "sharded" (its sequence shard, all-gathered again in the '
+                                           "backward beside the input-gradient GEMM: Megatron-Core and Transformer "
+                                           "Engine, Korthikanti et al. 2022 §4.2.2); unset: gathered.")
     fp8_kernel: str | None = opt(None, 'How train.precision="fp8" casts, to price: "torchao" (dynamic scaling: an amax '
                                        "pass and a cast of every GEMM operand each micro-batch, as the trainer runs "
                                        'it) or "transformer_engine" (delayed scaling under Megatron-Core: casts fused '

@@ -7,8 +7,8 @@ as the source states them, the published figure as a step time, and the planner 
 This test holds the table's shape: every row complete and sourced, none fitted, every layout accepted and
 priced by the planner, an error reported for each row and per GPU-count band. It does not hold the errors
 to issue 60's target (every row within 12%, mean within 5%): the planner does not meet it yet. Measured on
-2026-11-30 (predicted / published - 1): mean |error| 10.3% over 37 rows; 8-256 GPUs 9.6%, 512-3,360 9.6%,
-4,096+ 13.1%; from -23.8% (MT-NLG on 3,360 A100s) to +3.3% (torchtitan's 70B on 256 H100s).
+2026-11-30 (predicted / published - 1): mean |error| 10.0% over 37 rows; 8-256 GPUs 9.5%, 512-3,360 9.4%,
+4,096+ 12.7%; from -23.8% (MT-NLG on 3,360 A100s) to +3.3% (torchtitan's 70B on 256 H100s).
 docs/planner.md, "Published runs", has the table.
 """
 from __future__ import annotations

@@ -66,17 +66,32 @@ def _norm(shape: ModelShape, reg: str, res_div: float, consumers: int) -> float:
     """
     h = shape.dim
     if shape.arch == "llama":
-        if reg == "fp32":
-            return (4 * h + 4 + 4 * h) / res_div + 4 * h
-        if reg == "autocast":
-            return (4 * h + 4 + 4 * h) / res_div + consumers * 2 * h
-        if reg == "autocast_fp8":  # a Float8Linear saves the input it is given: y in fp32, one storage
-            return (4 * h + 4 + 4 * h) / res_div + 4 * h
-        return (4 * h + 4 + 2 * h) / res_div + 2 * h
+        internals = 4 * h + 4 + (2 if reg == "lowp" else 4) * h
+    else:
+        internals = 4 * h + 8
+    return internals / res_div + norm_output_bytes(shape, reg, consumers)
+
+
+def norm_output_bytes(shape: ModelShape, reg: str, consumers: int) -> float:
+    """Bytes per token the linears after a norm keep of its output y (`_norm`): one storage, or under autocast
+    a 16-bit cast per consuming linear; an fp32 y where the linears save the fp32 tensor (fp32, torchao's
+    Float8Linear); LayerNorm runs in fp32 under lowp, so each linear casts its output again."""
+    h = shape.dim
     if reg in ("fp32", "autocast_fp8"):
-        return (4 * h + 8) / res_div + 4 * h
-    # LayerNorm is on autocast's fp32 list: under lowp its 16-bit input is upcast (a saved copy).
-    return (4 * h + 8) / res_div + consumers * 2 * h
+        return 4 * h
+    if shape.arch == "llama" and reg == "lowp":
+        return 2 * h
+    return consumers * 2 * h
+
+
+def gathered_input_bytes(shape: ModelShape, reg: str, moe_layer: bool, compiled: bool) -> float:
+    """Per token, the norm outputs a block keeps as its column-parallel linears' input, all-gathered under SP
+    and counted full size by `block_bytes` and compiled.block_bytes: both norms' of a dense block, the
+    attention norm's of a MoE block (its feed-forward keeps what moe_feed_forward counts). Under
+    cluster.sp_saved_input = "sharded" (plan/stack.py) a block keeps 1/tp of this instead."""
+    if compiled:
+        return (1 if moe_layer else 2) * (4 if reg == "fp32" else 2) * shape.dim
+    return norm_output_bytes(shape, reg, 3) + (0.0 if moe_layer else norm_output_bytes(shape, reg, up_projections(shape)))
 
 
 @lru_cache(maxsize=1 << 14)

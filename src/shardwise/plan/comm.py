@@ -340,7 +340,8 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     selective "op" saves the reductions' outputs (parallel/activation_checkpoint.py) and replays the SP
     all_gathers only. Replicated weights used on sharded activations get Partial gradients that
     are all-reduced once per gradient sync: the SP norms, every KV projection when n_kv < tp, and
-    the router of every MoE block (with or without SP).
+    the router of every MoE block (with or without SP). Under cluster.sp_saved_input = "sharded" the
+    backward all-gathers each block's two norm outputs once more (plan/stack.py).
     """
     shape, L = problem.shape, rank.layers
     per_layer = tokens * shape.dim
@@ -352,6 +353,10 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
                 Collective("tp", "reduce_scatter", per_layer * res, 2 * L * m, "bwd", "act"),
                 Collective("tp", "all_gather", per_layer * act, 2 * L * m, "bwd", "act")]
         replay = [("all_gather", 2 * L if op_selective else 2 * L * rc_frac), ("reduce_scatter", L * rc_frac)]
+        if problem.sp_sharded(lay) and not op_selective and rc_frac < 1:
+            # cluster.sp_saved_input = "sharded": the blocks not recomputed gather their two norm outputs
+            # again for the weight gradients, beside the input-gradient GEMMs (plan/cost.py: hidden)
+            out.append(Collective("tp", "all_gather", per_layer * act, 2 * L * (1 - rc_frac) * m, "bwd", "sp_regather"))
     else:
         out += [Collective("tp", "all_reduce", per_layer * act, 2 * L * m, "fwd", "act"),
                 Collective("tp", "all_reduce", per_layer * act, 2 * L * m, "bwd", "act")]

@@ -132,7 +132,9 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
     for c in data_and_model_collectives(problem, core, rank):
         group = _axis_group(c.axis)
         t = time_of(c, place, cl)
-        if group == "tp":
+        if group == "tp" and c.unit == "sp_regather":  # started before the input-gradient GEMM, waited after
+            beside += t
+        elif group == "tp":
             t *= 1.0 - C.TP_OVERLAP_FRACTION
             comm["tp"] += t
             per_mb_comm += t / m

@@ -275,7 +275,12 @@ class Problem:
         stack = self.stack_for(lay)
         fp8 = {"torchao": ", FP8 cast as torchao does", "transformer_engine": ", FP8 cast as Transformer Engine does"}
         return (stack.describe() + (fp8[stack.fp8] if self.precision == "fp8" else "")
-                + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else ""))
+                + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else "")
+                + (", SP linear inputs kept sharded (all-gathered again in backward)" if self.sp_sharded(lay) else ""))
+
+    def sp_sharded(self, lay: Layout) -> bool:
+        """cluster.sp_saved_input = "sharded" in effect on `lay`: sequence parallelism over tp > 1 (plan/stack.py)."""
+        return lay.sp and lay.tp > 1 and self.stack_for(lay).sp_input == "sharded"
 
     @property
     def head_in_fp8(self) -> bool:

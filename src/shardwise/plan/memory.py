@@ -218,6 +218,8 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
         key += ("compiled",)
     if problem.fused_for(core):  # train.fuse_projections (activations.fused_projection_delta)
         key += ("fused",)
+    if problem.sp_sharded(core):  # cluster.sp_saved_input = "sharded" (activations.gathered_input_bytes)
+        key += ("sp_sharded",)
     (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
@@ -260,7 +262,9 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
         # train.fuse_projections: under autocast no 16-bit copies of the joined weights (nor, eager, of their input)
         f = A.fused_projection_delta(shape, reg, compiled, moe, tiles) if "fused" in key[10:] \
             else A.BlockActivations(0.0, 0.0)
-        return ((b.per_token + cp_per_token + t.per_token + f.per_token) * tokens + b.fixed + t.fixed + f.fixed + cp_fixed
+        # cluster.sp_saved_input = "sharded": the linears keep their all-gathered input as its sequence shard
+        sharded = A.gathered_input_bytes(shape, reg, moe, compiled) * (1 - 1 / tp) if "sp_sharded" in key[10:] else 0.0
+        return ((b.per_token + cp_per_token + t.per_token + f.per_token - sharded) * tokens + b.fixed + t.fixed + f.fixed + cp_fixed
                 + fp8_weights)
 
     def stored(mode: str, moe: bool) -> float:

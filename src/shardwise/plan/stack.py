@@ -32,6 +32,13 @@ loss — so a planner that only knows today's kernels mis-plans the cluster a us
               micro-batch) or Transformer Engine's delayed scaling under Megatron-Core: casts fused with
               their transposes, the norm's output cast inside the norm, weights cast once a step
               (compute_time.te_cast_bytes)
+  sp_input    gathered | sharded                 what a column-parallel linear keeps of its input under
+              sequence parallelism for its weight gradient: the all-gathered input (unset: what the trainer
+              runs, torch's DTensor SP; activations.py) or its sequence shard, all-gathered again in the
+              backward (Korthikanti et al. 2022, arXiv 2205.05198 §4.2.2; Megatron-Core's
+              LinearWithGradAccumulationAndAsyncCommunication and Transformer Engine's LayerNormLinear start
+              that all-gather before the input-gradient GEMM and wait for it after): a block keeps its two
+              norm outputs at 1/tp, and the backward's two all-gathers run beside that GEMM (plan/comm.py)
 """
 from __future__ import annotations
 
@@ -44,9 +51,11 @@ LOSS_KERNELS = ("compiled", "eager")
 GRAD_REDUCE = ("overlapped", "after_backward", "distributed_optimizer")
 FP8_KERNELS = ("torchao", "transformer_engine")
 ROPE_KERNELS = ("fused", "complex")
+SP_SAVED_INPUT = ("gathered", "sharded")
 CHOICES = {"attention_kernel": ATTENTION_KERNELS, "optimizer_kernel": OPTIMIZER_KERNELS,
            "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS, "grad_reduce": GRAD_REDUCE,
-           "fp8_kernel": FP8_KERNELS, "rope_kernel": ROPE_KERNELS}
+           "fp8_kernel": FP8_KERNELS, "rope_kernel": ROPE_KERNELS,
+           "sp_saved_input": SP_SAVED_INPUT}
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class Stack:
     grad_reduce: str = "overlapped"
     fp8: str = "torchao"  # read under train.precision = "fp8" only
     rope: str = "fused"
+    sp_input: str = "gathered"  # read under sequence parallelism only
 
     def describe(self) -> str:
         return (f"{'compiled blocks (inductor)' if self.compiled else 'eager'}, attention {self.attention}, "
@@ -77,4 +87,4 @@ def resolve(choices: dict[str, str | None], compiled: bool, attention_default: s
                  choices.get("norm_kernel") or ("fused" if compiled else "unfused"),
                  choices.get("loss_kernel") or ("compiled" if compiled else "eager"),
                  choices.get("grad_reduce") or "overlapped", choices.get("fp8_kernel") or "torchao",
-                 choices.get("rope_kernel") or "fused")
+                 choices.get("rope_kernel") or "fused", choices.get("sp_saved_input") or "gathered")
