@@ -341,6 +341,9 @@ class ClusterConfig:
     inter_node_latency_us: float = opt(0.0, "Per-hop collective latency between nodes in microseconds; 0 = the planner's default.")
     model_states: str = opt("shardwise", '"shardwise": fp32 params + fp32 grads + fp32 AdamW (what this trainer does, any '
                                          'precision); "mixed": bf16/fp16 params + grads, fp32 master + AdamW (2+2+12 bytes/param).')
+    optimizer_state_dtype: str | None = opt(None, 'With model_states = "mixed", the dtype of AdamW\'s master copy and moments: '
+                                                  '"fp32" (12 bytes/param) or "bf16" (6: Apex DistributedFusedAdam with '
+                                                  "dtype=bf16, as NeMo's optim.dtype sets it); unset: fp32.")
     assume_mfu: float = opt(0.0, "Fix the MFU (e.g. 0.4) instead of predicting the step time; 0 = predict.")
     # Unset (None) rather than "": an unset key is left out of the resolved TOML (Config.to_dict), so
     # `shardwise config` and emitted configs stay as they were for everyone who does not calibrate.
@@ -388,6 +391,10 @@ class ClusterConfig:
                                            'torch SP does) or "sharded" (its sequence shard, all-gathered again in the '
                                            "backward beside the input-gradient GEMM: Megatron-Core and Transformer "
                                            "Engine, Korthikanti et al. 2022 §4.2.2); unset: gathered.")
+    selective_recompute: str | None = opt(None, 'What train.recompute="selective" reruns, to price: "op" (the trainer\'s '
+                                                "per-op policies, train.recompute_policy) or \"attention_core\" (only the "
+                                                "attention core, as Megatron-LM's --recompute-granularity selective: "
+                                                "Korthikanti et al. 2022 §5); unset: op.")
     fp8_kernel: str | None = opt(None, 'How train.precision="fp8" casts, to price: "torchao" (dynamic scaling: an amax '
                                        "pass and a cast of every GEMM operand each micro-batch, as the trainer runs "
                                        'it) or "transformer_engine" (delayed scaling under Megatron-Core: casts fused '

@@ -243,6 +243,15 @@ def attention_bytes(shape: ModelShape, a: int, tp: int, attention: str = "flash"
     return a * (2 * h + 2 * kv_local) + 4 * nh
 
 
+def core_internal_bytes(shape: ModelShape, a: int, tp: int, attention: str = "flash", seq_len: int = 0) -> float:
+    """Per token, what the attention core keeps beyond its inputs q, k, v and its output (which the output
+    projection keeps as its input): a fused kernel's log-sum-exp, the math kernel's probabilities and copies.
+    Selective recomputation of the attention core alone (cluster.selective_recompute = "attention_core",
+    Megatron-LM's) does not keep these; everything else of `attention_bytes` stays."""
+    kv_local = max(shape.kv_dim / tp, shape.head_dim)
+    return attention_bytes(shape, a, tp, attention, seq_len) - a * (2 * shape.dim / tp + 2 * kv_local)
+
+
 def _local_block_matmul(shape: ModelShape, tp: int, moe_layer: bool) -> float:
     n = shape.block_matmul_numel(moe_layer, active=False)
     return n / tp

@@ -152,7 +152,8 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
     tokens = lay.micro_batch * problem.seq_len / lay.cp
     act = problem.compute_bytes
     # Fraction of blocks whose forward is replayed in backward.
-    rc_frac = (1.0 / lay.recompute_every if lay.recompute == "selective" and lay.recompute_policy == "layer"
+    core_only = problem.core_recompute(lay)  # cluster.selective_recompute = "attention_core": no block replayed
+    rc_frac = (1.0 / lay.recompute_every if lay.recompute == "selective" and lay.recompute_policy == "layer" and not core_only
                else 1.0 if lay.recompute == "full" else 0.0)
     if lay.tp > 1 and lay.tp_mode == "2d":
         out += _tp2d_collectives(problem, lay, rank, _residual_bytes(problem, lay), rc_frac, m)
@@ -160,10 +161,10 @@ def data_and_model_collectives(problem: Problem, lay: Layout, rank: RankModel) -
         out += _tp_collectives(problem, lay, rank, tokens, act, _residual_bytes(problem, lay), rc_frac, m)
     # CP / EP collectives are not in selective "op"'s save list: replayed like a full recompute.
     rc_other = 1.0 if lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES else rc_frac
-    if lay.cp > 1:
-        out += _cp_collectives(problem, lay, rank, tokens, act, rc_other, m)
+    if lay.cp > 1:  # a rerun attention core exchanges its K / V again
+        out += _cp_collectives(problem, lay, rank, tokens, act, 1.0 if core_only else rc_other, m)
     if lay.ep > 1 and rank.moe_layers and problem.shape.moe is not None:
-        out += _ep_collectives(problem, rank, tokens, act, rc_other, m)
+        out += _ep_collectives(problem, rank, tokens, act, 0.0 if core_only else rc_other, m)
     return out
 
 
@@ -345,7 +346,8 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     """
     shape, L = problem.shape, rank.layers
     per_layer = tokens * shape.dim
-    op_selective = lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES
+    op_selective = (lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES
+                    and not problem.core_recompute(lay))
     out: list[Collective] = []
     if lay.sp:
         out += [Collective("tp", "all_gather", per_layer * res, 2 * L * m, "fwd", "act"),

@@ -402,7 +402,10 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
     # mode in the forward and the recompute (selective "op").
     fwd_kernels = rank.dense_layers * dense[0] + rank.moe_layers * moe[0]  # the rank's blocks' forward
     full_host = host.full_checkpoint_kernel_s if host and eager else 0.0
-    if lay.recompute == "full":
+    core_only = problem.core_recompute(lay)
+    if core_only:  # cluster.selective_recompute = "attention_core": the attention forward again, nothing else
+        recompute = rank.dense_layers * a_d + rank.moe_layers * a_m
+    elif lay.recompute == "full":
         recompute = rank.dense_layers * replay_d + rank.moe_layers * replay_m + fwd_kernels * full_host
     elif lay.recompute == "selective" and lay.recompute_policy == "layer":
         recompute = math.ceil(n_blocks / lay.recompute_every) * (
@@ -428,10 +431,11 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
             recompute += ops * measured.selective_op_s
     else:
         recompute = 0.0
-    if lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES and lay.cp > 1 and lay.cp_mode == "ring":
+    per_op = lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES and not core_only
+    if per_op and lay.cp > 1 and lay.cp_mode == "ring":
         # ... and ring attention's forward, a region the policy caches nothing of (parallel/context.py)
         recompute += rank.dense_layers * a_d + rank.moe_layers * a_m
-    if lay.recompute == "selective" and lay.recompute_policy == "op_alternate" and rank.dense_layers:
+    if per_op and lay.recompute_policy == "op_alternate" and rank.dense_layers:
         # ... and the forward GEMMs of the matmuls it does not keep (dense blocks only: spec/rules.py)
         gemms = _block_gemms(problem, lay, tokens, False)
         one_each = [gemm_s(m, n, k, peak8, 1) if fp8 else gemm_s(m, n, k) for m, n, k, c in gemms for _ in range(c)]

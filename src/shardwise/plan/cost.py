@@ -334,7 +334,10 @@ def _optimizer_time(problem: Problem, lay: Layout, rank: RankModel, detail: dict
     chunk / write), chunk = min(8n, 64 MiB) (constants.NVME_CHUNK_BYTES)."""
     shard = lay.shard_group if lay.zero else 1
     st = model_state_bytes(problem, rank, lay.tp, lay.ep, lay.zero, shard, max(1, shard // lay.ep), lay.tp_mode)
-    numel = st.optimizer / 8 if problem.model_states == "shardwise" or not problem.low_precision else st.optimizer / 12
+    # parameters in the shard; AdamW's traffic per parameter is the fp32 state's measured one, also for a bf16
+    # state (cluster.optimizer_state_dtype: a little pessimistic there)
+    numel = (st.optimizer / 8 if problem.model_states == "shardwise" or not problem.low_precision
+             else st.optimizer / problem.master_state_bytes)
     dev = problem.cluster.device
     hbm = dev.memory_bandwidth_gbps * 1e9 * _hbm_fraction(dev.name)
     measured = problem.cluster.measured_device

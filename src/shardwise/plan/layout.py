@@ -32,6 +32,8 @@ from shardwise.spec.layout import (
 from shardwise.spec.shapes import ModelShape
 
 MODEL_STATES = ("shardwise", "mixed")
+# AdamW's fp32 master copy, exp_avg and exp_avg_sq (Rajbhandari et al. 2019, Fig. 1), or all three in bf16
+OPTIMIZER_STATE_BYTES = {"fp32": 12, "bf16": 6}
 # Mesh order, outermost first (spec/dims.py AXES); tp innermost = consecutive ranks = one node.
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -180,6 +182,8 @@ class Problem:
     precision: str
     model_states: str
     assume_mfu: float = 0.0
+    # "mixed" states: bytes per parameter of AdamW's master copy and moments (cluster.optimizer_state_dtype)
+    master_state_bytes: int = 12
     fp8_recipe: str = "tensorwise"  # train.fp8_recipe, read when precision is "fp8"
     # The SDPA kernel of the blocks (spec/layout.py attention_backend): the planner plans GPUs; the CPU
     # validation replaces it with what runs there ("flash").
@@ -225,6 +229,13 @@ class Problem:
         if states not in MODEL_STATES:
             raise ConfigError("cluster.model_states", f"{states!r} is not one of {', '.join(MODEL_STATES)}",
                               '"shardwise" (what the trainer does) or "mixed" (2+2+12 bytes/param)')
+        state_dtype = cfg.cluster.optimizer_state_dtype or "fp32"
+        if state_dtype not in OPTIMIZER_STATE_BYTES:
+            raise ConfigError("cluster.optimizer_state_dtype", f"{state_dtype!r} is not one of fp32, bf16",
+                              'leave it unset for fp32 (what the trainer keeps)')
+        if state_dtype != "fp32" and states != "mixed":
+            raise ConfigError("cluster.optimizer_state_dtype", f'{state_dtype!r} is read with model_states = "mixed" only, '
+                              f"not {states!r}", 'set cluster.model_states = "mixed", or leave this unset')
         if not 0 <= cfg.cluster.assume_mfu < 1:
             raise ConfigError("cluster.assume_mfu", f"must be within [0, 1), got {cfg.cluster.assume_mfu}", "e.g. 0.4; 0 predicts")
         for name in ("seq_len", "global_batch"):
@@ -254,7 +265,7 @@ class Problem:
         if t.document_mask and kind == "cuda":  # FlexAttention keeps no s x s scores either (models/common.py)
             attention = "flash"
         return cls(shape, cluster, t.seq_len, t.global_batch, tokens, precision, states,
-                   cfg.cluster.assume_mfu, t.fp8_recipe, attention,
+                   cfg.cluster.assume_mfu, OPTIMIZER_STATE_BYTES[state_dtype], t.fp8_recipe, attention,
                    # the trainer's default (train.compile unset): compiled on a GPU, eager on a CPU
                    eager=(t.compile is False or (t.compile is None and kind == "cpu")
                           or t.compile_backend == "aot_eager"),  # aot_eager: eager kernels, a debugging backend
@@ -276,11 +287,17 @@ class Problem:
         fp8 = {"torchao": ", FP8 cast as torchao does", "transformer_engine": ", FP8 cast as Transformer Engine does"}
         return (stack.describe() + (fp8[stack.fp8] if self.precision == "fp8" else "")
                 + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else "")
-                + (", SP linear inputs kept sharded (all-gathered again in backward)" if self.sp_sharded(lay) else ""))
+                + (", SP linear inputs kept sharded (all-gathered again in backward)" if self.sp_sharded(lay) else "")
+                + (", selective recomputation of the attention core only" if self.core_recompute(lay) else ""))
 
     def sp_sharded(self, lay: Layout) -> bool:
         """cluster.sp_saved_input = "sharded" in effect on `lay`: sequence parallelism over tp > 1 (plan/stack.py)."""
         return lay.sp and lay.tp > 1 and self.stack_for(lay).sp_input == "sharded"
+
+    def core_recompute(self, lay: Layout) -> bool:
+        """cluster.selective_recompute = "attention_core" in effect on `lay`: selective recomputation reruns only the
+        attention core (plan/stack.py), whatever train.recompute_policy says."""
+        return lay.recompute == "selective" and self.stack_for(lay).selective == "attention_core"
 
     @property
     def head_in_fp8(self) -> bool:

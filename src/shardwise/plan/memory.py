@@ -118,7 +118,8 @@ class StateBytes:
 def nvme_moment_bytes(optimizer_bytes: float, tensors: int, mixed: bool) -> float:
     """The part of `optimizer_bytes` (one rank's AdamW state) that offload="nvme" keeps in its file: the
     fp32 exp_avg + exp_avg_sq, without the 4-byte step counter of each of `tensors` parameter tensors,
-    which stays in memory; with "mixed" model states, without the fp32 master copy (12 B/param)."""
+    which stays in memory; with "mixed" model states, without the master copy (4 of 12 B/param; in bf16, 2 of
+    6 and the moments in bf16: the same two thirds, counted here at the fp32 moments' 8 B per 12)."""
     per_param = optimizer_bytes / 12 if mixed else (optimizer_bytes - 4 * tensors) / 8
     return C.NVME_STATE_BYTES_PER_PARAM * per_param
 
@@ -160,11 +161,12 @@ def model_state_bytes(problem: Problem, rank: RankModel, tp: int, ep: int, zero:
     if rank.layers:
         block_numel /= max(1, (rank.dense_layers > 0) + (rank.moe_layers > 0))
     if mixed:
-        # Textbook 2 + 2 + 12 bytes/param with the ZeRO partitions (Rajbhandari et al. Fig. 1).
+        # Textbook 2 + 2 + 12 bytes/param with the ZeRO partitions (Rajbhandari et al. Fig. 1); 2 + 2 + 6 with
+        # AdamW's master copy and moments in bf16 (cluster.optimizer_state_dtype).
         n = max(1, shard)
         p = 2 * (local / n if zero >= 3 else local)
         g = 2 * (local / n if zero >= 2 else local)
-        o = 12 * (local / n if zero >= 1 else local)
+        o = problem.master_state_bytes * (local / n if zero >= 1 else local)
         return StateBytes(p, g, o, tensors, local, local, block_numel, root_numel, largest, head_numel, block_largest)
     if fsdp:
         # Persistent padded shards; AdamW state matches the (unpadded on the last rank, padded-size on
@@ -220,6 +222,8 @@ def microbatch_activations(problem: Problem, core: Layout, rank: RankModel) -> t
         key += ("fused",)
     if problem.sp_sharded(core):  # cluster.sp_saved_input = "sharded" (activations.gathered_input_bytes)
         key += ("sp_sharded",)
+    if problem.core_recompute(core):  # cluster.selective_recompute = "attention_core" (activations.core_internal_bytes)
+        key += ("attention_core",)
     (b1, e1, h1, rope, w1), (b0, e0, h0, _, w0) = _activation_terms(problem, key, rank)
     return b0 + (b1 - b0) * tokens, e0 + (e1 - e0) * tokens, h0 + (h1 - h0) * tokens, rope, w0 + (w1 - w0) * tokens
 
@@ -267,7 +271,13 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
         return ((b.per_token + cp_per_token + t.per_token + f.per_token - sharded) * tokens + b.fixed + t.fixed + f.fixed + cp_fixed
                 + fp8_weights)
 
+    core_only = "attention_core" in key[10:]
+    # the attention core's own internals, which a core-only selective recomputation does not keep
+    core_internals = A.core_internal_bytes(shape, 4 if reg == "fp32" else 2, tp, attention, problem.seq_len) * tokens
+
     def stored(mode: str, moe: bool) -> float:
+        if mode == "selective" and core_only:
+            return none_block(moe) - core_internals
         if mode == "full":  # the block input only: tiles change nothing stored, only the working set below
             return A.full_recompute_block_bytes(shape, reg, tp, sp).per_token * tokens
         if mode == "selective":
@@ -280,7 +290,7 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
         return none_block(moe)
 
     mode = recompute
-    if mode == "selective" and policy == "layer":
+    if mode == "selective" and policy == "layer" and not core_only:
         # Blocks 0, k, 2k, ... of the rank are checkpointed; the dense blocks come first.
         ckpt = [i % every == 0 for i in range(rank.layers)]
         blocks = sum(stored("full" if c else "none", i >= rank.dense_layers) for i, c in enumerate(ckpt))
@@ -294,12 +304,15 @@ def _activations_at(problem: Problem, key: tuple, rank: RankModel, tokens: float
         head = hb.per_token * tokens + hb.fixed
     # RoPE slices are saved only by blocks that are not checkpointed (inside a checkpoint nothing but
     # the block input, and under "op" the matmul/SDPA outputs, is kept).
-    plain_blocks = mode == "none" or (mode == "selective" and policy == "layer" and every > 1 and rank.layers > 1)
+    plain_blocks = mode == "none" or core_only or (mode == "selective" and policy == "layer" and every > 1
+                                                   and rank.layers > 1)
     rope = A.rope_table_bytes(shape) if rank.layers and plain_blocks else 0.0
     if cp > 1:  # the tables are gathered per block instead (above); Ulysses' index permutations
         rope = A.cp_stage_bytes(shape, problem.seq_len, cp_mode) if rank.layers and plain_blocks else 0.0
     # Recomputing a checkpointed block in backward rematerializes its full activations (one at a time).
     working = none_block(rank.moe_layers > 0) if mode != "none" and rank.layers else 0.0
+    if core_only:  # only one block's attention core is rerun at a time
+        working = core_internals if rank.layers else 0.0
     if tiles > 1 and rank.dense_layers:
         # The tiled MLP's backward recomputes one tile at a time: its intermediates are live on top of
         # whatever is stored (and of the rematerialized block, whose MLP then holds only x).

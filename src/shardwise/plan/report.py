@@ -171,7 +171,10 @@ def model_state_lines(problem: Problem, est: Estimate) -> list[str]:
     """The textbook totals: params + grads + optimizer of the whole model, and per GPU of one model
     replica when only the model-parallel axes (tp x pp, ep for experts) split them (no ZeRO)."""
     n, per = problem.shape.num_params, 16
-    split = "2 + 2 + 12" if problem.model_states == "mixed" and problem.low_precision else "4 + 4 + 8 (+4 B per tensor)"
+    split = "4 + 4 + 8 (+4 B per tensor)"
+    if problem.model_states == "mixed" and problem.low_precision:
+        per = 4 + problem.master_state_bytes
+        split = f"2 + 2 + {problem.master_state_bytes}"
     lay = est.layout
     mp = lay.tp * lay.pp
     mem = est.memory

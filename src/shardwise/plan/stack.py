@@ -39,6 +39,11 @@ loss — so a planner that only knows today's kernels mis-plans the cluster a us
               LinearWithGradAccumulationAndAsyncCommunication and Transformer Engine's LayerNormLinear start
               that all-gather before the input-gradient GEMM and wait for it after): a block keeps its two
               norm outputs at 1/tp, and the backward's two all-gathers run beside that GEMM (plan/comm.py)
+  selective   op | attention_core                what train.recompute = "selective" reruns: the trainer's
+              per-op policies (unset: train.recompute_policy, parallel/activation_checkpoint.py) or only the
+              attention core, as Megatron-LM's --recompute-granularity selective checkpoints it (Korthikanti
+              et al. 2022 §5): the block keeps what no recomputation keeps but the core's own internals (a
+              fused kernel's log-sum-exp), and the backward reruns the attention forward, nothing else
 """
 from __future__ import annotations
 
@@ -52,10 +57,11 @@ GRAD_REDUCE = ("overlapped", "after_backward", "distributed_optimizer")
 FP8_KERNELS = ("torchao", "transformer_engine")
 ROPE_KERNELS = ("fused", "complex")
 SP_SAVED_INPUT = ("gathered", "sharded")
+SELECTIVE_RECOMPUTE = ("op", "attention_core")
 CHOICES = {"attention_kernel": ATTENTION_KERNELS, "optimizer_kernel": OPTIMIZER_KERNELS,
            "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS, "grad_reduce": GRAD_REDUCE,
            "fp8_kernel": FP8_KERNELS, "rope_kernel": ROPE_KERNELS,
-           "sp_saved_input": SP_SAVED_INPUT}
+           "sp_saved_input": SP_SAVED_INPUT, "selective_recompute": SELECTIVE_RECOMPUTE}
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Stack:
     fp8: str = "torchao"  # read under train.precision = "fp8" only
     rope: str = "fused"
     sp_input: str = "gathered"  # read under sequence parallelism only
+    selective: str = "op"  # read under train.recompute = "selective" only
 
     def describe(self) -> str:
         return (f"{'compiled blocks (inductor)' if self.compiled else 'eager'}, attention {self.attention}, "
@@ -87,4 +94,5 @@ def resolve(choices: dict[str, str | None], compiled: bool, attention_default: s
                  choices.get("norm_kernel") or ("fused" if compiled else "unfused"),
                  choices.get("loss_kernel") or ("compiled" if compiled else "eager"),
                  choices.get("grad_reduce") or "overlapped", choices.get("fp8_kernel") or "torchao",
-                 choices.get("rope_kernel") or "fused", choices.get("sp_saved_input") or "gathered")
+                 choices.get("rope_kernel") or "fused", choices.get("sp_saved_input") or "gathered",
+                 choices.get("selective_recompute") or "op")
