@@ -182,3 +182,16 @@ def test_the_key_is_read_under_selective_recomputation_only():
     _, _, op = _plan("--train.recompute=selective")
     _, _, keyed = _plan("--train.recompute=selective", "--cluster.selective_recompute=op")
     assert (keyed.step_time_s, keyed.memory.total) == (op.step_time_s, op.memory.total)
+
+
+def test_plan_evaluate_says_the_layouts_policy_gives_way_to_the_attention_core(capsys):
+    """The layout's name keeps its recompute policy (rc-op); its line says what is priced instead."""
+    from shardwise.cli import main
+
+    base = [a for a in BASE if not a.startswith("--train.recompute")] + ["--train.recompute=selective"]
+    assert main(["plan", "evaluate", *base, CORE]) == 0
+    layout = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("layout"))
+    assert "rc-op" in layout and "attention core only, not its policy" in layout
+    assert main(["plan", "evaluate", *base]) == 0
+    layout = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("layout"))
+    assert "attention core" not in layout

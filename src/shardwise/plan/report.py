@@ -277,8 +277,11 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     squeeze = "" if lay.grad_compression == "none" else f", gradients {lay.grad_compression}" + (
         f" (kept fraction {lay.grad_compression_ratio:g})" if lay.grad_compression == "topk" else "") + (
         f": encode / decode {coded:.3g} s in dp_comm" if coded else ": not applied (no data-parallel hook on this layout)")
+    # cluster.selective_recompute = "attention_core" replaces the policy the layout's name carries (rc-op, ...)
+    core = ", selective recomputation of the attention core only, not its policy" if problem.core_recompute(lay) else ""
     out = problem_lines(problem) + [f"layout   {lay.describe()}  (accumulation / micro-batches {lay.accumulation(problem)}, "
-                                    f"{mode}{squeeze})", f"stack    {problem.stack_description(lay)}  (cluster.*_kernel: plan/stack.py)"
+                                    f"{mode}{squeeze}{core})",
+                                    f"stack    {problem.stack_description(lay)}  (cluster.*_kernel: plan/stack.py)"
                                     + _fitted(problem)]
     out += calibration_lines(problem, lay)[1:] + tp2d_lines(problem, lay)
     con.print("\n".join(out), soft_wrap=True)
