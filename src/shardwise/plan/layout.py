@@ -210,11 +210,16 @@ class Problem:
         return self.eager or (self.compile_unset and getattr(lay, "tp_mode", "1d") == "2d")
 
     def stack_for(self, lay: Layout) -> Stack:
-        """The software stack `lay` is priced on (plan/stack.py)."""
+        """The software stack `lay` is priced on (plan/stack.py): compiled or eager, the rest is the problem's."""
+        return self._stacks[not self.eager_for(lay)]
+
+    @cached_property
+    def _stacks(self) -> tuple[Stack, Stack]:
+        """(eager, compiled) stacks, resolved once: the search asks for a candidate's stack many times."""
         # torch's default fused SDPA kernel: cuDNN's on Hopper and later (torch 2.5+), FlashAttention-2 elsewhere
         hopper = C.family(self.cluster.device.name.removeprefix("measured-")) in ("h100", "h200", "b200")
         default = "math" if self.attention == "math" else ("cudnn" if self.device_type == "cuda" and hopper else "flash")
-        return resolve_stack(dict(self.stack_choices), not self.eager_for(lay), default, self.device_type)
+        return tuple(resolve_stack(dict(self.stack_choices), compiled, default, self.device_type) for compiled in (False, True))
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Problem":
@@ -231,7 +236,7 @@ class Problem:
                               '"shardwise" (what the trainer does) or "mixed" (2+2+12 bytes/param)')
         state_dtype = cfg.cluster.optimizer_state_dtype or "fp32"
         if state_dtype not in OPTIMIZER_STATE_BYTES:
-            raise ConfigError("cluster.optimizer_state_dtype", f"{state_dtype!r} is not one of fp32, bf16",
+            raise ConfigError("cluster.optimizer_state_dtype", f"{state_dtype!r} is not one of {', '.join(OPTIMIZER_STATE_BYTES)}",
                               'leave it unset for fp32 (what the trainer keeps)')
         if state_dtype != "fp32" and states != "mixed":
             raise ConfigError("cluster.optimizer_state_dtype", f'{state_dtype!r} is read with model_states = "mixed" only, '
