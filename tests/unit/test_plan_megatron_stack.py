@@ -91,8 +91,7 @@ def test_the_backward_gathers_the_inputs_again_beside_its_gemms():
     input-gradient GEMMs (TE v1.11 LayerNormLinear: 'Overlap input AG with dgrad'), so the exposed TP time
     stays and only the contention of compute beside communication grows."""
     problem, lay, gathered = _plan()
-    _, _, sharded = _plan(SHARDED)
-    problem_s, lay_s, _ = _plan(SHARDED)
+    problem_s, lay_s, sharded = _plan(SHARDED)
     (regather,) = _regathers(problem_s, lay_s)
     assert regather.kind == "all_gather" and regather.phase == "bwd"
     assert regather.calls == 2 * problem.shape.n_layers * lay.accumulation(problem)
@@ -156,13 +155,12 @@ def test_the_attention_core_alone_is_rerun_and_its_log_sum_exp_not_kept():
     working set: one block's. Time: each block's attention forward again, no GEMM, no TP collective replayed;
     the selective policy (train.recompute_policy) does not matter then."""
     problem, lay, none = _plan("--train.recompute=none")
-    _, _, core = _plan("--train.recompute=selective", CORE)
+    problem_c, lay_c, core = _plan("--train.recompute=selective", CORE)
     _, _, layer = _plan("--train.recompute=selective", "--train.recompute_policy=layer", CORE)
     s = problem.shape
     lse = 4 * s.n_heads / 4 * 4096
     assert core.memory.activations == pytest.approx(none.memory.activations - (s.n_layers - 1) * lse)
     assert (layer.memory.activations, layer.step_time_s) == (core.memory.activations, core.step_time_s)
-    problem_c, lay_c, _ = _plan("--train.recompute=selective", CORE)
     mb = microbatch_times(problem_c, lay_c, pipeline_rank(s, 1, 1, "1f1b", 0))
     assert mb.recompute == pytest.approx(s.n_layers * mb.attn_fwd_layer)
     assert not _tp_replays(problem_c, lay_c)
