@@ -2,14 +2,18 @@
 
 Every row of tests/fixtures/published_runs.json (its "note" says how a row is described) is priced with the
 planner's own entry points, as `shardwise plan evaluate` does: the row's overrides -> Config -> Problem and
-Layout -> check_layout + the pipeline split rules -> plan.cost.evaluate. Nothing is fitted to these rows
-(each says fitting_data: false); the error is predicted / published - 1 (negative: the planner predicts a
-faster step than published, i.e. it is optimistic). A layout the planner refuses is a finding: it is
-printed as REFUSED with the rule, never dropped.
+Layout -> check_layout + the pipeline split rules -> plan.cost.evaluate. The error is predicted / published - 1
+(negative: the planner predicts a faster step than published, i.e. it is optimistic). A layout the planner
+refuses is a finding: it is printed as REFUSED with the rule, never dropped.
+
+One key is fitted, and only to the rows marked fitting_data (the fixture's "fit" says which key and why):
+the Megatron-Core rows' cluster.block_overhead_us, by least squares of their relative errors. Those rows are
+priced with the fixture's value, and each also with the value fitted to the others (leave-one-out); the
+summary counts a fitting row by its leave-one-out error, so every figure it prints is a prediction.
 
     python benchmarks/plan_published.py [--fixture tests/fixtures/published_runs.json] [--out FILE.json]
 
-Pure Python, about a second on one core (no torch import, no GPU).
+Pure Python, a few seconds on one core (no torch import, no GPU).
 """
 from __future__ import annotations
 
@@ -31,6 +35,32 @@ def band(gpus: int) -> str:
 
 def load(path: Path = FIXTURE) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
+
+
+def with_key(row: dict[str, Any], key: str, value: float) -> dict[str, Any]:
+    """`row` with --key=value appended to its overrides (the last one wins)."""
+    return {**row, "overrides": [*row["overrides"], f"--{key}={value:g}"]}
+
+
+def fit(table: dict[str, Any]) -> dict[str, Any] | None:
+    """The fixture's fitted key over its fitting rows: the value minimising the sum of squared relative errors,
+    each row's step taken as linear in the key (priced at 0 and at `probe`: the step is a sum of per-block
+    terms, so the line is exact but where another rank becomes the slowest), and per row the value fitted
+    to the others. None when the fixture fits nothing."""
+    spec = table.get("fit")
+    rows = [r for r in table["rows"] if r.get("fitting_data")]
+    if not spec or not rows:
+        return None
+    key, probe = spec["key"], float(spec["probe"])
+    lines = []  # (published, step at 0, step per unit of the key)
+    for r in rows:
+        t0, t1 = (price(with_key(r, key, v))["predicted_s"] for v in (0.0, probe))
+        lines.append((r["step_time_s"], t0, (t1 - t0) / probe))
+
+    def best(points: list[tuple[float, float, float]]) -> float:
+        return max(0.0, sum((y - t0) * k / y**2 for y, t0, k in points) / sum(k * k / y**2 for y, _, k in points))
+    return {"key": key, "value": best(lines),
+            "held_out": {r["id"]: best(lines[:i] + lines[i + 1:]) for i, r in enumerate(rows)}}
 
 
 def price(row: dict[str, Any]) -> dict[str, Any]:
@@ -65,16 +95,36 @@ def price(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def price_all(table: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Every row priced; a fitting row also with the value fitted to the other rows (`leave_one_out_error`,
+    the error the summary counts for it)."""
+    fitted = fit(table)
+    results = []
+    for row in table["rows"]:
+        out = price(row)
+        if fitted and row.get("fitting_data") and out["error"] is not None:
+            held = fitted["held_out"][row["id"]]
+            step = price(with_key(row, fitted["key"], held))["predicted_s"]
+            out.update(leave_one_out_value=held, leave_one_out_s=step, leave_one_out_error=step / row["step_time_s"] - 1)
+        results.append(out)
+    return results, fitted
+
+
+def prediction_error(r: dict[str, Any]) -> float | None:
+    """A row's error as a prediction: a fitting row's leave-one-out error, any other row's own."""
+    return r.get("leave_one_out_error", r["error"])
+
+
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean |error| and the worst row, over all priced rows and per GPU-count band."""
+    """Mean |error| and the worst row, over all priced rows and per GPU-count band (prediction_error)."""
     def stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
-        errs = [r for r in rows if r["error"] is not None]
+        errs = [(r, prediction_error(r)) for r in rows if r["error"] is not None]
         if not errs:
             return {"rows": 0}
-        worst = max(errs, key=lambda r: abs(r["error"]))
-        return {"rows": len(errs), "mean_abs_error": statistics.fmean(abs(r["error"]) for r in errs),
-                "mean_error": statistics.fmean(r["error"] for r in errs),
-                "worst_error": worst["error"], "worst_id": worst["id"]}
+        worst, worst_error = max(errs, key=lambda e: abs(e[1]))
+        return {"rows": len(errs), "mean_abs_error": statistics.fmean(abs(e) for _, e in errs),
+                "mean_error": statistics.fmean(e for _, e in errs),
+                "worst_error": worst_error, "worst_id": worst["id"]}
     return {"all": stats(results), "refused": [r["id"] for r in results if r["refused"]],
             "bands": {name: stats([r for r in results if r["band"] == name]) for name, _ in BANDS}}
 
@@ -84,17 +134,18 @@ def _pct(x: float | None) -> str:
 
 
 def table_text(results: list[dict[str, Any]], summ: dict[str, Any]) -> str:
-    lines = [f"{'row':<46} {'GPUs':>6} {'published s':>12} {'predicted s':>12} {'error':>8}  fits"]
+    lines = [f"{'row':<46} {'GPUs':>6} {'published s':>12} {'predicted s':>12} {'error':>8} {'left out':>9}  fits"]
     for r in results:
         if r["refused"]:
             lines.append(f"{r['id']:<46} {r['gpus']:>6} {r['published_s']:>12.3f} {'REFUSED':>12}   {r['refused']}")
             continue
         lines.append(f"{r['id']:<46} {r['gpus']:>6} {r['published_s']:>12.3f} {r['predicted_s']:>12.3f} "
-                     f"{_pct(r['error']):>8}  {'yes' if r['fits'] else 'no'}")
+                     f"{_pct(r['error']):>8} {_pct(r.get('leave_one_out_error')):>9}  {'yes' if r['fits'] else 'no'}")
     for name, s in [("all", summ["all"]), *summ["bands"].items()]:
         if s["rows"]:
             lines.append(f"{name:>10}: {s['rows']:>2} rows, mean |error| {100 * s['mean_abs_error']:.1f}% "
                          f"(mean {_pct(s['mean_error'])}), worst {_pct(s['worst_error'])} ({s['worst_id']})")
+    lines.append("left out: a fitting row priced with the value fitted to the other fitting rows; the summary counts it")
     if summ["refused"]:
         lines.append(f"refused by the planner: {', '.join(summ['refused'])}")
     return "\n".join(lines) + "\n"
@@ -106,14 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the rows and the summary as JSON here")
     args = parser.parse_args(argv)
     table = load(Path(args.fixture))
-    results = [price(row) for row in table["rows"]]
+    results, fitted = price_all(table)
     summ = summary(results)
     print(table_text(results, summ), end="")
+    if fitted:
+        stated = table["fit"]["value"]
+        print(f"fitted {fitted['key']} = {fitted['value']:,.0f} over {len(fitted['held_out'])} fitting rows "
+              f"(the fixture prices them with {stated:,.0f}; leave-one-out values "
+              f"{min(fitted['held_out'].values()):,.0f}-{max(fitted['held_out'].values()):,.0f})")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"fixture": str(args.fixture), "error": table.get("error"), "summary": summ,
-                                   "rows": results}, indent=2) + "\n")
+                                   "fit": fitted, "rows": results}, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
 

@@ -9,7 +9,9 @@ they ran on):
   (the YAML's optim.dtype bf16, Apex DistributedFusedAdam's optimizer-state dtype): 2 + 2 + 6 bytes/param;
 - cluster.selective_recompute = "attention_core": Megatron-LM's selective recomputation, which checkpoints the
   attention core alone (Korthikanti et al. 2022 §5), where the trainer's "op" policy reruns the pointwise
-  ops and the SP all-gathers and keeps every matmul output."""
+  ops and the SP all-gathers and keeps every matmul output;
+- cluster.block_overhead_us: a stack's time per block and micro-batch outside the kernels the planner prices,
+  fitted to the NeMo rows of the published set (benchmarks/plan_published.py, with its leave-one-out column)."""
 from __future__ import annotations
 
 import json
@@ -139,6 +141,8 @@ def test_a_bf16_optimizer_state_holds_half_the_master_copy_and_moments():
     (["--cluster.model_states=shardwise", "--cluster.optimizer_state_dtype=bf16"], 'read with model_states = "mixed"'),
     (["--cluster.optimizer_state_dtype=fp8"], "not one of fp32, bf16"),
     (["--cluster.selective_recompute=core"], "not one of op, attention_core"),
+    (["--cluster.block_overhead_us=-1"], "finite number of microseconds"),
+    (["--cluster.block_overhead_us=2e6"], "finite number of microseconds"),
 ])
 def test_a_state_dtype_or_recompute_it_cannot_price_is_refused(extra, problem):
     with pytest.raises(ConfigError) as err:
@@ -193,3 +197,32 @@ def test_plan_evaluate_says_the_layouts_policy_gives_way_to_the_attention_core(c
     assert main(["plan", "evaluate", *base]) == 0
     layout = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("layout"))
     assert "attention core" not in layout
+
+
+OVERHEAD = "--cluster.block_overhead_us=900"
+
+
+@pytest.mark.parametrize("recompute, replays", [("none", 0), ("full", 1), ("selective", 0)])
+def test_a_blocks_overhead_is_paid_per_block_and_micro_batch_a_third_forward(recompute, replays):
+    """900 us per block and micro-batch: 300 in its forward, 600 in its backward, and 300 again in a full
+    checkpoint's replay; the kernels' time and the memory do not change."""
+    problem, lay, plain = _plan(f"--train.recompute={recompute}")
+    problem_o, lay_o, keyed = _plan(f"--train.recompute={recompute}", OVERHEAD)
+    rank = pipeline_rank(problem.shape, 1, 1, "1f1b", 0)
+    a, b = microbatch_times(problem, lay, rank), microbatch_times(problem_o, lay_o, rank)
+    blocks = problem.shape.n_layers
+    assert b.fwd - a.fwd == pytest.approx(blocks * 300e-6)
+    assert b.bwd - a.bwd == pytest.approx(blocks * 600e-6)
+    assert b.recompute - a.recompute == pytest.approx(replays * blocks * 300e-6)
+    assert b.block_fwd - a.block_fwd == pytest.approx(300e-6)
+    micro_batches = 8 // 2  # global batch 8 over dp 2, micro-batch 1
+    assert keyed.breakdown_s["compute"] - plain.breakdown_s["compute"] == pytest.approx(micro_batches * blocks * 900e-6)
+    assert keyed.memory.total == plain.memory.total
+    assert "900 us per block and micro-batch" in problem_o.stack_description(lay_o)
+    assert "per block and micro-batch" not in problem.stack_description(lay)
+
+
+def test_unset_and_zero_overhead_price_the_same_step():
+    _, _, unset = _plan()
+    _, _, zero = _plan("--cluster.block_overhead_us=0")
+    assert (zero.step_time_s, zero.breakdown_s) == (unset.step_time_s, unset.breakdown_s)

@@ -391,6 +391,11 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         for i in (0, 1):
             launches = (rank.dense_layers * dense[i] + rank.moe_layers * moe[i] + rest[i]) * launch_s
             fwd, bwd = (fwd + launches, bwd) if i == 0 else (fwd, bwd + launches)
+    # cluster.block_overhead_us: another stack's time per block and micro-batch outside the kernels priced here
+    # (gaps between its kernels, host waits, its collectives' synchronisation: docs/planner.md), split as a
+    # block's kernels are, a third forward and two thirds backward; a checkpoint's replay pays the third again.
+    gap_fwd = problem.block_overhead_s / 3
+    fwd, bwd = fwd + rank.layers * gap_fwd, bwd + rank.layers * 2 * gap_fwd
     # Recomputation: full re-runs the forward of checkpointed blocks; "op" re-runs only the cheap ops.
     n_blocks = rank.layers
     per_block_fwd = (fwd_one if rank.dense_layers else g_m + a_m + e_m)
@@ -407,9 +412,10 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         recompute = rank.dense_layers * a_d + rank.moe_layers * a_m
     elif lay.recompute == "full":
         recompute = rank.dense_layers * replay_d + rank.moe_layers * replay_m + fwd_kernels * full_host
+        recompute += rank.layers * gap_fwd
     elif lay.recompute == "selective" and lay.recompute_policy == "layer":
         recompute = math.ceil(n_blocks / lay.recompute_every) * (
-            replay_d + dense[0] * full_host if rank.dense_layers else replay_m + moe[0] * full_host)
+            replay_d + dense[0] * full_host + gap_fwd if rank.dense_layers else replay_m + moe[0] * full_host + gap_fwd)
     elif lay.recompute == "selective" and not eager:
         # "op", compiled: the partitioner recomputes pointwise chains in the backward's fused kernels with
         # or without the policy; what the policy adds is rerunning the two norms (plan/compiled.py).
@@ -441,4 +447,4 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         one_each = [gemm_s(m, n, k, peak8, 1) if fp8 else gemm_s(m, n, k) for m, n, k, c in gemms for _ in range(c)]
         recompute += rank.dense_layers * sum(one_each[i] for i in A.alternate_recomputed_gemms(s, fused, eager))
     recompute += rank.dense_layers * tile_rc
-    return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd, 2 * per_block_fwd, a_d)
+    return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd + gap_fwd, 2 * (per_block_fwd + gap_fwd), a_d)

@@ -204,6 +204,9 @@ class Problem:
     # train.document_mask: the share of causal attention's tiles the mask computes (spec/documents.py), measured
     # on the run's prepared data by `shardwise plan` (plan/command.py), 1.0 until measured; None: no mask.
     document_share: float | None = None
+    # cluster.block_overhead_us: seconds per block and micro-batch a stack spends outside the priced kernels
+    # (plan/compute_time.py); 0 = the trainer's compiled blocks.
+    block_overhead_s: float = 0.0
 
     def eager_for(self, lay: Layout) -> bool:
         """Whether `lay` runs eagerly under this problem's train.compile (see compile_unset)."""
@@ -241,6 +244,10 @@ class Problem:
         if state_dtype != "fp32" and states != "mixed":
             raise ConfigError("cluster.optimizer_state_dtype", f'{state_dtype!r} is read with model_states = "mixed" only, '
                               f"not {states!r}", 'set cluster.model_states = "mixed", or leave this unset')
+        overhead = cfg.cluster.block_overhead_us
+        if overhead is not None and not (math.isfinite(overhead) and 0 <= overhead <= 1e6):
+            raise ConfigError("cluster.block_overhead_us", f"must be a finite number of microseconds in [0, 1e6], got {overhead}",
+                              "leave it unset for the trainer's blocks; e.g. 1060 for Megatron-Core (docs/planner.md)")
         if not 0 <= cfg.cluster.assume_mfu < 1:
             raise ConfigError("cluster.assume_mfu", f"must be within [0, 1), got {cfg.cluster.assume_mfu}", "e.g. 0.4; 0 predicts")
         for name in ("seq_len", "global_batch"):
@@ -277,7 +284,7 @@ class Problem:
                    compile_unset=t.compile is None,
                    tf32=t.tf32 and kind == "cuda", stack_choices=tuple(choices.items()), device_type=kind,
                    fp8_head=t.fp8_head, fuse_projections=t.fuse_projections,
-                   document_share=1.0 if t.document_mask else None)
+                   document_share=1.0 if t.document_mask else None, block_overhead_s=(overhead or 0.0) * 1e-6)
 
     def fused_for(self, lay: Layout) -> bool:
         """train.fuse_projections in effect on `lay` (models/feed_forward.py fused_linear): the trainer joins
@@ -293,7 +300,9 @@ class Problem:
         return (stack.describe() + (fp8[stack.fp8] if self.precision == "fp8" else "")
                 + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else "")
                 + (", SP linear inputs kept sharded (all-gathered again in backward)" if self.sp_sharded(lay) else "")
-                + (", selective recomputation of the attention core only" if self.core_recompute(lay) else ""))
+                + (", selective recomputation of the attention core only" if self.core_recompute(lay) else "")
+                + (f", {self.block_overhead_s * 1e6:,.0f} us per block and micro-batch outside its kernels"
+                   if self.block_overhead_s else ""))
 
     def sp_sharded(self, lay: Layout) -> bool:
         """cluster.sp_saved_input = "sharded" in effect on `lay`: sequence parallelism over tp > 1 (plan/stack.py)."""
