@@ -216,7 +216,9 @@ def test_a_blocks_overhead_is_paid_per_block_and_micro_batch_a_third_forward(rec
     assert b.recompute - a.recompute == pytest.approx(replays * blocks * 300e-6)
     assert b.block_fwd - a.block_fwd == pytest.approx(300e-6)
     micro_batches = 8 // 2  # global batch 8 over dp 2, micro-batch 1
-    assert keyed.breakdown_s["compute"] - plain.breakdown_s["compute"] == pytest.approx(micro_batches * blocks * 900e-6)
+    assert keyed.breakdown_s["outside_kernels"] == pytest.approx(micro_batches * blocks * 900e-6)
+    assert keyed.breakdown_s["compute"] == pytest.approx(plain.breakdown_s["compute"])
+    assert "outside_kernels" not in plain.breakdown_s
     assert keyed.memory.total == plain.memory.total
     assert "900 us per block and micro-batch" in problem_o.stack_description(lay_o)
     assert "per block and micro-batch" not in problem.stack_description(lay)
@@ -226,3 +228,13 @@ def test_unset_and_zero_overhead_price_the_same_step():
     _, _, unset = _plan()
     _, _, zero = _plan("--cluster.block_overhead_us=0")
     assert (zero.step_time_s, zero.breakdown_s) == (unset.step_time_s, unset.breakdown_s)
+
+
+def test_plan_evaluate_prints_the_blocks_time_outside_their_kernels_only_when_set(capsys):
+    from shardwise.cli import main
+
+    assert main(["plan", "evaluate", *BASE, OVERHEAD]) == 0
+    out = capsys.readouterr().out
+    assert "blocks outside their kernels" in out and "900 us per block and micro-batch outside its kernels" in out
+    assert main(["plan", "evaluate", *BASE]) == 0
+    assert "outside" not in capsys.readouterr().out

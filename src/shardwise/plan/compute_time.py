@@ -92,6 +92,7 @@ class MicroBatchTimes:
     block_fwd: float      # one block's forward (FSDP overlap window)
     block_bwd: float
     attn_fwd_layer: float  # one layer's attention forward (CP overlap window)
+    outside: float = 0.0   # of fwd + bwd: the blocks' time outside their kernels (cluster.block_overhead_us)
 
 
 def _block_gemms(problem: Problem, lay: Layout, tokens: int, moe: bool) -> list[tuple[int, int, int, int]]:
@@ -447,4 +448,5 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         one_each = [gemm_s(m, n, k, peak8, 1) if fp8 else gemm_s(m, n, k) for m, n, k, c in gemms for _ in range(c)]
         recompute += rank.dense_layers * sum(one_each[i] for i in A.alternate_recomputed_gemms(s, fused, eager))
     recompute += rank.dense_layers * tile_rc
-    return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd + gap_fwd, 2 * (per_block_fwd + gap_fwd), a_d)
+    return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd + gap_fwd, 2 * (per_block_fwd + gap_fwd), a_d,
+                           3 * rank.layers * gap_fwd)

@@ -242,12 +242,14 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tupl
         detail["bubble_at_lighter_rank_s"] = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, *light)
         crossings = 2 * m * lay.chunks_per_rank + 2 * (lay.pp - 1)
         comm["pp"] = core.pp_send * crossings * C.PP_P2P_EXPOSED_FRACTION
-    breakdown = {"compute": m * (mb.fwd + mb.bwd), "recompute": m * mb.recompute, "dp_comm": comm["dp"],
+    breakdown = {"compute": m * (mb.fwd + mb.bwd - mb.outside), "recompute": m * mb.recompute, "dp_comm": comm["dp"],
                  "tp_comm": comm["tp"], "pp_comm": comm["pp"], "cp_comm": comm["cp"], "ep_comm": comm["ep"],
                  "bubble": bubble, "optimizer": core.optimizer,
                  "slowest_rank": m * (mb.fwd + mb.bwd + mb.recompute) * slowest_rank_fraction(problem.cluster.num_gpus),
                  "overlap_contention": overlap_contention(problem.cluster, detail["comm_beside_compute_s"],
                                                           m * (mb.fwd + mb.bwd + mb.recompute))}
+    if mb.outside:  # cluster.block_overhead_us, its own line (a full checkpoint's replay of it is in "recompute")
+        breakdown["outside_kernels"] = m * mb.outside
     return sum(breakdown.values()), breakdown, detail
 
 

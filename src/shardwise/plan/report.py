@@ -22,8 +22,9 @@ MEMORY_ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "
                ("activations", "activations"), ("other", "other"))
 # plan.png's legend names what "other" holds (the table's "what" column lists it by amount)
 OTHER_IN_LEGEND = "other: FSDP's gathered parameters\nand gradients, comm buffers,\nlogits, offload staging"
-TIME_ROWS = (("compute", "compute (fwd + bwd)"), ("recompute", "recompute"), ("dp_comm", "exposed comm dp"),
-             ("tp_comm", "exposed comm tp"), ("pp_comm", "exposed comm pp"), ("cp_comm", "exposed comm cp"),
+TIME_ROWS = (("compute", "compute (fwd + bwd)"), ("outside_kernels", "blocks outside their kernels"),
+             ("recompute", "recompute"), ("dp_comm", "exposed comm dp"), ("tp_comm", "exposed comm tp"),
+             ("pp_comm", "exposed comm pp"), ("cp_comm", "exposed comm cp"),
              ("ep_comm", "exposed comm ep"), ("bubble", "pipeline bubble"), ("optimizer", "optimizer step"),
              ("slowest_rank", "slowest GPU of the job"), ("overlap_contention", "compute slowed by hidden comm"))
 
@@ -328,6 +329,8 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     tt.add_column({"s": "seconds", "ms": "ms", "µs": "µs"}[unit], justify="right")
     tt.add_column("share", justify="right")
     for key, label in TIME_ROWS:
+        if key == "outside_kernels" and key not in est.breakdown_s:  # cluster.block_overhead_us unset
+            continue
         v = est.breakdown_s.get(key, 0.0)
         tt.add_row(label, f"{v * k:.3f}", f"{v / est.step_time_s * 100:.1f}%" if est.mfu_source == "predicted" else "")
     tt.add_row("step", f"{est.step_time_s * k:.3f}", "assumed MFU" if est.mfu_source == "assumed" else "100%")
