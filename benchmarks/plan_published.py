@@ -59,8 +59,25 @@ def fit(table: dict[str, Any]) -> dict[str, Any] | None:
 
     def best(points: list[tuple[float, float, float]]) -> float:
         return max(0.0, sum((y - t0) * k / y**2 for y, t0, k in points) / sum(k * k / y**2 for y, _, k in points))
+    # A stricter check than one row: each recipe (a row's id less its GPU count: the same run at several
+    # scales) fitted without any of its rows.
+    recipes = [recipe(r["id"]) for r in rows]
+    by_recipe = {}
+    for name in dict.fromkeys(recipes):
+        value = best([p for p, other in zip(lines, recipes) if other != name])
+        by_recipe.update({r["id"]: value for r, other in zip(rows, recipes) if other == name})
+    recipe_errors = [(t0 + by_recipe[r["id"]] * k) / y - 1 for r, (y, t0, k) in zip(rows, lines)]
     return {"key": key, "value": best(lines),
-            "held_out": {r["id"]: best(lines[:i] + lines[i + 1:]) for i, r in enumerate(rows)}}
+            "held_out": {r["id"]: best(lines[:i] + lines[i + 1:]) for i, r in enumerate(rows)},
+            "recipes": len(set(recipes)), "recipe_held_out": by_recipe,
+            "recipe_held_out_mean_abs_error": statistics.fmean(abs(e) for e in recipe_errors),
+            "recipe_held_out_worst_error": max(recipe_errors, key=abs)}
+
+
+def recipe(row_id: str) -> str:
+    """A row's recipe: its id less the trailing GPU count (dgxc-gpt3-175b-tp4-pp8-128 -> ...-pp8)."""
+    head, _, tail = row_id.rpartition("-")
+    return head if tail.isdigit() else row_id
 
 
 def price(row: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fitted {fitted['key']} = {fitted['value']:,.0f} over {len(fitted['held_out'])} fitting rows "
               f"(the fixture prices them with {stated:,.0f}; leave-one-out values "
               f"{min(fitted['held_out'].values()):,.0f}-{max(fitted['held_out'].values()):,.0f})")
+        print(f"each of its {fitted['recipes']} recipes left out whole (the fit of the others, the step linear in the key): "
+              f"mean |error| {100 * fitted['recipe_held_out_mean_abs_error']:.1f}%, worst "
+              f"{_pct(fitted['recipe_held_out_worst_error'])}")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -160,6 +160,11 @@ def test_the_fitted_key_is_the_fit_of_its_rows_each_of_them_reported_left_out(ta
         assert held != fitted["value"] and held == pytest.approx(fitted["value"], rel=0.1), r["id"]
         assert r["leave_one_out_value"] == held and math.isfinite(r["leave_one_out_error"]), r["id"]
         assert pp.prediction_error(r) == r["leave_one_out_error"], r["id"]
+    # stricter: each recipe (the same run at several GPU counts) fitted without any of its rows
+    assert fitted["recipes"] == 9 and set(fitted["recipe_held_out"]) == set(fitted["held_out"])
+    assert pp.recipe("dgxc-gpt3-175b-tp4-pp8-fp8-2048") == "dgxc-gpt3-175b-tp4-pp8-fp8"
+    assert fitted["recipe_held_out"]["dgxc-gpt3-175b-tp4-pp8-128"] == fitted["recipe_held_out"]["dgxc-gpt3-175b-tp4-pp8-2048"]
+    assert 0 < fitted["recipe_held_out_mean_abs_error"] < 0.2
     others = [r for r in results if not r["fitting_data"]]
     assert others and all("leave_one_out_error" not in r and pp.prediction_error(r) == r["error"] for r in others)
     summ = pp.summary(results)
