@@ -404,7 +404,7 @@ class ClusterConfig:
                                                 "prices (gaps between its kernels, waits on the host and on its "
                                                 "collectives), forward and backward together, in microseconds, to "
                                                 "price another stack; unset: 0, as the trainer's compiled blocks. "
-                                                "Megatron-Core / NeMo: 1060, fitted to published runs (docs/planner.md).")
+                                                "Megatron-Core / NeMo: 1027, fitted to published runs (docs/planner.md).")
     disk_gbps: float = opt(0.0, 'Local disk bandwidth per GPU in GB/s (read and write) for parallel.offload="nvme", as '
                                 "`shardwise doctor --disk DIR` measures it; 0 = a PCIe Gen4 NVMe drive per GPU "
                                 "(plan/constants.py NVME_READ_GBPS / NVME_WRITE_GBPS).")

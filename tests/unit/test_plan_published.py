@@ -153,6 +153,13 @@ def test_the_fitted_key_is_the_fit_of_its_rows_each_of_them_reported_left_out(ta
     spec = table["fit"]
     assert fitted["key"] == spec["key"] == "cluster.block_overhead_us"
     assert fitted["value"] == pytest.approx(spec["value"], rel=0.01)
+    # ... and the value users are told to set (the key's help, its error's fix, docs/planner.md) is the fixture's
+    import dataclasses
+
+    from shardwise.config import ClusterConfig
+    doc = next(f.metadata["doc"] for f in dataclasses.fields(ClusterConfig) if f.name == "block_overhead_us")
+    assert f"Megatron-Core / NeMo: {spec['value']}," in doc
+    assert f"`block_overhead_us = {spec['value']}`" in (ROOT / "docs" / "planner.md").read_text()
     rows = [r for r in results if r["fitting_data"]]
     assert len(rows) == len(fitted["held_out"]) == 23
     for r in rows:

@@ -247,7 +247,7 @@ class Problem:
         overhead = cfg.cluster.block_overhead_us
         if overhead is not None and not (math.isfinite(overhead) and 0 <= overhead <= 1e6):
             raise ConfigError("cluster.block_overhead_us", f"must be a finite number of microseconds in [0, 1e6], got {overhead}",
-                              "leave it unset for the trainer's blocks; e.g. 1060 for Megatron-Core (docs/planner.md)")
+                              "leave it unset for the trainer's blocks; e.g. 1027 for Megatron-Core (docs/planner.md)")
         if not 0 <= cfg.cluster.assume_mfu < 1:
             raise ConfigError("cluster.assume_mfu", f"must be within [0, 1), got {cfg.cluster.assume_mfu}", "e.g. 0.4; 0 predicts")
         for name in ("seq_len", "global_batch"):
