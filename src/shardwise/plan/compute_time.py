@@ -416,7 +416,7 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         recompute += rank.layers * gap_fwd
     elif lay.recompute == "selective" and lay.recompute_policy == "layer":
         recompute = math.ceil(n_blocks / lay.recompute_every) * (
-            replay_d + dense[0] * full_host + gap_fwd if rank.dense_layers else replay_m + moe[0] * full_host + gap_fwd)
+            (replay_d + dense[0] * full_host if rank.dense_layers else replay_m + moe[0] * full_host) + gap_fwd)
     elif lay.recompute == "selective" and not eager:
         # "op", compiled: the partitioner recomputes pointwise chains in the backward's fused kernels with
         # or without the policy; what the policy adds is rerunning the two norms (plan/compiled.py).
@@ -449,4 +449,4 @@ def microbatch_times(problem: Problem, lay: Layout, rank: RankModel) -> MicroBat
         recompute += rank.dense_layers * sum(one_each[i] for i in A.alternate_recomputed_gemms(s, fused, eager))
     recompute += rank.dense_layers * tile_rc
     return MicroBatchTimes(fwd, bwd, recompute, per_block_fwd + gap_fwd, 2 * (per_block_fwd + gap_fwd), a_d,
-                           3 * rank.layers * gap_fwd)
+                           rank.layers * problem.block_overhead_s)

@@ -329,9 +329,9 @@ def evaluate_text(problem: Problem, est: Estimate) -> str:
     tt.add_column({"s": "seconds", "ms": "ms", "µs": "µs"}[unit], justify="right")
     tt.add_column("share", justify="right")
     for key, label in TIME_ROWS:
-        if key == "outside_kernels" and key not in est.breakdown_s:  # cluster.block_overhead_us unset
+        if key not in est.breakdown_s:  # a term this step has not got (outside_kernels: cluster.block_overhead_us unset)
             continue
-        v = est.breakdown_s.get(key, 0.0)
+        v = est.breakdown_s[key]
         tt.add_row(label, f"{v * k:.3f}", f"{v / est.step_time_s * 100:.1f}%" if est.mfu_source == "predicted" else "")
     tt.add_row("step", f"{est.step_time_s * k:.3f}", "assumed MFU" if est.mfu_source == "assumed" else "100%")
     con.print(tt)
