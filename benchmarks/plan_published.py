@@ -42,20 +42,23 @@ def with_key(row: dict[str, Any], key: str, value: float) -> dict[str, Any]:
     return {**row, "overrides": [*row["overrides"], f"--{key}={value:g}"]}
 
 
-def fit(table: dict[str, Any]) -> dict[str, Any] | None:
+def fit(table: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The fixture's fitted key over its fitting rows: the value minimising the sum of squared relative errors,
-    each row's step taken as linear in the key (priced at 0 and at `probe`: the step is a sum of per-block
-    terms, so the line is exact but where another rank becomes the slowest), and per row the value fitted
-    to the others. None when the fixture fits nothing."""
+    each row's step taken as linear in the key (through its price at 0 and its price in `results`, at the
+    fixture's value: the step is a sum of per-block terms, so the line is exact but where another rank becomes
+    the slowest), and per row the value fitted to the others. None when the fixture fits nothing."""
     spec = table.get("fit")
-    rows = [r for r in table["rows"] if r.get("fitting_data")]
-    if not spec or not rows:
+    pairs = [(r, out) for r, out in zip(table["rows"], results) if r.get("fitting_data")]
+    if not spec or not pairs:
         return None
-    key, probe = spec["key"], float(spec["probe"])
+    key, value = spec["key"], float(spec["value"])
+    if value <= 0:
+        raise ValueError(f"the fixture's {key} is {value}: a fitted value > 0 gives each row's line its slope")
+    rows = [r for r, _ in pairs]
     lines = []  # (published, step at 0, step per unit of the key)
-    for r in rows:
-        t0, t1 = (price(with_key(r, key, v))["predicted_s"] for v in (0.0, probe))
-        lines.append((r["step_time_s"], t0, (t1 - t0) / probe))
+    for r, out in pairs:
+        t0 = price(with_key(r, key, 0.0))["predicted_s"]
+        lines.append((r["step_time_s"], t0, (out["predicted_s"] - t0) / value))
 
     def best(points: list[tuple[float, float, float]]) -> float:
         return max(0.0, sum((y - t0) * k / y**2 for y, t0, k in points) / sum(k * k / y**2 for y, _, k in points))
@@ -64,8 +67,8 @@ def fit(table: dict[str, Any]) -> dict[str, Any] | None:
     recipes = [recipe(r["id"]) for r in rows]
     by_recipe = {}
     for name in dict.fromkeys(recipes):
-        value = best([p for p, other in zip(lines, recipes) if other != name])
-        by_recipe.update({r["id"]: value for r, other in zip(rows, recipes) if other == name})
+        without = best([p for p, other in zip(lines, recipes) if other != name])
+        by_recipe.update({r["id"]: without for r, other in zip(rows, recipes) if other == name})
     recipe_errors = [(t0 + by_recipe[r["id"]] * k) / y - 1 for r, (y, t0, k) in zip(rows, lines)]
     return {"key": key, "value": best(lines),
             "held_out": {r["id"]: best(lines[:i] + lines[i + 1:]) for i, r in enumerate(rows)},
@@ -115,15 +118,13 @@ def price(row: dict[str, Any]) -> dict[str, Any]:
 def price_all(table: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Every row priced; a fitting row also with the value fitted to the other rows (`leave_one_out_error`,
     the error the summary counts for it)."""
-    fitted = fit(table)
-    results = []
-    for row in table["rows"]:
-        out = price(row)
+    results = [price(row) for row in table["rows"]]
+    fitted = fit(table, results)
+    for row, out in zip(table["rows"], results):
         if fitted and row.get("fitting_data") and out["error"] is not None:
             held = fitted["held_out"][row["id"]]
             step = price(with_key(row, fitted["key"], held))["predicted_s"]
             out.update(leave_one_out_value=held, leave_one_out_s=step, leave_one_out_error=step / row["step_time_s"] - 1)
-        results.append(out)
     return results, fitted
 
 

@@ -15,12 +15,15 @@ docs/planner.md, "Published runs", has the table.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
+
+from shardwise.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -153,10 +156,7 @@ def test_the_fitted_key_is_the_fit_of_its_rows_each_of_them_reported_left_out(ta
     spec = table["fit"]
     assert fitted["key"] == spec["key"] == "cluster.block_overhead_us"
     assert fitted["value"] == pytest.approx(spec["value"], rel=0.01)
-    # ... and the value users are told to set (the key's help, its error's fix, docs/planner.md) is the fixture's
-    import dataclasses
-
-    from shardwise.config import ClusterConfig
+    # ... and the value users are told to set (the key's help, docs/planner.md) is the fixture's
     doc = next(f.metadata["doc"] for f in dataclasses.fields(ClusterConfig) if f.name == "block_overhead_us")
     assert f"Megatron-Core / NeMo: {spec['value']}," in doc
     assert f"`block_overhead_us = {spec['value']}`" in (ROOT / "docs" / "planner.md").read_text()
