@@ -331,6 +331,9 @@ class ClusterConfig:
                                  "0 = the device's datasheet.")
     memory_bandwidth_gbps: float = opt(0.0, "Memory (HBM) bandwidth of one accelerator in GB/s, for a variant of cluster.gpu "
                                             "(e.g. 2400 for an H100 with HBM2e); 0 = the device's datasheet.")
+    peak_tflops: float = opt(0.0, "Dense bf16 tensor-core peak of one accelerator in TFLOP/s, for a variant of cluster.gpu "
+                                  "that runs slower clocks (e.g. Meta's 500 W H100s: between the SXM's 989.4 and the "
+                                  "NVL's 835.5); every precision's peak scales with it; 0 = the device's datasheet.")
     nodes_per_pod: int = opt(0, "Nodes under one non-blocking tier of the network (a pod, an AI zone), when the tier above "
                                 "them is oversubscribed (cluster.oversubscription); e.g. 384 for Meta's 3,072-GPU pods. "
                                 "0 = the whole cluster is one non-blocking fabric (plan/fabric.py).")
@@ -395,6 +398,11 @@ class ClusterConfig:
                                                 "per-op policies, train.recompute_policy) or \"attention_core\" (only the "
                                                 "attention core, as Megatron-LM's --recompute-granularity selective: "
                                                 "Korthikanti et al. 2022 §5); unset: op.")
+    sp_gather: str | None = opt(None, 'The dtype sequence parallelism\'s all-gathers move under train.precision="fp8" '
+                                      '(tensorwise), to price: "bf16" (as the trainer\'s TP styles gather) or "fp8" '
+                                      "(torchao's Float8ColwiseParallel / Float8RowwiseParallel / "
+                                      "PrepareFloat8ModuleInput, as torchtitan applies them: block inputs gathered in "
+                                      "e4m3, row-parallel output gradients in e5m2, half the bytes); unset: bf16.")
     fp8_kernel: str | None = opt(None, 'How train.precision="fp8" casts, to price: "torchao" (dynamic scaling: an amax '
                                        "pass and a cast of every GEMM operand each micro-batch, as the trainer runs "
                                        'it) or "transformer_engine" (delayed scaling under Megatron-Core: casts fused '

@@ -349,11 +349,14 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     op_selective = (lay.recompute == "selective" and lay.recompute_policy in PER_OP_POLICIES
                     and not problem.core_recompute(lay))
     out: list[Collective] = []
+    # cluster.sp_gather = "fp8" (torchao's float8 TP styles): the block inputs' all-gathers (and their replay)
+    # move e4m3, the row-parallel outputs' gradients e5m2: 1 byte; the reduce-scatters stay in the compute dtype.
+    gather_fwd, gather_bwd = problem.sp_gather_bytes(lay, res), problem.sp_gather_bytes(lay, act)
     if lay.sp:
-        out += [Collective("tp", "all_gather", per_layer * res, 2 * L * m, "fwd", "act"),
+        out += [Collective("tp", "all_gather", per_layer * gather_fwd, 2 * L * m, "fwd", "act"),
                 Collective("tp", "reduce_scatter", per_layer * act, 2 * L * m, "fwd", "act"),
                 Collective("tp", "reduce_scatter", per_layer * res, 2 * L * m, "bwd", "act"),
-                Collective("tp", "all_gather", per_layer * act, 2 * L * m, "bwd", "act")]
+                Collective("tp", "all_gather", per_layer * gather_bwd, 2 * L * m, "bwd", "act")]
         replay = [("all_gather", 2 * L if op_selective else 2 * L * rc_frac), ("reduce_scatter", L * rc_frac)]
         if problem.sp_sharded(lay) and not op_selective and rc_frac < 1:
             # cluster.sp_saved_input = "sharded": the blocks not recomputed gather their two norm outputs
@@ -365,7 +368,8 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
         replay = [("all_reduce", L * rc_frac)]
     for kind, calls in replay:
         if calls:
-            out.append(Collective("tp", kind, per_layer * act, calls * m, "recompute", "act"))
+            elem = problem.sp_gather_bytes(lay, act) if kind == "all_gather" else act
+            out.append(Collective("tp", kind, per_layer * elem, calls * m, "recompute", "act"))
     if rank.embedding:
         out.append(Collective("tp", "reduce_scatter" if lay.sp else "all_reduce", per_layer * res, m, "fwd", "embed"))
         if lay.sp:

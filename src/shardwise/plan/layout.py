@@ -112,9 +112,10 @@ class Cluster:
             raise ConfigError("cluster.num_gpus", f"{c.num_gpus} GPUs do not fill whole nodes of {c.gpus_per_node}",
                               "use a multiple of cluster.gpus_per_node")
         for key in ("intra_node_gbps", "inter_node_gbps", "intra_node_latency_us", "inter_node_latency_us", "memory_gib",
-                    "memory_bandwidth_gbps"):
-            if getattr(c, key) < 0:
-                raise ConfigError(f"cluster.{key}", f"must be >= 0, got {getattr(c, key)}", "0 takes the default")
+                    "memory_bandwidth_gbps", "peak_tflops"):
+            if not (math.isfinite(getattr(c, key)) and getattr(c, key) >= 0):
+                raise ConfigError(f"cluster.{key}", f"must be a finite number >= 0, got {getattr(c, key)}",
+                                  "0 takes the default")
         fixes = {"price_per_gpu_hour": "0 = not priced", "failures_per_gpu_hour": "0 = no failures; unset = Llama 3's rate",
                  "checkpoint_save_s": "unset = estimated from the checkpoint's bytes", "restart_s": "unset = an assumed 600 s",
                  "elastic_restart_s": "unset = the measured 47 s",
@@ -144,6 +145,15 @@ class Cluster:
         # datasheet and over a measured copy rate; the name stays, so per-family constants still apply.
         device = replace(device, memory_gib=c.memory_gib or device.memory_gib,
                          memory_bandwidth_gbps=c.memory_bandwidth_gbps or device.memory_bandwidth_gbps)
+        if c.peak_tflops:
+            # cluster.peak_tflops: a part clocked lower than the datasheet's (a power limit): one clock drives every
+            # unit, so every precision's peak scales by the stated bf16 peak over the datasheet's. The per-family
+            # GEMM efficiencies (constants.MAMF) still apply, as fractions of that lower peak.
+            if "bf16" not in device.peak_tflops:
+                raise ConfigError("cluster.peak_tflops", f"{device.name} has no bf16 peak to scale from",
+                                  "leave cluster.peak_tflops at 0 for this device")
+            ratio = c.peak_tflops / device.peak_tflops["bf16"]
+            device = replace(device, peak_tflops={k: v * ratio for k, v in device.peak_tflops.items()})
         intra, inter = c.intra_node_gbps or device.intra_node_gbps, c.inter_node_gbps or device.inter_node_gbps
         latency = (c.intra_node_latency_us * 1e-6) or C.LATENCY_INTRA_S
         if c.num_gpus > 1 and not intra:
@@ -301,12 +311,21 @@ class Problem:
                 + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else "")
                 + (", SP linear inputs kept sharded (all-gathered again in backward)" if self.sp_sharded(lay) else "")
                 + (", selective recomputation of the attention core only" if self.core_recompute(lay) else "")
+                + (", SP all-gathers in FP8 (torchao's float8 TP styles)" if self.sp_gather_bytes(lay, 2) == 1 else "")
                 + (f", {self.block_overhead_s * 1e6:,.0f} us per block and micro-batch outside its kernels"
                    if self.block_overhead_s else ""))
 
     def sp_sharded(self, lay: Layout) -> bool:
         """cluster.sp_saved_input = "sharded" in effect on `lay`: sequence parallelism over tp > 1 (plan/stack.py)."""
         return lay.sp and lay.tp > 1 and self.stack_for(lay).sp_input == "sharded"
+
+    def sp_gather_bytes(self, lay: Layout, compute: int) -> int:
+        """Bytes per element of SP's all-gathers of block inputs and row-parallel output gradients on `lay`: 1
+        under cluster.sp_gather = "fp8" with FP8 tensorwise training and sequence parallelism over tp > 1
+        (plan/stack.py), else the tensor's own (`compute`)."""
+        fp8 = (self.precision == "fp8" and self.fp8_recipe == "tensorwise" and lay.sp and lay.tp > 1
+               and self.stack_for(lay).sp_gather == "fp8")
+        return 1 if fp8 else compute
 
     def core_recompute(self, lay: Layout) -> bool:
         """cluster.selective_recompute = "attention_core" in effect on `lay`: selective recomputation reruns only the

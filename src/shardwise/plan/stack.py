@@ -39,6 +39,11 @@ loss — so a planner that only knows today's kernels mis-plans the cluster a us
               LinearWithGradAccumulationAndAsyncCommunication and Transformer Engine's LayerNormLinear start
               that all-gather before the input-gradient GEMM and wait for it after): a block keeps its two
               norm outputs at 1/tp, and the backward's two all-gathers run beside that GEMM (plan/comm.py)
+  sp_gather   bf16 | fp8                        the dtype sequence parallelism's all-gathers move under
+              train.precision = "fp8" with the tensorwise recipe: the compute dtype (unset: what the trainer
+              runs, parallel/float8.py: its own TP styles gather bf16) or FP8, as torchao's Float8ColwiseParallel /
+              Float8RowwiseParallel / PrepareFloat8ModuleInput do under torchtitan: a block's input is scaled on
+              its sequence shard and all-gathered in e4m3, a row-parallel output's gradient in e5m2 (plan/comm.py)
   selective   op | attention_core                what train.recompute = "selective" reruns: the trainer's
               per-op policies (unset: train.recompute_policy, parallel/activation_checkpoint.py) or only the
               attention core, as Megatron-LM's --recompute-granularity selective checkpoints it (Korthikanti
@@ -58,10 +63,11 @@ FP8_KERNELS = ("torchao", "transformer_engine")
 ROPE_KERNELS = ("fused", "complex")
 SP_SAVED_INPUT = ("gathered", "sharded")
 SELECTIVE_RECOMPUTE = ("op", "attention_core")
+SP_GATHER = ("bf16", "fp8")
 CHOICES = {"attention_kernel": ATTENTION_KERNELS, "optimizer_kernel": OPTIMIZER_KERNELS,
            "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS, "grad_reduce": GRAD_REDUCE,
            "fp8_kernel": FP8_KERNELS, "rope_kernel": ROPE_KERNELS,
-           "sp_saved_input": SP_SAVED_INPUT, "selective_recompute": SELECTIVE_RECOMPUTE}
+           "sp_saved_input": SP_SAVED_INPUT, "selective_recompute": SELECTIVE_RECOMPUTE, "sp_gather": SP_GATHER}
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class Stack:
     rope: str = "fused"
     sp_input: str = "gathered"  # read under sequence parallelism only
     selective: str = "op"  # read under train.recompute = "selective" only
+    sp_gather: str = "bf16"  # read under FP8 (tensorwise) with sequence parallelism only
 
     def describe(self) -> str:
         return (f"{'compiled blocks (inductor)' if self.compiled else 'eager'}, attention {self.attention}, "
@@ -95,4 +102,4 @@ def resolve(choices: dict[str, str | None], compiled: bool, attention_default: s
                  choices.get("loss_kernel") or ("compiled" if compiled else "eager"),
                  choices.get("grad_reduce") or "overlapped", choices.get("fp8_kernel") or "torchao",
                  choices.get("rope_kernel") or "fused", choices.get("sp_saved_input") or "gathered",
-                 choices.get("selective_recompute") or "op")
+                 choices.get("selective_recompute") or "op", choices.get("sp_gather") or "bf16")
