@@ -6,8 +6,9 @@ Layout -> check_layout + the pipeline split rules -> plan.cost.evaluate. The err
 (negative: the planner predicts a faster step than published, i.e. it is optimistic). A layout the planner
 refuses is a finding: it is printed as REFUSED with the rule, never dropped.
 
-One key is fitted, and only to the rows marked fitting_data (the fixture's "fit" says which key and why):
-the Megatron-Core rows' cluster.block_overhead_us, by least squares of their relative errors. Those rows are
+Two keys are fitted, each only to the rows whose fitting_data names it (the fixture's "fits" say which key,
+why, and the bounds its source allows), by least squares of their relative errors: the Megatron-Core rows'
+cluster.block_overhead_us, and the peak of torchtitan's 500 W H100s, cluster.peak_tflops. Those rows are
 priced with the fixture's value, and each also with the value fitted to the others (leave-one-out); the
 summary counts a fitting row by its leave-one-out error, so every figure it prints is a prediction.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -42,26 +44,49 @@ def with_key(row: dict[str, Any], key: str, value: float) -> dict[str, Any]:
     return {**row, "overrides": [*row["overrides"], f"--{key}={value:g}"]}
 
 
-def fit(table: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fixture's fitted key over its fitting rows: the value minimising the sum of squared relative errors,
-    each row's step taken as linear in the key (through its price at 0 and its price in `results`, at the
-    fixture's value: the step is a sum of per-block terms, so the line is exact but where another rank becomes
-    the slowest), and per row the value fitted to the others. None when the fixture fits nothing."""
-    spec = table.get("fit")
-    pairs = [(r, out) for r, out in zip(table["rows"], results) if r.get("fitting_data")]
-    if not spec or not pairs:
-        return None
-    key, value = spec["key"], float(spec["value"])
-    if value <= 0:
-        raise ValueError(f"the fixture's {key} is {value}: a fitted value > 0 gives each row's line its slope")
+def _coordinate(form: str, x: float) -> float:
+    """Where a key's value sits on the axis a row's step is linear along: the value itself ("linear": a time per
+    block and micro-batch), or its reciprocal ("reciprocal": a peak rate, which GEMM time goes as)."""
+    return 1.0 / x if form == "reciprocal" else x
+
+
+def fit(table: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each of the fixture's fitted keys over its fitting rows (a row's fitting_data names its key): the value
+    minimising the sum of squared relative errors, each row's step taken as linear along the key's coordinate
+    (`_coordinate`) through its price at the spec's probe and its price in `results`, at the fixture's value (the
+    step is a sum of per-block terms, so the line is exact but where another rank becomes the slowest or a GEMM
+    turns memory-bound), kept within the spec's bounds (what the source allows); per row the value fitted to the
+    others, and per recipe the value fitted without the recipe's rows."""
+    fitted = []
+    for spec in table.get("fits", []):
+        key, value, (lo, hi) = spec["key"], float(spec["value"]), spec["bounds"]
+        pairs = [(r, out) for r, out in zip(table["rows"], results) if r.get("fitting_data") == key]
+        if not pairs or not lo <= value <= (math.inf if hi is None else hi) or value == spec["probe"]:
+            raise ValueError(f"the fixture's {key}: fitting rows {len(pairs)}, value {value} not a point within "
+                             f"{lo}..{hi} other than the probe {spec['probe']}")
+        fitted.append(_fit_key(spec, pairs))
+    return fitted
+
+
+def _fit_key(spec: dict[str, Any], pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    key, form, (lo, hi) = spec["key"], spec["form"], spec["bounds"]
     rows = [r for r, _ in pairs]
-    lines = []  # (published, step at 0, step per unit of the key)
+    at, probe = _coordinate(form, float(spec["value"])), _coordinate(form, spec["probe"])
+    lines = []  # (published, step at the probe, step per unit of the coordinate)
     for r, out in pairs:
-        t0 = price(with_key(r, key, 0.0))["predicted_s"]
-        lines.append((r["step_time_s"], t0, (out["predicted_s"] - t0) / value))
+        t_probe = price(with_key(r, key, spec["probe"]))["predicted_s"]
+        lines.append((r["step_time_s"], t_probe, (out["predicted_s"] - t_probe) / (at - probe)))
+    # the bounds on the coordinate: a reciprocal key's are both finite and > 0 (a peak between two parts')
+    low, high = (1.0 / hi, 1.0 / lo) if form == "reciprocal" else (lo, math.inf if hi is None else hi)
+
+    def unbounded(points: list[tuple[float, float, float]]) -> float:
+        return probe + sum((y - t0) * k / y**2 for y, t0, k in points) / sum(k * k / y**2 for y, _, k in points)
+
+    def value_of(u: float) -> float:
+        return 1.0 / u if form == "reciprocal" else u
 
     def best(points: list[tuple[float, float, float]]) -> float:
-        return max(0.0, sum((y - t0) * k / y**2 for y, t0, k in points) / sum(k * k / y**2 for y, _, k in points))
+        return value_of(min(max(unbounded(points), low), high))
     # A stricter check than one row: each recipe (a row's id less its GPU count: the same run at several
     # scales) fitted without any of its rows.
     recipes = [recipe(r["id"]) for r in rows]
@@ -69,8 +94,11 @@ def fit(table: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any] 
     for name in dict.fromkeys(recipes):
         without = best([p for p, other in zip(lines, recipes) if other != name])
         by_recipe.update({r["id"]: without for r, other in zip(rows, recipes) if other == name})
-    recipe_errors = [(t0 + by_recipe[r["id"]] * k) / y - 1 for r, (y, t0, k) in zip(rows, lines)]
-    return {"key": key, "value": best(lines),
+    recipe_errors = [(t0 + (_coordinate(form, by_recipe[r["id"]]) - probe) * k) / y - 1
+                     for r, (y, t0, k) in zip(rows, lines)]
+    return {"key": key, "form": form, "value": best(lines), "bounds": [lo, hi],
+            # where the rows alone would put it: a fit at its bound says the source's range binds
+            "unbounded_value": value_of(unbounded(lines)),
             "held_out": {r["id"]: best(lines[:i] + lines[i + 1:]) for i, r in enumerate(rows)},
             "recipes": len(set(recipes)), "recipe_held_out": by_recipe,
             "recipe_held_out_mean_abs_error": statistics.fmean(abs(e) for e in recipe_errors),
@@ -96,7 +124,7 @@ def price(row: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"id": row["id"], "gpus": row["gpus"], "band": band(row["gpus"]),
                            "published_s": row["step_time_s"], "predicted_s": None, "error": None, "refused": None,
-                           "fitting_data": bool(row.get("fitting_data"))}
+                           "fitting_data": row.get("fitting_data") or False}
     try:
         cfg = build_config(None, parse_overrides(list(row["overrides"])))
         problem = Problem.from_config(cfg)
@@ -115,15 +143,17 @@ def price(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def price_all(table: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Every row priced; a fitting row also with the value fitted to the other rows (`leave_one_out_error`,
+def price_all(table: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every row priced; a fitting row also with its key's value fitted to the other rows (`leave_one_out_error`,
     the error the summary counts for it)."""
     results = [price(row) for row in table["rows"]]
     fitted = fit(table, results)
+    by_key = {f["key"]: f for f in fitted}
     for row, out in zip(table["rows"], results):
-        if fitted and row.get("fitting_data") and out["error"] is not None:
-            held = fitted["held_out"][row["id"]]
-            step = price(with_key(row, fitted["key"], held))["predicted_s"]
+        spec = by_key.get(row.get("fitting_data"))
+        if spec and out["error"] is not None:
+            held = spec["held_out"][row["id"]]
+            step = price(with_key(row, spec["key"], held))["predicted_s"]
             out.update(leave_one_out_value=held, leave_one_out_s=step, leave_one_out_error=step / row["step_time_s"] - 1)
     return results, fitted
 
@@ -178,14 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     results, fitted = price_all(table)
     summ = summary(results)
     print(table_text(results, summ), end="")
-    if fitted:
-        stated = table["fit"]["value"]
-        print(f"fitted {fitted['key']} = {fitted['value']:,.0f} over {len(fitted['held_out'])} fitting rows "
-              f"(the fixture prices them with {stated:,.0f}; leave-one-out values "
-              f"{min(fitted['held_out'].values()):,.0f}-{max(fitted['held_out'].values()):,.0f})")
-        print(f"each of its {fitted['recipes']} recipes left out whole (the fit of the others, the step linear in the key): "
-              f"mean |error| {100 * fitted['recipe_held_out_mean_abs_error']:.1f}%, worst "
-              f"{_pct(fitted['recipe_held_out_worst_error'])}")
+    for spec, f in zip(table.get("fits", []), fitted):
+        lo, hi = f["bounds"]
+        bounds = f"within {lo:,.1f}-{hi:,.1f}" if hi is not None else f">= {lo:,.0f}"
+        free = "" if f["unbounded_value"] == f["value"] else f"; unbounded {f['unbounded_value']:,.1f}"
+        print(f"fitted {f['key']} = {f['value']:,.1f} ({bounds}{free}) over {len(f['held_out'])} fitting rows "
+              f"(the fixture prices them with {spec['value']:,}; leave-one-out values "
+              f"{min(f['held_out'].values()):,.1f}-{max(f['held_out'].values()):,.1f})")
+        if f["recipes"] < len(f["held_out"]):
+            print(f"  each of its {f['recipes']} recipes left out whole (the fit of the others): mean |error| "
+                  f"{100 * f['recipe_held_out_mean_abs_error']:.1f}%, worst {_pct(f['recipe_held_out_worst_error'])}")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
