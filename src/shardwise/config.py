@@ -333,7 +333,8 @@ class ClusterConfig:
                                             "(e.g. 2400 for an H100 with HBM2e); 0 = the device's datasheet.")
     peak_tflops: float = opt(0.0, "Dense bf16 tensor-core peak of one accelerator in TFLOP/s, for a variant of cluster.gpu "
                                   "that runs slower clocks (e.g. Meta's 500 W H100s: between the SXM's 989.4 and the "
-                                  "NVL's 835.5); every precision's peak scales with it; 0 = the device's datasheet.")
+                                  "NVL's 835.5; torchtitan's published runs on them fit 835.5, docs/planner.md); every "
+                                  "precision's peak scales with it; 0 = the device's datasheet.")
     nodes_per_pod: int = opt(0, "Nodes under one non-blocking tier of the network (a pod, an AI zone), when the tier above "
                                 "them is oversubscribed (cluster.oversubscription); e.g. 384 for Meta's 3,072-GPU pods. "
                                 "0 = the whole cluster is one non-blocking fabric (plan/fabric.py).")

@@ -198,6 +198,8 @@ def test_each_fitted_key_is_the_fit_of_its_rows_each_of_them_reported_left_out(t
     assert all(835.5 <= v <= 989.4 for v in [peak["value"], *peak["held_out"].values()])
     assert 0.95 * 835.5 < peak["unbounded_value"] <= peak["value"]
     assert f"`peak_tflops = {table['fits'][1]['value']}`" in (ROOT / "docs" / "planner.md").read_text()
+    doc = next(f.metadata["doc"] for f in dataclasses.fields(ClusterConfig) if f.name == "peak_tflops")
+    assert f"published runs on them fit {table['fits'][1]['value']}," in doc
     others = [r for r in results if not r["fitting_data"]]
     assert others and all("leave_one_out_error" not in r and pp.prediction_error(r) == r["error"] for r in others)
     summ = pp.summary(results)

@@ -351,7 +351,8 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
     out: list[Collective] = []
     # cluster.sp_gather = "fp8" (torchao's float8 TP styles): the block inputs' all-gathers (and their replay)
     # move e4m3, the row-parallel outputs' gradients e5m2: 1 byte; the reduce-scatters stay in the compute dtype.
-    gather_fwd, gather_bwd = problem.sp_gather_bytes(lay, res), problem.sp_gather_bytes(lay, act)
+    fp8_gathers = problem.fp8_sp_gathers(lay)
+    gather_fwd, gather_bwd = (1, 1) if fp8_gathers else (res, act)
     if lay.sp:
         out += [Collective("tp", "all_gather", per_layer * gather_fwd, 2 * L * m, "fwd", "act"),
                 Collective("tp", "reduce_scatter", per_layer * act, 2 * L * m, "fwd", "act"),
@@ -368,7 +369,7 @@ def _tp_collectives(problem: Problem, lay: Layout, rank: RankModel, tokens: floa
         replay = [("all_reduce", L * rc_frac)]
     for kind, calls in replay:
         if calls:
-            elem = problem.sp_gather_bytes(lay, act) if kind == "all_gather" else act
+            elem = gather_bwd if kind == "all_gather" else act
             out.append(Collective("tp", kind, per_layer * elem, calls * m, "recompute", "act"))
     if rank.embedding:
         out.append(Collective("tp", "reduce_scatter" if lay.sp else "all_reduce", per_layer * res, m, "fwd", "embed"))

@@ -311,7 +311,7 @@ class Problem:
                 + (", q|k|v and w1|w3 joined" if self.fused_for(lay) else "")
                 + (", SP linear inputs kept sharded (all-gathered again in backward)" if self.sp_sharded(lay) else "")
                 + (", selective recomputation of the attention core only" if self.core_recompute(lay) else "")
-                + (", SP all-gathers in FP8 (torchao's float8 TP styles)" if self.sp_gather_bytes(lay, 2) == 1 else "")
+                + (", SP all-gathers in FP8 (torchao's float8 TP styles)" if self.fp8_sp_gathers(lay) else "")
                 + (f", {self.block_overhead_s * 1e6:,.0f} us per block and micro-batch outside its kernels"
                    if self.block_overhead_s else ""))
 
@@ -319,13 +319,11 @@ class Problem:
         """cluster.sp_saved_input = "sharded" in effect on `lay`: sequence parallelism over tp > 1 (plan/stack.py)."""
         return lay.sp and lay.tp > 1 and self.stack_for(lay).sp_input == "sharded"
 
-    def sp_gather_bytes(self, lay: Layout, compute: int) -> int:
-        """Bytes per element of SP's all-gathers of block inputs and row-parallel output gradients on `lay`: 1
-        under cluster.sp_gather = "fp8" with FP8 tensorwise training and sequence parallelism over tp > 1
-        (plan/stack.py), else the tensor's own (`compute`)."""
-        fp8 = (self.precision == "fp8" and self.fp8_recipe == "tensorwise" and lay.sp and lay.tp > 1
-               and self.stack_for(lay).sp_gather == "fp8")
-        return 1 if fp8 else compute
+    def fp8_sp_gathers(self, lay: Layout) -> bool:
+        """cluster.sp_gather = "fp8" in effect on `lay` (plan/stack.py): FP8 tensorwise training, whose float8 TP
+        styles gather in FP8, and sequence parallelism over tp > 1, whose all-gathers they are."""
+        return (self.precision == "fp8" and self.fp8_recipe == "tensorwise" and lay.sp and lay.tp > 1
+                and self.stack_for(lay).sp_gather == "fp8")
 
     def core_recompute(self, lay: Layout) -> bool:
         """cluster.selective_recompute = "attention_core" in effect on `lay`: selective recomputation reruns only the
