@@ -10,7 +10,8 @@ Two keys are fitted, each only to the rows whose fitting_data names it (the fixt
 why, and the bounds its source allows), by least squares of their relative errors: the Megatron-Core rows'
 cluster.block_overhead_us, and the peak of torchtitan's 500 W H100s, cluster.peak_tflops. Those rows are
 priced with the fixture's value, and each also with the value fitted to the others (leave-one-out); the
-summary counts a fitting row by its leave-one-out error, so every figure it prints is a prediction.
+summary counts a fitting row by its leave-one-out error, so every figure it prints is a prediction. Rows on
+the same part but not fitted to (predicted_with: the key) are priced with the fixture's value, out of sample.
 
     python benchmarks/plan_published.py [--fixture tests/fixtures/published_runs.json] [--out FILE.json]
 
@@ -124,7 +125,7 @@ def price(row: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"id": row["id"], "gpus": row["gpus"], "band": band(row["gpus"]),
                            "published_s": row["step_time_s"], "predicted_s": None, "error": None, "refused": None,
-                           "fitting_data": row.get("fitting_data") or False}
+                           "fitting_data": row.get("fitting_data") or False, "predicted_with": row.get("predicted_with")}
     try:
         cfg = build_config(None, parse_overrides(list(row["overrides"])))
         problem = Problem.from_config(cfg)
@@ -215,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fitted {f['key']} = {f['value']:,.1f} ({bounds}{free}) over {len(f['held_out'])} fitting rows "
               f"(the fixture prices them with {spec['value']:,}; leave-one-out values "
               f"{min(f['held_out'].values()):,.1f}-{max(f['held_out'].values()):,.1f})")
+        outside = [r for r in results if r["predicted_with"] == f["key"] and r["error"] is not None]
+        if outside:
+            worst = max(outside, key=lambda r: abs(r["error"]))
+            print(f"  {len(outside)} rows on the same part priced with it, not fitted to it: mean |error| "
+                  f"{100 * statistics.fmean(abs(r['error']) for r in outside):.1f}%, worst {_pct(worst['error'])} "
+                  f"({worst['id']})")
         if f["recipes"] < len(f["held_out"]):
             print(f"  each of its {f['recipes']} recipes left out whole (the fit of the others): mean |error| "
                   f"{100 * f['recipe_held_out_mean_abs_error']:.1f}%, worst {_pct(f['recipe_held_out_worst_error'])}")
