@@ -35,6 +35,7 @@ On a GPU machine (defaults: bf16, the 886M LLaMA of ../shared/gpu/h100-runs.json
 heads, 16384 tokens = micro-batch 8 x seq 2048; 1 GiB tensors; 100M optimizer parameters):
     python benchmarks/kernels.py [--device auto|cuda|cpu] [--dtype bf16|fp16|fp32] [--dim --ffn --heads
         --kv-heads --tokens --seq] [--squares 4096,8192] [--gemm-tokens T,T/2,T/4] [--decode-m 1,4,16] [--sdpa-dtypes bf16,fp32]
+        [--sdpa-seqs 2048,8192,32768]
         [--bytes N] [--opt-params N] [--chain-ops 1000] [--sustained-n 8192 --sustained-s 30 --window-s 1]
         [--reps 5] [--sections gemm,sdpa,...] [--no-compile]
         [--out F] [--smoke]
@@ -65,6 +66,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernel_overhead import overhead_section  # noqa: E402  (this folder)
+from kernel_sdpa_lengths import sdpa_lengths_section  # noqa: E402  (this folder)
 from kernel_sustained import sustained_section  # noqa: E402  (this folder)
 from kernel_timing import DTYPES, Timer, cell, reason  # noqa: E402  (this folder)
 from shardwise.plan import constants as C  # noqa: E402
@@ -72,17 +74,18 @@ from shardwise.plan.cost import gemm_time  # noqa: E402
 from shardwise.spec.hardware import DEVICES, match_cuda_name, normalize_dtype  # noqa: E402
 from shardwise.train.peak_flops import device_peak_flops  # noqa: E402
 
-SECTIONS = ("gemm", "sdpa", "bandwidth", "optimizer", "overhead", "sustained")
+SECTIONS = ("gemm", "sdpa", "sdpa_lengths", "bandwidth", "optimizer", "overhead", "sustained")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels.json"
 DEFAULTS = {  # per device type; any option given overrides
     "cuda": {"dtype": "bf16", "dim": 2048, "ffn": 5632, "heads": 16, "kv_heads": 8, "tokens": 16384, "seq": 2048,
-             "squares": "4096,8192", "sdpa_dtypes": "bf16,fp32", "bytes": 2**30, "opt_params": 100_000_000,
+             "squares": "4096,8192", "sdpa_dtypes": "bf16,fp32", "sdpa_seqs": "2048,8192,32768", "bytes": 2**30, "opt_params": 100_000_000,
              "flush_bytes": 256 * 2**20, "sustained_n": 8192, "sustained_s": 30.0, "window_s": 1.0},
     "cpu": {"dtype": "fp32", "dim": 256, "ffn": 704, "heads": 4, "kv_heads": 2, "tokens": 1024, "seq": 256,
-            "squares": "512,1024,2048", "sdpa_dtypes": "fp32,bf16", "bytes": 256 * 2**20, "opt_params": 10_000_000,
+            "squares": "512,1024,2048", "sdpa_dtypes": "fp32,bf16", "sdpa_seqs": "256,512", "bytes": 256 * 2**20, "opt_params": 10_000_000,
             "flush_bytes": 64 * 2**20, "sustained_n": 1024, "sustained_s": 3.0, "window_s": 0.5},
 }
 SMOKE = {"device": "cpu", "dim": 64, "ffn": 176, "heads": 4, "kv_heads": 2, "tokens": 64, "seq": 32, "squares": "128",
+         "sdpa_seqs": "32,64",
          "decode_m": "1,4", "bytes": 4 * 2**20, "opt_params": 200_000, "chain_ops": 50, "reps": 1, "warmup": 1,
          "target_s": 0.0, "sustained_n": 64, "sustained_s": 0.05, "window_s": 0.01,
          "out": DEFAULT_OUT.with_name("kernels.smoke.json")}
@@ -99,6 +102,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gemm-tokens", help="token counts of the block GEMMs, comma-separated (default: --tokens, "
                    "/2, /4: a CPU's planner prices each GEMM at the measured shape nearest it)")
     p.add_argument("--sdpa-dtypes", help="dtypes of the SDPA section, comma-separated")
+    p.add_argument("--sdpa-seqs", help="sequence lengths of the sdpa_lengths section, comma-separated (the same "
+                   "--tokens per call)")
     p.add_argument("--chain-ops", type=int, default=1000, help="length of the tiny-op chain (overhead section)")
     p.add_argument("--sustained-n", type=int, help="size n of the sustained section's n x n x n matmul")
     p.add_argument("--sustained-s", type=float, help="how long the sustained section loops it (seconds)")
@@ -426,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     attention_fraction = C.ATTENTION_FRACTION.get(C.family(entry), C.ATTENTION_FRACTION_DEFAULT) if entry else None
     if "sdpa" in a.sections:
         out["sdpa"] = sdpa_section(a, device, timer, peak_of, attention_fraction)
+    if "sdpa_lengths" in a.sections:
+        out["sdpa_lengths"] = sdpa_lengths_section(a, device, timer, peak_of)
     if "bandwidth" in a.sections:
         with torch.no_grad():
             out["bandwidth"] = bandwidth_section(a, device, timer, datasheet_gbps)

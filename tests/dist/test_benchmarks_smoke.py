@@ -130,12 +130,12 @@ def test_every_benchmark_has_a_smoke_test():
     # gpu_check.py's report, smoked with it (tests/dist/test_gpu_check.py); kernel_breakdown.py, run by the
     # --profile of gpu_throughput.py and decode.py (on in their smokes), and memory_peak.py, which reads a
     # GPU's allocator history: both tested in tests/unit on traces and histories in torch's formats;
-    # kernels.py's timer, overhead and sustained sections, smoked with it.
+    # kernels.py's timer, overhead, sustained and sdpa_lengths sections, smoked with it.
     # gpu_hf_rows.py: gpu-check's Hugging Face rows, hf/import run on CPU in tests/dist/test_gpu_check.py;
     # gpu_warm.py: the interpreters gpu-check starts ahead of its commands, and gpu_schedule.py, its rows'
     # order, tested there too.
     helpers = {"gpu_report.py", "gpu_hf_rows.py", "gpu_schedule.py", "gpu_warm.py", "kernel_breakdown.py", "memory_peak.py",
-               "kernel_timing.py", "kernel_overhead.py", "kernel_sustained.py"}
+               "kernel_timing.py", "kernel_overhead.py", "kernel_sustained.py", "kernel_sdpa_lengths.py"}
     assert {p.name for p in (ROOT / "benchmarks").glob("*.py")} == smoked | helpers
 
 
@@ -194,6 +194,11 @@ def test_kernels_smoke(tmp_path):
         "block forward + backward", "full checkpoint, extra", "selective checkpoint, extra"}, block
     compiled = next(r for r in data["overhead"]["rows"] if r["mode"].startswith("compiled"))
     assert "smoke" in compiled["unavailable"], compiled  # compile is skipped in the smoke, with the reason
+    lengths = data["sdpa_lengths"]["rows"]  # each kernel (torch's CPU flash kernel too) timed per length
+    for kernel in ("default", "FLASH_ATTENTION"):
+        ran = [r for r in lengths if r["requested"] == kernel]
+        assert [(r["seq"], r["batch"]) for r in ran] == [(32, 2), (64, 1)], lengths  # the same 64 tokens a call
+        assert all(r["fwd_bwd_flops"] > 0 for r in ran) and ran[0]["rate_vs_shortest"] == 1.0, ran
     sustained = data["sustained"]  # the matmul looped in windows; no NVML on a CPU
     assert sustained["summary"]["windows"] == len(sustained["windows"]) >= 1, sustained
     assert all(w["flops"] > 0 and "sm_mhz" not in w for w in sustained["windows"]), sustained
