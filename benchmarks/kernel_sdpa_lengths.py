@@ -18,15 +18,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from kernel_timing import DTYPES, Timer, cell, reason
+from kernel_timing import DTYPES, Timer, backward, cell, reason
 from shardwise.plan import constants as C
 
 BACKENDS = ("default", "FLASH_ATTENTION")
-
-
-def _fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> None:
-    q.grad = k.grad = v.grad = None
-    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
 
 
 def sdpa_lengths_section(a: Any, device: torch.device, timer: Timer,
@@ -43,7 +38,8 @@ def sdpa_lengths_section(a: Any, device: torch.device, timer: Timer,
         flops = 3 * 4.0 * batch * h * s * s * d * C.CAUSAL_EXECUTED_FRACTION
         q = torch.randn(batch, h, s, d, device=device, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(batch, kv, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-        call = functools.partial(_fwd_bwd, q, k, v, torch.randn_like(q))
+        fwd = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True)
+        call = functools.partial(backward, fwd, (q, k, v), torch.randn_like(q))
         for label in BACKENDS:
             row: dict[str, Any] = {"dtype": dtype_name, "requested": label, "seq": s, "batch": batch, "heads": h,
                                    "kv_heads": kv, "head_dim": d}
@@ -57,7 +53,7 @@ def sdpa_lengths_section(a: Any, device: torch.device, timer: Timer,
             row.update(fwd_bwd_s=t["median_s"], fwd_bwd_best_s=t["best_s"], fwd_bwd_flops=flops / t["median_s"],
                        fraction_of_peak=flops / t["median_s"] / peak if peak else None)
             rows.append(row)
-        del q, k, v, call
+        del q, k, v, fwd, call
     for label in BACKENDS:  # each length's rate over the shortest length's, per kernel
         ran = [r for r in rows if r["requested"] == label and "fwd_bwd_flops" in r]
         for r in ran:

@@ -45,3 +45,8 @@ def reason(e: BaseException) -> str:
 def cell(value: float | None, width: int, spec: str = ".1f", scale: float = 1.0) -> str:
     """`value * scale` formatted to `width`, or "n/a"."""
     return f"{value * scale:{width}{spec}}" if value is not None else f"{'n/a':>{width}s}"
+
+
+def backward(fwd, inputs: tuple, grad_out: torch.Tensor):
+    """One forward of `fwd` and its backward to `inputs`: what a section times as forward + backward."""
+    return torch.autograd.grad(fwd(), inputs, grad_out)

@@ -68,7 +68,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from kernel_overhead import overhead_section  # noqa: E402  (this folder)
 from kernel_sdpa_lengths import sdpa_lengths_section  # noqa: E402  (this folder)
 from kernel_sustained import sustained_section  # noqa: E402  (this folder)
-from kernel_timing import DTYPES, Timer, cell, reason  # noqa: E402  (this folder)
+from kernel_timing import DTYPES, Timer, backward, cell, reason  # noqa: E402  (this folder)
 from shardwise.plan import constants as C  # noqa: E402
 from shardwise.plan.cost import gemm_time  # noqa: E402
 from shardwise.spec.hardware import DEVICES, match_cuda_name, normalize_dtype  # noqa: E402
@@ -236,7 +236,7 @@ def sdpa_section(a, device, timer, peak_of, attention_fraction: float | None) ->
             k, v = (torch.randn(batch, kv if gqa else h, s, d, device=device, dtype=dtype, requires_grad=True)
                     for _ in range(2))
             fwd = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=gqa)
-            fwd_bwd = functools.partial(_backward, fwd, (q, k, v), torch.randn_like(q))
+            fwd_bwd = functools.partial(backward, fwd, (q, k, v), torch.randn_like(q))
             for label, backend in backends:
                 row = {"dtype": dtype_name, "enable_gqa": gqa, "requested": label, "batch": batch, "heads": h,
                        "kv_heads": kv if gqa else h, "seq": s, "head_dim": d}
@@ -291,7 +291,7 @@ def _flex_row(q, k, v, timer, fwd_flops: float, peak: float | None, row: dict) -
         mask = create_block_mask(lambda _b, _h, qi, ki: ki <= qi, None, None, q.shape[2], k.shape[2], device=q.device)
         flex = torch.compile(flex_attention, dynamic=False)
         fwd = functools.partial(flex, q, k, v, block_mask=mask, enable_gqa=True)
-        fwd_bwd = functools.partial(_backward, fwd, (q, k, v), torch.randn_like(q))
+        fwd_bwd = functools.partial(backward, fwd, (q, k, v), torch.randn_like(q))
         fwd_bwd()  # compiles forward and backward outside the timing
         f, fb = timer(fwd), timer(fwd_bwd)
     except Exception as e:  # noqa: BLE001 - inductor / triton failures vary; the row says why
@@ -301,10 +301,6 @@ def _flex_row(q, k, v, timer, fwd_flops: float, peak: float | None, row: dict) -
                 "fwd_bwd_flops": 3 * fwd_flops / fb["median_s"], "probs_copies_saved": 0.0, "fwd_peak_bytes": None})
     row["fwd_bwd_fraction_of_peak"] = row["fwd_bwd_flops"] / peak if peak else None
     return row
-
-
-def _backward(fwd, inputs: tuple, grad_out: torch.Tensor):
-    return torch.autograd.grad(fwd(), inputs, grad_out)
 
 
 def _attention_memory(fwd, inputs, device) -> dict:
