@@ -58,27 +58,24 @@ def fit(table: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, 
     step is a sum of per-block terms, so the line is exact but where another rank becomes the slowest or a GEMM
     turns memory-bound), kept within the spec's bounds (what the source allows); per row the value fitted to the
     others, and per recipe the value fitted without the recipe's rows."""
-    fitted = []
-    for spec in table.get("fits", []):
-        key, value, (lo, hi) = spec["key"], float(spec["value"]), spec["bounds"]
-        pairs = [(r, out) for r, out in zip(table["rows"], results) if r.get("fitting_data") == key]
-        if not pairs or not lo <= value <= (math.inf if hi is None else hi) or value == spec["probe"]:
-            raise ValueError(f"the fixture's {key}: fitting rows {len(pairs)}, value {value} not a point within "
-                             f"{lo}..{hi} other than the probe {spec['probe']}")
-        fitted.append(_fit_key(spec, pairs))
-    return fitted
+    return [_fit_key(spec, [(r, out) for r, out in zip(table["rows"], results) if r.get("fitting_data") == spec["key"]])
+            for spec in table.get("fits", [])]
 
 
 def _fit_key(spec: dict[str, Any], pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    key, form, (lo, hi) = spec["key"], spec["form"], spec["bounds"]
+    key, form, value, (lo, hi) = spec["key"], spec["form"], float(spec["value"]), spec["bounds"]
+    upper = math.inf if hi is None else hi
+    if not pairs or not lo <= value <= upper or value == spec["probe"]:
+        raise ValueError(f"the fixture's {key}: fitting rows {len(pairs)}, value {value} not a point within "
+                         f"{lo}..{hi} other than the probe {spec['probe']}")
     rows = [r for r, _ in pairs]
-    at, probe = _coordinate(form, float(spec["value"])), _coordinate(form, spec["probe"])
+    at, probe = _coordinate(form, value), _coordinate(form, spec["probe"])
     lines = []  # (published, step at the probe, step per unit of the coordinate)
     for r, out in pairs:
         t_probe = price(with_key(r, key, spec["probe"]))["predicted_s"]
         lines.append((r["step_time_s"], t_probe, (out["predicted_s"] - t_probe) / (at - probe)))
     # the bounds on the coordinate: a reciprocal key's are both finite and > 0 (a peak between two parts')
-    low, high = (1.0 / hi, 1.0 / lo) if form == "reciprocal" else (lo, math.inf if hi is None else hi)
+    low, high = (1.0 / hi, 1.0 / lo) if form == "reciprocal" else (lo, upper)
 
     def unbounded(points: list[tuple[float, float, float]]) -> float:
         return probe + sum((y - t0) * k / y**2 for y, t0, k in points) / sum(k * k / y**2 for y, _, k in points)
