@@ -404,6 +404,11 @@ class ClusterConfig:
                                       "(torchao's Float8ColwiseParallel / Float8RowwiseParallel / "
                                       "PrepareFloat8ModuleInput, as torchtitan applies them: block inputs gathered in "
                                       "e4m3, row-parallel output gradients in e5m2, half the bytes); unset: bf16.")
+    pp_engine: str | None = opt(None, 'The pipeline engine, to price: "torch" (torch.distributed.pipelining\'s isend / '
+                                      'irecv delay only the receiver, as the trainer runs) or "deepspeed" (DeepSpeed\'s '
+                                      "PipelineEngine: blocking send / recv in a lock-step 1F1B, twice the exposed "
+                                      "transfers per micro-batch; under TP each rank sends 1/tp of the boundary and the "
+                                      "receiver all-gathers it); unset: torch.")
     fp8_kernel: str | None = opt(None, 'How train.precision="fp8" casts, to price: "torchao" (dynamic scaling: an amax '
                                        "pass and a cast of every GEMM operand each micro-batch, as the trainer runs "
                                        'it) or "transformer_engine" (delayed scaling under Megatron-Core: casts fused '

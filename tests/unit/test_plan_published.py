@@ -100,6 +100,16 @@ def test_torchtitans_float8_tensor_parallel_rows_gather_in_fp8(table, results):
     assert sum("--cluster.sp_gather=fp8" in r["overrides"] for r in table["rows"]) == 7  # 3 fitted, 4 of Table 6
 
 
+def test_deepspeeds_pipeline_rows_are_priced_with_its_engine(table, results):
+    """A row whose stack ran DeepSpeed's pipeline (MT-NLG: Megatron TP + DeepSpeed PP) is described with
+    cluster.pp_engine = "deepspeed", its blocking send / recv and boundaries split over TP; no other row is."""
+    for row, out in zip(table["rows"], results):
+        deepspeed = "DeepSpeed (pipeline" in row["stack"]["as_stated"]
+        assert ("--cluster.pp_engine=deepspeed" in row["overrides"]) == deepspeed, row["id"]
+        assert ("DeepSpeed's pipeline engine (blocking send / recv, sends split over TP)" in out["stack"]) == deepspeed
+    assert sum("--cluster.pp_engine=deepspeed" in r["overrides"] for r in table["rows"]) == 3
+
+
 def test_a_transformer_engine_row_prices_the_attention_its_launch_script_chose(table):
     """NVTE_FUSED_ATTN=0 leaves Transformer Engine FlashAttention-2; NVTE_FUSED_ATTN=1 with NVTE_FLASH_ATTN=0 its
     cuDNN attention (1.8x faster on an H100, as the planner prices them). The Llama 3.1 recipes were priced as

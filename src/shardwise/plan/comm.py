@@ -89,11 +89,23 @@ def collectives(problem: Problem, lay: Layout, rank: RankModel | None = None, pp
 
 
 def pp_boundary_bytes(problem: Problem, lay: Layout) -> float:
-    """One micro-batch's activation (or its gradient) crossing a stage boundary: sequence-sharded
-    under SP, in the residual-stream dtype (16-bit when FSDP2 / replicate compute on 16-bit
-    parameters: train/trainer.py boundary_dtype)."""
-    res = _residual_bytes(problem, lay)
-    return lay.micro_batch * problem.seq_len / lay.cp * problem.shape.dim / (lay.tp if lay.sp else 1) * res
+    """One micro-batch's activation (or its gradient) crossing a stage boundary from one rank: sequence-sharded
+    under SP, a 1/tp part under DeepSpeed's pipeline engine (`pp_partitioned`), in the residual-stream dtype
+    (16-bit when FSDP2 / replicate compute on 16-bit parameters: train/trainer.py boundary_dtype)."""
+    split = lay.tp if lay.sp or pp_partitioned(problem, lay) else 1
+    return pp_whole_boundary_bytes(problem, lay) / split
+
+
+def pp_whole_boundary_bytes(problem: Problem, lay: Layout) -> float:
+    """The whole boundary activation of one micro-batch on a TP rank, before any split over TP."""
+    return lay.micro_batch * problem.seq_len / lay.cp * problem.shape.dim * _residual_bytes(problem, lay)
+
+
+def pp_partitioned(problem: Problem, lay: Layout) -> bool:
+    """DeepSpeed's pipeline engine splits each boundary over TP (its pipe_partitioned / grad_partitioned) and
+    all-gathers it on arrival (constants.DEEPSPEED_PARTITIONED_GATHERS_PER_MICROBATCH); under SP the boundary
+    is already a 1/tp sequence shard."""
+    return problem.deepspeed_pipeline(lay) and lay.tp > 1 and not lay.sp
 
 
 def pp_boundaries(lay: Layout, pp_rank: int) -> tuple[int, int]:
@@ -119,9 +131,13 @@ def pp_collectives(problem: Problem, lay: Layout, pp_rank: int) -> list[Collecti
     boundary = pp_boundary_bytes(problem, lay)
     sends_fwd, recvs_fwd = pp_boundaries(lay, pp_rank)
     # Forward activations out + backward gradients out (to the previous stage), and the receptions.
-    return [Collective("pp", "send", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act"),
-            Collective("pp", "recv", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act"),
-            Collective("pp", "all_reduce", 4.0, 1, "step", "grad_norm")]
+    out = [Collective("pp", "send", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act"),
+           Collective("pp", "recv", boundary, m * (sends_fwd + recvs_fwd), "p2p", "act")]
+    if pp_partitioned(problem, lay):  # DeepSpeed: the received input (fwd), the saved output and its gradient (bwd)
+        whole = pp_whole_boundary_bytes(problem, lay)
+        out += [Collective("tp", "all_gather", whole, m * recvs_fwd, "fwd", "pp_gather"),
+                Collective("tp", "all_gather", whole, 2 * m * sends_fwd, "bwd", "pp_gather")]
+    return out + [Collective("pp", "all_reduce", 4.0, 1, "step", "grad_norm")]
 
 
 def _residual_bytes(problem: Problem, lay: Layout) -> int:

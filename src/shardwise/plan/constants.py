@@ -212,6 +212,19 @@ TP_OVERLAP_FRACTION = 0.0
 # isend/irecv but a stage waits for its input before computing, so each boundary transfer delays the
 # receiver once per micro-batch and direction. 1.0 = no overlap (conservative).
 PP_P2P_EXPOSED_FRACTION = 1.0
+# Exposed boundary transfers per micro-batch and stage (cluster.pp_engine, plan/stack.py), beside the fill's
+# 2 (pp - 1). "torch": torch.distributed.pipelining's isend / irecv delay only the receiver, once each
+# direction: 2. "deepspeed": DeepSpeed's PipelineEngine (deepspeed/runtime/pipe/engine.py, p2p.py: dist.send /
+# dist.recv, or a two-rank broadcast before torch 1.8) holds both ends of every transfer on the compute
+# stream; its TrainSchedule runs 1F1B in lock-step slots, each slot's send deferred to the next slot, so a
+# stage waits on all four of its transfers per micro-batch (a send and a receive each way): 4. Both counts
+# are what a discrete-event simulation of the schedule gives (tests/unit/test_plan_pipeline_engine.py).
+PP_P2P_CROSSINGS_PER_MICROBATCH: dict[str, int] = {"torch": 2, "deepspeed": 4}
+# DeepSpeed's PipelineEngine under tensor parallelism (its pipe_partitioned and grad_partitioned, on since
+# 2020): each TP rank sends 1/tp of the boundary activation and gradient, and the receiver all-gathers the
+# whole over TP. Per micro-batch a middle stage gathers its received input (forward), and its saved output
+# and received gradient (backward): 3 all-gathers on the compute stream.
+DEEPSPEED_PARTITIONED_GATHERS_PER_MICROBATCH = 3
 # Host link for CPU offload (parallel.offload): PCIe Gen4 x16 = 32 GB/s (A100), Gen5 x16 = 64 GB/s
 # (H100/H200/B200/MI300X) per direction, datasheets; 0.8 achievable (ASSUMED).
 PCIE_GBPS: dict[str, float] = {"a100": 32.0, "h100": 64.0, "h200": 64.0, "b200": 64.0, "mi300x": 64.0}

@@ -15,7 +15,8 @@ Overlap rules:
     last backward of the step (torch.distributed.pipelining's post-backward): exposed.
   TP: exposed (x (1 - TP_OVERLAP_FRACTION)); CP ring: per layer, max(0, K/V transfer - attention
   compute); EP all-to-all: exposed; PP send/recv: on the critical path once per micro-batch, direction
-  and owned chunk, plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION).
+  and owned chunk (twice under DeepSpeed's blocking send / recv, cluster.pp_engine, with its TP all-gathers
+  of a boundary split over TP), plus the warm-up (constants.PP_P2P_EXPOSED_FRACTION, pp_p2p_seconds).
 Slowest rank: the compute of the slowest of the job's GPUs, plan/scale.py (GPU speed spread, Sinha et al. 2022).
 Overlap contention: what the collectives hidden above cost the compute beside them (their SMs and HBM),
   plan/scale.py item 4 (Lee et al. 2025).
@@ -31,7 +32,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from shardwise.plan import constants as C
-from shardwise.plan.comm import Collective, data_and_model_collectives, placements, pp_boundary_bytes, time_of
+from shardwise.plan.comm import (
+    Collective,
+    data_and_model_collectives,
+    placements,
+    pp_boundary_bytes,
+    pp_partitioned,
+    pp_whole_boundary_bytes,
+    time_of,
+)
 from shardwise.plan.compression import compression_seconds
 from shardwise.plan.compute_time import (  # noqa: F401  (gemm_time: re-exported for tests / benchmarks/kernels.py)
     MicroBatchTimes,
@@ -110,6 +119,7 @@ class RankCore:
     per_mb_comm: float                    # exposed TP/CP/EP seconds inside one micro-batch
     optimizer: float
     pp_send: float                        # one boundary send
+    pp_gather: float                      # one TP all-gather of a boundary split over TP (DeepSpeed), else 0
     detail: tuple[tuple[str, float], ...]
     dopt: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # distributed optimizer: (reduce-scatter, bucket, all-gather, bucket) s
     beside: float = 0.0                   # collective seconds hidden behind compute (FSDP, DDP, CP ring), not dopt's
@@ -187,11 +197,24 @@ def rank_core(problem: Problem, core: Layout, rank: RankModel) -> RankCore:
     if core.offload:
         detail["offload_copy_s"] = _offload_time(problem, core, rank, m)
         optimizer += detail["offload_copy_s"]
-    pp_send = 0.0
+    pp_send = pp_gather = 0.0
     if core.pp > 1:
         pp_send = time_of(Collective("pp", "send", pp_boundary_bytes(problem, core), 1, "p2p"), place, cl)
+    if pp_partitioned(problem, core):
+        pp_gather = time_of(Collective("tp", "all_gather", pp_whole_boundary_bytes(problem, core), 1, "fwd"), place, cl)
     detail.update({"t_fwd_microbatch_s": mb.fwd, "t_bwd_microbatch_s": mb.bwd, "microbatches": m})
-    return RankCore(mb, tuple(comm.items()), per_mb_comm, optimizer, pp_send, tuple(detail.items()), tuple(dopt_times), beside)
+    return RankCore(mb, tuple(comm.items()), per_mb_comm, optimizer, pp_send, pp_gather, tuple(detail.items()),
+                    tuple(dopt_times), beside)
+
+
+def pp_p2p_seconds(problem: Problem, lay: Layout, core: RankCore, m: int, chunks: int) -> float:
+    """Exposed pipeline send / recv of a step: each micro-batch and owned chunk crosses a boundary
+    constants.PP_P2P_CROSSINGS_PER_MICROBATCH times on this rank's critical path (cluster.pp_engine), and the
+    fill and drain cross the pp - 1 boundaries once each way; DeepSpeed's engine under TP adds its all-gathers
+    of the split boundary (constants.DEEPSPEED_PARTITIONED_GATHERS_PER_MICROBATCH), on the compute stream."""
+    per_microbatch = C.PP_P2P_CROSSINGS_PER_MICROBATCH[problem.stack_for(lay).pp_engine]
+    sends = core.pp_send * (per_microbatch * m * chunks + 2 * (lay.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
+    return sends + core.pp_gather * C.DEEPSPEED_PARTITIONED_GATHERS_PER_MICROBATCH * m * chunks
 
 
 def dopt_exposed(core: RankCore, pp: int, chunks: int) -> float:
@@ -240,8 +263,7 @@ def rank_step(problem: Problem, lay: Layout, rank: RankModel, bubble_times: tupl
     if lay.pp > 1:
         # what the report says of the bubble (plan/report.py bubble_line)
         detail["bubble_at_lighter_rank_s"] = bubble_seconds(lay.schedule, lay.pp, lay.chunks_per_rank, m, *light)
-        crossings = 2 * m * lay.chunks_per_rank + 2 * (lay.pp - 1)
-        comm["pp"] = core.pp_send * crossings * C.PP_P2P_EXPOSED_FRACTION
+        comm["pp"] = pp_p2p_seconds(problem, lay, core, m, lay.chunks_per_rank)
     breakdown = {"compute": m * (mb.fwd + mb.bwd - mb.outside), "recompute": m * mb.recompute, "dp_comm": comm["dp"],
                  "tp_comm": comm["tp"], "pp_comm": comm["pp"], "cp_comm": comm["cp"], "ep_comm": comm["ep"],
                  "bubble": bubble, "optimizer": core.optimizer,
@@ -286,7 +308,7 @@ def step_seconds(problem: Problem, core: Layout, schedule: str, v: int) -> float
             + overlap_contention(problem.cluster, _beside(c, dopt_out), work)
         if core.pp > 1:
             t += rank_bubble(schedule, core.pp, chunks, m, light, _pipeline_times(c), first=index == 0)
-            t += c.pp_send * (2 * m * chunks + 2 * (core.pp - 1)) * C.PP_P2P_EXPOSED_FRACTION
+            t += pp_p2p_seconds(problem, core, c, m, chunks)
         worst = max(worst, t)
     return worst
 

@@ -312,12 +312,18 @@ class Problem:
                 + (", SP linear inputs kept sharded (all-gathered again in backward)" if self.sp_sharded(lay) else "")
                 + (", selective recomputation of the attention core only" if self.core_recompute(lay) else "")
                 + (", SP all-gathers in FP8 (torchao's float8 TP styles)" if self.fp8_sp_gathers(lay) else "")
+                + (", DeepSpeed's pipeline engine (blocking send / recv" + (", sends split over TP)" if lay.tp > 1 else ")")
+                   if self.deepspeed_pipeline(lay) else "")
                 + (f", {self.block_overhead_s * 1e6:,.0f} us per block and micro-batch outside its kernels"
                    if self.block_overhead_s else ""))
 
     def sp_sharded(self, lay: Layout) -> bool:
         """cluster.sp_saved_input = "sharded" in effect on `lay`: sequence parallelism over tp > 1 (plan/stack.py)."""
         return lay.sp and lay.tp > 1 and self.stack_for(lay).sp_input == "sharded"
+
+    def deepspeed_pipeline(self, lay: Layout) -> bool:
+        """cluster.pp_engine = "deepspeed" in effect on `lay`: pipeline parallel (plan/stack.py)."""
+        return lay.pp > 1 and self.stack_for(lay).pp_engine == "deepspeed"
 
     def fp8_sp_gathers(self, lay: Layout) -> bool:
         """cluster.sp_gather = "fp8" in effect on `lay` (plan/stack.py): FP8 tensorwise training, whose float8 TP

@@ -44,6 +44,11 @@ loss — so a planner that only knows today's kernels mis-plans the cluster a us
               runs, parallel/float8.py: its own TP styles gather bf16) or FP8, as torchao's Float8ColwiseParallel /
               Float8RowwiseParallel / PrepareFloat8ModuleInput do under torchtitan: a block's input is scaled on
               its sequence shard and all-gathered in e4m3, a row-parallel output's gradient in e5m2 (plan/comm.py)
+  pp_engine   torch | deepspeed                  the pipeline engine: torch.distributed.pipelining, whose
+              isend / irecv delay only the receiver (unset: what the trainer runs), or DeepSpeed's
+              PipelineEngine: its send / recv hold both ends of each transfer in a lock-step 1F1B (twice the
+              exposed transfers per micro-batch), and under TP each rank sends 1/tp of the boundary and the
+              receiver all-gathers it over TP (plan/comm.py pp_boundary_bytes, plan/cost.py pp_p2p_seconds)
   selective   op | attention_core                what train.recompute = "selective" reruns: the trainer's
               per-op policies (unset: train.recompute_policy, parallel/activation_checkpoint.py) or only the
               attention core, as Megatron-LM's --recompute-granularity selective checkpoints it (Korthikanti
@@ -64,10 +69,12 @@ ROPE_KERNELS = ("fused", "complex")
 SP_SAVED_INPUT = ("gathered", "sharded")
 SELECTIVE_RECOMPUTE = ("op", "attention_core")
 SP_GATHER = ("bf16", "fp8")
+PP_ENGINE = ("torch", "deepspeed")
 CHOICES = {"attention_kernel": ATTENTION_KERNELS, "optimizer_kernel": OPTIMIZER_KERNELS,
            "norm_kernel": NORM_KERNELS, "loss_kernel": LOSS_KERNELS, "grad_reduce": GRAD_REDUCE,
            "fp8_kernel": FP8_KERNELS, "rope_kernel": ROPE_KERNELS,
-           "sp_saved_input": SP_SAVED_INPUT, "selective_recompute": SELECTIVE_RECOMPUTE, "sp_gather": SP_GATHER}
+           "sp_saved_input": SP_SAVED_INPUT, "selective_recompute": SELECTIVE_RECOMPUTE, "sp_gather": SP_GATHER,
+           "pp_engine": PP_ENGINE}
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class Stack:
     sp_input: str = "gathered"  # read under sequence parallelism only
     selective: str = "op"  # read under train.recompute = "selective" only
     sp_gather: str = "bf16"  # read under FP8 (tensorwise) with sequence parallelism only
+    pp_engine: str = "torch"  # read under pipeline parallelism only
 
     def describe(self) -> str:
         return (f"{'compiled blocks (inductor)' if self.compiled else 'eager'}, attention {self.attention}, "
@@ -102,4 +110,5 @@ def resolve(choices: dict[str, str | None], compiled: bool, attention_default: s
                  choices.get("loss_kernel") or ("compiled" if compiled else "eager"),
                  choices.get("grad_reduce") or "overlapped", choices.get("fp8_kernel") or "torchao",
                  choices.get("rope_kernel") or "fused", choices.get("sp_saved_input") or "gathered",
-                 choices.get("selective_recompute") or "op", choices.get("sp_gather") or "bf16")
+                 choices.get("selective_recompute") or "op", choices.get("sp_gather") or "bf16",
+                 choices.get("pp_engine") or "torch")
