@@ -315,8 +315,9 @@ def all_rows(ctx: Ctx) -> dict[str, Callable[[], Row]]:
     rows["doctor"] = lambda: command_row(ctx, "doctor", [sys.executable, "-m", "shardwise.cli", "doctor", "--json"])
     bench = ROOT / "benchmarks"
     smoke = ["--smoke"] if ctx.device == "cpu" else []
-    # Every section; sdpa_lengths times causal SDPA at 2K, 8K and 32K tokens (issue 60: torchtitan's 32K and 64K
-    # steps imply FlashAttention-2 1.2-1.4x faster than the planner's rate, measured at 2K).
+    # Every section; sdpa_lengths times causal SDPA at 2K, 8K and 32K tokens and one CP rank of 32K at CP 2, 4, 8
+    # (issue 60: torchtitan's 32K and 64K steps imply FlashAttention-2 1.2-1.4x faster than the planner's rate,
+    # measured at 2K; its CP 4-8 steps slower than that rate extrapolates to).
     rows["bench/kernels"] = lambda: command_row(ctx, "bench/kernels", [sys.executable, str(bench / "kernels.py"), *smoke,
                                                                        "--out", str(ctx.out / "kernels.json")])
     # Issue 60: a large model's GEMMs, GPT-3 175B's at TP 4 (12288 x 12288 weights) on micro-batches of 2,048 and

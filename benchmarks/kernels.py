@@ -14,6 +14,10 @@ Each section measures what one planner constant assumes, so the constant can cit
              ran (the aten op dispatched, cross-checked with torch._fused_sdp_choice); the bytes autograd
              saves besides q, k, v and the output, in s x s probability matrices (a fused kernel: ~0); on
              CUDA the forward's peak memory delta too.
+  sdpa_lengths  causal SDPA forward + backward per --sdpa-seqs length at the same tokens a call, torch's
+             default kernel and FlashAttention-2, each length's rate over the shortest's; and one context-
+             parallel rank per --sdpa-cps degree, as torch's load-balanced ring computes it at the longest
+             length a rank, over that length's single call (kernel_sdpa_lengths.py).
   bandwidth  dst.copy_(src), x.sum() and torch.add(a, b, alpha=s, out=c) on tensors far larger than the
              caches, GB/s counting bytes read + written: HBM_FRACTION of the datasheet bandwidth.
   optimizer  AdamW step (foreach, fused) over N fp32 parameters in tensors of the model's shapes, and
@@ -35,7 +39,7 @@ On a GPU machine (defaults: bf16, the 886M LLaMA of ../shared/gpu/h100-runs.json
 heads, 16384 tokens = micro-batch 8 x seq 2048; 1 GiB tensors; 100M optimizer parameters):
     python benchmarks/kernels.py [--device auto|cuda|cpu] [--dtype bf16|fp16|fp32] [--dim --ffn --heads
         --kv-heads --tokens --seq] [--squares 4096,8192] [--gemm-tokens T,T/2,T/4] [--decode-m 1,4,16] [--sdpa-dtypes bf16,fp32]
-        [--sdpa-seqs 2048,8192,32768]
+        [--sdpa-seqs 2048,8192,32768] [--sdpa-cps 2,4,8]
         [--bytes N] [--opt-params N] [--chain-ops 1000] [--sustained-n 8192 --sustained-s 30 --window-s 1]
         [--reps 5] [--sections gemm,sdpa,...] [--no-compile]
         [--out F] [--smoke]
@@ -78,14 +82,16 @@ SECTIONS = ("gemm", "sdpa", "sdpa_lengths", "bandwidth", "optimizer", "overhead"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernels.json"
 DEFAULTS = {  # per device type; any option given overrides
     "cuda": {"dtype": "bf16", "dim": 2048, "ffn": 5632, "heads": 16, "kv_heads": 8, "tokens": 16384, "seq": 2048,
-             "squares": "4096,8192", "sdpa_dtypes": "bf16,fp32", "sdpa_seqs": "2048,8192,32768", "bytes": 2**30, "opt_params": 100_000_000,
+             "squares": "4096,8192", "sdpa_dtypes": "bf16,fp32", "sdpa_seqs": "2048,8192,32768", "sdpa_cps": "2,4,8",
+             "bytes": 2**30, "opt_params": 100_000_000,
              "flush_bytes": 256 * 2**20, "sustained_n": 8192, "sustained_s": 30.0, "window_s": 1.0},
     "cpu": {"dtype": "fp32", "dim": 256, "ffn": 704, "heads": 4, "kv_heads": 2, "tokens": 1024, "seq": 256,
-            "squares": "512,1024,2048", "sdpa_dtypes": "fp32,bf16", "sdpa_seqs": "256,512", "bytes": 256 * 2**20, "opt_params": 10_000_000,
+            "squares": "512,1024,2048", "sdpa_dtypes": "fp32,bf16", "sdpa_seqs": "256,512", "sdpa_cps": "2",
+            "bytes": 256 * 2**20, "opt_params": 10_000_000,
             "flush_bytes": 64 * 2**20, "sustained_n": 1024, "sustained_s": 3.0, "window_s": 0.5},
 }
 SMOKE = {"device": "cpu", "dim": 64, "ffn": 176, "heads": 4, "kv_heads": 2, "tokens": 64, "seq": 32, "squares": "128",
-         "sdpa_seqs": "32,64",
+         "sdpa_seqs": "32,64", "sdpa_cps": "2,4",
          "decode_m": "1,4", "bytes": 4 * 2**20, "opt_params": 200_000, "chain_ops": 50, "reps": 1, "warmup": 1,
          "target_s": 0.0, "sustained_n": 64, "sustained_s": 0.05, "window_s": 0.01,
          "out": DEFAULT_OUT.with_name("kernels.smoke.json")}
@@ -104,6 +110,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sdpa-dtypes", help="dtypes of the SDPA section, comma-separated")
     p.add_argument("--sdpa-seqs", help="sequence lengths of the sdpa_lengths section, comma-separated (the same "
                    "--tokens per call)")
+    p.add_argument("--sdpa-cps", help="context-parallel degrees of the sdpa_lengths section's cp rows (one ring rank "
+                   "holding the longest --sdpa-seqs), comma-separated")
     p.add_argument("--chain-ops", type=int, default=1000, help="length of the tiny-op chain (overhead section)")
     p.add_argument("--sustained-n", type=int, help="size n of the sustained section's n x n x n matmul")
     p.add_argument("--sustained-s", type=float, help="how long the sustained section loops it (seconds)")

@@ -199,6 +199,9 @@ def test_kernels_smoke(tmp_path):
         ran = [r for r in lengths if r["requested"] == kernel]
         assert [(r["seq"], r["batch"]) for r in ran] == [(32, 2), (64, 1)], lengths  # the same 64 tokens a call
         assert all(r["fwd_bwd_flops"] > 0 for r in ran) and ran[0]["rate_vs_shortest"] == 1.0, ran
+        cp = [r for r in data["sdpa_lengths"]["cp_rows"] if r["requested"] == kernel]  # a ring rank of 64 tokens
+        assert [(r["cp"], r["total_seq"], r["rank"]) for r in cp] == [(2, 128, 1), (4, 256, 2)], cp
+        assert all(r["calls_s"] > 0 and r["bookkeeping_s"] > 0 and r["rate_vs_one_call"] > 0 for r in cp), cp
     sustained = data["sustained"]  # the matmul looped in windows; no NVML on a CPU
     assert sustained["summary"]["windows"] == len(sustained["windows"]) >= 1, sustained
     assert all(w["flops"] > 0 and "sm_mhz" not in w for w in sustained["windows"]), sustained
