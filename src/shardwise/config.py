@@ -408,7 +408,7 @@ class ClusterConfig:
                                       'irecv delay only the receiver, as the trainer runs) or "deepspeed" (DeepSpeed\'s '
                                       "PipelineEngine: blocking send / recv in a lock-step 1F1B, twice the exposed "
                                       "transfers per micro-batch; under TP each rank sends 1/tp of the boundary and the "
-                                      "receiver all-gathers it); unset: torch.")
+                                      "receiver all-gathers it; 1F1B only); unset: torch.")
     fp8_kernel: str | None = opt(None, 'How train.precision="fp8" casts, to price: "torchao" (dynamic scaling: an amax '
                                        "pass and a cast of every GEMM operand each micro-batch, as the trainer runs "
                                        'it) or "transformer_engine" (delayed scaling under Megatron-Core: casts fused '

@@ -19,6 +19,7 @@ from shardwise.plan.collective_time import time_of
 from shardwise.plan.comm import Collective, collectives, placements
 from shardwise.plan.cost import evaluate
 from shardwise.plan.layout import Problem
+from shardwise.plan.search import search
 from shardwise.spec.layout import Layout
 
 # A 2021-Megatron-like job: TP 4 x PP 4 on 16 GPUs over 2 nodes, no SP, 8 micro-batches of 1
@@ -159,6 +160,19 @@ def test_without_pipeline_parallelism_the_engine_changes_nothing():
     problem_ds, lay_ds, ds = _plan("--parallel.pp=1", "--parallel.dp_replicate=4", DEEPSPEED)
     assert ds.step_time_s == torch.step_time_s
     assert "DeepSpeed" not in problem_ds.stack_description(lay_ds)
+
+
+def test_deepspeed_runs_only_1f1b(capsys):
+    """DeepSpeed's engine has one training schedule: another one is refused on the key, and a search prices 1F1B."""
+    with pytest.raises(ConfigError) as e:
+        _plan(DEEPSPEED, "--parallel.pp_schedule=interleaved_1f1b")
+    assert e.value.field == "cluster.pp_engine" and "1F1B" in e.value.problem
+    assert main(["plan", "evaluate", *BASE, DEEPSPEED, "--parallel.pp_schedule=gpipe"]) == 2
+    assert "cluster.pp_engine" in capsys.readouterr().err
+    cfg = build_config(None, parse_overrides([*BASE, DEEPSPEED, "--parallel.pp=1", "--parallel.tp=1"]))
+    found = search(Problem.from_config(cfg), top=50).ranked
+    assert {(e.layout.schedule, e.layout.virtual_stages) for e in found if e.layout.pp > 1} == {("1f1b", 1)}
+    assert any(e.layout.pp > 1 for e in found)
 
 
 def test_an_unknown_engine_is_refused_on_its_field(capsys):

@@ -281,6 +281,10 @@ class Problem:
             if value not in STACK_CHOICES[key]:
                 raise ConfigError(f"cluster.{key}", f"{value!r} is not one of {', '.join(STACK_CHOICES[key])}",
                                   "leave it unset for what the trainer runs (plan/stack.py)")
+        if choices.get("pp_engine") == "deepspeed" and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule != "1f1b":
+            raise ConfigError("cluster.pp_engine", f"DeepSpeed's PipelineEngine runs only 1F1B (its TrainSchedule), "
+                              f"and parallel.pp_schedule is {cfg.parallel.pp_schedule!r}",
+                              "set --parallel.pp_schedule=1f1b, or leave cluster.pp_engine unset")
         attention = attention_backend(kind, precision, shape.n_kv_heads != shape.n_heads)
         if "attention_kernel" in choices:  # memory: only the math kernel keeps the s x s scores
             attention = "math" if choices["attention_kernel"] == "math" else "flash"

@@ -200,6 +200,8 @@ def _enumerate(problem: Problem, offload: bool, tiles: bool, allow_cross_node_tp
             for pp in divisors(n // (tp * cp)):
                 dp = n // (tp * cp * pp)
                 schedules = _schedules(pp, s.n_layers, allow_uneven_pp, max_virtual)
+                if dict(problem.stack_choices).get("pp_engine") == "deepspeed":  # its TrainSchedule is 1F1B only
+                    schedules = [("1f1b", 1)]
                 local_batch = problem.global_batch // dp if problem.global_batch % dp == 0 else 0
                 variants = len(schedules) * len(RECOMPUTE_MODES) * max(1, len(divisors(local_batch)) if local_batch else 1)
                 base = Layout(dp_replicate=dp, tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel)

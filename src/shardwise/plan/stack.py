@@ -48,7 +48,8 @@ loss — so a planner that only knows today's kernels mis-plans the cluster a us
               isend / irecv delay only the receiver (unset: what the trainer runs), or DeepSpeed's
               PipelineEngine: its send / recv hold both ends of each transfer in a lock-step 1F1B (twice the
               exposed transfers per micro-batch), and under TP each rank sends 1/tp of the boundary and the
-              receiver all-gathers it over TP (plan/comm.py pp_boundary_bytes, plan/cost.py pp_p2p_seconds)
+              receiver all-gathers it over TP (plan/comm.py pp_boundary_bytes, plan/cost.py pp_p2p_seconds);
+              its one training schedule is 1F1B (plan/layout.py refuses another, plan/search.py tries only it)
   selective   op | attention_core                what train.recompute = "selective" reruns: the trainer's
               per-op policies (unset: train.recompute_policy, parallel/activation_checkpoint.py) or only the
               attention core, as Megatron-LM's --recompute-granularity selective checkpoints it (Korthikanti
