@@ -33,10 +33,29 @@ from shardwise.plan import constants as C
 BACKENDS = ("default", "FLASH_ATTENTION")
 
 
-def sdpa_lengths_section(a: Any, device: torch.device, timer: Timer,
-                         peak_of: Callable[[str], float | None]) -> dict[str, Any]:
+def _timed(timer: Timer, call: Callable[[], Any], label: str) -> dict[str, Any]:
+    """`timer(call)` under the SDPA kernel `label` forces ("default": torch's pick), or {"unsupported": why} when
+    the kernel refuses the call (e.g. FlashAttention-2 on a CPU)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    try:
+        with sdpa_kernel([getattr(SDPBackend, label)]) if label != "default" else contextlib.nullcontext():
+            return timer(call)
+    except RuntimeError as e:
+        return {"unsupported": reason(e)}
+
+
+def _print_table(title: str, header: str, rows: list[dict], head: Callable[[dict], str],
+                 body: Callable[[dict], str]) -> None:
+    """A section's table: each row's `head`, then its `body`, or why its kernel refused."""
+    print(title)
+    print(header)
+    for r in rows:
+        print(f"{head(r)} unsupported ({r['unsupported'][:80]})" if "unsupported" in r else f"{head(r)} {body(r)}")
+
+
+def sdpa_lengths_section(a: Any, device: torch.device, timer: Timer,
+                         peak_of: Callable[[str], float | None]) -> dict[str, Any]:
     dtype_name = a.sdpa_dtypes.split(",")[0]
     dtype, peak = DTYPES[dtype_name], peak_of(dtype_name)
     h, kv, d = a.heads, a.kv_heads, a.dim // a.heads
@@ -52,12 +71,9 @@ def sdpa_lengths_section(a: Any, device: torch.device, timer: Timer,
         for label in BACKENDS:
             row: dict[str, Any] = {"dtype": dtype_name, "requested": label, "seq": s, "batch": batch, "heads": h,
                                    "kv_heads": kv, "head_dim": d}
-            backend = None if label == "default" else getattr(SDPBackend, label)
-            try:
-                with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
-                    t = timer(call)
-            except RuntimeError as e:  # e.g. FlashAttention-2 on a CPU: the row says why
-                rows.append({**row, "unsupported": reason(e)})
+            t = _timed(timer, call, label)
+            if "unsupported" in t:
+                rows.append({**row, **t})
                 continue
             row.update(fwd_bwd_s=t["median_s"], fwd_bwd_best_s=t["best_s"], fwd_bwd_flops=flops / t["median_s"],
                        fraction_of_peak=flops / t["median_s"] / peak if peak else None)
@@ -68,27 +84,19 @@ def sdpa_lengths_section(a: Any, device: torch.device, timer: Timer,
         for r in ran:
             r["rate_vs_shortest"] = r["fwd_bwd_flops"] / ran[0]["fwd_bwd_flops"]
     cp_rows = _cp_rows(a, device, timer, dtype, rows)
-    print(f"\nSDPA by sequence length, causal, GQA {h}/{kv} heads x head_dim {d}, {dtype_name}, "
-          f"{a.tokens} tokens a call; forward + backward")
-    print(f"{'requested':17s} {'seq':>7s} {'batch':>5s} {'f+b ms':>9s} {'TF/s':>8s} {'of peak':>7s} {'vs shortest':>11s}")
-    for r in rows:
-        head = f"{r['requested']:17s} {r['seq']:7d} {r['batch']:5d}"
-        if "unsupported" in r:
-            print(f"{head} unsupported ({r['unsupported'][:80]})")
-            continue
-        print(f"{head} {1e3 * r['fwd_bwd_s']:9.3f} {r['fwd_bwd_flops'] / 1e12:8.3f} "
-              f"{cell(r['fraction_of_peak'], 7, '.1%')} {r['rate_vs_shortest']:11.2f}")
+    _print_table(f"\nSDPA by sequence length, causal, GQA {h}/{kv} heads x head_dim {d}, {dtype_name}, "
+                 f"{a.tokens} tokens a call; forward + backward",
+                 f"{'requested':17s} {'seq':>7s} {'batch':>5s} {'f+b ms':>9s} {'TF/s':>8s} {'of peak':>7s} {'vs shortest':>11s}",
+                 rows, lambda r: f"{r['requested']:17s} {r['seq']:7d} {r['batch']:5d}",
+                 lambda r: f"{1e3 * r['fwd_bwd_s']:9.3f} {r['fwd_bwd_flops'] / 1e12:8.3f} "
+                           f"{cell(r['fraction_of_peak'], 7, '.1%')} {r['rate_vs_shortest']:11.2f}")
     if cp_rows:
-        print(f"\nOne context-parallel rank (torch's load-balanced ring), {cp_rows[0]['local_seq']} tokens a rank; "
-              "forward + backward, no exchange timed; rate over the single causal call of that length")
-        print(f"{'requested':17s} {'cp':>3s} {'total':>7s} {'calls ms':>9s} {'merge ms':>9s} {'TF/s':>8s} {'vs one call':>11s}")
-        for r in cp_rows:
-            head = f"{r['requested']:17s} {r['cp']:3d} {r['total_seq']:7d}"
-            if "unsupported" in r:
-                print(f"{head} unsupported ({r['unsupported'][:80]})")
-                continue
-            print(f"{head} {1e3 * r['calls_s']:9.3f} {1e3 * r['bookkeeping_s']:9.3f} {r['fwd_bwd_flops'] / 1e12:8.3f} "
-                  f"{r['rate_vs_one_call']:11.2f}")
+        _print_table(f"\nOne context-parallel rank (torch's load-balanced ring), {cp_rows[0]['local_seq']} tokens a rank; "
+                     "forward + backward, no exchange timed; rate over the single causal call of that length",
+                     f"{'requested':17s} {'cp':>3s} {'total':>7s} {'calls ms':>9s} {'merge ms':>9s} {'TF/s':>8s} "
+                     f"{'vs one call':>11s}", cp_rows, lambda r: f"{r['requested']:17s} {r['cp']:3d} {r['total_seq']:7d}",
+                     lambda r: f"{1e3 * r['calls_s']:9.3f} {1e3 * r['bookkeeping_s']:9.3f} "
+                               f"{r['fwd_bwd_flops'] / 1e12:8.3f} {cell(r['rate_vs_one_call'], 11, '.2f')}")
     return {"what": "causal SDPA forward + backward per sequence length at a fixed number of tokens per call; "
                     "FLOP/s count the causal half, backward twice forward; cp_rows: one load-balanced ring CP rank's "
                     "calls and fp32 merges at the longest length a rank", "rows": rows, "cp_rows": cp_rows}
@@ -108,8 +116,6 @@ def rank_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank:
 
 def _cp_rows(a: Any, device: torch.device, timer: Timer, dtype: torch.dtype, rows: list[dict]) -> list[dict]:
     """benchmarks/kernels.py's cp rows (module docstring): a middle rank of each --sdpa-cps, at the longest length."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     local = max((r["seq"] for r in rows), default=0)
     h, kv, d = a.heads, a.kv_heads, a.dim // a.heads
     batch = max(1, a.tokens // local) if local else 1
@@ -118,30 +124,29 @@ def _cp_rows(a: Any, device: torch.device, timer: Timer, dtype: torch.dtype, row
         rank = cp // 2
         q = torch.randn(batch, h, local, d, device=device, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(batch, kv, local, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        plan = rank_calls(q, k, v, cp, rank)
         calls = [(functools.partial(F.scaled_dot_product_attention, qi, ki, vi, is_causal=causal, enable_gqa=True),
-                  torch.randn_like(qi)) for qi, ki, vi, causal, _ in rank_calls(q, k, v, cp, rank)]
+                  torch.randn_like(qi)) for qi, ki, vi, causal, _ in plan]
 
         def sdpa(calls=calls, q=q, k=k, v=v):
             for fwd, grad_out in calls:
                 backward(fwd, (q, k, v), grad_out)
-        bookkeeping = functools.partial(_merges_and_accumulation, q, k, v, [c[4] for c in rank_calls(q, k, v, cp, rank)])
+        bookkeeping = functools.partial(_merges_and_accumulation, q, k, v, [partial for *_, partial in plan])
         flops = 3 * 4.0 * batch * h * (local * cp) ** 2 * d * C.CAUSAL_EXECUTED_FRACTION / cp
         for label in BACKENDS:
             row: dict[str, Any] = {"requested": label, "cp": cp, "rank": rank, "local_seq": local,
                                    "total_seq": local * cp, "batch": batch, "heads": h, "kv_heads": kv, "head_dim": d}
-            backend = None if label == "default" else getattr(SDPBackend, label)
-            try:
-                with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
-                    t_calls = timer(sdpa)["median_s"]
-            except RuntimeError as e:
-                out.append({**row, "unsupported": reason(e)})
+            t = _timed(timer, sdpa, label)
+            if "unsupported" in t:
+                out.append({**row, **t})
                 continue
+            t_calls = t["median_s"]
             t_book = timer(bookkeeping)["median_s"]
             one = next((r for r in rows if r["requested"] == label and r["seq"] == local and "fwd_bwd_s" in r), None)
             row.update(calls_s=t_calls, bookkeeping_s=t_book, fwd_bwd_flops=flops / (t_calls + t_book),
                        rate_vs_one_call=one["fwd_bwd_s"] * cp / (t_calls + t_book) if one else None)
             out.append(row)
-        del q, k, v, calls
+        del q, k, v, plan, calls
     return out
 
 
